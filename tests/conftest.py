@@ -1,0 +1,10 @@
+"""Test configuration: 8 fake CPU devices for multi-device tests (set before JAX is imported)."""
+import os
+
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
