@@ -1,0 +1,125 @@
+"""Activation functions by name, as used by LayerNormMLP.
+
+`activations` is a tuple/list of names:
+  * a single name, e.g. ("gelu",): the first GEMM produces F columns, result act(h);
+  * a gated pair (act, "linear"), e.g. ("gelu", "linear") (GeGLU), ("silu", "linear") (SwiGLU),
+    ("relu", "linear") (ReGLU): the first GEMM produces 2*F columns laid out as
+    [act part | linear part] (w1 has shape [D, 2, F]) and the result is act(a) * b.
+
+All functions are plain jnp, applied elementwise; callers compute them in fp32.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def gelu(x):
+    """GELU, tanh approximation (as Transformer Engine)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def relu(x):
+    return jnp.maximum(x, 0)
+
+
+def silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+def quick_gelu(x):
+    """x * sigmoid(1.702 x)."""
+    return x * jax.nn.sigmoid(1.702 * x)
+
+
+def squared_relu(x):
+    r = jnp.maximum(x, 0)
+    return r * r
+
+
+def linear(x):
+    return x
+
+
+ACTIVATIONS: dict[str, Callable] = {
+    "gelu": gelu,
+    "relu": relu,
+    "silu": silu,
+    "quick_gelu": quick_gelu,
+    "squared_relu": squared_relu,
+    "linear": linear,
+}
+
+#: Gated pairs: (act, "linear") for every non-linear activation.
+GATED_PAIRS: tuple[tuple[str, str], ...] = tuple(
+    (name, "linear") for name in ACTIVATIONS if name != "linear"
+)
+
+
+def _valid_choices() -> str:
+    singles = ", ".join(f"({n!r},)" for n in ACTIVATIONS)
+    pairs = ", ".join(repr(p) for p in GATED_PAIRS)
+    return f"a single name: {singles}; or a gated pair: {pairs}"
+
+
+def validate_activations(activations, argname: str = "activations") -> tuple[str, ...]:
+    """Return `activations` as a tuple of names; raise ValueError naming the argument if invalid."""
+    if isinstance(activations, str):
+        raise ValueError(
+            f"{argname}={activations!r} is a string; expected a tuple/list of names. "
+            f"Fix: pass ({activations!r},). Valid choices: {_valid_choices()}."
+        )
+    try:
+        acts = tuple(activations)
+    except TypeError:
+        raise ValueError(
+            f"{argname}={activations!r} is not a tuple/list of names. Valid choices: {_valid_choices()}."
+        ) from None
+    if len(acts) == 1 and isinstance(acts[0], str) and acts[0] in ACTIVATIONS:
+        return acts
+    if len(acts) == 2 and tuple(acts) in GATED_PAIRS:
+        return acts
+    unknown = [a for a in acts if not (isinstance(a, str) and a in ACTIVATIONS)]
+    if unknown:
+        what = f"unknown activation name(s) {unknown!r}"
+    elif len(acts) == 2:
+        what = "a gated pair must be (act, 'linear')"
+    else:
+        what = f"{len(acts)} names given; expected 1 name or a gated pair of 2"
+    raise ValueError(f"{argname}={activations!r}: {what}. Valid choices: {_valid_choices()}.")
+
+
+def get_activation(name: str) -> Callable:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is unknown; valid names: {list(ACTIVATIONS)}.")
+    return ACTIVATIONS[name]
+
+
+def apply_activations(h, activations: Sequence[str]):
+    """h: [..., n_act, F] (n_act = len(activations)) -> [..., F].
+
+    Single: act(h[..., 0, :]). Gated pair: act(h[..., 0, :]) * h[..., 1, :].
+    Computes in h's dtype; pass fp32 for fp32 math.
+    """
+    acts = tuple(activations)
+    out = ACTIVATIONS[acts[0]](h[..., 0, :])
+    for i, name in enumerate(acts[1:], start=1):
+        out = out * ACTIVATIONS[name](h[..., i, :])
+    return out
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "GATED_PAIRS",
+    "gelu",
+    "relu",
+    "silu",
+    "quick_gelu",
+    "squared_relu",
+    "linear",
+    "validate_activations",
+    "get_activation",
+    "apply_activations",
+]
