@@ -1,0 +1,258 @@
+"""LayerNorm / RMSNorm functional ops with backend selection.
+
+    layernorm(x, gamma, beta, *, epsilon=1e-6, zero_centered_gamma=False, backend="auto")
+    rmsnorm(x, gamma, *, epsilon=1e-6, zero_centered_gamma=False, backend="auto")
+    norm(x, gamma, beta, *, layernorm_type="layernorm" | "rmsnorm", ...)
+    explain_norm_backend(x, gamma, beta, *, layernorm_type=..., backend="auto") -> BackendChoice
+
+Normalizes the last axis of x (any leading shape). Statistics are always fp32; the output
+has x.dtype. zero_centered_gamma=True means y = norm(x) * (1 + gamma).
+
+Backends: "xla" (plain jnp, autodiff) and "pallas" (Triton-lowered Pallas kernels with a
+custom_vjp; on a non-GPU backend they run in interpret mode, which is for tests only).
+"auto" picks pallas on a GPU where it serves and was measured faster
+(benchmarks/results/norms_mlp_h100.md), xla elsewhere.
+Order of precedence: an explicit backend= argument, then TE_JAX_NORM_BACKEND=<name>, then auto.
+TE_JAX_PALLAS_NORM=0 makes pallas unavailable (a forced pallas then raises).
+TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax", level INFO).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.norms import MAX_HIDDEN
+from pallas_kernels.norms import norm as _pallas_norm
+from pallas_kernels.norms import reference as _ref
+
+logger = logging.getLogger("te_jax")
+
+BACKENDS = ("pallas", "xla")
+LAYERNORM_TYPES = ("layernorm", "rmsnorm")
+
+#: What the GPU benchmark measured as faster (benchmarks/results/norms_mlp_h100.md).
+#: auto uses pallas on a GPU only where this says "pallas".
+GPU_MEASURED_FASTER = {"norm": "pallas", "mlp": "pallas"}
+
+_PALLAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+
+@dataclasses.dataclass
+class BackendChoice:
+    """Result of a backend selection.
+
+    selected: the backend that runs the call ("pallas" / "xla"), or None when a forced
+      backend cannot serve it (then `error` says why and the op raises ValueError).
+    reasons: backend -> None if it can serve this call, else why not.
+    notes: how the choice was made (argument, env var, auto preference).
+    """
+
+    op: str
+    requested: str
+    selected: str | None
+    reasons: dict
+    notes: list
+    error: str | None = None
+
+    def __str__(self):
+        lines = [f"{self.op}: backend={self.requested!r} -> {self.selected!r}"]
+        for b in BACKENDS:
+            r = self.reasons.get(b)
+            lines.append(f"  {b}: {'can serve' if r is None else 'cannot serve: ' + r}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        if self.error:
+            lines.append(f"  error: {self.error}")
+        return "\n".join(lines)
+
+
+def _debug_enabled() -> bool:
+    return os.environ.get("TE_JAX_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, disable_env: str,
+                   pref_key: str, auto_notes: tuple = ()) -> BackendChoice:
+    """Small selection helper shared by the norm and MLP ops.
+
+    reasons: backend -> None (can serve) or a reason string; updated here with env/platform facts.
+    """
+    if not isinstance(requested, str) or requested not in BACKENDS + ("auto",):
+        raise ValueError(
+            f"{op}: backend={requested!r} is unknown; expected one of {('auto',) + BACKENDS}. "
+            f"Fix: pass backend='auto', 'pallas' or 'xla'.")
+    reasons = dict(reasons)
+    notes = []
+    if os.environ.get(disable_env, "1") == "0":
+        reasons["pallas"] = (reasons.get("pallas") + "; " if reasons.get("pallas") else "") + \
+            f"disabled by {disable_env}=0"
+    effective = requested
+    if requested == "auto":
+        forced = os.environ.get(force_env, "").strip()
+        if forced:
+            if forced not in BACKENDS + ("auto",):
+                raise ValueError(
+                    f"{op}: environment variable {force_env}={forced!r} names an unknown backend; "
+                    f"expected one of {BACKENDS} (or unset it).")
+            if forced != "auto":
+                notes.append(f"backend forced to {forced!r} by {force_env}={forced}")
+                effective = forced
+    else:
+        notes.append(f"backend {requested!r} requested by the backend= argument")
+
+    on_gpu = jax.default_backend() == "gpu"
+    if effective == "auto":
+        if reasons.get("pallas") is None and on_gpu and GPU_MEASURED_FASTER.get(pref_key) == "pallas":
+            selected = "pallas"
+            notes.append("auto: on GPU pallas serves this call and was measured faster than xla")
+        else:
+            selected = "xla"
+            if not on_gpu:
+                notes.append(f"auto: default backend is {jax.default_backend()!r}, not a GPU; the Pallas "
+                             "kernels would run only in interpret mode (for tests), so xla")
+            elif reasons.get("pallas") is not None:
+                notes.append("auto: pallas cannot serve this call, so xla")
+            else:
+                notes.append("auto: on GPU xla was measured faster than pallas for this op")
+        notes.extend(auto_notes)
+        choice = BackendChoice(op, requested, selected, reasons, notes)
+    else:
+        error = None
+        selected = effective
+        if reasons.get(effective) is not None:
+            error = (f"{op}: backend {effective!r} was forced but cannot serve this call: "
+                     f"{reasons[effective]}. Fix: use backend='auto' or 'xla'" +
+                     (f" (and unset {force_env})" if requested == "auto" else "") + ".")
+            selected = None
+        elif effective == "pallas" and not on_gpu:
+            notes.append("pallas on a non-GPU backend runs in interpret mode (slow; meant for tests)")
+        choice = BackendChoice(op, requested, selected, reasons, notes, error)
+    if _debug_enabled():
+        logger.info("te_jax backend choice\n%s", choice)
+    return choice
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _shape_dtype(a):
+    return tuple(np.shape(a)) if not hasattr(a, "shape") else tuple(a.shape), getattr(a, "dtype", None)
+
+
+def check_float(op: str, name: str, a, *, allow_none: bool = False):
+    if a is None:
+        if allow_none:
+            return
+        raise ValueError(f"{op}: {name} is None; expected a floating-point array. Fix: pass {name}.")
+    dtype = getattr(a, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{op}: {name} has dtype {dtype} (shape {tuple(np.shape(a))}); expected a floating-point "
+            f"dtype (float32, bfloat16, float16). Fix: cast {name} with .astype(jnp.float32) or jnp.bfloat16.")
+
+
+def check_vector(op: str, name: str, a, d: int, *, what: str = "x.shape[-1]"):
+    shape = tuple(a.shape)
+    if shape != (d,):
+        raise ValueError(
+            f"{op}: {name} has shape {shape}; expected ({d},) = (D,) with D = {what} = {d}. "
+            f"Fix: pass a 1-D {name} with one entry per feature of the normalized axis.")
+
+
+def validate_norm_args(op, x, gamma, beta, layernorm_type):
+    if layernorm_type not in LAYERNORM_TYPES:
+        raise ValueError(
+            f"{op}: layernorm_type={layernorm_type!r} is unknown; expected one of {LAYERNORM_TYPES}. "
+            f"Fix: pass layernorm_type='layernorm' or 'rmsnorm'.")
+    check_float(op, "x", x)
+    if len(x.shape) < 1:
+        raise ValueError(f"{op}: x has shape {tuple(x.shape)} (a scalar); expected [..., D] with at least "
+                         "one axis. Fix: pass x with the features on the last axis.")
+    d = x.shape[-1]
+    check_float(op, "gamma", gamma)
+    check_vector(op, "gamma", gamma, d)
+    if layernorm_type == "layernorm":
+        check_float(op, "beta", beta)
+        check_vector(op, "beta", beta, d)
+    elif beta is not None:
+        check_float(op, "beta", beta)
+        check_vector(op, "beta", beta, d)
+
+
+def pallas_norm_reasons(x) -> str | None:
+    d = x.shape[-1]
+    if d > MAX_HIDDEN:
+        return f"hidden size {d} > {MAX_HIDDEN}: the in-register Pallas kernel does not serve it"
+    if jnp.dtype(x.dtype) not in [jnp.dtype(t) for t in _PALLAS_DTYPES]:
+        return f"x dtype {x.dtype} is not one of float32/bfloat16/float16"
+    if int(np.prod(x.shape[:-1])) == 0 or d == 0:
+        return "empty input"
+    return None
+
+
+# ----------------------------------------------------------------------------- public ops
+
+
+def explain_norm_backend(x, gamma=None, beta=None, *, layernorm_type="layernorm", epsilon=1e-6,
+                         zero_centered_gamma=False, backend="auto") -> BackendChoice:
+    """Which backend `norm(...)` would use for these arguments, and why (x may be a ShapeDtypeStruct)."""
+    del epsilon, zero_centered_gamma
+    op = layernorm_type if layernorm_type in LAYERNORM_TYPES else "norm"
+    if gamma is not None:
+        validate_norm_args(op, x, gamma, beta, layernorm_type)
+    elif layernorm_type not in LAYERNORM_TYPES:
+        validate_norm_args(op, x, gamma, beta, layernorm_type)
+    reasons = {"xla": None, "pallas": pallas_norm_reasons(x)}
+    return select_backend(op, backend, reasons, force_env="TE_JAX_NORM_BACKEND",
+                          disable_env="TE_JAX_PALLAS_NORM", pref_key="norm")
+
+
+def _run_norm(op, x, gamma, beta, layernorm_type, epsilon, zero_centered_gamma, backend):
+    validate_norm_args(op, x, gamma, beta, layernorm_type)
+    choice = explain_norm_backend(x, gamma, beta, layernorm_type=layernorm_type, backend=backend)
+    if choice.error:
+        raise ValueError(choice.error)
+    rms = layernorm_type == "rmsnorm"
+    if choice.selected == "pallas":
+        if rms:
+            return _pallas_norm.rmsnorm(x, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+        return _pallas_norm.layernorm(x, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    if rms:
+        return _ref.rmsnorm(x, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+    return _ref.layernorm(x, gamma, beta, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)
+
+
+def layernorm(x, gamma, beta, *, epsilon=1e-6, zero_centered_gamma=False, backend="auto"):
+    """LayerNorm over the last axis: (x - mean) * rstd * gamma + beta; fp32 stats, output x.dtype."""
+    return _run_norm("layernorm", x, gamma, beta, "layernorm", epsilon, zero_centered_gamma, backend)
+
+
+def rmsnorm(x, gamma, *, epsilon=1e-6, zero_centered_gamma=False, backend="auto"):
+    """RMSNorm over the last axis: x * rsqrt(mean(x^2) + eps) * gamma; fp32 stats, output x.dtype."""
+    return _run_norm("rmsnorm", x, gamma, None, "rmsnorm", epsilon, zero_centered_gamma, backend)
+
+
+def norm(x, gamma, beta=None, *, layernorm_type="layernorm", epsilon=1e-6, zero_centered_gamma=False,
+         backend="auto"):
+    """Dispatch by name: layernorm_type "layernorm" or "rmsnorm" (beta ignored for rmsnorm)."""
+    if layernorm_type == "rmsnorm":
+        beta = None
+    op = layernorm_type if layernorm_type in LAYERNORM_TYPES else "norm"
+    return _run_norm(op, x, gamma, beta, layernorm_type, epsilon, zero_centered_gamma, backend)
+
+
+__all__ = [
+    "layernorm",
+    "rmsnorm",
+    "norm",
+    "explain_norm_backend",
+    "BackendChoice",
+    "LAYERNORM_TYPES",
+]
