@@ -10,51 +10,18 @@ All functions are plain jnp, applied elementwise; callers compute them in fp32.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
-import jax
-import jax.numpy as jnp
-
-
-def gelu(x):
-    """GELU, tanh approximation (as Transformer Engine)."""
-    return jax.nn.gelu(x, approximate=True)
-
-
-def relu(x):
-    return jnp.maximum(x, 0)
-
-
-def silu(x):
-    return x * jax.nn.sigmoid(x)
-
-
-def quick_gelu(x):
-    """x * sigmoid(1.702 x)."""
-    return x * jax.nn.sigmoid(1.702 * x)
-
-
-def squared_relu(x):
-    r = jnp.maximum(x, 0)
-    return r * r
-
-
-def linear(x):
-    return x
-
-
-ACTIVATIONS: dict[str, Callable] = {
-    "gelu": gelu,
-    "relu": relu,
-    "silu": silu,
-    "quick_gelu": quick_gelu,
-    "squared_relu": squared_relu,
-    "linear": linear,
-}
-
-#: Gated pairs: (act, "linear") for every non-linear activation.
-GATED_PAIRS: tuple[tuple[str, str], ...] = tuple(
-    (name, "linear") for name in ACTIVATIONS if name != "linear"
+from pallas_kernels.ln_mlp.activations import (  # the math lives beside the kernels
+    ACTIVATIONS,
+    GATED_PAIRS,
+    apply_activations,
+    gelu,
+    linear,
+    quick_gelu,
+    relu,
+    silu,
+    squared_relu,
 )
 
 
@@ -95,19 +62,6 @@ def get_activation(name: str) -> Callable:
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is unknown; valid names: {list(ACTIVATIONS)}.")
     return ACTIVATIONS[name]
-
-
-def apply_activations(h, activations: Sequence[str]):
-    """h: [..., n_act, F] (n_act = len(activations)) -> [..., F].
-
-    Single: act(h[..., 0, :]). Gated pair: act(h[..., 0, :]) * h[..., 1, :].
-    Computes in h's dtype; pass fp32 for fp32 math.
-    """
-    acts = tuple(activations)
-    out = ACTIVATIONS[acts[0]](h[..., 0, :])
-    for i, name in enumerate(acts[1:], start=1):
-        out = out * ACTIVATIONS[name](h[..., i, :])
-    return out
 
 
 __all__ = [
