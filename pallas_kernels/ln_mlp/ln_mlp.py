@@ -82,6 +82,16 @@ def _norm_bwd(dln, x2, gamma, beta, mean, rstd, rms, zc, norm_impl, interpret):
     return dx, dg, db
 
 
+def _stats(x2, rms, eps):
+    """(mean or None, rstd) in fp32, as the norm kernels compute them."""
+    xf = x2.astype(jnp.float32)
+    if rms:
+        return None, lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    mean = jnp.mean(xf, axis=-1)
+    xc = xf - mean[:, None]
+    return mean, lax.rsqrt(jnp.mean(xc * xc, axis=-1) + eps)
+
+
 def _recompute_ln(x2, gamma, beta, mean, rstd, zc):
     return norm_ref.apply_stats(x2, gamma, beta, mean, rstd, zero_centered_gamma=zc)
 
@@ -104,7 +114,11 @@ def _mlp_forward(x2, gamma, beta, w1, b1, w2, b2, cfg):
     rms, acts, eps, zc, ret_ln, norm_impl, gemm_impl, interpret = cfg
     d, n_act, f = w1.shape
     dt = x2.dtype
-    ln, mean, rstd = _norm_fwd(x2, gamma, beta, rms, eps, zc, norm_impl, interpret)
+    if gemm_impl == "pallas" and not ret_ln:
+        # The fused GEMM normalizes in its prologue: only the per-row statistics are needed.
+        ln, mean, rstd = None, *_stats(x2, rms, eps)
+    else:
+        ln, mean, rstd = _norm_fwd(x2, gamma, beta, rms, eps, zc, norm_impl, interpret)
     w1f = w1.reshape(d, n_act * f)
     b1f = None if b1 is None else b1.reshape(n_act * f)
     h = _first_gemm(ln, x2, gamma, beta, mean, rstd, w1f, b1f, zc, gemm_impl, interpret)
