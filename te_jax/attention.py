@@ -1,0 +1,172 @@
+"""`dot_product_attention`: validate → choose a backend (with reasons) → call it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from te_jax import layouts, masks
+from te_jax.backends.call import AttentionCall, current_platform
+from te_jax.backends.selection import BACKENDS, BackendChoice, choose_backend, unavailable_error
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedAttention:
+    """A validated call in canonical form: q/k/v [B, S, heads, dim], TokenMask, bias [B|1, H|1, Sq, Skv]."""
+
+    call: AttentionCall
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    token_mask: masks.TokenMask
+    bias: jax.Array | None
+    scale: float
+    softcap: float | None
+    window: tuple[int, int]
+
+
+def _check_dtypes(query, key, value):
+    dts = [jnp.dtype(t.dtype).name for t in (query, key, value)]
+    for name, dt in zip(("query", "key", "value"), dts):
+        if dt not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} has dtype {dt}; attention takes {', '.join(_FLOAT_DTYPES)}.")
+    if len(set(dts)) != 1:
+        raise ValueError(
+            f"query/key/value dtypes differ: {dts[0]}, {dts[1]}, {dts[2]}; cast them to one dtype "
+            f"(e.g. key.astype(query.dtype)).")
+    return jnp.dtype(query.dtype)
+
+
+def _check_bias(bias, dims: layouts.AttentionDims):
+    if bias is None:
+        return None
+    expected = (dims.batch, dims.num_heads, dims.q_len, dims.kv_len)
+    shape = tuple(bias.shape)
+    ok = (len(shape) == 4 and shape[0] in (1, dims.batch) and shape[1] in (1, dims.num_heads)
+          and shape[2:] == expected[2:])
+    if not ok:
+        raise ValueError(
+            f"bias: got shape {shape}, expected [batch or 1, heads or 1, q_seq, kv_seq] = "
+            f"[{dims.batch} or 1, {dims.num_heads} or 1, {dims.q_len}, {dims.kv_len}] (whatever attn_input_format). "
+            f"Add broadcast axes with bias[None, None] or reshape.")
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise ValueError(f"bias has dtype {bias.dtype}; it must be a float array (use a mask type for masking).")
+    return bias
+
+
+def _check_scalars(scale, softcap, dropout_rate, dropout_rng, head_dim):
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    else:
+        try:
+            scale = float(scale)
+        except TypeError:
+            raise ValueError(f"scale must be a Python float, got {type(scale).__name__}.") from None
+        if not math.isfinite(scale) or scale == 0:
+            raise ValueError(f"scale={scale} must be finite and non-zero.")
+    if softcap is not None:
+        softcap = float(softcap)
+        if not softcap > 0:
+            raise ValueError(f"softcap={softcap} must be > 0 (or None for no soft-capping).")
+    dropout_rate = float(dropout_rate)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate={dropout_rate} must be in [0, 1).")
+    if dropout_rate > 0 and dropout_rng is None:
+        raise ValueError("dropout_rate > 0 needs dropout_rng (a jax.random key).")
+    return scale, softcap, dropout_rate
+
+
+def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",
+                      q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
+                      window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
+                      dropout_rng=None, needs_split_vjp=False) -> PreparedAttention:
+    """Validate every argument and bring the call to canonical form (shared by all entry points)."""
+    fmt = layouts.check_format(attn_input_format)
+    dims = layouts.check_qkv(query, key, value, fmt)
+    dtype = _check_dtypes(query, key, value)
+    mask = masks.check_mask_type(attn_mask_type)
+    window = masks.check_window(window_size, mask)
+    bias = _check_bias(bias, dims)
+    scale, softcap, dropout_rate = _check_scalars(scale, softcap, dropout_rate, dropout_rng, dims.head_dim_qk)
+    tm = masks.build_token_mask(mask, fmt, dims.batch, dims.q_len, dims.kv_len, q_seqlens, kv_seqlens,
+                                q_segment_ids, kv_segment_ids)
+    padding_source = ("segment_ids" if q_segment_ids is not None or kv_segment_ids is not None
+                      else "seqlens" if q_seqlens is not None or kv_seqlens is not None else "none")
+    if fmt == "thd" and padding_source == "seqlens":
+        padding_source = "segment_ids"  # packed lengths become segment ids
+    platform, cc = current_platform()
+    call = AttentionCall(fmt, dims, dtype, mask, padding_source, window,
+                         None if bias is None else tuple(bias.shape), softcap, dropout_rate, platform, cc,
+                         needs_split_vjp)
+    q, k, v = (layouts.to_bshd(t, fmt) for t in (query, key, value))
+    return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window)
+
+
+def _choose(prep: PreparedAttention, backend: str) -> BackendChoice:
+    return choose_backend(prep.call, backend)
+
+
+def explain_attention_backend(query, key, value, *, backend="auto", **kwargs) -> BackendChoice:
+    """Which backend `dot_product_attention` would run for these arguments, and why not the others.
+
+    Takes exactly the arguments of `dot_product_attention`. `str()` of the result is a readable table.
+    """
+    kwargs.pop("dropout_rng", None)
+    rate = kwargs.get("dropout_rate", 0.0)
+    prep = prepare_attention(query, key, value, dropout_rng=jax.random.key(0) if rate else None, **kwargs)
+    return _choose(prep, backend)
+
+
+def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",
+                          q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
+                          window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
+                          dropout_rng=None, backend="auto"):
+    """Scaled dot-product attention with masks, GQA, bias, softcap and dropout.
+
+    query: [b, s_q, h, d_qk] ("bshd"), [s_q, b, h, d_qk] ("sbhd") or [t_q, h, d_qk] ("thd").
+    key:   same format with g key/value heads (h % g == 0) and d_qk; value: g heads, d_v.
+    Returns the output in the query's format: [..., h, d_v].
+
+    attn_mask_type: "no_mask", "causal" (top-left), "causal_bottom_right", "padding",
+      "padding_causal", "padding_causal_bottom_right". Padding comes from q_seqlens/kv_seqlens
+      ([batch] valid lengths; for thd, [num_seqs] lengths of the packed sequences) or from segment
+      ids ([batch, seq], or [tokens] for thd; id 0 is padding).
+    window_size: (left, right), -1 unbounded; composes with the mask.
+    bias: [batch or 1, heads or 1, s_q, s_kv], added after scaling (and after softcap).
+    softcap: logits ← softcap·tanh(logits/softcap). scale defaults to 1/sqrt(d_qk).
+    backend: "auto", "pallas", "cudnn" or "xla"; see `explain_attention_backend`.
+    Rows with no visible key give zeros (and finite gradients).
+    """
+    prep = prepare_attention(
+        query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
+        q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng)
+    choice = _choose(prep, backend)
+    if choice.selected is None:
+        raise unavailable_error(choice)
+    out = run_backend(choice, prep, dropout_rng=dropout_rng)
+    return layouts.from_bshd(out, prep.call.attn_input_format)
+
+
+def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None):
+    """Run the chosen backend; in auto mode a trace-time refusal falls back to the next one."""
+    order = [choice.selected] + [n for n, why in choice.reasons.items()
+                                 if n != choice.selected and why is not None and why.startswith("serves the call")]
+    last_err = None
+    for name in order:
+        try:
+            return BACKENDS[name].forward(
+                prep.call, prep.q, prep.k, prep.v, prep.token_mask, prep.bias, scale=prep.scale,
+                softcap=prep.softcap, causal=prep.call.mask.causal, window=prep.window,
+                dropout_rate=prep.call.dropout_rate, dropout_rng=dropout_rng)
+        except (NotImplementedError, RuntimeError) as e:
+            if choice.source != "auto":
+                raise ValueError(f"backend {name!r} refused the call: {type(e).__name__}: {e}") from e
+            last_err = e
+            choice.reasons[name] = f"refused at trace time: {type(e).__name__}: {e}"
+    raise ValueError(f"every backend refused the call; last error: {last_err}\n{choice}")

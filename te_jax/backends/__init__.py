@@ -1,0 +1,1 @@
+"""Attention backends (pallas, cudnn, xla) and the selection that explains itself."""

@@ -1,0 +1,43 @@
+"""The static description of an attention call that backend selection reasons about."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from te_jax import _compat
+from te_jax.layouts import AttentionDims
+from te_jax.masks import MaskSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """Everything about a call that decides which backend may serve it (no array values)."""
+
+    attn_input_format: str
+    dims: AttentionDims
+    dtype: jnp.dtype
+    mask: MaskSpec
+    padding_source: str  # "none" | "seqlens" | "segment_ids"
+    window: tuple[int, int]
+    bias_shape: tuple[int, ...] | None
+    softcap: float | None
+    dropout_rate: float
+    platform: str
+    compute_capability: tuple[int, int] | None
+    needs_split_vjp: bool = False  # context parallelism calls forward/backward separately
+
+    @property
+    def dtype_name(self) -> str:
+        return jnp.dtype(self.dtype).name
+
+    @property
+    def gpu_arch(self) -> str:
+        if self.compute_capability is None:
+            return self.platform
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+def current_platform() -> tuple[str, tuple[int, int] | None]:
+    return jax.default_backend(), _compat.gpu_compute_capability()

@@ -1,0 +1,65 @@
+"""The `cudnn` backend: `jax.nn.dot_product_attention(implementation="cudnn")` where it serves."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+class CudnnBackend:
+    name = "cudnn"
+
+    def unsupported_reason(self, call) -> str | None:
+        d = call.dims
+        if call.platform != "gpu":
+            return f"not a GPU (default backend is {call.platform!r}); cuDNN attention needs an NVIDIA GPU"
+        if call.compute_capability is not None and call.compute_capability < (8, 0):
+            return f"GPU arch {call.gpu_arch} is older than sm80, which cuDNN flash attention needs"
+        if call.dtype_name not in ("bfloat16", "float16"):
+            return f"dtype {call.dtype_name}: cuDNN flash attention takes bfloat16 or float16 only"
+        hopper = call.compute_capability is not None and call.compute_capability >= (9, 0)
+        max_d = 256 if hopper else 128
+        for label, hd in (("head_dim_qk", d.head_dim_qk), ("head_dim_v", d.head_dim_v)):
+            if hd > max_d or hd % 8:
+                return f"{label}={hd}: cuDNN needs a multiple of 8 that is <= {max_d} on {call.gpu_arch}"
+        if d.head_dim_qk != d.head_dim_v and not hopper:
+            return (f"head_dim_qk={d.head_dim_qk} != head_dim_v={d.head_dim_v}: cuDNN serves that on sm90+ only, "
+                    f"this GPU is {call.gpu_arch}")
+        if call.attn_input_format == "thd":
+            return "attn_input_format='thd' (packed sequences) is not exposed by jax.nn.dot_product_attention"
+        if call.padding_source == "segment_ids":
+            return "segment ids (packed sequences) are not exposed by jax.nn.dot_product_attention; pass q_seqlens/kv_seqlens"
+        if call.mask.bottom_right and (call.padding_source != "none" or d.q_len != d.kv_len):
+            return (f"attn_mask_type={call.mask.mask_type!r} with q_len={d.q_len}, kv_len={d.kv_len}"
+                    f"{' and padding' if call.padding_source != 'none' else ''}: jax.nn's cuDNN path has top-left causal only")
+        left, right = call.window
+        if (left, right) != (-1, -1) and not (call.mask.causal or right == 0):
+            return (f"window_size={call.window}: jax.nn's cuDNN path serves windows with right=0 only "
+                    f"(or a causal mask)")
+        if call.softcap is not None:
+            return "softcap is not exposed by jax.nn.dot_product_attention"
+        if call.dropout_rate > 0:
+            return "dropout is not exposed by jax.nn.dot_product_attention"
+        if call.bias_shape is not None and (d.q_len % 2 or d.kv_len % 2):
+            return f"a bias with odd sequence lengths (q {d.q_len}, kv {d.kv_len}): cuDNN's backward needs even lengths"
+        if call.needs_split_vjp:
+            return ("context parallelism needs a separate forward (with logsumexp) and backward; jax.nn's cuDNN "
+                    "call exposes neither")
+        return None
+
+    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng):
+        del softcap, dropout_rate, dropout_rng  # refused in unsupported_reason
+        left, right = window
+        is_causal = causal or right == 0
+        local = (left, 0) if left >= 0 else None
+        if not is_causal and local is None and (left, right) != (-1, -1):
+            raise ValueError(f"window {window} not servable by cuDNN")
+        padded = call.padding_source != "none"
+        q_lens = jnp.sum(tm.q_segment_ids != 0, axis=1).astype(jnp.int32)
+        kv_lens = jnp.sum(tm.kv_segment_ids != 0, axis=1).astype(jnp.int32)
+        out = jax.nn.dot_product_attention(
+            q, k, v, bias=None if bias is None else bias.astype(q.dtype), scale=scale, is_causal=is_causal,
+            query_seq_lengths=q_lens if padded else None, key_value_seq_lengths=kv_lens if padded else None,
+            local_window_size=local, implementation="cudnn")
+        # Rows with no visible key are zeros by contract (cuDNN leaves them unspecified).
+        row_ok = (tm.q_segment_ids != 0) & (kv_lens[:, None] > 0)
+        return jnp.where(row_ok[:, :, None, None], out, jnp.zeros((), out.dtype))

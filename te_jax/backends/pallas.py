@@ -1,0 +1,98 @@
+"""The `pallas` backend: te_jax's own flash-attention kernels (pallas_kernels/).
+
+On sm90 it takes the Hopper (Mosaic GPU) kernel when that kernel serves the call, and the portable
+Triton-lowered kernel otherwise; off-GPU the portable kernel runs in interpret mode (tests).
+"""
+from __future__ import annotations
+
+import importlib
+
+_SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+MAX_HEAD_DIM = 256
+
+
+def _import(name):
+    try:
+        return importlib.import_module(name), None
+    except Exception as e:  # pragma: no cover - reported as a reason
+        return None, f"{type(e).__name__}: {e}"
+
+
+class PallasBackend:
+    name = "pallas"
+
+    def unsupported_reason(self, call, forced: bool = False) -> str | None:
+        d = call.dims
+        mod, err = _import("pallas_kernels.flash_attention")
+        if mod is None or not hasattr(mod, "flash_attention"):
+            return f"the Pallas kernel could not be imported ({err or 'no flash_attention'})"
+        if call.dropout_rate > 0:
+            return "dropout_rate > 0: dropout is served by the xla backend only (the Pallas kernels have no dropout)"
+        if call.dtype_name not in _SUPPORTED_DTYPES:
+            return f"dtype {call.dtype_name}: the Pallas kernel takes {', '.join(_SUPPORTED_DTYPES)}"
+        for label, hd in (("head_dim_qk", d.head_dim_qk), ("head_dim_v", d.head_dim_v)):
+            if hd > MAX_HEAD_DIM:
+                return f"{label}={hd} > {MAX_HEAD_DIM}: the kernel keeps a whole head row in registers"
+        if call.platform == "gpu":
+            if call.compute_capability is not None and call.compute_capability < (8, 0):
+                return f"GPU arch {call.gpu_arch}: the Triton-lowered kernel needs sm80 or newer"
+        elif not forced:
+            return (f"not a GPU (default backend is {call.platform!r}): the Pallas kernel would run in interpret "
+                    f"mode, which is for tests; pass backend='pallas' to force it")
+        return None
+
+    def hopper_reason(self, call) -> str | None:
+        """Why the Hopper kernel does not serve this call (None when it does)."""
+        if call.compute_capability != (9, 0):
+            return f"GPU arch {call.gpu_arch} is not sm90"
+        mod, err = _import("pallas_kernels.flash_attention_hopper")
+        if mod is None or not hasattr(mod, "supports"):
+            return f"the Hopper kernel could not be imported ({err or 'no supports()'})"
+        d = call.dims
+        if call.mask.mask_type not in ("no_mask", "causal") and not (
+                call.mask.mask_type == "causal_bottom_right" and d.q_len == d.kv_len):
+            return f"attn_mask_type={call.mask.mask_type!r}: the Hopper kernel serves no_mask and causal only"
+        if call.padding_source != "none":
+            return "padding/segments: the Hopper kernel has no padding"
+        if call.window != (-1, -1):
+            return f"window_size={call.window}: the Hopper kernel has no sliding window"
+        if call.bias_shape is not None:
+            return "bias: the Hopper kernel has no bias"
+        if call.softcap is not None:
+            return "softcap: the Hopper kernel has no softcap"
+        if call.needs_split_vjp:
+            return "context parallelism uses the portable kernel's split forward/backward"
+        return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
+                            (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
+                            (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
+                            call.dtype, call.mask.causal)
+
+    def kernel_name(self, call) -> str:
+        if call.platform == "gpu" and self.hopper_reason(call) is None:
+            return "hopper"
+        return "portable"
+
+    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng):
+        del dropout_rate, dropout_rng
+        if self.kernel_name(call) == "hopper":
+            from pallas_kernels import flash_attention_hopper as fh
+            out, _ = fh.hopper_attention(q, k, v, scale=scale, causal=causal)
+            return out
+        from pallas_kernels import flash_attention as fa
+        out, _ = fa.flash_attention(
+            q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
+            scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1])
+        return out
+
+    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):
+        from pallas_kernels import flash_attention as fa
+        return fa.flash_attention_fwd(
+            q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
+            scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1])
+
+    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window):
+        from pallas_kernels import flash_attention as fa
+        return fa.flash_attention_bwd(
+            q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
+            out, lse, dout, dlse, scale=scale, softcap=softcap, causal=causal,
+            window_left=window[0], window_right=window[1])

@@ -1,0 +1,118 @@
+"""Attention backend selection: automatic, overridable by argument and environment, explainable.
+
+Precedence: `backend=` argument (not "auto") > TE_JAX_ATTN_BACKEND > automatic preference.
+TE_JAX_PALLAS_ATTN=0 / TE_JAX_CUDNN_ATTN=0 / TE_JAX_XLA_ATTN=0 disable a backend everywhere.
+TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax").
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from te_jax.backends.cudnn import CudnnBackend
+from te_jax.backends.pallas import PallasBackend
+from te_jax.backends.xla import XlaBackend
+
+logger = logging.getLogger("te_jax")
+
+BACKENDS = {b.name: b for b in (PallasBackend(), CudnnBackend(), XlaBackend())}
+BACKEND_NAMES = tuple(BACKENDS)
+_DISABLE_ENV = {"pallas": "TE_JAX_PALLAS_ATTN", "cudnn": "TE_JAX_CUDNN_ATTN", "xla": "TE_JAX_XLA_ATTN"}
+FORCE_ENV = "TE_JAX_ATTN_BACKEND"
+
+# Automatic preference, fastest first, from benchmarks/results/ on the H100.
+GPU_PREFERENCE = ("cudnn", "pallas", "xla")
+GPU_PREFERENCE_WHY = "cuDNN measured faster than the portable Pallas kernel on H100 (benchmarks/results/)"
+OTHER_PREFERENCE = ("xla", "pallas", "cudnn")
+
+
+@dataclasses.dataclass
+class BackendChoice:
+    """Which backend runs a call and, for every backend, why it was or was not taken."""
+
+    selected: str | None
+    reasons: dict[str, str | None]  # None: serves the call
+    source: str  # "argument" | "environment" | "auto"
+    detail: str = ""  # e.g. which Pallas kernel
+
+    def __str__(self):
+        head = (f"attention backend: {self.selected} ({self.source})" if self.selected
+                else f"attention backend: none can serve this call ({self.source})")
+        if self.detail:
+            head += f" — {self.detail}"
+        lines = [head]
+        for name, why in self.reasons.items():
+            mark = "selected" if name == self.selected else ("serves, not chosen" if why is None else "not taken")
+            lines.append(f"  {name:7s} {mark}" + (f": {why}" if why else ""))
+        return "\n".join(lines)
+
+
+def _disabled(name) -> str | None:
+    var = _DISABLE_ENV[name]
+    if os.environ.get(var, "").strip() == "0":
+        return f"disabled by environment {var}=0"
+    return None
+
+
+def check_backend_name(backend: str) -> str:
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not known; expected 'auto' or one of {BACKEND_NAMES}.")
+    return backend
+
+
+def choose_backend(call, backend: str = "auto") -> BackendChoice:
+    """Decide which backend serves `call` and record the reason for every other one."""
+    check_backend_name(backend)
+    env_force = os.environ.get(FORCE_ENV, "").strip() or None
+    if env_force is not None and env_force not in BACKENDS and env_force != "auto":
+        raise ValueError(f"{FORCE_ENV}={env_force!r} is not known; expected one of {BACKEND_NAMES}.")
+    if env_force == "auto":
+        env_force = None
+    if backend != "auto":
+        forced, source = backend, "argument"
+    elif env_force is not None:
+        forced, source = env_force, f"environment {FORCE_ENV}={env_force}"
+    else:
+        forced, source = None, "auto"
+
+    reasons: dict[str, str | None] = {}
+    for name, b in BACKENDS.items():
+        why = _disabled(name)
+        if why is None:
+            if name == "pallas":
+                why = b.unsupported_reason(call, forced=(forced == "pallas"))
+            else:
+                why = b.unsupported_reason(call)
+        reasons[name] = why
+
+    if forced is not None:
+        selected = forced if reasons[forced] is None else None
+        for name in BACKENDS:
+            if name != forced and reasons[name] is None:
+                reasons[name] = f"serves the call, but {forced!r} was forced by {source}"
+    else:
+        order = GPU_PREFERENCE if call.platform == "gpu" else OTHER_PREFERENCE
+        selected = next((n for n in order if reasons[n] is None), None)
+        for name in order:
+            if name != selected and reasons[name] is None and selected is not None:
+                why = GPU_PREFERENCE_WHY if call.platform == "gpu" else f"{selected!r} comes first on {call.platform}"
+                reasons[name] = f"serves the call, but {selected!r} is preferred: {why}"
+    detail = ""
+    if selected == "pallas":
+        pb = BACKENDS["pallas"]
+        hr = pb.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
+        detail = ("Hopper (Mosaic GPU) kernel" if hr is None
+                  else f"portable Triton-lowered kernel (Hopper kernel not used: {hr})")
+    choice = BackendChoice(selected, reasons, source, detail)
+    if os.environ.get("TE_JAX_DEBUG", "").strip() not in ("", "0"):
+        logger.warning("%s", choice)
+    return choice
+
+
+def unavailable_error(choice: BackendChoice) -> ValueError:
+    lines = "\n".join(f"  {n}: {w}" for n, w in choice.reasons.items())
+    return ValueError(
+        f"No attention backend can serve this call ({choice.source}). Reasons:\n{lines}\n"
+        f"Change what a reason names (dtype, head_dim, mask, window, ...), allow another backend, or "
+        f"use backend='xla', which serves every call.")

@@ -1,0 +1,26 @@
+"""The `xla` backend: the fp32 reference, compiled by XLA. Serves every call, on any platform."""
+from __future__ import annotations
+
+from te_jax import reference
+
+
+class XlaBackend:
+    name = "xla"
+
+    def unsupported_reason(self, call) -> str | None:
+        return None
+
+    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng):
+        out, _ = reference.reference_attention(
+            q, k, v, tm, bias, scale=scale, softcap=softcap, causal=causal, window=window,
+            dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        return out
+
+    # Split forward/backward for context parallelism (no dropout there).
+    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):
+        return reference.reference_attention(q, k, v, tm, bias, scale=scale, softcap=softcap,
+                                             causal=causal, window=window)
+
+    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window):
+        return reference.reference_attention_bwd(q, k, v, tm, bias, out, lse, dout, dlse, scale=scale,
+                                                 softcap=softcap, causal=causal, window=window)
