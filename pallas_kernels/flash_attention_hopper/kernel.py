@@ -1,0 +1,716 @@
+"""Hopper (sm90) flash attention in Pallas Mosaic GPU: wgmma, TMA pipelines, warp specialisation.
+
+Forward (FA3 layout): each CTA owns 2 x block_q query rows; two compute warpgroups (one per
+block_q rows) and one memory warpgroup that streams K/V tiles into a `stages`-deep shared-memory
+ring with TMA.  The two compute warpgroups ping-pong on the tensor cores through a
+"schedule" barrier, so one warpgroup's softmax runs while the other's QK^T / PV wgmma runs.
+Causal: the grid walks query tiles heaviest first, CTAs load only the K/V blocks left of the
+diagonal, and only blocks that cross the diagonal are masked.
+
+Backward: two kernels, both warp specialised with a TMA ring.
+  * dK/dV: a CTA owns `wgs` x block_kv key rows of one KV head and loops over every query
+    head of its GQA group and every query block (causal: only those at or below the diagonal),
+    accumulating dK and dV in registers.  For head_dim 256 dK and dV run as two launches
+    (two 64x256 fp32 accumulators do not fit in one warpgroup's registers).
+  * dQ: a CTA owns `wgs` x block_q query rows and loops over K/V blocks.
+Both recompute P from the saved log-sum-exp.
+
+Mosaic GPU is imported lazily (inside functions) so that this module imports on any machine.
+Only jax >= 0.11 (`plgpu.kernel` + `lax.axis_index`) is supported for the kernels themselves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax._compat import default_interpret, mosaic_gpu, pl
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperConfig:
+    """Block sizes.  Forward CTA = 2 * block_q query rows.  Backward CTA = bwd_wgs * block rows."""
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+    bwd_block_q: int = 64
+    bwd_block_kv: int = 64
+    bwd_wgs: int = 2
+    bwd_stages: int = 2
+    # The mask is applied only on blocks that cross the diagonal when True; on every block
+    # (simpler, slower) when False.  Kept for debugging.
+    split_causal: bool = True
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
+            if getattr(self, name) % 64:
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 64")
+        if self.block_kv % self.block_q:
+            raise ValueError("block_kv must be a multiple of block_q")
+        if self.stages < 1 or self.bwd_stages < 1:
+            raise ValueError("stages must be >= 1")
+        if self.bwd_wgs not in (1, 2):
+            raise ValueError("bwd_wgs must be 1 or 2")
+
+
+def default_config(head_dim: int) -> HopperConfig:
+    if head_dim <= 64:
+        return HopperConfig(block_q=64, block_kv=128, stages=3)
+    if head_dim <= 128:
+        return HopperConfig(block_q=64, block_kv=128, stages=2)
+    return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
+
+
+def _resolve_interpret(interpret):
+    return default_interpret() if interpret is None else bool(interpret)
+
+
+def _interpret_arg(interpret: bool):
+    if not interpret:
+        return None
+    plgpu = mosaic_gpu()
+    return plgpu.InterpretGPUParams()
+
+
+def _mma_into(plgpu, acc, a, b, *, interpret: bool, after=None):
+    """acc + a @ b on the tensor cores (wgmma).  `after` runs while the wgmma is in flight."""
+    if interpret:
+        # The CPU interpreter cannot seed an accumulator with a value, nor take the A operand
+        # from registers: emulate with a plain dot (same bf16 operands, fp32 accumulation).
+        if isinstance(a, jax.Array):
+            out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+            if after is not None:
+                after()
+            return out
+
+        def f(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            if after is not None:
+                after()
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(f, plgpu.ACC(acc.shape, jnp.float32))
+
+    def g(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        if after is not None:
+            after()
+
+    return pl.run_state(g)(plgpu.ACC.init(acc))
+
+
+def _mma(plgpu, shape, a, b, *, after=None):
+    """a @ b into a fresh fp32 accumulator."""
+
+    def f(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        if after is not None:
+            after()
+        return acc_ref[...]
+
+    return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
+
+
+def _smem_transforms(plgpu, dtype):
+    swizzle = 128
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _cdiv(a, b: int):
+    if isinstance(a, int):
+        return -(-a // b)
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def _rem(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a % b
+    return lax.rem(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def _div(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b
+    return lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def _when(cond, fn):
+    """pl.when that also accepts a Python bool."""
+    if isinstance(cond, bool):
+        if cond:
+            fn()
+        return
+    pl.when(cond)(fn)
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
+              interpret: bool | None = None):
+    """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log)."""
+    plgpu = mosaic_gpu()
+    interpret = _resolve_interpret(interpret)
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    cfg = config or default_config(D)
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv = cfg.block_q, cfg.block_kv
+    if S % (2 * bq) or Skv % bkv:
+        raise ValueError(f"sequence {S}/{Skv} not a multiple of {2 * bq}/{bkv}")
+    if causal and S != Skv:
+        raise ValueError("causal needs Sq == Skv")
+    n_kv = Skv // bkv
+    stages = max(1, min(cfg.stages, n_kv))
+    n_qt = S // (2 * bq)
+    c = float(scale) * LOG2E
+    split = cfg.split_causal
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
+        qo_smem2, k_smem, v_smem, lse_smem2 = smem
+        k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        qt = lax.axis_index("q_seq")
+        if causal:
+            qt = (n_qt - 1) - qt  # heaviest tiles first
+        kvh = lax.div(h, jnp.int32(rep))
+
+        def sched_sync():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        if causal:
+            cta_steps = _cdiv((qt + 1) * (2 * bq), bkv)
+        else:
+            cta_steps = n_kv
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            lse_smem = lse_smem2.at[wg]
+            q0 = qt * (2 * bq) + wg * bq
+            kv_steps = _cdiv(q0 + bq, bkv) if causal else n_kv
+
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            plgpu.barrier_wait(k_bar.at[0])
+            pl.when(wg == 1)(sched_sync)
+
+            def kv_body(step, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = _rem(step, stages)
+
+                def qk_after():
+                    sched_sync()
+
+                s = _mma(plgpu, (bq, bkv), qo_smem, k_smem.at[slot].transpose((1, 0)), after=qk_after)
+                plgpu.barrier_arrive(k_cons.at[slot])
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(rows + q0 >= cols + step * bkv, s, -jnp.inf)
+
+                m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha
+                p16 = p.astype(dtype)
+
+                def end_softmax():
+                    plgpu.barrier_arrive(sched)  # done with softmax
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(sched)  # tensor cores free
+
+                if D <= 128:
+                    l_i = l_i + p.sum(axis=1)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    end_softmax()
+                else:
+                    end_softmax()
+                    l_i = l_i + p.sum(axis=1)
+
+                def pv_after():
+                    nxt = step + 1
+
+                    @pl.when(nxt < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[_rem(nxt, stages)])
+
+                acc = _mma_into(plgpu, acc, p16, v_smem.at[slot], interpret=interpret,
+                                after=pv_after)
+                plgpu.barrier_arrive(v_cons.at[slot])
+                return acc, m_new, l_i
+
+            carry = (acc, m_i, l_i)
+            if not causal:
+                carry = lax.fori_loop(0, n_kv, functools.partial(kv_body, masked=False), carry)
+            else:
+                full = lax.div(q0, jnp.int32(bkv)) if split else jnp.int32(0)
+                carry = lax.fori_loop(0, full, functools.partial(kv_body, masked=False), carry)
+                carry = lax.fori_loop(full, kv_steps, functools.partial(kv_body, masked=True), carry)
+
+                def flush(step, _):
+                    # Keep the pipeline and the ping-pong in step when this warpgroup is done
+                    # before the other one (causal: the first warpgroup has fewer blocks).
+                    slot = _rem(step, stages)
+                    plgpu.barrier_wait(k_bar.at[slot])  # observe every phase (no skipped waits)
+                    plgpu.barrier_arrive(k_cons.at[slot])
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_arrive(v_cons.at[slot])
+                    sched_sync()
+                    sched_sync()
+
+                lax.fori_loop(kv_steps, cta_steps, flush, None)
+            acc, m_i, l_i = carry
+            pl.when(wg == 0)(sched_sync)
+
+            inv = 1.0 / l_i
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = (m_i + jnp.log2(l_i)) * LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            for i in range(stages):
+                def _load(i=i):
+                    sl = (b, pl.ds(i * bkv, bkv), kvh)
+                    plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[i], k_bar.at[i])
+                    plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[i], v_bar.at[i])
+                _when(i < cta_steps, _load)
+
+            def mem_body(step, _):
+                t = step + stages
+                slot = _rem(step, stages)
+                sl = (b, pl.ds(t * bkv, bkv), kvh)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
+
+            lax.fori_loop(0, cta_steps - stages, mem_body, None)
+
+            def drain(step, _):
+                # Observe the last consumed phases so that every barrier phase is waited on
+                # before the CTA exits (the GPU interpreter checks this).
+                slot = _rem(step, stages)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+
+            lax.fori_loop(jnp.maximum(cta_steps - stages, 0), cta_steps, drain, None)
+
+    tr = _smem_transforms(plgpu, dtype)
+    scratch = [
+        (
+            plgpu.SMEM((2, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.float32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+        ),
+    ]
+    out, lse = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                  jax.ShapeDtypeStruct((B, H, S), jnp.float32)),
+        scratch_types=scratch,
+        grid=(H, n_qt, B),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_arg(interpret),
+    )(q, k, v)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dK/dV
+# --------------------------------------------------------------------------------------------
+def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
+                   want_dk: bool, want_dv: bool, interpret: bool):
+    plgpu = mosaic_gpu()
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
+    if S % bq or Skv % (wgs * bkv):
+        raise ValueError("sequence not a multiple of the backward blocks")
+    nq = S // bq
+    n_kt = Skv // (wgs * bkv)
+    stages = cfg.bwd_stages
+    c = float(scale) * LOG2E
+    split = cfg.split_causal
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        outs = rest[: int(want_dk) + int(want_dv)]
+        smem, bars = rest[len(outs):]
+        dk_ref = outs[0] if want_dk else None
+        dv_ref = outs[-1] if want_dv else None
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem
+        (kv_bar, q_bar, do_bar, lse_bar, delta_bar,
+         q_cons, do_cons, lse_cons, delta_cons) = bars
+        b = lax.axis_index("batch")
+        g = lax.axis_index("kv_heads")
+        wg = lax.axis_index("wg")
+        kt = lax.axis_index("kv_seq")
+        if causal:
+            kt = (n_kt - 1) - kt  # causal: the first key tiles see the most queries: start them first
+        kv_cta0 = kt * (wgs * bkv)
+        q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
+        n_steps_h = nq - q_lo  # query blocks per query head
+        # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
+        if causal:
+            n_mask = (_cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
+        total = rep * n_steps_h
+
+        def step_coords(t):
+            hh = g * rep + _div(t, n_steps_h)
+            qb = q_lo + _rem(t, n_steps_h)
+            return hh, qb
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            kv0 = kv_cta0 + wg * bkv
+            sl = (b, pl.ds(kv0, bkv), g)
+            plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, kv_bar.at[2 * wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, kv_bar.at[2 * wg + 1])
+            plgpu.barrier_wait(kv_bar.at[2 * wg])
+            plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
+            zero = plgpu.layout_cast(jnp.full((bkv, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            dk_acc = zero if want_dk else None
+            dv_acc = zero if want_dv else None
+
+            def step_body(t, qb, carry, masked: bool):
+                dk_acc, dv_acc = carry
+                slot = _rem(t, stages)
+                plgpu.barrier_wait(q_bar.at[slot])
+                sT = _mma(plgpu, (bkv, bq), k_smem, q_smem.at[slot].transpose((1, 0)))
+                plgpu.barrier_wait(lse_bar.at[slot])
+                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                plgpu.barrier_arrive(lse_cons.at[slot])
+                pT = jnp.exp2(sT * c - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
+                    pT = jnp.where(cols + qb * bq >= rows + kv0, pT, 0.0)
+                plgpu.barrier_wait(do_bar.at[slot])
+                if want_dv:
+                    dv_acc = _mma_into(plgpu, dv_acc, pT.astype(dtype), do_smem.at[slot],
+                                       interpret=interpret)
+                if want_dk:
+                    dpT = _mma(plgpu, (bkv, bq), v_smem, do_smem.at[slot].transpose((1, 0)))
+                plgpu.barrier_arrive(do_cons.at[slot])
+                if want_dk:
+                    plgpu.barrier_wait(delta_bar.at[slot])
+                    delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    dsT = pT * (dpT - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
+                    plgpu.barrier_arrive(delta_cons.at[slot])
+                    dk_acc = _mma_into(plgpu, dk_acc, dsT.astype(dtype), q_smem.at[slot],
+                                       interpret=interpret)
+                else:
+                    plgpu.barrier_wait(delta_bar.at[slot])
+                    plgpu.barrier_arrive(delta_cons.at[slot])
+                plgpu.barrier_arrive(q_cons.at[slot])
+                return dk_acc, dv_acc
+
+            def head_body(i, carry):
+                base = i * n_steps_h
+                if causal:
+                    def mbody(j, carry):
+                        return step_body(base + j, q_lo + j, carry, masked=True)
+
+                    def ubody(j, carry):
+                        return step_body(base + j, q_lo + j, carry, masked=False)
+
+                    carry = lax.fori_loop(0, n_mask, mbody, carry)
+                    carry = lax.fori_loop(n_mask, n_steps_h, ubody, carry)
+                else:
+                    def ubody(j, carry):
+                        return step_body(base + j, j, carry, masked=False)
+
+                    carry = lax.fori_loop(0, n_steps_h, ubody, carry)
+                return carry
+
+            dk_acc, dv_acc = lax.fori_loop(0, rep, head_body, (dk_acc, dv_acc))
+            if want_dk:
+                k_smem[...] = (dk_acc * scale).astype(dtype)
+            if want_dv:
+                v_smem[...] = dv_acc.astype(dtype)
+            plgpu.commit_smem()
+            if want_dk:
+                plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[sl], commit_group=False)
+            if want_dv:
+                plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[sl], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(t, slot):
+                hh, qb = step_coords(t)
+                qsl = (b, pl.ds(qb * bq, bq), hh)
+                rsl = (b, hh, pl.ds(qb * bq, bq))
+                plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem.at[slot], lse_bar.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem.at[slot], do_bar.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem.at[slot], delta_bar.at[slot])
+
+            for i in range(stages):
+                _when(i < total, functools.partial(issue, jnp.int32(i), i))
+
+            def mem_body(step, _):
+                t = step + stages
+                slot = _rem(step, stages)
+                hh, qb = step_coords(t)
+                qsl = (b, pl.ds(qb * bq, bq), hh)
+                rsl = (b, hh, pl.ds(qb * bq, bq))
+                plgpu.barrier_wait(q_cons.at[slot])
+                plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem.at[slot], q_bar.at[slot])
+                plgpu.barrier_wait(lse_cons.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem.at[slot], lse_bar.at[slot])
+                plgpu.barrier_wait(do_cons.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem.at[slot], do_bar.at[slot])
+                plgpu.barrier_wait(delta_cons.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem.at[slot], delta_bar.at[slot])
+
+            lax.fori_loop(0, total - stages, mem_body, None)
+
+            def drain(step, _):
+                slot = _rem(step, stages)
+                for bar in (q_cons, lse_cons, do_cons, delta_cons):
+                    plgpu.barrier_wait(bar.at[slot])
+
+            lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+    tr = _smem_transforms(plgpu, dtype)
+    scratch = [
+        (
+            plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.float32),
+        ),
+        (plgpu.Barrier(num_barriers=2 * wgs),)
+        + (plgpu.Barrier(num_barriers=stages),) * 4
+        + (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 4,
+    ]
+    out_type = []
+    if want_dk:
+        out_type.append(jax.ShapeDtypeStruct(k.shape, dtype))
+    if want_dv:
+        out_type.append(jax.ShapeDtypeStruct(v.shape, dtype))
+    outs = plgpu.kernel(
+        body,
+        out_type=tuple(out_type),
+        scratch_types=scratch,
+        grid=(G, n_kt, B),
+        grid_names=("kv_heads", "kv_seq", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_arg(interpret),
+    )(q, k, v, do, lse2, delta)
+    return tuple(outs)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dQ
+# --------------------------------------------------------------------------------------------
+def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
+                  interpret: bool):
+    plgpu = mosaic_gpu()
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
+    if S % (wgs * bq) or Skv % bkv:
+        raise ValueError("sequence not a multiple of the backward blocks")
+    n_qt = S // (wgs * bq)
+    n_kv = Skv // bkv
+    stages = cfg.bwd_stages
+    c = float(scale) * LOG2E
+    split = cfg.split_causal
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, bars):
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
+        in_bar, k_bar, v_bar, k_cons, v_cons = bars
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        qt = lax.axis_index("q_seq")
+        if causal:
+            qt = (n_qt - 1) - qt
+        kvh = lax.div(h, jnp.int32(rep))
+        q_cta0 = qt * (wgs * bq)
+        if causal:
+            total = _cdiv(q_cta0 + wgs * bq, bkv)
+            n_full = lax.div(q_cta0, jnp.int32(bkv)) if split else jnp.int32(0)
+        else:
+            total = n_kv
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
+            q0 = q_cta0 + wg * bq
+            qsl = (b, pl.ds(q0, bq), h)
+            rsl = (b, h, pl.ds(q0, bq))
+            plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem, in_bar.at[4 * wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem, in_bar.at[4 * wg + 1])
+            plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem, in_bar.at[4 * wg + 2])
+            plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem, in_bar.at[4 * wg + 3])
+            for j in range(4):
+                plgpu.barrier_wait(in_bar.at[4 * wg + j])
+            lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            dq_acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def step_body(t, dq_acc, masked: bool):
+                slot = _rem(t, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = _mma(plgpu, (bq, bkv), q_smem, k_smem.at[slot].transpose((1, 0)))
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, (bq, bkv), [0]))
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    p = jnp.where(rows + q0 >= cols + t * bkv, p, 0.0)
+                plgpu.barrier_wait(v_bar.at[slot])
+                dp = _mma(plgpu, (bq, bkv), do_smem, v_smem.at[slot].transpose((1, 0)))
+                plgpu.barrier_arrive(v_cons.at[slot])
+                ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
+                dq_acc = _mma_into(plgpu, dq_acc, ds.astype(dtype), k_smem.at[slot],
+                                   interpret=interpret)
+                plgpu.barrier_arrive(k_cons.at[slot])
+                return dq_acc
+
+            if causal:
+                dq_acc = lax.fori_loop(0, n_full, functools.partial(step_body, masked=False), dq_acc)
+                dq_acc = lax.fori_loop(n_full, total, functools.partial(step_body, masked=True), dq_acc)
+            else:
+                dq_acc = lax.fori_loop(0, total, functools.partial(step_body, masked=False), dq_acc)
+            q_smem[...] = (dq_acc * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[qsl])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            for i in range(stages):
+                def _load(i=i):
+                    sl = (b, pl.ds(i * bkv, bkv), kvh)
+                    plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[i], k_bar.at[i])
+                    plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[i], v_bar.at[i])
+                _when(i < total, _load)
+
+            def mem_body(step, _):
+                t = step + stages
+                slot = _rem(step, stages)
+                sl = (b, pl.ds(t * bkv, bkv), kvh)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
+
+            lax.fori_loop(0, total - stages, mem_body, None)
+
+            def drain(step, _):
+                slot = _rem(step, stages)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+
+            lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+    tr = _smem_transforms(plgpu, dtype)
+    scratch = [
+        (
+            plgpu.SMEM((wgs, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bq), jnp.float32),
+            plgpu.SMEM((wgs, bq), jnp.float32),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+        ),
+        (
+            plgpu.Barrier(num_barriers=4 * wgs),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        ),
+    ]
+    dq = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=scratch,
+        grid=(H, n_qt, B),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_arg(interpret),
+    )(q, k, v, do, lse2, delta)
+    return dq
+
+
+def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
+              config: HopperConfig | None = None, dlse=None, interpret: bool | None = None):
+    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S]."""
+    interpret = _resolve_interpret(interpret)
+    D = q.shape[-1]
+    cfg = config or default_config(D)
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    if dlse is not None:
+        # d lse / d s = p, so a cotangent on lse adds p * dlse to dS: fold it into delta.
+        delta = delta - dlse.astype(jnp.float32)
+    lse2 = lse.astype(jnp.float32) * LOG2E
+    kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret)
+    if D > 128:
+        (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
+        (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
+    else:
+        dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True, **kw)
+    dq = _flash_bwd_dq(q, k, v, do, lse2, delta, **kw)
+    return dq, dk, dv
