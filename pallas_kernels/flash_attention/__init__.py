@@ -1,0 +1,24 @@
+"""Portable (Triton-lowered) Pallas flash attention, forward and backward.
+
+See kernel.py for the design (mask rule, block skipping, padding).
+"""
+from pallas_kernels.flash_attention.kernel import (
+    BlockSizes,
+    block_schedule,
+    default_block_sizes,
+    flash_attention,
+    flash_attention_bwd,
+    flash_attention_fwd,
+)
+from pallas_kernels.flash_attention.reference import reference_attention, visibility_mask
+
+__all__ = [
+    "BlockSizes",
+    "block_schedule",
+    "default_block_sizes",
+    "flash_attention",
+    "flash_attention_bwd",
+    "flash_attention_fwd",
+    "reference_attention",
+    "visibility_mask",
+]

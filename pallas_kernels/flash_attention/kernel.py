@@ -1,0 +1,701 @@
+"""Portable (Triton-lowered) Pallas flash attention: forward, backward, custom_vjp.
+
+Layout (canonical): q [B, Sq, H, Dqk], k [B, Skv, G, Dqk], v [B, Skv, G, Dv], H % G == 0;
+query head h reads kv head h // (H // G) through the BlockSpec index maps (K/V are never
+repeated in memory).
+
+Masking: one rule for every mask type. Key j is visible to query i iff
+``q_seg[i] == kv_seg[j] != 0`` and (not causal or ``kv_pos[j] <= q_pos[i]``) and the
+window conditions on positions hold.
+
+Block skipping: before each pallas_call the wrapper computes, in XLA, per-block min/max of
+segment ids and positions and classifies every (q block, kv block) pair as *empty* (no
+visible key possible), *full* (every key visible) or *partial*. For each row of blocks it
+passes four int32 loop bounds ``lo <= flo <= fhi <= hi`` to the kernel: blocks outside
+``[lo, hi)`` are never loaded nor computed; ``[flo, fhi)`` is a run of full blocks computed
+without any mask arithmetic; the rest of ``[lo, hi)`` is computed with the per-element mask.
+The forward and dQ kernels loop over kv blocks with these bounds, the dK/dV kernel loops over
+q blocks with the transposed bounds. Since positions are dynamic arrays this covers causal,
+sliding windows, bottom-right alignment, packed segments and padding with one mechanism and
+no static special cases. Blocks inside ``[lo, hi)`` that happen to be empty (e.g. a
+non-contiguous segment layout) are computed with the mask: correct, just not skipped.
+
+Sequence tails and head dims: the wrapper pads Sq/Skv to block multiples (padded tokens get
+segment id 0, so the mask hides them) and head dims to a power of two (zeros, which change
+neither q.k nor the valid output columns), and slices the results.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax._compat import default_interpret, pl, triton_params
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------------------
+# Block sizes
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiles and launch parameters. All block sizes are powers of two >= 16.
+
+    block_q/block_kv, num_warps/num_stages: forward kernel.
+    block_q_bwd/block_kv_bwd, num_warps_bwd/num_stages_bwd: dK/dV kernel (and the dQ kernel
+    unless block_q_dq/block_kv_dq/num_warps_dq are given).
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    block_q_bwd: int = 64
+    block_kv_bwd: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
+    block_q_dq: int | None = None
+    block_kv_dq: int | None = None
+    num_warps_dq: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_q_dq",
+                     "block_kv_dq"):
+            b = getattr(self, name)
+            if b is not None and (b < 16 or b & (b - 1)):
+                raise ValueError(f"BlockSizes.{name}={b} must be a power of two >= 16")
+
+    @property
+    def dq_blocks(self) -> tuple[int, int, int]:
+        return (self.block_q_dq or self.block_q_bwd, self.block_kv_dq or self.block_kv_bwd,
+                self.num_warps_dq or self.num_warps_bwd)
+
+
+# (max head dim, 2-byte dtype?) -> BlockSizes, measured on H100 (jax 0.11.2, Triton lowering);
+# see benchmarks/flash_attention_gpu.py --sweep and benchmarks/results/flash_attention_h100.md.
+_TABLE_16BIT = (
+    (64, BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3, num_warps_bwd=4,
+                    num_stages_bwd=2)),
+    (128, BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=4,
+                     num_stages_bwd=2)),
+    (256, BlockSizes(64, 64, 32, 64, num_warps=8, num_stages=2, num_warps_bwd=8,
+                     num_stages_bwd=1, block_q_dq=64, block_kv_dq=32)),
+)
+_TABLE_32BIT = (
+    (64, BlockSizes(64, 64, 32, 32, num_warps=4, num_stages=2, num_warps_bwd=4,
+                    num_stages_bwd=2)),
+    (128, BlockSizes(64, 32, 32, 32, num_warps=4, num_stages=2, num_warps_bwd=4,
+                     num_stages_bwd=1)),
+    (256, BlockSizes(32, 32, 16, 32, num_warps=4, num_stages=1, num_warps_bwd=4,
+                     num_stages_bwd=1)),
+)
+
+
+def default_block_sizes(head_dim_qk: int, head_dim_v: int, dtype) -> BlockSizes:
+    """Block sizes for a (head dims, dtype) from a small table tuned on the H100."""
+    d = max(_next_pow2(head_dim_qk), _next_pow2(head_dim_v))
+    table = _TABLE_16BIT if jnp.dtype(dtype).itemsize <= 2 else _TABLE_32BIT
+    for max_d, bs in table:
+        if d <= max_d:
+            return bs
+    return table[-1][1]
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+# --------------------------------------------------------------------------------------
+# Static configuration
+# --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    scale: float
+    softcap: float | None
+    causal: bool
+    window_left: int
+    window_right: int
+    blocks: BlockSizes
+    interpret: bool
+
+
+def _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes, interpret):
+    if block_sizes is None:
+        block_sizes = default_block_sizes(q.shape[-1], v.shape[-1], q.dtype)
+    if interpret is None:
+        interpret = default_interpret()
+    return _Cfg(float(scale), None if softcap is None else float(softcap), bool(causal),
+                int(window_left), int(window_right), block_sizes, bool(interpret))
+
+
+def _seq_block(block: int, seq: int) -> int:
+    """Shrink a block for short sequences (but keep >= 16, Triton's smallest dot)."""
+    return max(16, min(block, _next_pow2(seq)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    bq: int
+    bk: int
+    bq_b: int
+    bk_b: int
+    bq_dq: int
+    bk_dq: int
+    sq_pad: int
+    skv_pad: int
+    dqk_pad: int
+    dv_pad: int
+
+
+def _geometry(cfg: _Cfg, sq, skv, dqk, dv) -> _Geom:
+    b = cfg.blocks
+    bq_dq, bk_dq, _ = b.dq_blocks
+    bq, bq_b, bq_dq = (_seq_block(x, sq) for x in (b.block_q, b.block_q_bwd, bq_dq))
+    bk, bk_b, bk_dq = (_seq_block(x, skv) for x in (b.block_kv, b.block_kv_bwd, bk_dq))
+    mq = max(bq, bq_b, bq_dq)
+    mk = max(bk, bk_b, bk_dq)
+    return _Geom(bq, bk, bq_b, bk_b, bq_dq, bk_dq, -(-sq // mq) * mq, -(-skv // mk) * mk,
+                 max(16, _next_pow2(dqk)), max(16, _next_pow2(dv)))
+
+
+def _pad_axis(x, axis, size, value=0):
+    if x is None or x.shape[axis] == size:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pads, constant_values=value)
+
+
+# --------------------------------------------------------------------------------------
+# Block schedule (computed in XLA from the dynamic segment ids / positions)
+# --------------------------------------------------------------------------------------
+def _block_stats(seg, pos, block):
+    B, S = seg.shape
+    s = seg.reshape(B, S // block, block)
+    p = pos.reshape(B, S // block, block)
+    return s.min(-1), s.max(-1), p.min(-1), p.max(-1)
+
+
+def _block_classes(cfg: _Cfg, qseg, qpos, kseg, kpos, bq, bk):
+    """(possible, full), bool [B, nq, nk]: some / every (query, key) pair of a block visible."""
+    qsmin, qsmax, qpmin, qpmax = (x[:, :, None] for x in _block_stats(qseg, qpos, bq))
+    ksmin, ksmax, kpmin, kpmax = (x[:, None, :] for x in _block_stats(kseg, kpos, bk))
+    q_all_pad = (qsmin == 0) & (qsmax == 0)
+    k_all_pad = (ksmin == 0) & (ksmax == 0)
+    possible = (qsmin <= ksmax) & (ksmin <= qsmax) & ~q_all_pad & ~k_all_pad
+    full = (qsmin == qsmax) & (ksmin == ksmax) & (qsmin == ksmin) & (qsmin != 0)
+    if cfg.causal:
+        possible &= kpmin <= qpmax
+        full &= kpmax <= qpmin
+    if cfg.window_left >= 0:
+        possible &= kpmax >= qpmin - cfg.window_left
+        full &= kpmin >= qpmax - cfg.window_left
+    if cfg.window_right >= 0:
+        possible &= kpmin <= qpmax + cfg.window_right
+        full &= kpmax <= qpmin + cfg.window_right
+    return possible, full & possible
+
+
+def _loop_bounds(possible, full):
+    """Reduce the last axis to int32 [..., 4] = (lo, flo, fhi, hi), see module docstring."""
+    n = possible.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    hi = jnp.max(jnp.where(possible, idx + 1, 0), axis=-1)
+    lo = jnp.minimum(jnp.min(jnp.where(possible, idx, n), axis=-1), hi)
+    flo = jnp.min(jnp.where(full, idx, n), axis=-1)
+    fhi = jnp.min(jnp.where(~full & (idx > flo[..., None]), idx, n), axis=-1)
+    none_full = flo >= n
+    flo = jnp.where(none_full, hi, flo)
+    fhi = jnp.where(none_full, hi, jnp.minimum(fhi, hi))
+    return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+
+
+def block_schedule(q_segment_ids, q_positions, kv_segment_ids, kv_positions, *, causal=False,
+                   window_left=-1, window_right=-1, block_q=16, block_kv=16,
+                   transpose=False):
+    """Debug hook: the (lo, flo, fhi, hi) loop bounds the kernels use, int32 [B, n_rows, 4].
+
+    Rows are q blocks (forward / dQ) or, with transpose=True, kv blocks (dK/dV). Sequence
+    lengths must be multiples of the blocks. ``hi - lo`` is the number of blocks visited.
+    """
+    cfg = _Cfg(1.0, None, causal, window_left, window_right, BlockSizes(), True)
+    possible, full = _block_classes(cfg, q_segment_ids, q_positions, kv_segment_ids,
+                                    kv_positions, block_q, block_kv)
+    if transpose:
+        possible, full = possible.swapaxes(1, 2), full.swapaxes(1, 2)
+    return _loop_bounds(possible, full)
+
+
+# --------------------------------------------------------------------------------------
+# Shared in-kernel helpers
+# --------------------------------------------------------------------------------------
+def _logits2(s, cfg: _Cfg, bias):
+    """Raw q.k (fp32) -> logits in base-2 units (times log2 e); also tanh for softcap grads."""
+    t = None
+    if cfg.softcap is not None:
+        t = jnp.tanh(s * (cfg.scale / cfg.softcap))
+        s = t * (cfg.softcap * LOG2E)
+    else:
+        s = s * (cfg.scale * LOG2E)
+    if bias is not None:
+        s = s + bias.astype(jnp.float32) * LOG2E
+    return s, t
+
+
+def _mask(cfg: _Cfg, qseg, qpos, kseg, kpos, transpose=False):
+    """Visibility for a [len(q), len(k)] tile (or [len(k), len(q)] if transpose)."""
+    if transpose:
+        qs, qp, ks, kp = qseg[None, :], qpos[None, :], kseg[:, None], kpos[:, None]
+    else:
+        qs, qp, ks, kp = qseg[:, None], qpos[:, None], kseg[None, :], kpos[None, :]
+    mask = (qs == ks) & (qs != 0)
+    if cfg.causal:
+        mask &= kp <= qp
+    if cfg.window_left >= 0:
+        mask &= kp >= qp - cfg.window_left
+    if cfg.window_right >= 0:
+        mask &= kp <= qp + cfg.window_right
+    return mask
+
+
+def _run_schedule(meta_ref, body, carry):
+    """Run body(j, carry, masked) over [flo, fhi) unmasked and [lo, flo) + [fhi, hi) masked."""
+    lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
+    carry = lax.fori_loop(flo, fhi, lambda j, c: body(j, c, False), carry)
+    n_first = flo - lo
+
+    def masked(t, c):
+        j = jnp.where(t < n_first, lo + t, fhi + (t - n_first))
+        return body(j, c, True)
+
+    return lax.fori_loop(0, n_first + (hi - fhi), masked, carry)
+
+
+# --------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------
+def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, *refs,
+                cfg: _Cfg, bk: int, has_bias: bool):
+    if has_bias:
+        bias_ref, o_ref, lse_ref = refs
+    else:
+        bias_ref = None
+        o_ref, lse_ref = refs
+    bq = q_ref.shape[0]
+    dv = v_ref.shape[-1]
+    q = q_ref[...]
+    qseg = qseg_ref[...]
+    qpos = qpos_ref[...]
+
+    def body(j, carry, masked):
+        acc, m, l = carry
+        start = pl.multiple_of(j * bk, bk)
+        sl = pl.ds(start, bk)
+        k = k_ref[sl, :]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+        s, _ = _logits2(s, cfg, None if bias_ref is None else bias_ref[:, sl])
+        if masked:
+            mask = _mask(cfg, qseg, qpos, kseg_ref[sl], kpos_ref[sl])
+            s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        v = v_ref[sl, :]
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+        return acc, m_new, l
+
+    acc = jnp.zeros((bq, dv), jnp.float32)
+    m = jnp.full((bq,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((bq,), jnp.float32)
+    acc, m, l = _run_schedule(meta_ref, body, (acc, m, l))
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+
+
+def _bias_spec(bias, block, index):
+    """BlockSpec for a [Bb, Hb, Sq, Skv] bias; index(b, h, i, j) gives the grid's block ids."""
+    bb, hb = bias.shape[0], bias.shape[1]
+    return pl.BlockSpec((None, None) + block,
+                        lambda *g: (lambda b, h, i, j: (b if bb > 1 else 0, h if hb > 1 else 0,
+                                                        i, j))(*index(*g)))
+
+
+def _prepare(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
+    """Pad sequences/head dims; returns padded arrays and geometry."""
+    B, Sq, H, Dqk = q.shape
+    Skv, Dv = k.shape[1], v.shape[-1]
+    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[-1] != Dqk or H % k.shape[2]:
+        raise ValueError(f"bad shapes q{q.shape} k{k.shape} v{v.shape}")
+    geo = _geometry(cfg, Sq, Skv, Dqk, Dv)
+    q = _pad_axis(_pad_axis(q, 1, geo.sq_pad), 3, geo.dqk_pad)
+    k = _pad_axis(_pad_axis(k, 1, geo.skv_pad), 3, geo.dqk_pad)
+    v = _pad_axis(_pad_axis(v, 1, geo.skv_pad), 3, geo.dv_pad)
+    qseg = _pad_axis(qseg.astype(jnp.int32), 1, geo.sq_pad)
+    kseg = _pad_axis(kseg.astype(jnp.int32), 1, geo.skv_pad)
+    qpos = _pad_axis(qpos.astype(jnp.int32), 1, geo.sq_pad)
+    kpos = _pad_axis(kpos.astype(jnp.int32), 1, geo.skv_pad)
+    if bias is not None:
+        if bias.ndim != 4 or bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H) or \
+                bias.shape[2:] != (Sq, Skv):
+            raise ValueError(f"bias shape {bias.shape} is not [1|B, 1|H, Sq, Skv]")
+        bias = _pad_axis(_pad_axis(bias, 2, geo.sq_pad), 3, geo.skv_pad)
+    return geo, q, k, v, qseg, qpos, kseg, kpos, bias
+
+
+def _fwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias):
+    B, Sqp, H, Dqk = q.shape
+    Skvp, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = H // G
+    bq, bk = geo.bq, geo.bk
+    nq = Sqp // bq
+    possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
+    meta = _loop_bounds(possible, full)  # [B, nq, 4]
+    grid = (nq, B, H)
+    in_specs = [
+        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0)),
+        pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, Skvp, None, Dqk), lambda i, b, h: (b, 0, h // rep, 0)),
+        pl.BlockSpec((None, Skvp, None, Dv), lambda i, b, h: (b, 0, h // rep, 0)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
+        pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
+    ]
+    args = [meta, q, k, v, qseg, qpos, kseg, kpos]
+    if bias is not None:
+        in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, i, 0)))
+        args.append(bias)
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, cfg=cfg, bk=bk, has_bias=bias is not None),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct((B, Sqp, H, Dv), q.dtype),
+                   jax.ShapeDtypeStruct((B, H, Sqp), jnp.float32)],
+        compiler_params=triton_params(num_warps=cfg.blocks.num_warps,
+                                      num_stages=cfg.blocks.num_stages),
+        interpret=cfg.interpret,
+        name="te_flash_attention_fwd",
+    )(*args)
+    return out, lse
+
+
+def _fwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
+    Sq, Dv = q.shape[1], v.shape[-1]
+    geo, *padded = _prepare(cfg, q, k, v, qseg, qpos, kseg, kpos, bias)
+    out, lse = _fwd_padded(cfg, geo, *padded)
+    return out[:, :Sq, :, :Dv], lse[:, :, :Sq]
+
+
+# --------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------
+def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref,
+                do_ref, lse_ref, delta_ref, *refs, cfg: _Cfg, bq: int, rep: int,
+                has_bias: bool, bias_heads: int):
+    """One kv block of one kv head; loops over the rep query heads and the visible q blocks.
+
+    Works with transposed tiles ([bk, bq]) so only loaded operands are transposed.
+    """
+    if has_bias:
+        bias_ref, dk_ref, dv_ref = refs
+    else:
+        bias_ref = None
+        dk_ref, dv_ref = refs
+    bk, dqk = k_ref.shape
+    dv_dim = v_ref.shape[-1]
+    k = k_ref[...]
+    v = v_ref[...]
+    kseg = kseg_ref[...]
+    kpos = kpos_ref[...]
+
+    def head_loop(r, carry):
+        def body(i, carry, masked):
+            dk, dv = carry
+            start = pl.multiple_of(i * bq, bq)
+            sl = pl.ds(start, bq)
+            q = q_ref[sl, r, :]
+            do = do_ref[sl, r, :]
+            lse2 = lse_ref[r, sl]
+            delta = delta_ref[r, sl]
+            st = jnp.dot(k, q.T, preferred_element_type=jnp.float32)  # [bk, bq]
+            bias_t = None
+            if bias_ref is not None:
+                bias_t = bias_ref[r if bias_heads > 1 else 0, sl, :].T
+            st, tt = _logits2(st, cfg, bias_t)
+            if masked:
+                mask_t = _mask(cfg, qseg_ref[sl], qpos_ref[sl], kseg, kpos, transpose=True)
+                st = jnp.where(mask_t, st, -jnp.inf)
+            pt = jnp.exp2(st - lse2[None, :])
+            dv = dv + jnp.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
+            dpt = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
+            dst = pt * (dpt - delta[None, :])
+            if tt is not None:
+                dst = dst * (1.0 - tt * tt)
+            dk = dk + jnp.dot(dst.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            return dk, dv
+
+        return _run_schedule(meta_ref, body, carry)
+
+    carry = (jnp.zeros((bk, dqk), jnp.float32), jnp.zeros((bk, dv_dim), jnp.float32))
+    if rep == 1:
+        dk, dv = head_loop(0, carry)
+    else:
+        dk, dv = lax.fori_loop(0, rep, head_loop, carry)
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref,
+               do_ref, lse_ref, delta_ref, *refs, cfg: _Cfg, bk: int, nk: int,
+               has_bias: bool):
+    if has_bias:
+        bias_ref, dq_ref, dbias_ref = refs
+    else:
+        bias_ref = dbias_ref = None
+        (dq_ref,) = refs
+    bq, dqk = q_ref.shape
+    q = q_ref[...]
+    do = do_ref[...]
+    lse2 = lse_ref[...]
+    delta = delta_ref[...]
+    qseg = qseg_ref[...]
+    qpos = qpos_ref[...]
+
+    def body(j, dq, masked):
+        start = pl.multiple_of(j * bk, bk)
+        sl = pl.ds(start, bk)
+        k = k_ref[sl, :]
+        v = v_ref[sl, :]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)
+        s, t = _logits2(s, cfg, None if bias_ref is None else bias_ref[:, sl])
+        if masked:
+            s = jnp.where(_mask(cfg, qseg, qpos, kseg_ref[sl], kpos_ref[sl]), s, -jnp.inf)
+        p = jnp.exp2(s - lse2[:, None])
+        dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None])
+        if dbias_ref is not None:
+            dbias_ref[:, sl] = ds.astype(dbias_ref.dtype)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    dq = _run_schedule(meta_ref, body, jnp.zeros((bq, dqk), jnp.float32))
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+    if dbias_ref is not None:
+        # Blocks outside [lo, hi) were skipped: their bias gradient is zero.
+        zeros = jnp.zeros((bq, bk), dbias_ref.dtype)
+
+        def zero(j, c):
+            dbias_ref[:, pl.ds(pl.multiple_of(j * bk, bk), bk)] = zeros
+            return c
+
+        lax.fori_loop(0, meta_ref[0], zero, 0)
+        lax.fori_loop(meta_ref[3], nk, zero, 0)
+
+
+def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout,
+                dlse):
+    B, Sqp, H, Dqk = q.shape
+    Skvp, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = H // G
+    blocks = cfg.blocks
+    # Preprocessing (XLA, memory bound): delta = rowsum(dout * out) - dlse; lse in base 2 with
+    # empty rows (lse = -inf) mapped to 0 so that exp2(-inf - 0) = 0, never NaN.
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse.astype(jnp.float32)
+    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E).astype(jnp.float32)
+    has_bias = bias is not None
+    bias_heads = 1 if bias is None else bias.shape[1]
+
+    # ---- dK / dV: grid over (kv blocks, B, kv heads), loop over q heads of the group.
+    bq, bk = geo.bq_b, geo.bk_b
+    nk = Skvp // bk
+    possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
+    meta_kv = _loop_bounds(possible.swapaxes(1, 2), full.swapaxes(1, 2))  # [B, nk, 4]
+    in_specs = [
+        pl.BlockSpec((None, None, 4), lambda j, b, g: (b, j, 0)),
+        pl.BlockSpec((None, Sqp, rep, Dqk), lambda j, b, g: (b, 0, g, 0)),
+        pl.BlockSpec((None, bk, None, Dqk), lambda j, b, g: (b, j, g, 0)),
+        pl.BlockSpec((None, bk, None, Dv), lambda j, b, g: (b, j, g, 0)),
+        pl.BlockSpec((None, Sqp), lambda j, b, g: (b, 0)),
+        pl.BlockSpec((None, Sqp), lambda j, b, g: (b, 0)),
+        pl.BlockSpec((None, bk), lambda j, b, g: (b, j)),
+        pl.BlockSpec((None, bk), lambda j, b, g: (b, j)),
+        pl.BlockSpec((None, Sqp, rep, Dv), lambda j, b, g: (b, 0, g, 0)),
+        pl.BlockSpec((None, rep, Sqp), lambda j, b, g: (b, g, 0)),
+        pl.BlockSpec((None, rep, Sqp), lambda j, b, g: (b, g, 0)),
+    ]
+    args = [meta_kv, q, k, v, qseg, qpos, kseg, kpos, dout, lse2, delta]
+    if has_bias:
+        bb = bias.shape[0]
+        if bias_heads > 1:
+            spec = pl.BlockSpec((None, rep, Sqp, bk),
+                                lambda j, b, g: (b if bb > 1 else 0, g, 0, j))
+        else:
+            spec = pl.BlockSpec((None, 1, Sqp, bk), lambda j, b, g: (b if bb > 1 else 0, 0, 0, j))
+        in_specs.append(spec)
+        args.append(bias)
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, bq=bq, rep=rep, has_bias=has_bias,
+                          bias_heads=bias_heads),
+        grid=(nk, B, G),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bk, None, Dqk), lambda j, b, g: (b, j, g, 0)),
+                   pl.BlockSpec((None, bk, None, Dv), lambda j, b, g: (b, j, g, 0))],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=triton_params(num_warps=blocks.num_warps_bwd,
+                                      num_stages=blocks.num_stages_bwd),
+        interpret=cfg.interpret,
+        name="te_flash_attention_dkv",
+    )(*args)
+
+    # ---- dQ (and per-element dS for the bias gradient): grid over (q blocks, B, H).
+    bq, bk, warps_dq = geo.bq_dq, geo.bk_dq, blocks.dq_blocks[2]
+    nq, nk = Sqp // bq, Skvp // bk
+    possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
+    meta_q = _loop_bounds(possible, full)  # [B, nq, 4]
+    in_specs = [
+        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0)),
+        pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, Skvp, None, Dqk), lambda i, b, h: (b, 0, h // rep, 0)),
+        pl.BlockSpec((None, Skvp, None, Dv), lambda i, b, h: (b, 0, h // rep, 0)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
+        pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
+        pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+    ]
+    args = [meta_q, q, k, v, qseg, qpos, kseg, kpos, dout, lse2, delta]
+    out_specs = [pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, i, h, 0))]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if has_bias:
+        in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, i, 0)))
+        args.append(bias)
+        out_specs.append(pl.BlockSpec((None, None, bq, Skvp), lambda i, b, h: (b, h, i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, H, Sqp, Skvp), jnp.float32))
+    res = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, bk=bk, nk=nk, has_bias=has_bias),
+        grid=(nq, B, H),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=triton_params(num_warps=warps_dq, num_stages=blocks.num_stages_bwd),
+        interpret=cfg.interpret,
+        name="te_flash_attention_dq",
+    )(*args)
+    dq = res[0]
+    dbias = None
+    if has_bias:
+        dbias = res[1]
+        if bias.shape[0] == 1:
+            dbias = dbias.sum(0, keepdims=True)
+        if bias.shape[1] == 1:
+            dbias = dbias.sum(1, keepdims=True)
+    return dq, dk, dv, dbias
+
+
+def _bwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse):
+    Sq, Skv, Dqk, Dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
+    geo, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp = _prepare(
+        cfg, q, k, v, qseg, qpos, kseg, kpos, bias)
+    outp = _pad_axis(_pad_axis(out, 1, geo.sq_pad), 3, geo.dv_pad)
+    doutp = _pad_axis(_pad_axis(dout.astype(out.dtype), 1, geo.sq_pad), 3, geo.dv_pad)
+    lsep = _pad_axis(lse.astype(jnp.float32), 2, geo.sq_pad, value=-jnp.inf)
+    dlsep = None if dlse is None else _pad_axis(dlse, 2, geo.sq_pad)
+    dq, dk, dv, dbias = _bwd_padded(cfg, geo, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp,
+                                    outp, lsep, doutp, dlsep)
+    dq = dq[:, :Sq, :, :Dqk]
+    dk = dk[:, :Skv, :, :Dqk]
+    dv = dv[:, :Skv, :, :Dv]
+    if dbias is not None:
+        dbias = dbias[:, :, :Sq, :Skv].astype(bias.dtype)
+    return dq, dk, dv, dbias
+
+
+# --------------------------------------------------------------------------------------
+# custom_vjp and public entry points
+# --------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
+    return _fwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias)
+
+
+def _flash_fwd(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
+    out, lse = _fwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias)
+    return (out, lse), (q, k, v, qseg, qpos, kseg, kpos, bias, out, lse)
+
+
+def _flash_bwd(cfg, res, cts):
+    q, k, v, qseg, qpos, kseg, kpos, bias, out, lse = res
+    dout, dlse = cts
+    dq, dk, dv, dbias = _bwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout,
+                                  dlse)
+    return dq, dk, dv, None, None, None, None, dbias
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+_STATIC = ("scale", "softcap", "causal", "window_left", "window_right", "block_sizes",
+           "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def flash_attention(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
+                    bias=None, *, scale: float, softcap: float | None = None,
+                    causal: bool = False, window_left: int = -1, window_right: int = -1,
+                    block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+    """Flash attention with a custom VJP. Returns (out [B,Sq,H,Dv] q.dtype, lse [B,H,Sq] f32).
+
+    Differentiable in q, k, v, bias, including through lse (a nonzero lse cotangent enters
+    the backward as delta = rowsum(dout * out) - dlse).
+    """
+    cfg = _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes,
+                    interpret)
+    return _flash(cfg, q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
+                  bias)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def flash_attention_fwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
+                        bias=None, *, scale: float, softcap: float | None = None,
+                        causal: bool = False, window_left: int = -1, window_right: int = -1,
+                        block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+    """Forward only (no custom_vjp): (out, lse). For context parallelism."""
+    cfg = _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes,
+                    interpret)
+    return _fwd_impl(cfg, q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
+                     bias)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def flash_attention_bwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
+                        bias, out, lse, dout, dlse=None, *, scale: float,
+                        softcap: float | None = None, causal: bool = False,
+                        window_left: int = -1, window_right: int = -1,
+                        block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+    """Gradients (dq, dk, dv, dbias or None) given the saved out/lse and the cotangents.
+
+    ``out``/``lse`` may come from a larger computation (e.g. merged across context-parallel
+    steps): P is recomputed as exp(s - lse) for this k/v chunk.
+    """
+    cfg = _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes,
+                    interpret)
+    return _bwd_impl(cfg, q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
+                     bias, out, lse, dout, dlse)
