@@ -41,12 +41,14 @@ def _fmt_out(x, fmt):
 
 
 def _check(fn_te, fn_ref, args, rtol_fwd=2e-5, rtol_grad=5e-5):
+    fn_te, fn_ref = jax.jit(fn_te), jax.jit(fn_ref)
     out = fn_te(*args)
     ref = fn_ref(*args)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=rtol_fwd, atol=rtol_fwd)
     ct = jax.random.normal(jax.random.key(99), out.shape, jnp.float32)
-    g_te = jax.grad(lambda *a: jnp.sum(fn_te(*a).astype(jnp.float32) * ct), argnums=tuple(range(len(args))))(*args)
-    g_ref = jax.grad(lambda *a: jnp.sum(fn_ref(*a) * ct), argnums=tuple(range(len(args))))(*args)
+    argnums = tuple(range(len(args)))
+    g_te = jax.jit(jax.grad(lambda *a: jnp.sum(fn_te(*a).astype(jnp.float32) * ct), argnums=argnums))(*args)
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(fn_ref(*a) * ct), argnums=argnums))(*args)
     for a, b in zip(g_te, g_ref):
         assert np.isfinite(np.asarray(a, np.float32)).all()
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=rtol_grad, atol=rtol_grad)

@@ -1,0 +1,147 @@
+"""Backend selection: automatic, forced by argument or environment, and explained."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax
+import te_jax.attention as attention_mod
+
+
+def _qkv(b=2, sq=8, skv=8, h=4, g=2, d=64, dv=None, dtype=jnp.bfloat16, fmt="bshd"):
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (b, sq, h, d)).astype(dtype)
+    k = jax.random.normal(ks[1], (b, skv, g, d)).astype(dtype)
+    v = jax.random.normal(ks[2], (b, skv, g, dv or d)).astype(dtype)
+    return tuple(te_jax.from_bshd(t, fmt) for t in (q, k, v))
+
+
+@pytest.fixture
+def fake_h100(monkeypatch):
+    """Pretend to be on an sm90 GPU: selection reasons only, nothing is executed."""
+    monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (9, 0)))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for var in ("TE_JAX_ATTN_BACKEND", "TE_JAX_PALLAS_ATTN", "TE_JAX_CUDNN_ATTN", "TE_JAX_XLA_ATTN", "TE_JAX_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_cpu_auto_picks_xla_and_says_why_not_others():
+    choice = te_jax.explain_attention_backend(*_qkv())
+    assert choice.selected == "xla" and choice.source == "auto"
+    assert "interpret mode" in choice.reasons["pallas"]
+    assert "not a GPU" in choice.reasons["cudnn"]
+    assert "xla" in str(choice) and "cudnn" in str(choice)
+
+
+def test_gpu_auto_prefers_cudnn_then_explains(fake_h100):
+    choice = te_jax.explain_attention_backend(*_qkv(), attn_mask_type="causal")
+    assert choice.selected in ("cudnn", "pallas")
+    assert all(w is None or isinstance(w, str) for w in choice.reasons.values())
+    assert "serves the call" in choice.reasons["xla"]
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(softcap=30.0), "softcap"),
+    (dict(dropout_rate=0.1), "dropout"),
+    (dict(attn_mask_type="causal_bottom_right"), None),  # equal lengths: cuDNN serves
+    (dict(window_size=(4, 4)), "right=0"),
+    (dict(attn_mask_type="padding", q_segment_ids=jnp.ones((2, 8), jnp.int32),
+          kv_segment_ids=jnp.ones((2, 8), jnp.int32)), "segment ids"),
+])
+def test_cudnn_reasons_name_the_feature(fake_h100, kwargs, fragment):
+    choice = te_jax.explain_attention_backend(*_qkv(), **kwargs)
+    why = choice.reasons["cudnn"]
+    if fragment is None:
+        assert why is None or why.startswith("serves the call")
+    else:
+        assert fragment in why, why
+        assert choice.selected in ("pallas", "xla")
+
+
+def test_cudnn_reasons_dtype_headdim_arch(fake_h100, monkeypatch):
+    assert "float32" in te_jax.explain_attention_backend(*_qkv(dtype=jnp.float32)).reasons["cudnn"]
+    assert "head_dim_qk=264" in te_jax.explain_attention_backend(*_qkv(d=264)).reasons["cudnn"]
+    assert "head_dim_qk=264" in te_jax.explain_attention_backend(*_qkv(d=264)).reasons["pallas"]
+    monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (8, 0)))
+    choice = te_jax.explain_attention_backend(*_qkv(d=192))
+    assert "<= 128 on sm80" in choice.reasons["cudnn"]
+    choice = te_jax.explain_attention_backend(*_qkv(d=64, dv=32))
+    assert "sm90+ only" in choice.reasons["cudnn"]
+    monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (7, 5)))
+    choice = te_jax.explain_attention_backend(*_qkv())
+    assert "sm75" in choice.reasons["cudnn"] and "sm75" in choice.reasons["pallas"]
+    assert choice.selected == "xla"
+
+
+def test_thd_is_not_cudnn(fake_h100):
+    q, k, v = (t.reshape(16, *t.shape[2:]) for t in _qkv())
+    choice = te_jax.explain_attention_backend(q, k, v, attn_input_format="thd", attn_mask_type="padding",
+                                              q_seqlens=jnp.array([8, 8]), kv_seqlens=jnp.array([8, 8]))
+    assert "thd" in choice.reasons["cudnn"]
+
+
+def test_env_force_and_disable(monkeypatch, fake_h100):
+    monkeypatch.setenv("TE_JAX_ATTN_BACKEND", "xla")
+    choice = te_jax.explain_attention_backend(*_qkv())
+    assert choice.selected == "xla" and "TE_JAX_ATTN_BACKEND" in choice.source
+    assert "forced" in choice.reasons["cudnn"]
+    monkeypatch.delenv("TE_JAX_ATTN_BACKEND")
+    monkeypatch.setenv("TE_JAX_CUDNN_ATTN", "0")
+    monkeypatch.setenv("TE_JAX_PALLAS_ATTN", "0")
+    choice = te_jax.explain_attention_backend(*_qkv())
+    assert choice.selected == "xla"
+    assert "TE_JAX_CUDNN_ATTN=0" in choice.reasons["cudnn"]
+    assert "TE_JAX_PALLAS_ATTN=0" in choice.reasons["pallas"]
+
+
+def test_argument_beats_environment(monkeypatch):
+    monkeypatch.setenv("TE_JAX_ATTN_BACKEND", "cudnn")
+    choice = te_jax.explain_attention_backend(*_qkv(), backend="xla")
+    assert choice.selected == "xla" and choice.source == "argument"
+
+
+def test_forced_backend_that_cannot_serve_lists_every_reason(monkeypatch):
+    with pytest.raises(ValueError) as e:
+        te_jax.dot_product_attention(*_qkv(), backend="cudnn")
+    msg = str(e.value)
+    assert "cudnn: not a GPU" in msg and "xla" in msg and "backend='xla'" in msg
+    monkeypatch.setenv("TE_JAX_XLA_ATTN", "0")
+    with pytest.raises(ValueError, match="TE_JAX_XLA_ATTN=0"):
+        te_jax.dot_product_attention(*_qkv())
+
+
+def test_forced_pallas_on_cpu_is_allowed_by_selection():
+    choice = te_jax.explain_attention_backend(*_qkv(), backend="pallas")
+    assert choice.reasons["pallas"] is None or "could not be imported" in choice.reasons["pallas"]
+
+
+def test_unknown_names(monkeypatch):
+    with pytest.raises(ValueError, match="backend='fast' is not known"):
+        te_jax.dot_product_attention(*_qkv(), backend="fast")
+    monkeypatch.setenv("TE_JAX_ATTN_BACKEND", "triton")
+    with pytest.raises(ValueError, match="TE_JAX_ATTN_BACKEND='triton'"):
+        te_jax.dot_product_attention(*_qkv())
+
+
+def test_debug_env_logs_each_choice(monkeypatch, caplog):
+    monkeypatch.setenv("TE_JAX_DEBUG", "1")
+    with caplog.at_level(logging.WARNING, logger="te_jax"):
+        te_jax.dot_product_attention(*_qkv(dtype=jnp.float32))
+    assert "attention backend: xla" in caplog.text and "cudnn" in caplog.text
+
+
+def test_dropout_reason_for_pallas(fake_h100):
+    choice = te_jax.explain_attention_backend(*_qkv(), dropout_rate=0.1)
+    assert "dropout is served by the xla backend only" in choice.reasons["pallas"]
+    assert choice.selected == "xla"
+
+
+def test_selected_backend_runs_and_matches_xla():
+    q, k, v = _qkv(dtype=jnp.float32)
+    np.testing.assert_allclose(te_jax.dot_product_attention(q, k, v),
+                               te_jax.dot_product_attention(q, k, v, backend="xla"), rtol=1e-6)
