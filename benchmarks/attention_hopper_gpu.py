@@ -1,0 +1,357 @@
+"""Hopper flash attention on the GPU: correctness vs an fp32 reference, then timings vs peers.
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/attention_hopper_gpu.py [--quick] [--no-variants]
+
+One process: (1) rel-L2 error of hopper_attention (out, lse, dq, dk, dv) vs a plain-jnp fp32
+reference for every case it serves (hd 64/128/256, causal, GQA, bf16/fp16) at real sizes;
+(2) forward and forward+backward TFLOP/s for the target rows (bf16, 16 heads, hd 128,
+batch*seq = 16384) side by side with cuDNN, XLA and the portable Pallas kernel; (3) tuning
+variants.  Prints a table (also written to $OUT/attention_hopper_table.md) and a PNG plot.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.flash_attention_hopper import (  # noqa: E402
+    HopperConfig, attention_reference, default_config, hopper_attention, supports)
+
+OUT = os.environ.get("OUT", "/tmp/attention_hopper_out")
+os.makedirs(OUT, exist_ok=True)
+T0 = time.time()
+LOG = open(os.path.join(OUT, "attention_hopper_log.txt"), "w")
+
+# Targets from shared/README.md (H100, bf16, 16 heads, hd 128, B*S = 16384): fwd, fwd+bwd.
+TARGETS = {
+    (1024, False): dict(cudnn=(529, 385), tokamax=(532, 434)),
+    (1024, True): dict(cudnn=(354, 251), tokamax=(400, 313)),
+    (4096, False): dict(cudnn=(629, 525), tokamax=(591, 496)),
+    (4096, True): dict(cudnn=(529, 442), tokamax=(573, 431)),
+    (16384, False): dict(cudnn=(626, 579), tokamax=(623, 545)),
+    (16384, True): dict(cudnn=(551, 545), tokamax=(625, 498)),
+}
+
+
+def log(*a):
+    s = " ".join(str(x) for x in a)
+    print(s, flush=True)
+    LOG.write(s + "\n")
+    LOG.flush()
+
+
+def elapsed():
+    return time.time() - T0
+
+
+def rel(a, b):
+    a = np.asarray(jnp.asarray(a, jnp.float32))
+    b = np.asarray(jnp.asarray(b, jnp.float32))
+    if not np.all(np.isfinite(a)):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def inputs(key, B, S, H, G, D, dtype):
+    ks = jax.random.split(key, 4)
+    q = jax.random.normal(ks[0], (B, S, H, D), dtype)
+    k = jax.random.normal(ks[1], (B, S, G, D), dtype)
+    v = jax.random.normal(ks[2], (B, S, G, D), dtype)
+    do = jax.random.normal(ks[3], (B, S, H, D), dtype)
+    return q, k, v, do
+
+
+def bench(fn, args, iters=20, warmup=2):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def make_ours(scale, causal, config=None):
+    fwd = jax.jit(lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal,
+                                                   config=config)[0])
+
+    def _fb(q, k, v, do):
+        out, vjp = jax.vjp(lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal,
+                                                            config=config)[0], q, k, v)
+        return vjp(do)
+
+    return fwd, jax.jit(_fb)
+
+
+def make_jax_nn(impl, scale, causal):
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                            implementation=impl)
+
+    def fb(q, k, v, do):
+        out, vjp = jax.vjp(f, q, k, v)
+        return vjp(do)
+
+    return jax.jit(f), jax.jit(fb)
+
+
+def make_portable(scale, causal):
+    from pallas_kernels.flash_attention import flash_attention
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, None, None, None, None, scale=scale, causal=causal)[0]
+
+    def fb(q, k, v, do):
+        out, vjp = jax.vjp(f, q, k, v)
+        return vjp(do)
+
+    return jax.jit(f), jax.jit(fb)
+
+
+# ------------------------------------------------------------------------------------------
+def correctness(quick):
+    log("\n== correctness vs fp32 plain-jnp reference (rel L2) ==")
+    cases = [  # (B, S, H, G, D, causal, dtype)
+        (4, 4096, 16, 16, 128, False, jnp.bfloat16),
+        (4, 4096, 16, 16, 128, True, jnp.bfloat16),
+        (16, 1024, 16, 16, 128, True, jnp.bfloat16),
+        (2, 2048, 16, 4, 128, True, jnp.bfloat16),
+        (2, 2048, 16, 16, 64, False, jnp.bfloat16),
+        (2, 2048, 16, 2, 64, True, jnp.bfloat16),
+        (2, 2048, 8, 8, 256, False, jnp.bfloat16),
+        (2, 2048, 8, 2, 256, True, jnp.bfloat16),
+        (2, 2048, 16, 16, 128, True, jnp.float16),
+        (1, 384, 4, 2, 128, True, jnp.bfloat16),
+    ]
+    if quick:
+        cases = cases[:3] + cases[4:5] + cases[6:7]
+    rows = []
+    for i, (B, S, H, G, D, causal, dt) in enumerate(cases):
+        name = f"B{B} S{S} H{H} G{G} D{D} {'causal' if causal else 'full'} {jnp.dtype(dt).name}"
+        r = supports((B, S, H, D), (B, S, G, D), (B, S, G, D), dt, causal)
+        if r is not None:
+            log(f"  {name}: not served ({r})")
+            continue
+        try:
+            q, k, v, do = inputs(jax.random.key(100 + i), B, S, H, G, D, dt)
+            scale = D ** -0.5
+            f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal)
+            (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)
+            dq, dk, dv = vjp((do, jnp.zeros_like(lse)))
+            ref = jax.jit(lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=causal))
+            f32 = lambda x: x.astype(jnp.float32)
+            (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+            rdq, rdk, rdv = rvjp((f32(do), jnp.zeros_like(rlse)))
+            errs = dict(out=rel(out, rout), lse=rel(lse, rlse), dq=rel(dq, rdq), dk=rel(dk, rdk),
+                        dv=rel(dv, rdv))
+            # an lse cotangent too (the ring-attention merge path)
+            dl = jax.random.normal(jax.random.key(7), lse.shape, jnp.float32)
+            g1 = vjp((do, dl))
+            g2 = rvjp((f32(do), dl))
+            errs["dq_dlse"] = rel(g1[0], g2[0])
+            tol = 2e-2
+            ok = all(np.isfinite(e) and e < tol for e in errs.values())
+            log(f"  {name}: " + " ".join(f"{k}={v:.1e}" for k, v in errs.items())
+                + ("  OK" if ok else "  FAIL"))
+            rows.append(dict(case=name, ok=ok, **errs))
+            del q, k, v, do, out, lse, dq, dk, dv, rout, rlse, rdq, rdk, rdv, g1, g2
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name}: ERROR {type(e).__name__}: {str(e)[:2000]}")
+            traceback.print_exc(file=LOG)
+            rows.append(dict(case=name, ok=False, error=str(e)[:300]))
+        if elapsed() > 200:
+            log("  (stopping correctness early: time budget)")
+            break
+    return rows
+
+
+def timing_rows(quick, budget):
+    log("\n== timings: bf16, H=16, D=128, B*S=16384 (TFLOP/s; fwd+bwd counts 3.5x fwd) ==")
+    H, D = 16, 128
+    seqs = [1024, 4096, 16384]
+    results = []
+    for S in seqs:
+        for causal in (False, True):
+            if elapsed() > budget:
+                log(f"  S={S} causal={causal}: skipped (time budget)")
+                continue
+            B = 16384 // S
+            scale = D ** -0.5
+            q, k, v, do = inputs(jax.random.key(S + causal), B, S, H, H, D, jnp.bfloat16)
+            flops = 4 * B * H * S * S * D / (2 if causal else 1)
+            row = dict(S=S, causal=causal)
+            impls = [("ours", lambda: make_ours(scale, causal)),
+                     ("cudnn", lambda: make_jax_nn("cudnn", scale, causal)),
+                     ("portable", lambda: make_portable(scale, causal))]
+            if S <= 4096 or not quick:
+                impls.append(("xla", lambda: make_jax_nn("xla", scale, causal)))
+            ref_out = None
+            for name, mk in impls:
+                try:
+                    fwd, fb = mk()
+                    iters = 20 if S <= 4096 else 20
+                    o = fwd(q, k, v)
+                    if name == "ours":
+                        ref_out = o
+                    elif ref_out is not None and name == "cudnn":
+                        row["ours_vs_cudnn_rel"] = rel(ref_out, o)
+                    tf = bench(fwd, (q, k, v), iters=iters)
+                    row[f"{name}_fwd"] = flops / tf / 1e12
+                    if elapsed() < budget + 60:
+                        tb = bench(fb, (q, k, v, do), iters=iters)
+                        row[f"{name}_fb"] = 3.5 * flops / tb / 1e12
+                except Exception as e:  # noqa: BLE001
+                    log(f"  S={S} causal={causal} {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
+                    traceback.print_exc(file=LOG)
+            log("  " + json.dumps({k: (round(v, 1) if isinstance(v, float) else v)
+                                   for k, v in row.items()}))
+            results.append(row)
+            del q, k, v, do, ref_out
+    return results
+
+
+def variants(budget):
+    """Tuning sweep at 4k, hd 128 (and a hd 64 / 256 check); errors vs the default's output."""
+    log("\n== variants (B=4, S=4096, H=16) ==")
+    res = []
+    sweeps = [
+        (128, HopperConfig(block_q=64, block_kv=128, stages=2)),
+        (128, HopperConfig(block_q=64, block_kv=64, stages=4)),
+        (128, HopperConfig(block_q=64, block_kv=192, stages=2)),
+        (128, HopperConfig(block_q=64, block_kv=128, stages=2, bwd_stages=3)),
+        (128, HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=1, bwd_stages=3)),
+        (64, HopperConfig(block_q=64, block_kv=128, stages=3)),
+        (64, HopperConfig(block_q=64, block_kv=256, stages=2)),
+        (256, HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)),
+    ]
+    for D, cfg in sweeps:
+        for causal in (False, True):
+            if elapsed() > budget:
+                log("  (variants stopped: time budget)")
+                return res
+            B, S, H = 4, 4096, 16
+            q, k, v, do = inputs(jax.random.key(3), B, S, H, H, D, jnp.bfloat16)
+            scale = D ** -0.5
+            flops = 4 * B * H * S * S * D / (2 if causal else 1)
+            tag = (f"D{D} {'causal' if causal else 'full'} bq{cfg.block_q} bkv{cfg.block_kv} "
+                   f"st{cfg.stages} | bwd wgs{cfg.bwd_wgs} st{cfg.bwd_stages}")
+            try:
+                fwd, fb = make_ours(scale, causal, cfg)
+                cud, _ = make_jax_nn("cudnn", scale, causal)
+                err = rel(fwd(q, k, v), cud(q, k, v))
+                tf = bench(fwd, (q, k, v))
+                tb = bench(fb, (q, k, v, do))
+                r = dict(tag=tag, fwd=flops / tf / 1e12, fb=3.5 * flops / tb / 1e12,
+                         err_vs_cudnn=err)
+                log(f"  {tag}: fwd {r['fwd']:.0f}  fwd+bwd {r['fb']:.0f}  (rel vs cudnn {err:.1e})")
+                res.append(r)
+            except Exception as e:  # noqa: BLE001
+                log(f"  {tag}: ERROR {type(e).__name__}: {str(e)[:600]}")
+                traceback.print_exc(file=LOG)
+    return res
+
+
+def table(results):
+    lines = ["| seq | causal | ours fwd | cuDNN fwd | portable fwd | XLA fwd | best target fwd "
+             "| ours/best | ours fwd+bwd | cuDNN fwd+bwd | portable fwd+bwd | XLA fwd+bwd "
+             "| best target fwd+bwd | ours/best |",
+             "|---" * 14 + "|"]
+
+    def f(r, key):
+        v = r.get(key)
+        return f"{v:.0f}" if v is not None else "-"
+
+    for r in results:
+        tg = TARGETS[(r["S"], r["causal"])]
+        best_f = max([tg["cudnn"][0], tg["tokamax"][0], r.get("cudnn_fwd") or 0])
+        best_b = max([tg["cudnn"][1], tg["tokamax"][1], r.get("cudnn_fb") or 0])
+        rf = f"{r['ours_fwd'] / best_f:.2f}" if r.get("ours_fwd") else "-"
+        rb = f"{r['ours_fb'] / best_b:.2f}" if r.get("ours_fb") else "-"
+        lines.append(f"| {r['S']} | {'yes' if r['causal'] else 'no'} | {f(r, 'ours_fwd')} | "
+                     f"{f(r, 'cudnn_fwd')} | {f(r, 'portable_fwd')} | {f(r, 'xla_fwd')} | {best_f:.0f} "
+                     f"| {rf} | {f(r, 'ours_fb')} | {f(r, 'cudnn_fb')} | {f(r, 'portable_fb')} | "
+                     f"{f(r, 'xla_fb')} | {best_b:.0f} | {rb} |")
+    return "\n".join(lines)
+
+
+def plot(results):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        log("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    labels = [f"{r['S'] // 1024}k{' c' if r['causal'] else ''}" for r in results]
+    x = np.arange(len(results))
+    for ax, suf, title in ((axes[0], "fwd", "forward"), (axes[1], "fb", "forward+backward")):
+        names = ["ours", "cudnn", "portable", "xla"]
+        w = 0.8 / (len(names) + 1)
+        for i, n in enumerate(names):
+            ax.bar(x + i * w, [r.get(f"{n}_{suf}") or 0 for r in results], w, label=n)
+        idx = 0 if suf == "fwd" else 1
+        ax.bar(x + len(names) * w, [TARGETS[(r["S"], r["causal"])]["tokamax"][idx]
+                                    for r in results], w, label="tokamax (README)")
+        ax.set_xticks(x + 0.4 - w / 2)
+        ax.set_xticklabels(labels)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"H100 bf16 H=16 D=128 B*S=16k: {title}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT, "attention_hopper_h100.png"), dpi=110)
+    log(f"plot: {os.path.join(OUT, 'attention_hopper_h100.png')}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--only-variants", action="store_true")
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds before stopping work")
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    log("date: 2026-11-22")
+    log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
+        f"compute capability {getattr(dev, 'compute_capability', '?')}")
+    log(f"supports(hd128 4k causal bf16): {supports((4, 4096, 16, 128), (4, 4096, 16, 128), (4, 4096, 16, 128), jnp.bfloat16, True)}")
+    log(f"default configs: " + ", ".join(f"D{d}: {dataclasses.asdict(default_config(d))}"
+                                         for d in (64, 128, 256)))
+    corr, res, var = [], [], []
+    if not args.only_variants:
+        corr = correctness(args.quick)
+        res = timing_rows(args.quick, budget=args.budget * 0.75)
+    if not args.no_variants:
+        var = variants(args.budget)
+    json.dump(dict(correctness=corr, timings=res, variants=var),
+              open(os.path.join(OUT, "attention_hopper_results.json"), "w"), indent=1, default=str)
+    if res:
+        plot(res)
+        t = table(res)
+        hdr = (f"Hopper flash attention (Pallas Mosaic GPU), date 2026-11-22, {dev.device_kind}, "
+               f"jax {jax.__version__}. TFLOP/s: fwd 4*B*H*S^2*D (half when causal), fwd+bwd 3.5x. "
+               f"'best target' = max(cuDNN measured now, cuDNN and tokamax from shared/README).")
+        open(os.path.join(OUT, "attention_hopper_table.md"), "w").write(hdr + "\n\n" + t + "\n")
+        log("\n" + hdr + "\n" + t)
+    if corr:
+        bad = [c["case"] for c in corr if not c.get("ok")]
+        log(f"\ncorrectness: {len(corr) - len(bad)}/{len(corr)} cases OK" + (f"; FAILED: {bad}" if bad else ""))
+    log(f"total {elapsed():.0f}s")
+
+
+if __name__ == "__main__":
+    main()

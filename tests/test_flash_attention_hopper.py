@@ -1,0 +1,137 @@
+"""Hopper (Mosaic GPU) flash attention.
+
+* Always (CPU CI, jax 0.10.2): the package imports and `supports` gives the exact reasons.
+* jax >= 0.11 with Mosaic GPU's interpreter (`plgpu.InterpretGPUParams`): the kernels run on
+  the CPU in the GPU interpreter (wgmma, TMA, barriers and warpgroups simulated) against the
+  fp32 reference, forward and gradients.  Slow-ish (seconds per case): marked slow.
+* On an sm90 GPU: the real kernels at small sizes.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels.flash_attention_hopper as fah
+from pallas_kernels.flash_attention_hopper import attention_reference, hopper_attention, supports
+
+
+def _has_interpreter():
+    try:
+        from te_jax._compat import mosaic_gpu
+
+        return hasattr(mosaic_gpu(), "InterpretGPUParams")
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _on_sm90():
+    from te_jax._compat import gpu_compute_capability
+
+    cc = gpu_compute_capability()
+    return cc is not None and cc[0] == 9
+
+
+def _rel(a, b):
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+BF = jnp.bfloat16
+
+
+# ---------------------------------------------------------------- supports (CPU, always)
+@pytest.mark.parametrize(
+    "q,k,v,dtype,causal,kw,reason",
+    [
+        ((2, 256, 8, 96), (2, 256, 8, 96), (2, 256, 8, 96), BF, False, {},
+         "head_dim 96 not in {64,128,256}"),
+        ((2, 1000, 8, 128), (2, 1000, 8, 128), (2, 1000, 8, 128), BF, False, {},
+         "sequence length 1000 is not a multiple of the block size 128"),
+        ((2, 256, 8, 128), (2, 200, 8, 128), (2, 200, 8, 128), BF, False, {},
+         "kv sequence length 200 is not a multiple of the block size 128"),
+        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), jnp.float32, False, {},
+         "dtype float32 not in {bfloat16, float16}"),
+        ((2, 256, 8, 128), (2, 256, 3, 128), (2, 256, 3, 128), BF, False, {},
+         "query heads 8 not a multiple of kv heads 3"),
+        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 64), BF, False, {},
+         "head_dim of q/k (128/128) and v (64) differ"),
+        ((2, 256, 8, 128), (2, 512, 8, 128), (2, 512, 8, 128), BF, True, {},
+         "causal needs equal query and kv lengths (got 256 and 512)"),
+        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"window": (64, 0)},
+         "sliding windows are not supported by the Hopper kernel"),
+        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"segment_ids": 1},
+         "segment ids / padding masks are not supported by the Hopper kernel"),
+        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"bias": 1},
+         "attention bias is not supported by the Hopper kernel"),
+        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"softcap": 30.0},
+         "logit softcap is not supported by the Hopper kernel"),
+    ],
+)
+def test_supports_reasons(q, k, v, dtype, causal, kw, reason):
+    assert supports(q, k, v, dtype, causal, **kw) == reason
+
+
+def test_supports_device_reason_on_cpu():
+    shape = (2, 256, 8, 128)
+    assert supports(shape, shape, shape, BF, True, check_device=False) is None
+    assert supports(shape, (2, 256, 2, 128), (2, 256, 2, 128), jnp.float16, False,
+                    check_device=False) is None
+    if jax.default_backend() != "gpu":
+        assert supports(shape, shape, shape, BF, True) == "not an sm90 GPU"
+
+
+def test_public_names():
+    for name in ("hopper_attention", "hopper_attention_fwd", "hopper_attention_bwd", "supports"):
+        assert callable(getattr(fah, name))
+
+
+def test_rejects_unsupported_call():
+    x = jnp.zeros((1, 100, 2, 64), BF)
+    with pytest.raises(ValueError, match="not a multiple of the block size 128"):
+        hopper_attention(x, x, x, scale=0.1)
+
+
+# ---------------------------------------------------------------- kernels
+def _mode():
+    if _on_sm90():
+        return False  # real GPU
+    if _has_interpreter():
+        return True  # Mosaic GPU interpreter on the CPU
+    return None
+
+
+needs_kernel = pytest.mark.skipif(
+    _mode() is None,
+    reason="needs an sm90 GPU or jax>=0.11's Mosaic GPU interpreter (CI runs jax 0.10.2)")
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize(
+    "S,H,G,D,causal",
+    [(256, 2, 2, 64, False), (256, 2, 1, 64, True), (512, 2, 2, 128, True), (256, 2, 1, 256, True)],
+)
+def test_forward_and_grads(S, H, G, D, causal):
+    interpret = _mode()
+    B = 1
+    ks = jax.random.split(jax.random.key(S + D + causal), 5)
+    q = jax.random.normal(ks[0], (B, S, H, D), BF)
+    k = jax.random.normal(ks[1], (B, S, G, D), BF)
+    v = jax.random.normal(ks[2], (B, S, G, D), BF)
+    do = jax.random.normal(ks[3], (B, S, H, D), BF)
+    dl = jax.random.normal(ks[4], (B, H, S), jnp.float32)
+    scale = D ** -0.5
+
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal, interpret=interpret)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=causal)
+    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    assert _rel(out, rout) < 1e-2
+    assert _rel(lse, rlse) < 1e-4
+    grads = vjp((do, dl))
+    rgrads = rvjp((f32(do), dl))
+    for g, rg in zip(grads, rgrads):
+        assert g.shape == rg.shape
+        assert _rel(g, rg) < 2e-2
