@@ -1,0 +1,538 @@
+"""Flax linen attention modules: DotProductAttention, MultiHeadAttention, RelativePositionBiases.
+
+Every attention call goes through `te_jax.dot_product_attention` (or, with
+`context_parallel_axis` set, `te_jax.context_parallel.context_parallel_attention`), which
+validates the call and picks the backend.
+
+Logical axis names of the MultiHeadAttention parameters (h heads, g = num_gqa_groups, d head_dim):
+  qkv/kernel   [embed, 3, h, d]  ("embed", "qkv", "heads", "kv")      fused self-attention, g == h
+  query/kernel [embed, h, d]     ("embed", "heads", "kv")
+  kv/kernel    [embed, 2, g, d]  ("embed", "qkv", "kv_heads", "kv")   fused K/V (GQA or cross-attention)
+  key/kernel, value/kernel [embed, g, d]  ("embed", "kv_heads", "kv") when fuse_qkv_params=False
+  out/kernel   [h, d, embed]     ("heads", "kv", "embed")
+  biases: the kernel's names without "embed" (out/bias: ("embed",)); LayerNorm scale/ln_bias ("embed",).
+RelativePositionBiases: rel_embedding [h, num_buckets] ("heads", "relpos_buckets").
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from te_jax import layouts, masks
+from te_jax.attention import dot_product_attention
+from te_jax.flax._common import (
+    Initializer,
+    batch_seq,
+    check_hidden_input,
+    check_rate,
+    default_kernel_init,
+    param,
+)
+from te_jax.flax.module import DenseGeneral, LayerNormDenseGeneral
+
+ROTARY_GROUP_METHODS = ("consecutive", "alternate")
+ATTN_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
+_PRE = {"bshd": "bs", "sbhd": "sb", "thd": "t"}
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+
+def apply_rotary_pos_emb(x, positions, *, group_method: str = "consecutive", windows=(1, 10000)):
+    """Rotary position embedding of x [..., heads, head_dim] at `positions` (broadcastable to x.shape[:-2]).
+
+    group_method "consecutive": rotate adjacent pairs (x[2i], x[2i+1]) (GPT-J style);
+    "alternate": rotate x[i] with x[i + d/2] (GPT-NeoX / rotate-half style) — TransformerEngine's names.
+    Frequencies: position / (min * (max/min) ** (2i/d)) for windows = (min, max). fp32 math, output x.dtype.
+    """
+    if group_method not in ROTARY_GROUP_METHODS:
+        raise ValueError(f"rotary_pos_emb_group_method={group_method!r} is unknown; expected one of "
+                         f"{ROTARY_GROUP_METHODS}.")
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got head_dim={d}.")
+    half = d // 2
+    lo, hi = windows
+    timescale = lo * (hi / lo) ** (2.0 * jnp.arange(half, dtype=jnp.float32) / d)
+    ang = jnp.asarray(positions, jnp.float32)[..., None, None] / timescale  # [..., 1, half]
+    sin, cos = jnp.sin(ang), jnp.cos(ang)
+    xf = x.astype(jnp.float32)
+    if group_method == "alternate":
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+    return out.astype(x.dtype)
+
+
+def _positions(fmt, b, s, offset=0, segment_ids=None, seqlens=None):
+    """Token positions broadcastable to the [.., heads, d] tensor's leading axes in format fmt."""
+    if fmt == "thd":
+        if segment_ids is None and seqlens is not None:
+            segment_ids = masks._seqlens_to_packed_segments(jnp.asarray(seqlens, jnp.int32), s)
+        if segment_ids is not None:
+            return masks._positions(jnp.asarray(segment_ids, jnp.int32)[None], False)[0] + offset
+        return jnp.arange(s) + offset
+    if segment_ids is not None:
+        pos = masks._positions(jnp.asarray(segment_ids, jnp.int32), False) + offset  # [b, s]
+    else:
+        pos = (jnp.arange(s) + offset)[None, :]  # [1, s]
+    return pos if fmt == "bshd" else pos.T
+
+
+# ----------------------------------------------------------------------------- the shared attention call
+
+
+def _padding_from_mask(mask, fmt, b, sq, skv, module):
+    """TE-style boolean mask (True = masked out) [b, 1|h, sq, skv] -> (q_segment_ids, kv_segment_ids).
+
+    As TransformerEngine's fused attention does, the mask is read as padding: a query row (key column)
+    that is masked everywhere is a padding token. Use `bias` for arbitrary additive masks.
+    """
+    if fmt == "thd":
+        raise ValueError(f"{module}: a dense mask cannot describe attn_input_format='thd'; pass q_seqlens/"
+                         "kv_seqlens or q_segment_ids/kv_segment_ids instead.")
+    shape = tuple(mask.shape)
+    if len(shape) != 4 or shape[0] != b or shape[2] != sq or shape[3] != skv:
+        raise ValueError(
+            f"{module}: mask has shape {shape}; with attn_input_format={fmt!r} the inputs give batch={b}, "
+            f"q_seq={sq}, kv_seq={skv}, so the mask must be [batch, 1 or heads, q_seq, kv_seq] = "
+            f"[{b}, 1, {sq}, {skv}] (always batch-first). If the batch and sequence axes are swapped, the "
+            f"inputs' attn_input_format is probably wrong.")
+    visible = jnp.logical_not(mask.astype(bool))
+    q_seg = jnp.any(visible, axis=(1, 3)).astype(jnp.int32)
+    kv_seg = jnp.any(visible, axis=(1, 2)).astype(jnp.int32)
+    return q_seg, kv_seg
+
+
+def _effective_mask_type(mask_type: str, has_padding: bool) -> str:
+    """Padding types without padding information drop the padding; given padding upgrades the type."""
+    masks.check_mask_type(mask_type)
+    spec = masks.MaskSpec(mask_type)
+    if has_padding and not spec.padding:
+        return {"no_mask": "padding", "causal": "padding_causal",
+                "causal_bottom_right": "padding_causal_bottom_right"}[mask_type]
+    if not has_padding and spec.padding:
+        return {"padding": "no_mask", "padding_causal": "causal",
+                "padding_causal_bottom_right": "causal_bottom_right"}[mask_type]
+    return mask_type
+
+
+def attend(module: nn.Module, q, k, v, *, attn_input_format, attn_mask_type, mask=None, bias=None,
+           attn_bias_type=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
+           window_size=None, softcap=None, scale=None, dropout_rate=0.0, deterministic=True,
+           dropout_rng_name="dropout", float32_logits=False, backend="auto", context_parallel_axis=None,
+           context_parallel_strategy="ring", context_parallel_load_balanced=False, module_name="attention"):
+    """One attention call from a module: mask/bias/dropout policy, then the functional op."""
+    fmt = layouts.check_format(attn_input_format)
+    masks.check_mask_type(attn_mask_type)
+    b, sq = batch_seq(q, fmt)
+    skv = batch_seq(k, fmt)[1]
+    given = [n for n, a in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens),
+                            ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)) if a is not None]
+    if mask is not None:
+        if given:
+            raise ValueError(f"{module_name}: pass either mask or {'/'.join(given)}, not both.")
+        q_segment_ids, kv_segment_ids = _padding_from_mask(mask, fmt, b, sq, skv, module_name)
+    has_padding = mask is not None or bool(given)
+    mask_type = _effective_mask_type(attn_mask_type, has_padding)
+
+    if attn_bias_type is None:
+        attn_bias_type = "no_bias" if bias is None else "post_scale_bias"
+    if attn_bias_type not in ATTN_BIAS_TYPES:
+        raise ValueError(f"{module_name}: attn_bias_type={attn_bias_type!r} is unknown; expected one of "
+                         f"{ATTN_BIAS_TYPES} (or None to follow whether a bias is passed).")
+    if attn_bias_type == "no_bias" and bias is not None:
+        raise ValueError(f"{module_name}: attn_bias_type='no_bias' but a bias was passed; use "
+                         "attn_bias_type='post_scale_bias' (or None).")
+    if attn_bias_type != "no_bias" and bias is None:
+        raise ValueError(f"{module_name}: attn_bias_type={attn_bias_type!r} needs a bias argument.")
+    head_dim = q.shape[-1]
+    eff_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    if bias is not None:
+        if attn_bias_type == "pre_scale_bias":
+            if softcap is not None:
+                raise ValueError(f"{module_name}: attn_bias_type='pre_scale_bias' cannot be combined with softcap.")
+            bias = bias * eff_scale  # (qk + bias)·scale = qk·scale + bias·scale
+        bias = bias.astype(jnp.float32 if float32_logits else q.dtype)
+
+    rate = check_rate(module_name, "attention_dropout", dropout_rate)
+    active = rate > 0.0 and not deterministic
+    rng = module.make_rng(dropout_rng_name) if active else None
+
+    out_dtype = q.dtype
+    if float32_logits:
+        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    else:
+        dt = jnp.result_type(q.dtype, k.dtype, v.dtype)
+        q, k, v = (t.astype(dt) for t in (q, k, v))
+
+    if context_parallel_axis:
+        if bias is not None or active:
+            raise ValueError(f"{module_name}: context parallelism (context_parallel_axis="
+                             f"{context_parallel_axis!r}) supports neither a bias nor attention dropout.")
+        from te_jax.context_parallel import context_parallel_attention  # written concurrently; lazy
+
+        out = context_parallel_attention(
+            q, k, v, cp_axis=context_parallel_axis, strategy=context_parallel_strategy,
+            load_balanced=context_parallel_load_balanced, attn_input_format=fmt, attn_mask_type=mask_type,
+            q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids, window_size=window_size, softcap=softcap, scale=eff_scale,
+            backend=backend)
+    else:
+        out = dot_product_attention(
+            q, k, v, attn_input_format=fmt, attn_mask_type=mask_type, q_seqlens=q_seqlens,
+            kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            window_size=window_size, bias=bias, softcap=softcap, scale=eff_scale,
+            dropout_rate=rate if active else 0.0, dropout_rng=rng, backend=backend)
+    return out.astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- DotProductAttention
+
+
+def _check_heads(module, num_attention_heads, num_gqa_groups):
+    h = num_attention_heads
+    g = h if num_gqa_groups is None else num_gqa_groups
+    for name, val in (("num_attention_heads", h), ("num_gqa_groups", g)):
+        if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val <= 0:
+            raise ValueError(f"{module}: {name}={val!r} must be a positive int.")
+    if h % g:
+        raise ValueError(f"{module}: num_attention_heads={h} is not a multiple of num_gqa_groups={g}; each "
+                         f"key/value head serves h/g query heads, so g must divide h (e.g. g in "
+                         f"{[x for x in range(1, h + 1) if h % x == 0]}).")
+    return int(h), int(g)
+
+
+class DotProductAttention(nn.Module):
+    """Attention core on already-projected q, k, v (te_jax.dot_product_attention).
+
+    __call__(query, key=None, value=None, mask=None, bias=None, *, deterministic=False,
+             q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None)
+
+    Inputs follow `attn_input_format` ("bshd" [b, s, h, d], "sbhd" [s, b, h, d], "thd" [t, h, d])
+    and `qkv_layout` (te_jax.QKV_LAYOUTS; None infers it from the tensors passed): pass
+    (query, key, value) separately, (query, kv) for KV-packed or (qkv,) for QKV-packed layouts.
+    mask: TransformerEngine convention, boolean [b, 1, sq, skv] with True = masked out, read as a
+      padding mask (fully masked rows/columns are padding); or give seqlens / segment ids directly.
+      Padding information turns "causal" into "padding_causal" (etc.); a padding mask type without
+      any padding information behaves as its non-padding variant.
+    attn_bias_type: None (post-scale when a bias is given), "no_bias", "pre_scale_bias", "post_scale_bias".
+    scale_factor: None → 1/sqrt(head_dim). float32_logits: run the attention in fp32.
+    softcap: logits ← softcap·tanh(logits/softcap). attention_dropout draws from `dropout_rng_name`.
+    context_parallel_axis: a mesh axis name → context-parallel attention over that axis
+      (`context_parallel_strategy`, `context_parallel_load_balanced`).
+    Returns [..., h, d_v] in the query's format (thd: [t, h, d_v]).
+    """
+
+    head_dim: int
+    num_attention_heads: int
+    num_gqa_groups: int | None = None
+    attention_dropout: float = 0.0
+    attn_mask_type: str = "causal"
+    attn_bias_type: str | None = None
+    dropout_rng_name: str = "dropout"
+    dtype: Any = jnp.float32
+    float32_logits: bool = False
+    qkv_layout: str | None = None
+    scale_factor: float | None = None
+    attn_input_format: str = "bshd"
+    window_size: tuple[int, int] | None = None
+    softcap: float | None = None
+    backend: str = "auto"
+    context_parallel_axis: str | None = None
+    context_parallel_strategy: str = "ring"
+    context_parallel_load_balanced: bool = False
+
+    @nn.compact
+    def __call__(self, query, key=None, value=None, mask=None, bias=None, *, deterministic: bool = False,
+                 q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None):
+        name = "DotProductAttention"
+        fmt = layouts.check_format(self.attn_input_format)
+        h, g = _check_heads(name, self.num_attention_heads, self.num_gqa_groups)
+        tensors = tuple(t for t in (query, key, value) if t is not None)
+        if value is not None and key is None:
+            raise ValueError(f"{name}: value was given without key.")
+        layout = self.qkv_layout
+        if layout is None:
+            layout = layouts.infer_qkv_layout(query, key, value, attn_input_format=fmt,
+                                              num_attention_heads=h, num_gqa_groups=g)
+        lay = layouts.get_qkv_layout(layout)
+        if lay.attn_input_format != fmt:
+            raise ValueError(f"{name}: qkv_layout={layout!r} is a {lay.attn_input_format!r} layout but "
+                             f"attn_input_format={fmt!r}; use a {fmt!r} layout or change attn_input_format.")
+        q, k, v = layouts.unpack_qkv(*tensors, qkv_layout=layout, num_attention_heads=h, num_gqa_groups=g)
+        if q.shape[-1] != self.head_dim:
+            raise ValueError(f"{name}: head_dim={self.head_dim} but the query has shape {tuple(q.shape)} "
+                             f"(head_dim {q.shape[-1]}) in attn_input_format={fmt!r}.")
+        q, k, v = (jnp.asarray(t, self.dtype) for t in (q, k, v))
+        return attend(self, q, k, v, attn_input_format=fmt, attn_mask_type=self.attn_mask_type, mask=mask,
+                      bias=bias, attn_bias_type=self.attn_bias_type, q_seqlens=q_seqlens,
+                      kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                      window_size=self.window_size, softcap=self.softcap, scale=self.scale_factor,
+                      dropout_rate=self.attention_dropout, deterministic=deterministic,
+                      dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
+                      backend=self.backend, context_parallel_axis=self.context_parallel_axis,
+                      context_parallel_strategy=self.context_parallel_strategy,
+                      context_parallel_load_balanced=self.context_parallel_load_balanced, module_name=name)
+
+
+# ----------------------------------------------------------------------------- MultiHeadAttention
+
+
+def _scaled_init(init, n_blocks: int, scale_first: float):
+    """Init a flattened [fan_in, n_blocks·w] kernel block by block, scaling the first block (the query)."""
+
+    def fn(key, shape, dtype=jnp.float32):
+        fan_in, n = shape
+        w = n // n_blocks
+        keys = jax.random.split(key, n_blocks)
+        blocks = [init(kk, (fan_in, w), dtype) for kk in keys]
+        blocks[0] = blocks[0] * jnp.asarray(scale_first, dtype)
+        return jnp.concatenate(blocks, axis=1)
+
+    return fn
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with projections: [LayerNorm] → Q/K/V → [RoPE] → attention → output projection.
+
+    __call__(inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False,
+             q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None)
+      -> (output, ln_output)   (ln_output None unless return_layernorm_output)
+
+    inputs: [b, s, hidden] ("bshd"), [s, b, hidden] ("sbhd") or [t, hidden] ("thd").
+    Self-attention when inputs_kv is None or is inputs_q (the input LayerNorm feeds Q, K and V);
+    cross-attention otherwise (K/V projected from inputs_kv without a norm).
+    fuse_qkv_params: one [embed, 3, h, d] QKV kernel for self-attention with h == g, split by
+      te_jax.unpack_qkv ("bs3hd"); with GQA or cross-attention Q stays separate and K/V share one
+      [embed, 2, g, d] kernel ("bshd_bs2hd"). False: separate query/key/value kernels.
+    num_gqa_groups: g key/value heads (None = h; 1 = multi-query attention); must divide h.
+    enable_rotary_pos_emb: RoPE on Q and K, rotary_pos_emb_group_method "consecutive" or "alternate",
+      rotary_pos_emb_windows (min, max) timescales; positions restart at 0 in every segment
+      when segment ids are given (and for thd), and continue from the cache index when decoding.
+    decode: autoregressive self-attention with a KV cache in the "cache" collection
+      (cached_key, cached_value [b, max_len, g, d], cache_index). Initialise with decode=True on an
+      input of the maximum length, then apply step by step with mutable=["cache"]; each step attends
+      causally to everything cached so far (masks other than the causal structure are not applied
+      while decoding; a bias over [.., max_len, max_len] is sliced to the current rows).
+    scale_attn_logits / scaled_query_init: TransformerEngine's convention — by default the logits are
+      not scaled (scale 1.0) and the query kernel is initialised divided by sqrt(head_dim);
+      scale_attn_logits=True scales the logits by 1/sqrt(head_dim) (scale_factor overrides both).
+    Other arguments: as DotProductAttention (attn_mask_type, window_size, softcap, float32_logits,
+    attention_dropout, context_parallel_*), LayerNorm (layernorm_type, epsilon, zero_centered_gamma).
+    """
+
+    head_dim: int
+    num_attention_heads: int
+    num_gqa_groups: int | None = None
+    attention_dropout: float = 0.0
+    dropout_rng_name: str = "dropout"
+    input_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    layernorm_epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    return_layernorm_output: bool = False
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    kernel_init: Initializer | None = None
+    attn_mask_type: str = "causal"
+    attn_bias_type: str | None = None
+    enable_rotary_pos_emb: bool = False
+    rotary_pos_emb_windows: tuple[int, int] = (1, 10000)
+    rotary_pos_emb_group_method: str = "consecutive"
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    fuse_qkv_params: bool = True
+    attn_input_format: str = "bshd"
+    enable_sequence_parallel: bool = False  # accepted for TE compatibility; shard with logical axis rules
+    scale_attn_logits: bool = False
+    scaled_query_init: bool = True
+    scale_factor: float | None = None
+    float32_logits: bool = False
+    window_size: tuple[int, int] | None = None
+    softcap: float | None = None
+    backend: str = "auto"
+    norm_backend: str = "auto"
+    context_parallel_axis: str | None = None
+    context_parallel_strategy: str = "ring"
+    context_parallel_load_balanced: bool = False
+
+    @nn.compact
+    def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, decode: bool = False,
+                 deterministic: bool = False, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
+                 kv_segment_ids=None):
+        name = "MultiHeadAttention"
+        fmt = layouts.check_format(self.attn_input_format)
+        h, g = _check_heads(name, self.num_attention_heads, self.num_gqa_groups)
+        d = self.head_dim
+        if not isinstance(d, (int, np.integer)) or d <= 0:
+            raise ValueError(f"{name}: head_dim={d!r} must be a positive int.")
+        if self.enable_rotary_pos_emb and self.rotary_pos_emb_group_method not in ROTARY_GROUP_METHODS:
+            raise ValueError(f"{name}: rotary_pos_emb_group_method={self.rotary_pos_emb_group_method!r} is unknown; "
+                             f"expected one of {ROTARY_GROUP_METHODS}.")
+        is_self = inputs_kv is None or inputs_kv is inputs_q
+        check_hidden_input(inputs_q, fmt, "inputs_q", name)
+        if not is_self:
+            check_hidden_input(inputs_kv, fmt, "inputs_kv", name)
+            if fmt != "thd" and batch_seq(inputs_kv, fmt)[0] != batch_seq(inputs_q, fmt)[0]:
+                raise ValueError(
+                    f"{name}: inputs_q {tuple(inputs_q.shape)} and inputs_kv {tuple(inputs_kv.shape)} have "
+                    f"different batch sizes under attn_input_format={fmt!r}.")
+        hidden = inputs_q.shape[-1]
+
+        base_init = self.kernel_init or default_kernel_init()
+        q_scale = 1.0 / math.sqrt(d) if self.scaled_query_init else 1.0
+        if self.scale_factor is not None:
+            scale = self.scale_factor
+        else:
+            scale = 1.0 / math.sqrt(d) if self.scale_attn_logits else 1.0
+        common = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=self.use_bias,
+                      bias_init=self.bias_init)
+        ln_args = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
+                       epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                       backend=self.norm_backend)
+        pre = _PRE[fmt]
+        ln_out = None
+        if self.fuse_qkv_params and is_self and h == g:
+            qkv, ln_out = LayerNormDenseGeneral(
+                features=(3, h, d), kernel_init=_scaled_init(base_init, 3, q_scale),
+                kernel_axes=("embed", "qkv", "heads", "kv"), bias_axes=("qkv", "heads", "kv"),
+                return_layernorm_output=self.return_layernorm_output, name="qkv", **ln_args, **common)(inputs_q)
+            q, k, v = layouts.unpack_qkv(qkv, qkv_layout=f"{pre}3hd", num_attention_heads=h, num_gqa_groups=g)
+        else:
+            q, ln_q = LayerNormDenseGeneral(
+                features=(h, d), kernel_init=_scaled_init(base_init, 1, q_scale),
+                kernel_axes=("embed", "heads", "kv"), bias_axes=("heads", "kv"),
+                return_layernorm_output=True, name="query", **ln_args, **common)(inputs_q)
+            ln_out = ln_q if self.return_layernorm_output else None
+            kv_in = ln_q if is_self else inputs_kv
+            if self.fuse_qkv_params:
+                kv = DenseGeneral(features=(2, g, d), kernel_init=_scaled_init(base_init, 2, 1.0),
+                                  kernel_axes=("embed", "qkv", "kv_heads", "kv"),
+                                  bias_axes=("qkv", "kv_heads", "kv"), name="kv", **common)(kv_in)
+                q, k, v = layouts.unpack_qkv(q, kv, qkv_layout=f"{fmt}_{pre}2hd", num_attention_heads=h,
+                                             num_gqa_groups=g)
+            else:
+                dense = dict(features=(g, d), kernel_init=base_init, kernel_axes=("embed", "kv_heads", "kv"),
+                             bias_axes=("kv_heads", "kv"), **common)
+                k = DenseGeneral(name="key", **dense)(kv_in)
+                v = DenseGeneral(name="value", **dense)(kv_in)
+
+        b, sq = batch_seq(q, fmt)
+        skv = batch_seq(k, fmt)[1]
+        use_cache = decode and is_self
+        cache_ready = use_cache and self.has_variable("cache", "cached_key")
+        if use_cache and fmt == "thd":
+            raise ValueError(f"{name}: decode=True is not supported with attn_input_format='thd'; use 'bshd' "
+                             "or 'sbhd'.")
+        offset = 0
+        if cache_ready:
+            cache_index = self.get_variable("cache", "cache_index")
+            offset = cache_index
+
+        if self.enable_rotary_pos_emb:
+            rope = dict(group_method=self.rotary_pos_emb_group_method, windows=self.rotary_pos_emb_windows)
+            q_pos = _positions(fmt, b, sq, offset, q_segment_ids, q_seqlens if fmt == "thd" else None)
+            if is_self:
+                kv_pos = q_pos
+            else:
+                kv_pos = _positions(fmt, b, skv, 0, kv_segment_ids, kv_seqlens if fmt == "thd" else None)
+            q = apply_rotary_pos_emb(q, q_pos, **rope)
+            k = apply_rotary_pos_emb(k, kv_pos, **rope)
+
+        attn_args = dict(attn_bias_type=self.attn_bias_type, window_size=self.window_size, softcap=self.softcap,
+                         scale=scale, dropout_rate=self.attention_dropout, deterministic=deterministic,
+                         dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
+                         backend=self.backend, module_name=name)
+        if use_cache:
+            qb, kb, vb = (layouts.to_bshd(t, fmt) for t in (q, k, v))
+            ck = self.variable("cache", "cached_key", jnp.zeros, kb.shape, kb.dtype)
+            cv = self.variable("cache", "cached_value", jnp.zeros, vb.shape, vb.dtype)
+            ci = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+            if cache_ready:
+                max_len = ck.value.shape[1]
+                if kb.shape[0] != ck.value.shape[0] or kb.shape[2:] != ck.value.shape[2:]:
+                    raise ValueError(f"{name}: decode step keys {tuple(kb.shape)} do not fit the cache "
+                                     f"{tuple(ck.value.shape)} ([batch, max_len, kv_heads, head_dim]).")
+                cur = ci.value
+                ck.value = lax.dynamic_update_slice(ck.value, kb.astype(ck.value.dtype), (0, cur, 0, 0))
+                cv.value = lax.dynamic_update_slice(cv.value, vb.astype(cv.value.dtype), (0, cur, 0, 0))
+                ci.value = cur + sq
+                if bias is not None and bias.shape[-2] == max_len and sq != max_len:
+                    bias = lax.dynamic_slice_in_dim(bias, cur, sq, axis=-2)
+                out = attend(self, qb, ck.value, cv.value, attn_input_format="bshd",
+                             attn_mask_type="padding_causal_bottom_right", bias=bias,
+                             q_seqlens=jnp.full((b,), sq, jnp.int32), kv_seqlens=jnp.full((b,), cur + sq, jnp.int32),
+                             **attn_args)
+                out = layouts.from_bshd(out, fmt)
+            else:
+                out = None
+        else:
+            out = None
+        if out is None:
+            out = attend(self, q, k, v, attn_input_format=fmt, attn_mask_type=self.attn_mask_type, mask=mask,
+                         bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
+                         kv_segment_ids=kv_segment_ids, context_parallel_axis=self.context_parallel_axis,
+                         context_parallel_strategy=self.context_parallel_strategy,
+                         context_parallel_load_balanced=self.context_parallel_load_balanced, **attn_args)
+
+        y = DenseGeneral(features=hidden, axis=(-2, -1), kernel_init=base_init, kernel_axes=("heads", "kv", "embed"),
+                         bias_axes=("embed",), name="out", **common)(out)
+        return y, ln_out
+
+
+# ----------------------------------------------------------------------------- RelativePositionBiases
+
+
+class RelativePositionBiases(nn.Module):
+    """T5-style bucketed relative position biases, as TransformerEngine's RelativePositionBiases.
+
+    __call__(q_seqlen, k_seqlen, bidirectional=True) -> [1, heads, q_seqlen, k_seqlen] in `dtype`,
+    to pass as `bias` (post-scale) to the attention modules.
+    Parameter: rel_embedding [heads, num_buckets], logical names `embedding_axes`.
+    """
+
+    num_buckets: int
+    max_distance: int
+    num_attention_heads: int
+    embedding_init: Initializer = nn.initializers.variance_scaling(1.0, "fan_avg", "uniform")
+    embedding_axes: Sequence[str] = ("heads", "relpos_buckets")
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @staticmethod
+    def buckets(q_seqlen, k_seqlen, num_buckets, max_distance, bidirectional=True):
+        """Bucket index [q_seqlen, k_seqlen] of each relative position (numpy, static)."""
+        ctx = np.arange(q_seqlen, dtype=np.int32)[:, None]
+        mem = np.arange(k_seqlen, dtype=np.int32)[None, :]
+        n = -(mem - ctx)
+        bucket = np.zeros_like(n)
+        nb = num_buckets
+        if bidirectional:
+            nb //= 2
+            bucket += (n < 0).astype(np.int32) * nb
+            n = np.abs(n)
+        else:
+            n = np.maximum(n, 0)
+        max_exact = nb // 2
+        is_small = n < max_exact
+        large = max_exact + (np.log(n.astype(np.float32) / max_exact + np.finfo(np.float32).eps)
+                             / np.log(max_distance / max_exact) * (nb - max_exact)).astype(np.int32)
+        large = np.minimum(large, nb - 1)
+        return bucket + np.where(is_small, n, large)
+
+    @nn.compact
+    def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True):
+        rp_bucket = self.buckets(q_seqlen, k_seqlen, self.num_buckets, self.max_distance, bidirectional)
+        table = param(self, "rel_embedding", self.embedding_init, (self.num_attention_heads, self.num_buckets),
+                      self.param_dtype, self.embedding_axes)
+        values = jnp.asarray(table, self.dtype)[:, rp_bucket]  # [h, q, k]
+        return values[None]

@@ -1,0 +1,282 @@
+"""Flax linen modules for normalization, dense layers and the MLP block.
+
+Names and arguments follow `transformer_engine.jax.flax`. Every module computes in `dtype`
+(inputs are cast to it) and stores parameters in `param_dtype`; the math runs in the
+te_jax functional ops (`te_jax.normalization.norm`, `te_jax.mlp.layernorm_dense`,
+`te_jax.mlp.layernorm_mlp`), which pick their backend (see their `explain_*` functions).
+
+Logical axis names of the parameters (defaults; each is a module field):
+  LayerNorm             scale ("embed",)                 ln_bias ("embed",)
+  DenseGeneral          kernel `kernel_axes`             bias `bias_axes`          (default: none)
+  LayerNormDenseGeneral scale/ln_bias ("embed",)         kernel/bias as DenseGeneral
+  LayerNormMLP          scale/ln_bias ("embed",)
+                        wi_kernel [embed, n_act, mlp] ("embed", "act", "mlp")   wi_bias ("act", "mlp")
+                        wo_kernel [mlp, embed]        ("mlp", "embed")          wo_bias ("embed",)
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax import activations as _acts
+from te_jax import mlp as _mlp
+from te_jax import normalization as _norm
+from te_jax.flax._common import Initializer, check_rate, default_kernel_init, dropout, flat_init, param
+
+_zeros = nn.initializers.zeros
+_ones = nn.initializers.ones
+
+
+def _check_layernorm_type(module: str, layernorm_type: str):
+    if layernorm_type not in _norm.LAYERNORM_TYPES:
+        raise ValueError(f"{module}: layernorm_type={layernorm_type!r} is unknown; expected one of "
+                         f"{_norm.LAYERNORM_TYPES}.")
+
+
+def _canonical_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _norm_params(module: nn.Module, d: int, layernorm_type: str, zero_centered_gamma: bool, scale_init,
+                 scale_axes, bias_init, bias_axes, param_dtype):
+    """Create `scale` (and `ln_bias` for layernorm) as TransformerEngine names them."""
+    if scale_init is None:
+        scale_init = _zeros if zero_centered_gamma else _ones
+    gamma = param(module, "scale", scale_init, (d,), param_dtype, scale_axes)
+    beta = None
+    if layernorm_type == "layernorm":
+        beta = param(module, "ln_bias", bias_init, (d,), param_dtype, bias_axes)
+    return gamma, beta
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm or RMSNorm over the last axis (te_jax.normalization.norm).
+
+    layernorm_type: "layernorm" (params `scale`, `ln_bias`) or "rmsnorm" (`scale` only).
+    zero_centered_gamma: y = norm(x) * (1 + scale); `scale` then initialises to zeros.
+    Statistics are fp32; the output has dtype `dtype`.
+    """
+
+    epsilon: float = 1e-6
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: Sequence[str] = ("embed",)
+    bias_init: Initializer = _zeros
+    bias_axes: Sequence[str] = ("embed",)
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    backend: str = "auto"
+
+    @nn.compact
+    def __call__(self, x):
+        _check_layernorm_type("LayerNorm", self.layernorm_type)
+        if x.ndim < 1:
+            raise ValueError(f"LayerNorm: input has shape {tuple(x.shape)}; expected [..., hidden].")
+        gamma, beta = _norm_params(self, x.shape[-1], self.layernorm_type, self.zero_centered_gamma,
+                                   self.scale_init, self.scale_axes, self.bias_init, self.bias_axes,
+                                   self.param_dtype)
+        return _norm.norm(jnp.asarray(x, self.dtype), gamma, beta, layernorm_type=self.layernorm_type,
+                          epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                          backend=self.backend)
+
+
+def _dense(x, kernel, bias, axis: tuple[int, ...], dtype):
+    """Contract `axis` of x with the leading axes of kernel; fp32 accumulation, output in dtype."""
+    x = jnp.asarray(x, dtype)
+    n_in = len(axis)
+    contract = (tuple(axis), tuple(range(n_in)))
+    y = lax.dot_general(x, kernel.astype(dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(dtype)
+
+
+def _normalize_axes(module: str, axis, ndim: int) -> tuple[int, ...]:
+    axes = tuple(a % ndim if -ndim <= a < ndim else None for a in _canonical_tuple(axis))
+    if None in axes:
+        raise ValueError(f"{module}: axis={axis} is out of range for an input of rank {ndim}.")
+    return axes
+
+
+class DenseGeneral(nn.Module):
+    """y = x · kernel + bias, contracting `axis` of x with kernel[*in_dims, *features].
+
+    features: int or tuple of output dims; axis: int or tuple of input axes (default -1).
+    Output axes: the uncontracted input axes (in order) followed by `features`.
+    Parameters: `kernel` (logical names `kernel_axes`), `bias` (`bias_axes`), when use_bias.
+    The default kernel_init is TE's variance_scaling(1.0, 'fan_in', 'truncated_normal') applied to
+    the flattened [prod(in_dims), prod(features)] matrix.
+    """
+
+    features: int | Sequence[int]
+    kernel_init: Initializer | None = None
+    kernel_axes: Sequence[str] = ()
+    use_bias: bool = True
+    bias_init: Initializer = _zeros
+    bias_axes: Sequence[str] = ()
+    axis: int | Sequence[int] = -1
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, inputs):
+        features = _canonical_tuple(self.features)
+        axis = _normalize_axes("DenseGeneral", self.axis, inputs.ndim)
+        in_dims = tuple(inputs.shape[a] for a in axis)
+        init = flat_init(self.kernel_init or default_kernel_init(), len(in_dims))
+        kernel = param(self, "kernel", init, in_dims + features, self.param_dtype, self.kernel_axes)
+        bias = param(self, "bias", self.bias_init, features, self.param_dtype, self.bias_axes) if self.use_bias else None
+        return _dense(inputs, kernel, bias, axis, self.dtype)
+
+
+class LayerNormDenseGeneral(nn.Module):
+    """LayerNorm/RMSNorm fused with a dense layer (te_jax.mlp.layernorm_dense): norm(x) · kernel + bias.
+
+    Returns (output, ln_output); ln_output is the normalized input when return_layernorm_output,
+    else None (TransformerEngine's convention). Contracts the last axis only.
+    Parameters: `scale`, `ln_bias` (scale_axes / ln_bias_axes), `kernel` [hidden, *features]
+    (kernel_axes), `bias` [*features] (bias_axes).
+    """
+
+    features: int | Sequence[int]
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: Sequence[str] = ("embed",)
+    ln_bias_init: Initializer = _zeros
+    ln_bias_axes: Sequence[str] = ("embed",)
+    kernel_init: Initializer | None = None
+    kernel_axes: Sequence[str] = ()
+    use_bias: bool = False
+    bias_init: Initializer = _zeros
+    bias_axes: Sequence[str] = ()
+    return_layernorm_output: bool = False
+    axis: int | Sequence[int] = -1
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    backend: str = "auto"
+
+    @nn.compact
+    def __call__(self, inputs):
+        _check_layernorm_type("LayerNormDenseGeneral", self.layernorm_type)
+        if _normalize_axes("LayerNormDenseGeneral", self.axis, inputs.ndim) != (inputs.ndim - 1,):
+            raise ValueError(f"LayerNormDenseGeneral: axis={self.axis}; only the last axis (-1) is supported.")
+        features = _canonical_tuple(self.features)
+        d = inputs.shape[-1]
+        x = jnp.asarray(inputs, self.dtype)
+        kernel = param(self, "kernel", flat_init(self.kernel_init or default_kernel_init(), 1), (d,) + features,
+                       self.param_dtype, self.kernel_axes)
+        bias = param(self, "bias", self.bias_init, features, self.param_dtype, self.bias_axes) if self.use_bias else None
+        if not self.enable_layernorm:
+            y = _dense(x, kernel, bias, (x.ndim - 1,), self.dtype)
+            return y, (x if self.return_layernorm_output else None)
+        gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
+                                   self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
+        out = _mlp.layernorm_dense(x, gamma, beta, kernel, bias, layernorm_type=self.layernorm_type,
+                                   epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                                   return_layernorm_output=self.return_layernorm_output, backend=self.backend)
+        if self.return_layernorm_output:
+            return out
+        return out, None
+
+
+class LayerNormMLP(nn.Module):
+    """Pre-norm MLP block (te_jax.mlp.layernorm_mlp): norm → wi → activation(s) → dropout → wo.
+
+    activations: ("gelu",), ("relu",), ... or a gated pair ("silu", "linear") (SwiGLU),
+      ("gelu", "linear") (GeGLU): wi_kernel is [hidden, len(activations), intermediate_dim].
+    intermediate_dropout_rate: dropout on the activation output (RNG stream
+      `intermediate_dropout_rng_name`), off when deterministic.
+    Returns (output, ln_output) with ln_output None unless return_layernorm_output.
+    Parameters: scale, ln_bias ("embed",); wi_kernel ("embed", "act", "mlp"); wi_bias ("act", "mlp");
+    wo_kernel ("mlp", "embed"); wo_bias ("embed",) (biases only when use_bias).
+    """
+
+    intermediate_dim: int = 2048
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Initializer | None = None
+    scale_axes: Sequence[str] = ("embed",)
+    ln_bias_init: Initializer = _zeros
+    ln_bias_axes: Sequence[str] = ("embed",)
+    kernel_init: Initializer | None = None
+    kernel_axes_1: Sequence[str] = ("embed", "act", "mlp")
+    kernel_axes_2: Sequence[str] = ("mlp", "embed")
+    use_bias: bool = False
+    bias_init: Initializer = _zeros
+    bias_axes_1: Sequence[str] = ("act", "mlp")
+    bias_axes_2: Sequence[str] = ("embed",)
+    return_layernorm_output: bool = False
+    activations: Sequence[str] = ("relu",)
+    intermediate_dropout_rng_name: str = "dropout"
+    intermediate_dropout_rate: float = 0.1
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    backend: str = "auto"
+
+    @nn.compact
+    def __call__(self, inputs, deterministic: bool = False):
+        _check_layernorm_type("LayerNormMLP", self.layernorm_type)
+        acts = _acts.validate_activations(self.activations, "LayerNormMLP: activations")
+        rate = check_rate("LayerNormMLP", "intermediate_dropout_rate", self.intermediate_dropout_rate)
+        if not isinstance(self.intermediate_dim, int) or self.intermediate_dim <= 0:
+            raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim!r} must be a positive int.")
+        d, f, n_act = inputs.shape[-1], self.intermediate_dim, len(acts)
+        x = jnp.asarray(inputs, self.dtype)
+        init = self.kernel_init or default_kernel_init()
+        w1 = param(self, "wi_kernel", _wi_init(init), (d, n_act, f), self.param_dtype, self.kernel_axes_1)
+        w2 = param(self, "wo_kernel", flat_init(init, 1), (f, d), self.param_dtype, self.kernel_axes_2)
+        b1 = b2 = None
+        if self.use_bias:
+            b1 = param(self, "wi_bias", self.bias_init, (n_act, f), self.param_dtype, self.bias_axes_1)
+            b2 = param(self, "wo_bias", self.bias_init, (d,), self.param_dtype, self.bias_axes_2)
+        active = rate > 0.0 and not deterministic
+        rng = self.make_rng(self.intermediate_dropout_rng_name) if active else None
+        if not self.enable_layernorm:
+            y = _plain_mlp(x, w1, b1, w2, b2, acts, rate if active else 0.0, rng)
+            return y, (x if self.return_layernorm_output else None)
+        gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
+                                   self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
+        out = _mlp.layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, layernorm_type=self.layernorm_type,
+                                 activations=acts, epsilon=self.epsilon,
+                                 zero_centered_gamma=self.zero_centered_gamma,
+                                 return_layernorm_output=self.return_layernorm_output, backend=self.backend,
+                                 dropout_rate=rate, dropout_rng=rng, deterministic=not active)
+        if self.return_layernorm_output:
+            return out
+        return out, None
+
+
+def _wi_init(init):
+    """Each activation's [hidden, intermediate] slice initialised as its own matrix."""
+
+    def fn(key, shape, dtype=jnp.float32):
+        d, n, f = shape
+        keys = jax.random.split(key, n)
+        return jnp.stack([init(k, (d, f), dtype) for k in keys], axis=1)
+
+    return fn
+
+
+def _plain_mlp(x, w1, b1, w2, b2, acts, rate, rng):
+    """MLP without the norm (enable_layernorm=False): jnp GEMMs with fp32 accumulation."""
+    h = jnp.einsum("...d,daf->...af", x, w1.astype(x.dtype), preferred_element_type=jnp.float32)
+    if b1 is not None:
+        h = h + b1.astype(jnp.float32)
+    a = _acts.apply_activations(h.astype(x.dtype).astype(jnp.float32), acts)
+    if rate > 0.0:
+        keep = jax.random.bernoulli(rng, 1.0 - rate, a.shape)
+        a = jnp.where(keep, a / (1.0 - rate), 0.0)
+    y = jnp.einsum("...f,fd->...d", a.astype(x.dtype), w2.astype(x.dtype), preferred_element_type=jnp.float32)
+    if b2 is not None:
+        y = y + b2.astype(jnp.float32)
+    return y.astype(x.dtype)
