@@ -35,9 +35,9 @@ logger = logging.getLogger("te_jax")
 BACKENDS = ("pallas", "xla")
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
-#: What the GPU benchmark measured as faster (benchmarks/results/norms_mlp_h100.md).
+#: What the GPU benchmark measured as faster, per op (benchmarks/results/norms_mlp_h100.md).
 #: auto uses pallas on a GPU only where this says "pallas".
-GPU_MEASURED_FASTER = {"norm": "pallas", "mlp": "pallas"}
+GPU_MEASURED_FASTER = {"layernorm": "pallas", "rmsnorm": "xla", "mlp": "pallas"}
 
 _PALLAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -211,7 +211,7 @@ def explain_norm_backend(x, gamma=None, beta=None, *, layernorm_type="layernorm"
         validate_norm_args(op, x, gamma, beta, layernorm_type)
     reasons = {"xla": None, "pallas": pallas_norm_reasons(x)}
     return select_backend(op, backend, reasons, force_env="TE_JAX_NORM_BACKEND",
-                          disable_env="TE_JAX_PALLAS_NORM", pref_key="norm")
+                          disable_env="TE_JAX_PALLAS_NORM", pref_key=layernorm_type)
 
 
 def _run_norm(op, x, gamma, beta, layernorm_type, epsilon, zero_centered_gamma, backend):

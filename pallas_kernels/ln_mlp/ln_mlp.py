@@ -37,9 +37,9 @@ def _mm_tn(a, b):
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _mm_nt(a, b):
-    """a[M, N] @ b[K, N]^T -> [M, K] fp32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+def _mm_nt(a, b, out_dtype=jnp.float32):
+    """a[M, N] @ b[K, N]^T -> [M, K] (fp32 accumulation, out_dtype result)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
 # ----------------------------------------------------------------------------- norm pieces
@@ -159,7 +159,8 @@ def _ln_mlp_bwd(cfg, res, ct):
     a, act_vjp = jax.vjp(lambda t: apply_activations(t, acts), hf)
     a = a.astype(dt)
     dw2 = _mm_tn(a, dy).astype(w2.dtype)
-    da = _mm_nt(dy, w2)                                  # [T, F] fp32
+    # GEMM outputs in x.dtype (fp32 accumulation inside): an fp32 [T, F] output would double temp memory.
+    da = _mm_nt(dy, w2, dt).astype(jnp.float32)          # [T, F]
     (dh,) = act_vjp(da)                                  # [T, n_act, F] fp32
     dh = dh.reshape(-1, n_act * f)
     db1 = None if b1 is None else jnp.sum(dh, axis=0).reshape(b1.shape).astype(b1.dtype)
@@ -168,7 +169,7 @@ def _ln_mlp_bwd(cfg, res, ct):
     ln = _recompute_ln(x2, gamma, beta, mean, rstd, zc)
     w1f = w1.reshape(d, n_act * f)
     dw1 = _mm_tn(ln, dh).reshape(w1.shape).astype(w1.dtype)
-    dln = _mm_nt(dh, w1f)
+    dln = _mm_nt(dh, w1f, dt if dln_extra is None else jnp.float32)
     if dln_extra is not None:
         dln = dln + dln_extra.astype(jnp.float32)
     dx, dgamma, dbeta = _norm_bwd(dln.astype(dt), x2, gamma, beta, mean, rstd, rms, zc, norm_impl,

@@ -19,8 +19,10 @@ def _norm(x, gamma, beta, rms, epsilon, zero_centered_gamma):
 
 
 def mm(a, b):
-    """[M, K] @ [K, N] with fp32 accumulation."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    """[M, K] @ [K, N] in fp32, as fp32: the output keeps the inputs' dtype so that autodiff's
+    backward GEMMs stay in x.dtype (an fp32-output dot would make them fp32 GEMMs); GPUs
+    accumulate bf16 GEMMs in fp32 anyway. Callers upcast the result for the epilogue."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=a.dtype).astype(jnp.float32)
 
 
 def layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, *, rms=False, activations=("gelu",), epsilon=1e-6,

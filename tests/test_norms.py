@@ -1,0 +1,161 @@
+"""LayerNorm / RMSNorm: xla and pallas (interpret) backends vs an fp32 reference; validation; selection."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.norms import norm_bwd, norm_fwd
+from te_jax import normalization as N
+
+
+def ref_norm(x, gamma, beta, rms, zc, eps=1e-6):
+    x = x.astype(jnp.float32)
+    g = gamma.astype(jnp.float32) + (1.0 if zc else 0.0)
+    if rms:
+        return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * g
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
+    return (x - mu) / jnp.sqrt(var + eps) * g + beta.astype(jnp.float32)
+
+
+def inputs(seed, shape, dtype):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    d = shape[-1]
+    x = (jax.random.normal(k[0], shape) * 1.5 + 0.3).astype(dtype)
+    g = 0.5 + jax.random.uniform(k[1], (d,))
+    b = 0.3 * jax.random.normal(k[2], (d,))
+    dy = jax.random.normal(k[3], shape).astype(dtype)
+    return x, g, b, dy
+
+
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=4e-2, rtol=4e-2)}
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("d,zc", [(48, False), (100, True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_fwd_bwd(backend, layernorm_type, d, zc, dtype):
+    rms = layernorm_type == "rmsnorm"
+    x, g, b, dy = inputs(hash((backend, layernorm_type, d, str(dtype))) % 1000, (2, 3, 5, d), dtype)
+
+    def f(x, g, b):
+        return N.norm(x, g, b, layernorm_type=layernorm_type, zero_centered_gamma=zc, backend=backend)
+
+    def fr(x, g, b):
+        return ref_norm(x, g, b, rms, zc)
+
+    y, vjp = jax.vjp(f, x, g, b)
+    yr, vjpr = jax.vjp(fr, x.astype(jnp.float32), g, b)
+    assert y.dtype == dtype and y.shape == x.shape
+    tol = TOL[dtype]
+    np.testing.assert_allclose(np.asarray(y, np.float32), yr, **tol)
+    dx, dg, db = vjp(dy)
+    dxr, dgr, dbr = vjpr(dy.astype(jnp.float32))
+    assert dx.dtype == dtype
+    np.testing.assert_allclose(np.asarray(dx, np.float32), dxr, **tol)
+    # dgamma/dbeta sum over rows: scale the tolerance with the reduction size.
+    gtol = dict(atol=tol["atol"] * 10, rtol=tol["rtol"])
+    np.testing.assert_allclose(dg, dgr, **gtol)
+    if not rms:
+        np.testing.assert_allclose(db, dbr, **gtol)
+
+
+def test_kernel_stats_and_partials():
+    x, g, b, dy = inputs(7, (37, 100), jnp.float32)  # rows not a multiple of any block
+    y, mean, rstd = norm_fwd(x, g, b, rms=False, interpret=True)
+    np.testing.assert_allclose(mean, x.mean(-1), atol=1e-5)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(np.var(np.asarray(x), -1) + 1e-6), rtol=1e-4)
+    from pallas_kernels.norms import NormConfig
+
+    dx, dg, db = norm_bwd(dy, x, g, mean, rstd, rms=False, config=NormConfig(bwd_grid=3, bwd_block_rows=4),
+                          interpret=True)
+    _, vjpr = jax.vjp(lambda x, g, b: ref_norm(x, g, b, False, False), x, g, b)
+    dxr, dgr, dbr = vjpr(dy)
+    np.testing.assert_allclose(dx, dxr, atol=1e-4)
+    np.testing.assert_allclose(dg, dgr, atol=1e-4)
+    np.testing.assert_allclose(db, dbr, atol=1e-4)
+
+
+def test_wrappers_and_jit():
+    x, g, b, _ = inputs(3, (4, 48), jnp.float32)
+    y1 = jax.jit(lambda x, g, b: N.layernorm(x, g, b, backend="pallas"))(x, g, b)
+    y2 = N.layernorm(x, g, b, backend="xla")
+    np.testing.assert_allclose(y1, y2, atol=1e-5)
+    np.testing.assert_allclose(N.rmsnorm(x, g, backend="pallas"), N.rmsnorm(x, g, backend="xla"), atol=1e-5)
+    # norm(): beta ignored for rmsnorm
+    np.testing.assert_allclose(N.norm(x, g, b, layernorm_type="rmsnorm"), N.rmsnorm(x, g), atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("case,match", [
+    ("gamma_shape", r"gamma has shape \(5,\); expected \(8,\)"),
+    ("beta_shape", r"beta has shape \(8, 1\); expected \(8,\)"),
+    ("beta_none", r"beta is None"),
+    ("int_x", r"x has dtype int32.*floating-point.*astype"),
+    ("int_gamma", r"gamma has dtype int32"),
+    ("type", r"layernorm_type='batchnorm' is unknown.*'layernorm', 'rmsnorm'"),
+    ("backend", r"backend='cuda' is unknown.*'pallas', 'xla'"),
+])
+def test_bad_inputs(case, match):
+    x, g, b = jnp.ones((2, 8)), jnp.ones((8,)), jnp.zeros((8,))
+    kw = {}
+    if case == "gamma_shape":
+        g = jnp.ones((5,))
+    elif case == "beta_shape":
+        b = jnp.zeros((8, 1))
+    elif case == "beta_none":
+        b = None
+    elif case == "int_x":
+        x = jnp.ones((2, 8), jnp.int32)
+    elif case == "int_gamma":
+        g = jnp.ones((8,), jnp.int32)
+    elif case == "type":
+        kw["layernorm_type"] = "batchnorm"
+    elif case == "backend":
+        kw["backend"] = "cuda"
+    with pytest.raises(ValueError, match=match):
+        N.norm(x, g, b, **kw)
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def test_auto_on_cpu_is_xla_and_explained():
+    x = jax.ShapeDtypeStruct((4, 64), jnp.float32)
+    e = N.explain_norm_backend(x, jnp.ones(64), jnp.zeros(64))
+    assert e.selected == "xla"
+    assert e.reasons == {"xla": None, "pallas": None}
+    assert "interpret mode" in str(e)
+
+
+def test_env_force_and_disable(monkeypatch, caplog):
+    x, g, b = jnp.ones((2, 8)), jnp.ones((8,)), jnp.zeros((8,))
+    monkeypatch.setenv("TE_JAX_NORM_BACKEND", "pallas")
+    e = N.explain_norm_backend(x, g, b)
+    assert e.selected == "pallas" and "TE_JAX_NORM_BACKEND" in str(e)
+    # explicit argument wins over the env var
+    assert N.explain_norm_backend(x, g, b, backend="xla").selected == "xla"
+    monkeypatch.setenv("TE_JAX_NORM_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="TE_JAX_NORM_BACKEND='tpu'"):
+        N.layernorm(x, g, b)
+    monkeypatch.delenv("TE_JAX_NORM_BACKEND")
+    monkeypatch.setenv("TE_JAX_PALLAS_NORM", "0")
+    e = N.explain_norm_backend(x, g, b)
+    assert e.selected == "xla" and "TE_JAX_PALLAS_NORM=0" in e.reasons["pallas"]
+    with pytest.raises(ValueError, match="forced but cannot serve.*TE_JAX_PALLAS_NORM=0"):
+        N.layernorm(x, g, b, backend="pallas")
+    monkeypatch.setenv("TE_JAX_DEBUG", "1")
+    with caplog.at_level(logging.INFO, logger="te_jax"):
+        N.layernorm(x, g, b)
+    assert any("layernorm: backend='auto' -> 'xla'" in r.getMessage() for r in caplog.records)
+
+
+def test_too_large_hidden_cannot_use_pallas():
+    x = jax.ShapeDtypeStruct((2, 40000), jnp.float32)
+    e = N.explain_norm_backend(x, backend="pallas")
+    assert e.selected is None and "40000" in e.error
