@@ -1,0 +1,252 @@
+"""layernorm_mlp / layernorm_dense: xla and pallas (interpret) backends vs an fp32 reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from te_jax import mlp as M
+from te_jax.activations import validate_activations
+
+ACT = {
+    "gelu": lambda x: 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))),
+    "relu": lambda x: jnp.maximum(x, 0),
+    "silu": lambda x: x / (1 + jnp.exp(-x)),
+    "quick_gelu": lambda x: x / (1 + jnp.exp(-1.702 * x)),
+    "squared_relu": lambda x: jnp.maximum(x, 0) ** 2,
+    "linear": lambda x: x,
+}
+
+
+def ref_norm(x, g, b, rms, zc, eps=1e-6):
+    g = g + (1.0 if zc else 0.0)
+    if rms:
+        return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * g
+    mu = jnp.mean(x, -1, keepdims=True)
+    return (x - mu) / jnp.sqrt(jnp.mean((x - mu) ** 2, -1, keepdims=True) + eps) * g + b
+
+
+def ref_mlp(x, g, b, w1, b1, w2, b2, *, acts, rms=False, zc=False):
+    ln = ref_norm(x, g, b, rms, zc)
+    h = jnp.einsum("...d,dnf->...nf", ln, w1, precision="highest") + b1
+    a = ACT[acts[0]](h[..., 0, :])
+    if len(acts) == 2:
+        a = a * ACT[acts[1]](h[..., 1, :])
+    return jnp.einsum("...f,fo->...o", a, w2, precision="highest") + b2, ln
+
+
+def make(seed, lead, d, f, do, n_act, dtype):
+    k = jax.random.split(jax.random.PRNGKey(seed), 8)
+    x = jax.random.normal(k[0], (*lead, d)).astype(dtype)
+    g = 0.5 + jax.random.uniform(k[1], (d,))
+    b = 0.2 * jax.random.normal(k[2], (d,))
+    w1 = (jax.random.normal(k[3], (d, n_act, f)) / np.sqrt(d)).astype(dtype)
+    b1 = (0.2 * jax.random.normal(k[4], (n_act, f))).astype(dtype)
+    w2 = (jax.random.normal(k[5], (f, do)) / np.sqrt(f)).astype(dtype)
+    b2 = (0.2 * jax.random.normal(k[6], (do,))).astype(dtype)
+    dy = jax.random.normal(k[7], (*lead, do)).astype(dtype)
+    return (x, g, b, w1, b1, w2, b2), dy
+
+
+def f32(t):
+    return jax.tree.map(lambda a: a.astype(jnp.float32), t)
+
+
+def check_all(got, want, tol):
+    for i, (a, r) in enumerate(zip(got, want)):
+        a = np.asarray(a, np.float32)
+        r = np.asarray(r, np.float32)
+        scale = np.abs(r).max() + 1e-6
+        assert np.abs(a - r).max() <= tol * scale, (i, np.abs(a - r).max(), scale)
+
+
+ACTS = [("gelu",), ("relu",), ("silu",), ("quick_gelu",), ("squared_relu",), ("linear",),
+        ("gelu", "linear"), ("silu", "linear"), ("relu", "linear"), ("quick_gelu", "linear"),
+        ("squared_relu", "linear")]
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("acts", ACTS, ids=lambda a: "-".join(a))
+def test_activations_fp32(backend, acts):
+    args, dy = make(len(acts) * 7 + len(acts[0]), (2, 3), 48, 40, 24, len(acts), jnp.float32)
+    fn = lambda *a: M.layernorm_mlp(*a, activations=acts, backend=backend)
+    y, vjp = jax.vjp(fn, *args)
+    yr, vjpr = jax.vjp(lambda *a: ref_mlp(*a, acts=acts)[0], *args)
+    check_all([y], [yr], 1e-4)
+    check_all(vjp(dy), vjpr(dy), 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("layernorm_type,zc,acts,d", [
+    ("rmsnorm", False, ("gelu",), 100),
+    ("rmsnorm", True, ("silu", "linear"), 48),
+    ("layernorm", True, ("gelu", "linear"), 100),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_types_dtypes(backend, layernorm_type, zc, acts, d, dtype):
+    rms = layernorm_type == "rmsnorm"
+    args, dy = make(d + zc, (2, 2, 3), d, 40, 36, len(acts), dtype)
+    fn = lambda *a: M.layernorm_mlp(*a, layernorm_type=layernorm_type, zero_centered_gamma=zc,
+                                    activations=acts, backend=backend)
+    if rms:
+        args = args[:2] + (None,) + args[3:]
+        fn2 = lambda x, g, w1, b1, w2, b2: fn(x, g, None, w1, b1, w2, b2)
+        fr = lambda x, g, w1, b1, w2, b2: ref_mlp(x, g, 0.0, w1, b1, w2, b2, acts=acts, rms=True, zc=zc)[0]
+        args = tuple(a for i, a in enumerate(args) if i != 2)
+    else:
+        fn2 = fn
+        fr = lambda *a: ref_mlp(*a, acts=acts, zc=zc)[0]
+    y, vjp = jax.vjp(fn2, *args)
+    assert y.dtype == dtype and y.shape == (2, 2, 3, 36)
+    yr, vjpr = jax.vjp(fr, *f32(args))
+    tol = 1e-4 if dtype == jnp.float32 else 4e-2
+    check_all([y], [yr], tol)
+    check_all(vjp(dy), vjpr(dy.astype(jnp.float32)), tol)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_return_layernorm_output(backend):
+    acts = ("silu", "linear")
+    args, dy = make(5, (3, 4), 48, 32, 48, 2, jnp.float32)
+    dln = jax.random.normal(jax.random.PRNGKey(9), (3, 4, 48))
+    fn = lambda *a: M.layernorm_mlp(*a, activations=acts, backend=backend, return_layernorm_output=True)
+    (y, ln), vjp = jax.vjp(fn, *args)
+    (yr, lnr), vjpr = jax.vjp(lambda *a: ref_mlp(*a, acts=acts), *args)
+    check_all([y, ln], [yr, lnr], 1e-4)
+    check_all(vjp((dy, dln)), vjpr((dy, dln)), 1e-4)
+
+
+def test_no_biases_and_fused_gemm_kernel():
+    from pallas_kernels.ln_mlp import ln_mlp as kern
+
+    acts = ("gelu", "linear")
+    (x, g, b, w1, b1, w2, b2), dy = make(11, (5, 3), 100, 40, 20, 2, jnp.float32)
+    for gemm in ("xla", "pallas"):
+        fn = lambda x, g, b, w1, w2: kern.layernorm_mlp(x, g, b, w1, None, w2, None, activations=acts,
+                                                        gemm_impl=gemm, interpret=True)
+        fr = lambda x, g, b, w1, w2: ref_mlp(x, g, b, w1, 0.0, w2, 0.0, acts=acts)[0]
+        y, vjp = jax.vjp(fn, x, g, b, w1, w2)
+        yr, vjpr = jax.vjp(fr, x, g, b, w1, w2)
+        check_all([y], [yr], 1e-4)
+        check_all(vjp(dy), vjpr(dy), 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
+def test_layernorm_dense(backend, layernorm_type):
+    rms = layernorm_type == "rmsnorm"
+    k = jax.random.split(jax.random.PRNGKey(3), 5)
+    x = jax.random.normal(k[0], (2, 3, 48))
+    g = 0.5 + jax.random.uniform(k[1], (48,))
+    b = 0.2 * jax.random.normal(k[2], (48,))
+    w = jax.random.normal(k[3], (48, 4, 6)) / 7
+    bb = jax.random.normal(k[4], (4, 6))
+    dy = jax.random.normal(k[0], (2, 3, 4, 6))
+    dln = jax.random.normal(k[1], (2, 3, 48))
+    fn = lambda x, g, b, w, bb: M.layernorm_dense(x, g, b, w, bb, layernorm_type=layernorm_type, backend=backend,
+                                                  return_layernorm_output=True)
+
+    def fr(x, g, b, w, bb):
+        ln = ref_norm(x, g, 0.0 if rms else b, rms, False)
+        return jnp.einsum("...d,dij->...ij", ln, w, precision="highest") + bb, ln
+
+    (y, ln), vjp = jax.vjp(fn, x, g, b, w, bb)
+    (yr, lnr), vjpr = jax.vjp(fr, x, g, b, w, bb)
+    assert y.shape == (2, 3, 4, 6)
+    check_all([y, ln], [yr, lnr], 1e-4)
+    check_all(vjp((dy, dln)), vjpr((dy, dln)), 1e-4)
+
+
+def test_dropout_xla_only():
+    args, _ = make(1, (4,), 16, 32, 16, 1, jnp.float32)
+    rng = jax.random.PRNGKey(0)
+    kw = dict(dropout_rate=0.5, dropout_rng=rng, deterministic=False)
+    y1 = M.layernorm_mlp(*args, **kw)
+    y2 = M.layernorm_mlp(*args, **kw)
+    y0 = M.layernorm_mlp(*args)
+    np.testing.assert_allclose(y1, y2)
+    assert not np.allclose(y1, y0)
+    e = M.explain_mlp_backend(args[0], backend="auto", dropout_rate=0.5, deterministic=False)
+    assert e.selected == "xla" and "xla path only" in e.reasons["pallas"]
+    with pytest.raises(ValueError, match="dropout is served by the xla path only"):
+        M.layernorm_mlp(*args, backend="pallas", **kw)
+    with pytest.raises(ValueError, match="needs dropout_rng"):
+        M.layernorm_mlp(*args, dropout_rate=0.1, deterministic=False)
+    # deterministic=True: dropout off, pallas serves
+    np.testing.assert_allclose(M.layernorm_mlp(*args, dropout_rate=0.5, backend="pallas"), y0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("w1_rank", r"w1 has shape \(8, 12\); expected \(D, n_act, F\) = \(8, 1, F\).*reshape\(8, 1, -1\)"),
+    ("w1_nact", r"w1 has shape \(8, 1, 12\); expected \(D, n_act, F\) = \(8, 2, F\).*n_act = len\(activations\) = 2"),
+    ("w1_d", r"w1 has shape \(9, 1, 12\); expected .*D = x.shape\[-1\] = 8"),
+    ("b1", r"b1 has shape \(12,\); expected \(n_act, F\) = \(1, 12\)"),
+    ("w2", r"w2 has shape \(10, 8\); expected \(F, D_out\) = \(12, D_out\).*hidden sizes"),
+    ("b2", r"b2 has shape \(7,\); expected \(D_out,\) = \(8,\)"),
+    ("gamma", r"gamma has shape \(4,\); expected \(8,\)"),
+    ("act", r"activations=\('gelu', 'tanh'\).*unknown activation.*Valid choices"),
+    ("act_str", r"activations='gelu' is a string"),
+    ("type", r"layernorm_type='ln' is unknown"),
+    ("backend", r"backend='triton' is unknown"),
+    ("int_w1", r"w1 has dtype int32"),
+    ("rate", r"dropout_rate=1.5"),
+])
+def test_bad_inputs(case, match):
+    x = jnp.ones((2, 8))
+    kw = dict(activations=("gelu",))
+    a = dict(gamma=jnp.ones(8), beta=jnp.zeros(8), w1=jnp.ones((8, 1, 12)), b1=jnp.zeros((1, 12)),
+             w2=jnp.ones((12, 8)), b2=jnp.zeros(8))
+    if case == "w1_rank":
+        a["w1"] = jnp.ones((8, 12))
+    elif case == "w1_nact":
+        kw["activations"] = ("gelu", "linear")
+    elif case == "w1_d":
+        a["w1"] = jnp.ones((9, 1, 12))
+    elif case == "b1":
+        a["b1"] = jnp.zeros(12)
+    elif case == "w2":
+        a["w2"] = jnp.ones((10, 8))
+    elif case == "b2":
+        a["b2"] = jnp.zeros(7)
+    elif case == "gamma":
+        a["gamma"] = jnp.ones(4)
+    elif case == "act":
+        kw["activations"] = ("gelu", "tanh")
+    elif case == "act_str":
+        kw["activations"] = "gelu"
+    elif case == "type":
+        kw["layernorm_type"] = "ln"
+    elif case == "backend":
+        kw["backend"] = "triton"
+    elif case == "int_w1":
+        a["w1"] = jnp.ones((8, 1, 12), jnp.int32)
+    elif case == "rate":
+        kw["dropout_rate"] = 1.5
+    with pytest.raises(ValueError, match=match):
+        M.layernorm_mlp(x, **a, **kw)
+
+
+def test_dense_bad_inputs():
+    x = jnp.ones((2, 8))
+    with pytest.raises(ValueError, match=r"w has shape \(7, 4\); expected \(D, N\)"):
+        M.layernorm_dense(x, jnp.ones(8), jnp.zeros(8), jnp.ones((7, 4)))
+    with pytest.raises(ValueError, match=r"b has shape \(3,\); expected out_dims = \(4,\)"):
+        M.layernorm_dense(x, jnp.ones(8), jnp.zeros(8), jnp.ones((8, 4)), jnp.ones(3))
+
+
+def test_validate_activations():
+    assert validate_activations(["silu", "linear"]) == ("silu", "linear")
+    with pytest.raises(ValueError, match="gated pair must be"):
+        validate_activations(("linear", "gelu"))
+
+
+def test_env_vars_change_choice(monkeypatch):
+    x = jnp.ones((2, 8))
+    monkeypatch.setenv("TE_JAX_MLP_BACKEND", "pallas")
+    e = M.explain_mlp_backend(x)
+    assert e.selected == "pallas" and "TE_JAX_MLP_BACKEND" in str(e)
+    monkeypatch.setenv("TE_JAX_PALLAS_MLP", "0")
+    e = M.explain_mlp_backend(x)
+    assert e.selected is None and "TE_JAX_PALLAS_MLP=0" in e.error
+    monkeypatch.delenv("TE_JAX_MLP_BACKEND")
+    e = M.explain_mlp_backend(x)
+    assert e.selected == "xla" and "TE_JAX_PALLAS_MLP=0" in e.reasons["pallas"]
