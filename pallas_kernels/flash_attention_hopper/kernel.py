@@ -48,6 +48,10 @@ class HopperConfig:
     # The mask is applied only on blocks that cross the diagonal when True; on every block
     # (simpler, slower) when False.  Kept for debugging.
     split_causal: bool = True
+    # dQ accumulated inside the dK/dV kernel (FA3): dS goes to shared memory, dQ partials are
+    # added to a float32 buffer with TMA reduce-add.  5 matmuls per block instead of 7.
+    bwd_dq_atomic: bool = False
+    dq_chunk: int = 64  # head_dim columns per dQ partial (registers)
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -360,7 +364,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 # Backward: dK/dV
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                   want_dk: bool, want_dv: bool, interpret: bool):
+                   want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None):
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
@@ -375,12 +379,21 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     c = float(scale) * LOG2E
     split = cfg.split_causal
 
+    want_dq = dq_acc_ref is not None
+    dqn = min(cfg.dq_chunk, D)
+    if want_dq and not want_dk:
+        raise ValueError("atomic dQ rides on the dK pass")
+
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if want_dq:
+            dq_ref, rest = rest[0], rest[1:]
         outs = rest[: int(want_dk) + int(want_dv)]
         smem, bars = rest[len(outs):]
         dk_ref = outs[0] if want_dk else None
         dv_ref = outs[-1] if want_dv else None
-        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
+        if want_dq:
+            ds_smem2, dq_smem2 = smem[6:]
         (kv_bar, q_bar, do_bar, lse_bar, delta_bar,
          q_cons, do_cons, lse_cons, delta_cons) = bars
         b = lax.axis_index("batch")
@@ -430,19 +443,53 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
                     pT = jnp.where(cols + qb * bq >= rows + kv0, pT, 0.0)
                 plgpu.barrier_wait(do_bar.at[slot])
-                if want_dv:
-                    dv_acc = _mma_into(plgpu, dv_acc, pT.astype(dtype), do_smem.at[slot],
-                                       interpret=interpret)
-                if want_dk:
-                    dpT = _mma(plgpu, (bkv, bq), v_smem, do_smem.at[slot].transpose((1, 0)))
+                if want_dv and want_dk and not interpret:
+                    # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
+                    zT = plgpu.layout_cast(jnp.full((bkv, bq), 0.0, jnp.float32),
+                                           plgpu.Layout.WGMMA)
+                    pT16 = pT.astype(dtype)
+
+                    def _dv_dp(refs):
+                        dv_ref, dp_ref = refs
+                        plgpu.wgmma(dv_ref, pT16, do_smem.at[slot])
+                        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
+
+                    dv_acc, dpT = pl.run_state(_dv_dp)((plgpu.ACC.init(dv_acc),
+                                                        plgpu.ACC.init(zT)))
+                else:
+                    if want_dv:
+                        dv_acc = _mma_into(plgpu, dv_acc, pT.astype(dtype), do_smem.at[slot],
+                                           interpret=interpret)
+                    if want_dk:
+                        dpT = _mma(plgpu, (bkv, bq), v_smem, do_smem.at[slot].transpose((1, 0)))
                 plgpu.barrier_arrive(do_cons.at[slot])
                 if want_dk:
                     plgpu.barrier_wait(delta_bar.at[slot])
                     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     dsT = pT * (dpT - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
                     plgpu.barrier_arrive(delta_cons.at[slot])
-                    dk_acc = _mma_into(plgpu, dk_acc, dsT.astype(dtype), q_smem.at[slot],
+                    dsT16 = dsT.astype(dtype)
+                    if want_dq:
+                        ds_smem = ds_smem2.at[wg]
+                        ds_smem[...] = dsT16
+                        plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
+                    dk_acc = _mma_into(plgpu, dk_acc, dsT16, q_smem.at[slot],
                                        interpret=interpret)
+                    if want_dq:
+                        hh, _ = step_coords(t)
+                        # the previous step's reduce-adds must have read dq_smem
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for ci in range(D // dqn):
+                            part = _mma(plgpu, (bq, dqn), ds_smem.transpose((1, 0)),
+                                        k_smem.at[:, pl.ds(ci * dqn, dqn)])
+                            dq_smem2.at[wg, ci][...] = part
+                        plgpu.commit_smem()
+                        for ci in range(D // dqn):
+                            plgpu.copy_smem_to_gmem(
+                                dq_smem2.at[wg, ci],
+                                dq_ref.at[b, pl.ds(qb * bq, bq), hh, pl.ds(ci * dqn, dqn)],
+                                reduction_op="add", commit_group=False)
+                        plgpu.commit_smem_to_gmem_group()
                 else:
                     plgpu.barrier_wait(delta_bar.at[slot])
                     plgpu.barrier_arrive(delta_cons.at[slot])
@@ -529,7 +576,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             plgpu.SMEM((stages, bq, D), dtype, transforms=tr),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
-        ),
+        ) + ((
+            plgpu.SMEM((wgs, bkv, bq), dtype, transforms=tr),
+            plgpu.SMEM((wgs, D // dqn, bq, dqn), jnp.float32),
+        ) if want_dq else ()),
         (plgpu.Barrier(num_barriers=2 * wgs),)
         + (plgpu.Barrier(num_barriers=stages),) * 4
         + (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 4,
@@ -549,7 +599,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_arg(interpret),
-    )(q, k, v, do, lse2, delta)
+    )(q, k, v, do, lse2, delta, *((dq_acc_ref,) if want_dq else ()))
     return tuple(outs)
 
 
@@ -610,15 +660,22 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             def step_body(t, dq_acc, masked: bool):
                 slot = _rem(t, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = _mma(plgpu, (bq, bkv), q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def _s_dp(s_ref, dp_ref):
+                    # one wgmma group, one wait
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...], dp_ref[...]
+
+                s, dp = pl.run_scoped(_s_dp, plgpu.ACC((bq, bkv), jnp.float32),
+                                      plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(v_cons.at[slot])
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, (bq, bkv), [0]))
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(rows + q0 >= cols + t * bkv, p, 0.0)
-                plgpu.barrier_wait(v_bar.at[slot])
-                dp = _mma(plgpu, (bq, bkv), do_smem, v_smem.at[slot].transpose((1, 0)))
-                plgpu.barrier_arrive(v_cons.at[slot])
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 dq_acc = _mma_into(plgpu, dq_acc, ds.astype(dtype), k_smem.at[slot],
                                    interpret=interpret)
@@ -707,6 +764,17 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         delta = delta - dlse.astype(jnp.float32)
     lse2 = lse.astype(jnp.float32) * LOG2E
     kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret)
+    if cfg.bwd_dq_atomic and not interpret and D <= 128:  # hd256: shared memory too small
+        dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        if D > 128:
+            (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False,
+                                   dq_acc_ref=dq_acc, **kw)
+            (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
+        else:
+            dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
+                                    dq_acc_ref=dq_acc, **kw)
+        dq = (dq_acc[...] * scale).astype(q.dtype)
+        return dq, dk, dv
     if D > 128:
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
