@@ -270,7 +270,7 @@ def main():
         if r["fb_ms"] is None:
             cells = ["n/a", "n/a", f"failed: {r['err'][:60]}"]
         else:
-            cells = [f"{r['fwd_ms']:.2f}", f"{r['fb_ms']:.2f}", f"{fl_fb / (r["fb_ms"] / 1e3) / r["devices"] / 1e12:.1f}"]
+            cells = [f"{r['fwd_ms']:.2f}", f"{r['fb_ms']:.2f}", f"{fl_fb / (r['fb_ms'] / 1e3) / r['devices'] / 1e12:.1f}"]
         eff_cells = []
         for b in effs:
             e = r.get(f"eff_fb_vs_{b}")
