@@ -107,7 +107,10 @@ def build_parser():
     g = p.add_argument_group("training")
     g.add_argument("--seq-len", type=int)
     g.add_argument("--batch", type=int, help="global batch size")
-    g.add_argument("--steps", type=int, help="total optimiser steps (a resumed run continues up to it)")
+    g.add_argument("--steps", type=int, help="total optimiser steps, which also set the schedule (a resumed run "
+                   "continues up to it)")
+    g.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this step, as a preempted job "
+                   "would; --resume continues with the same schedule")
     g.add_argument("--lr", type=float, help="peak learning rate")
     g.add_argument("--warmup", type=int)
     g.add_argument("--weight-decay", type=float, default=0.1)
@@ -259,6 +262,11 @@ def make_model(args, context_parallel=None):
                   context_parallel_strategy=strategy, context_parallel_load_balanced=balanced)
 
 
+def _global_norm(tree):
+    tree_mod = getattr(optax, "tree", None)
+    return tree_mod.norm(tree) if hasattr(tree_mod, "norm") else optax.global_norm(tree)
+
+
 def cross_entropy(logits, targets):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
@@ -338,10 +346,13 @@ class Checkpointer:
         a = self.ocp.args
         self.mngr.save(step, args=a.Composite(state=a.StandardSave(state), meta=a.JsonSave(meta)), force=True)
 
+    def restore_meta(self, step):
+        a = self.ocp.args
+        return self.mngr.restore(step, args=a.Composite(meta=a.JsonRestore()))["meta"]
+
     def restore(self, step, abstract_state):
         a = self.ocp.args
-        out = self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state), meta=a.JsonRestore()))
-        return out["state"], out["meta"]
+        return self.mngr.restore(step, args=a.Composite(state=a.StandardRestore(abstract_state)))["state"]
 
     def close(self):
         self.mngr.wait_until_finished()
@@ -431,7 +442,7 @@ def train(args):
             loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, pos)
             updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
-            return {"params": params, "opt_state": opt_state}, loss, optax.global_norm(grads)
+            return {"params": params, "opt_state": opt_state}, loss, _global_norm(grads)
 
         train_step = jax.jit(train_step, in_shardings=(state_shardings, data_sharding, data_sharding, data_sharding),
                              out_shardings=(state_shardings, replicated, replicated), donate_argnums=0)
@@ -459,9 +470,10 @@ def train(args):
             raise FileNotFoundError(f"--resume: no checkpoint in {os.path.abspath(args.ckpt_dir)}")
         start = ckpt.latest_step()
         abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
-        state, meta = ckpt.restore(start, abstract_state)
+        meta = ckpt.restore_meta(start)
         if meta["config"] != config:
             raise ValueError(f"--resume: the checkpoint's model {meta['config']} differs from the flags' {config}")
+        state = ckpt.restore(start, abstract_state)
         history = meta["history"]
         history["train"] = [h for h in history["train"] if h[0] <= start]
         history["eval"] = [h for h in history["eval"] if h[0] <= start]
@@ -475,13 +487,14 @@ def train(args):
     losses = {}
     tokens_per_step = B * S
     bar = None
-    if tqdm is not None and not args.no_progress and jax.process_index() == 0 and start < args.steps:
-        bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True)
+    end = args.steps if args.stop_after is None else max(start, min(args.steps, args.stop_after))
+    if tqdm is not None and not args.no_progress and jax.process_index() == 0 and start < end:
+        bar = tqdm(total=end, initial=start, desc="train", dynamic_ncols=True)
     t_first = None  # timing starts after the first (compiling) step
     steps_timed = 0
     pending = []
     t0 = time.perf_counter()
-    for step in range(start + 1, args.steps + 1):
+    for step in range(start + 1, end + 1):
         x, y, pos = make_batch(*sample_batch(train_data, B, S, args.seed, step, stream=0))
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
             state, loss, gnorm = train_step(state, x, y, pos)
@@ -492,7 +505,7 @@ def train(args):
             _log(f"step {step}: compiled and ran the first step in {t_first - t0:.1f}s")
         else:
             steps_timed += 1
-        last = step == args.steps
+        last = step == end
         if step % args.log_every == 0 or last or step == start + 1:
             for s, l_, g in pending:
                 losses[s] = float(l_)
@@ -519,13 +532,13 @@ def train(args):
     elapsed = time.perf_counter() - t_first if t_first and steps_timed else float("nan")
     tokens_per_s = steps_timed * tokens_per_step / elapsed if steps_timed else float("nan")
 
-    final_step = max(start, args.steps)
+    final_step = max(start, end)
     eval_loss = evaluate(state["params"])
     if not history["eval"] or history["eval"][-1][0] != final_step:
         history["eval"].append([final_step, eval_loss])
     _log(f"step {final_step}: eval loss {eval_loss:.4f} (held-out bytes; ln(256) = {math.log(256):.3f} is chance)")
     if ckpt is not None:
-        if start < args.steps:
+        if start < end:
             save(final_step)
         ckpt.close()
         _log(f"checkpoint: {os.path.abspath(args.ckpt_dir)} (step {final_step})")

@@ -1,0 +1,96 @@
+"""The training example (examples/train_lm.py) on the CPU: tiny model, few steps.
+
+- loss falls, a checkpoint/resume continues with the same steps and losses as an uninterrupted run,
+  the KV-cache sample and the loss plot are produced;
+- the multi-device mesh (8 fake CPU devices from conftest: data × context [× tensor], context-parallel
+  attention with zig-zag load balancing) gives the losses of the single-device run (fp32).
+"""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_lm.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("train_lm_example", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses (the Flax module) look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+train_lm = _load()
+
+TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq-len", "32", "--batch", "4",
+        "--lr", "1e-2", "--warmup", "2", "--eval-batches", "1", "--eval-every", "0", "--log-every", "1",
+        "--no-progress", "--dtype", "fp32"]
+
+
+def _run(tmp_path, *extra):
+    return train_lm.main(TINY + ["--out-dir", str(tmp_path)] + list(extra))
+
+
+def test_loss_falls_and_resume_matches_uninterrupted_run(tmp_path):
+    full = _run(tmp_path / "full", "--steps", "8", "--sample-len", "12", "--prompt", "def ")
+    losses = [full["losses"][s] for s in range(1, 9)]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[0] > 5.0  # ~ln(256) at initialisation
+    assert max(losses[-2:]) < losses[0] - 0.5, losses
+    assert math.isfinite(full["eval_loss"]) and full["eval_loss"] < losses[0]
+    assert full["sample"].startswith("def ") and len(full["sample"].encode("utf-8", "replace")) >= 4
+    assert os.path.isfile(tmp_path / "full" / "loss.png")
+
+    first = _run(tmp_path / "split", "--steps", "8", "--stop-after", "4", "--sample-len", "0", "--no-plot")
+    assert sorted(first["losses"]) == [1, 2, 3, 4]
+    np.testing.assert_allclose([first["losses"][s] for s in range(1, 5)], losses[:4], rtol=1e-6)
+    resumed = _run(tmp_path / "split", "--steps", "8", "--resume", "--sample-len", "0", "--no-plot")
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8]  # continues at the checkpoint's step
+    assert resumed["step"] == 8
+    np.testing.assert_allclose([resumed["losses"][s] for s in range(5, 9)], losses[4:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(resumed["eval_loss"], full["eval_loss"], rtol=1e-5)
+    assert [h[0] for h in resumed["history"]["train"]] == list(range(1, 9))  # history carried over
+    with pytest.raises(ValueError, match="differs"):  # a checkpoint of another model is refused
+        _run(tmp_path / "split", "--steps", "9", "--resume", "--hidden", "64", "--sample-len", "0", "--no-plot")
+
+
+@pytest.mark.parametrize("mesh,extra", [
+    ("dp=2,cp=4", []),  # ring, load balanced
+    ("dp=2,cp=2,tp=2", ["--attn-input-format", "sbhd", "--cp-strategy", "all_gather", "--gqa-groups", "2",
+                        "--heads", "4", "--untied"]),
+])
+def test_multi_device_matches_single_device(tmp_path, mesh, extra):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (fake) devices; tests/conftest.py sets them")
+    common = ["--steps", "3", "--sample-len", "0", "--no-plot", "--no-ckpt", "--seq-len", "32"] + extra
+    single = _run(tmp_path / "single", *common)
+    multi = _run(tmp_path / "multi", "--mesh", mesh, *common)
+    steps = range(1, 4)
+    np.testing.assert_allclose([multi["losses"][s] for s in steps], [single["losses"][s] for s in steps],
+                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(multi["eval_loss"], single["eval_loss"], rtol=2e-5)
+    if "tp=2" in mesh:  # parameters are sharded through the logical axis names
+        spec = multi["params"]["layer_0"]["mlp"]["wi_kernel"].sharding.spec
+        assert "tensor" in tuple(spec), spec
+
+
+@pytest.mark.slow
+def test_cli_on_fake_devices_prints_summary(tmp_path):
+    """The documented command line: --cpu-devices 8 --mesh dp=2,cp=4 in a fresh process."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, SCRIPT, "--cpu-devices", "8", "--mesh", "dp=2,cp=4", "--steps", "2", "--sample-len", "8",
+           "--no-plot", "--no-ckpt"] + TINY + ["--out-dir", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("summary: steps 2"), res.stdout[-2000:]
+    assert "'context': 4" in last and "8xcpu" in last
