@@ -1,0 +1,65 @@
+"""Flax NNX versions of the te_jax modules (linen modules bridged with flax.nnx.bridge.ToNNX).
+
+Each class takes the linen module's arguments plus `rngs` (an nnx.Rngs with a "params" stream, and a
+"dropout" stream for dropout); parameters are created on the first call, or eagerly with
+`nnx.bridge.lazy_init(module, *sample_inputs)`. Call arguments are those of the linen module.
+
+    from flax import nnx
+    from te_jax.flax import nnx as te_nnx
+
+    layer = te_nnx.TransformerLayer(hidden_size=64, mlp_hidden_size=128, num_attention_heads=4,
+                                    rngs=nnx.Rngs(params=0, dropout=1))
+    nnx.bridge.lazy_init(layer, x)               # create the parameters
+    y = layer(x, deterministic=True)
+    grads = nnx.grad(lambda m: loss(m(x, deterministic=True)))(layer)
+
+Parameters are nnx.Param variables carrying the same logical axis names as the linen modules as
+metadata (nnx.get_partition_spec reads them); they are not sharded eagerly at creation: map the names
+to a mesh with nn.logical_to_mesh_axes / your rules and place the state with jax.device_put or jit.
+"""
+from __future__ import annotations
+
+from flax import nnx as _nnx
+from flax.nnx import bridge
+
+from te_jax.flax import attention as _attention
+from te_jax.flax import module as _module
+from te_jax.flax import transformer as _transformer
+
+lazy_init = bridge.lazy_init
+
+
+class _Bridged(bridge.ToNNX):
+    _linen_cls = None
+
+    def __init__(self, *args, rngs=None, **kwargs):
+        super().__init__(self._linen_cls(*args, **kwargs), rngs=rngs)
+
+    def __call__(self, *args, **kwargs):
+        # The logical axis names stay as metadata on the nnx.Param variables; they are not applied
+        # eagerly (that needs a mesh at creation time). Shard with nnx.get_partition_spec + jit.
+        with _nnx.use_eager_sharding(False):
+            return super().__call__(*args, **kwargs)
+
+
+def _make(linen_cls):
+    doc = (f"NNX version of te_jax.flax.{linen_cls.__name__} (flax.nnx.bridge.ToNNX); takes its arguments "
+           f"plus rngs.\n\n{linen_cls.__doc__ or ''}")
+    return type(linen_cls.__name__, (_Bridged,), {"_linen_cls": linen_cls, "__doc__": doc,
+                                                  "__module__": __name__})
+
+
+LayerNorm = _make(_module.LayerNorm)
+DenseGeneral = _make(_module.DenseGeneral)
+LayerNormDenseGeneral = _make(_module.LayerNormDenseGeneral)
+LayerNormMLP = _make(_module.LayerNormMLP)
+DotProductAttention = _make(_attention.DotProductAttention)
+MultiHeadAttention = _make(_attention.MultiHeadAttention)
+RelativePositionBiases = _make(_attention.RelativePositionBiases)
+TransformerLayer = _make(_transformer.TransformerLayer)
+TransformerLayerType = _transformer.TransformerLayerType
+
+__all__ = [
+    "DenseGeneral", "DotProductAttention", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP",
+    "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "TransformerLayerType", "lazy_init",
+]
