@@ -193,7 +193,7 @@ DQ_CANDIDATES = [(64, 64, 4, 1), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)
 
 
 def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True),
-          n=10, max_cfgs=None):
+          n=10, max_cfgs=None, kernels=("fwd", "dkv", "dq")):
     t_end = time.time() + budget_s
     best = {}
     for causal in causals:
@@ -206,7 +206,8 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
             small = lambda c: D < 256 or c[0] * c[1] <= 64 * 64  # noqa: E731
             # forward
             res = []
-            for bq, bk, w, st in [c for c in FWD_CANDIDATES if small(c)][:max_cfgs]:
+            fwd_cands = FWD_CANDIDATES if "fwd" in kernels else []
+            for bq, bk, w, st in [c for c in fwd_cands if small(c)][:max_cfgs]:
                 if time.time() > t_end:
                     log("[sweep] budget exhausted")
                     return best
@@ -230,6 +231,8 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
             o, lse = jax.jit(lambda q, k, v: flash_attention_fwd(
                 q, k, v, seg, pos, seg, pos, scale=scale, causal=causal))(q, k, v)
             for which, cands in (("dkv", DKV_CANDIDATES), ("dq", DQ_CANDIDATES)):
+                if which not in kernels:
+                    continue
                 res = []
                 for bq, bk, w, st in [c for c in cands if small(c)][:max_cfgs]:
                     if time.time() > t_end:
@@ -267,6 +270,9 @@ def main():
     ap.add_argument("--parts", default="correctness,timing")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-budget", type=float, default=200.0)
+    ap.add_argument("--sweep-dims", default="128,64,256")
+    ap.add_argument("--sweep-causal", default="0,1")
+    ap.add_argument("--sweep-kernels", default="fwd,dkv,dq")
     ap.add_argument("--quick", action="store_true", help="only the 4k rows in timing")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test of this script")
     args = ap.parse_args()
@@ -285,7 +291,10 @@ def main():
             best = sweep(args.sweep_budget, B=1, S=64, H=2, dims=(64,), causals=(True,), n=1,
                          max_cfgs=1)
         else:
-            best = sweep(args.sweep_budget)
+            best = sweep(args.sweep_budget,
+                         dims=tuple(int(x) for x in args.sweep_dims.split(",")),
+                         causals=tuple(bool(int(x)) for x in args.sweep_causal.split(",")),
+                         kernels=tuple(args.sweep_kernels.split(",")))
         log(f"[time] sweep {time.time()-t1:.0f}s")
     rows = []
     if "timing" in parts:

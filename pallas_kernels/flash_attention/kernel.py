@@ -80,12 +80,12 @@ class BlockSizes:
 # (max head dim, 2-byte dtype?) -> BlockSizes, measured on H100 (jax 0.11.2, Triton lowering);
 # see benchmarks/flash_attention_gpu.py --sweep and benchmarks/results/flash_attention_h100.md.
 _TABLE_16BIT = (
-    (64, BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3, num_warps_bwd=4,
+    (64, BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=4,
                     num_stages_bwd=2)),
-    (128, BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=4,
+    (128, BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=2, num_warps_bwd=4,
                      num_stages_bwd=2)),
-    (256, BlockSizes(64, 64, 32, 64, num_warps=8, num_stages=2, num_warps_bwd=8,
-                     num_stages_bwd=1, block_q_dq=64, block_kv_dq=32)),
+    (256, BlockSizes(64, 64, 32, 64, num_warps=4, num_stages=3, num_warps_bwd=8,
+                     num_stages_bwd=2, block_q_dq=64, block_kv_dq=64, num_warps_dq=4)),
 )
 _TABLE_32BIT = (
     (64, BlockSizes(64, 64, 32, 32, num_warps=4, num_stages=2, num_warps_bwd=4,
@@ -361,27 +361,29 @@ def _fwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias):
     nq = Sqp // bq
     possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
     meta = _loop_bounds(possible, full)  # [B, nq, 4]
+    # Program i handles q block nq-1-i: under a causal mask the longest rows start first,
+    # which shortens the tail of the launch.
     grid = (nq, B, H)
     in_specs = [
-        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0)),
-        pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, nq - 1 - i, 0)),
+        pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, nq - 1 - i, h, 0)),
         pl.BlockSpec((None, Skvp, None, Dqk), lambda i, b, h: (b, 0, h // rep, 0)),
         pl.BlockSpec((None, Skvp, None, Dv), lambda i, b, h: (b, 0, h // rep, 0)),
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
         pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
         pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
     ]
     args = [meta, q, k, v, qseg, qpos, kseg, kpos]
     if bias is not None:
-        in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, i, 0)))
+        in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, nq - 1 - i, 0)))
         args.append(bias)
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, bk=bk, has_bias=bias is not None),
         grid=grid,
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+        out_specs=[pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, nq - 1 - i, h, 0)),
+                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))],
         out_shape=[jax.ShapeDtypeStruct((B, Sqp, H, Dv), q.dtype),
                    jax.ShapeDtypeStruct((B, H, Sqp), jnp.float32)],
         compiler_params=triton_params(num_warps=cfg.blocks.num_warps,
@@ -570,25 +572,26 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, ou
     possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
     meta_q = _loop_bounds(possible, full)  # [B, nq, 4]
     in_specs = [
-        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0)),
-        pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, nq - 1 - i, 0)),
+        pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, nq - 1 - i, h, 0)),
         pl.BlockSpec((None, Skvp, None, Dqk), lambda i, b, h: (b, 0, h // rep, 0)),
         pl.BlockSpec((None, Skvp, None, Dv), lambda i, b, h: (b, 0, h // rep, 0)),
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
         pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
         pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
-        pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, i, h, 0)),
-        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+        pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, nq - 1 - i, h, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)),
+        pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)),
     ]
     args = [meta_q, q, k, v, qseg, qpos, kseg, kpos, dout, lse2, delta]
-    out_specs = [pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, i, h, 0))]
+    out_specs = [pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, nq - 1 - i, h, 0))]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     if has_bias:
-        in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, i, 0)))
+        in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, nq - 1 - i, 0)))
         args.append(bias)
-        out_specs.append(pl.BlockSpec((None, None, bq, Skvp), lambda i, b, h: (b, h, i, 0)))
+        out_specs.append(pl.BlockSpec((None, None, bq, Skvp),
+                                      lambda i, b, h: (b, h, nq - 1 - i, 0)))
         out_shape.append(jax.ShapeDtypeStruct((B, H, Sqp, Skvp), jnp.float32))
     res = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, bk=bk, nk=nk, has_bias=has_bias),
