@@ -40,7 +40,8 @@ def reference_attention(q, k, v, tm: TokenMask, bias=None, *, scale: float, soft
     s_masked = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s_masked, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(visible, jnp.exp(s - m_safe), 0.0)
+    # Mask before exp: a hidden logit far above the row max would overflow and poison the gradient.
+    p = jnp.exp(jnp.where(visible, s - m_safe, -jnp.inf))
     l = jnp.sum(p, axis=-1, keepdims=True)
     has_key = l > 0
     l_safe = jnp.where(has_key, l, 1.0)
@@ -75,7 +76,7 @@ def reference_attention_bwd(q, k, v, tm: TokenMask, bias, out, lse, dout, dlse=N
         s = s + jnp.broadcast_to(bias.astype(jnp.float32), (b, h, sq, skv)).reshape(b, g, r, sq, skv)
     visible = dense_mask(tm, causal, window)[:, :, None]
     lse_g = lse.reshape(b, g, r, sq)[..., None]
-    p = jnp.where(visible & jnp.isfinite(lse_g), jnp.exp(s - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0)), 0.0)
+    p = jnp.exp(jnp.where(visible & jnp.isfinite(lse_g), s - jnp.where(jnp.isfinite(lse_g), lse_g, 0.0), -jnp.inf))
     do = dout.astype(jnp.float32).reshape(b, sq, g, r, dv_dim)
     o = out.astype(jnp.float32).reshape(b, sq, g, r, dv_dim)
     delta = jnp.einsum("bqgrd,bqgrd->bgrq", do, o)
