@@ -6,6 +6,14 @@ from te_jax.attention import dot_product_attention, explain_attention_backend
 from te_jax.backends.selection import BACKEND_NAMES as ATTENTION_BACKENDS, BackendChoice
 from te_jax.layouts import FORMATS, QKV_LAYOUTS, from_bshd, infer_qkv_layout, to_bshd, unpack_qkv
 from te_jax.masks import MASK_TYPES
+from te_jax.normalization import explain_norm_backend, layernorm, norm, rmsnorm
+from te_jax.mlp import explain_mlp_backend, layernorm_dense, layernorm_mlp
+from te_jax.context_parallel import (
+    context_parallel_attention,
+    explain_context_parallel_backend,
+    inverse_reorder_causal_load_balancing,
+    reorder_causal_load_balancing,
+)
 
 __version__ = "0.1.0"
 
@@ -13,4 +21,7 @@ __all__ = [
     "ATTENTION_BACKENDS", "BackendChoice", "FORMATS", "MASK_TYPES", "QKV_LAYOUTS",
     "dot_product_attention", "explain_attention_backend", "from_bshd", "infer_qkv_layout",
     "to_bshd", "unpack_qkv",
+    "layernorm", "rmsnorm", "norm", "explain_norm_backend",
+    "layernorm_mlp", "layernorm_dense", "explain_mlp_backend",
+    "context_parallel_attention", "explain_context_parallel_backend", "reorder_causal_load_balancing", "inverse_reorder_causal_load_balancing",
 ]
