@@ -398,7 +398,8 @@ def _input_spec_axes(x, dim, mesh):
 
 
 def _resolve_axes(given, inferred, argname, cp_axis, mesh, size, what):
-    axes = _as_axes(given) if given is not None else inferred
+    # Inferred from the input's sharding: a cp_axis entry there is dropped (the input gets resharded).
+    axes = _as_axes(given) if given is not None else tuple(a for a in inferred if a != cp_axis)
     names = tuple(mesh.axis_names)
     for a in axes:
         if a not in names:

@@ -358,3 +358,17 @@ def test_explain_backend():
     choice = tcp.explain_context_parallel_backend(*_small(8), cp_axis="cp", mesh=mesh)
     assert choice.selected == ("pallas" if jax.default_backend() == "gpu" else "xla")
     assert "context parallelism" in choice.reasons["cudnn"] or jax.default_backend() != "gpu"
+
+
+def test_input_batch_sharded_on_cp_axis_is_resharded():
+    """An Explicit input sharded on cp_axis along the batch is resharded (sequence on cp), not refused."""
+    mesh = _mesh((2,), ("cp",))
+    q, k, v, _ = _qkv(13)
+    sh = NamedSharding(mesh, P("cp"))
+    qs, ks, vs = (jax.device_put(t, sh) for t in (q, k, v))
+    f = functools.partial(tcp.context_parallel_attention, cp_axis="cp", mesh=mesh, strategy="all_gather",
+                          load_balanced=False, attn_mask_type="causal")
+    out = jax.jit(f)(qs, ks, vs)
+    assert out.sharding.spec[1] == "cp"
+    ref = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="xla")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
