@@ -463,9 +463,11 @@ def _prepare(query, key, value, *, cp_axis, mesh, strategy, load_balanced, attn_
     fmt = layouts.check_format(attn_input_format)
     if fmt == "thd":
         raise ValueError(
-            "context_parallel_attention: attn_input_format='thd' is not supported: packed sequences share one "
-            "token axis whose shards would cut sequences at arbitrary points and the zig-zag reorder would mix "
-            "them. Use 'bshd' or 'sbhd' with q_segment_ids/kv_segment_ids ([batch, seq]) for packed sequences.")
+            "context_parallel_attention: attn_input_format='thd' is not supported (not wired here: the packed "
+            "token axis and its seqlens are not split over devices). The same computation in a supported form: "
+            "add a batch axis of 1 (q[None], bshd) and pass the packing as q_segment_ids/kv_segment_ids of "
+            "shape [1, tokens] (ids 1, 2, ... per sequence, 0 for padding) with attn_mask_type='padding' or "
+            "'padding_causal'.")
     mesh = _resolve_mesh(mesh, cp_axis)
     cp_size = int(dict(zip(mesh.axis_names, mesh.axis_sizes))[cp_axis])
     prep = prepare_attention(
