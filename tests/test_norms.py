@@ -156,6 +156,9 @@ def test_env_force_and_disable(monkeypatch, caplog):
 
 
 def test_too_large_hidden_cannot_use_pallas():
+    from pallas_kernels.norms import MAX_HIDDEN
+
+    assert N.MAX_HIDDEN == MAX_HIDDEN
     x = jax.ShapeDtypeStruct((2, 40000), jnp.float32)
     e = N.explain_norm_backend(x, backend="pallas")
     assert e.selected is None and "40000" in e.error
