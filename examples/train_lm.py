@@ -72,8 +72,8 @@ except ImportError:  # the GPU machine may not have it: plain prints instead
 
 PRESETS = {
     # a CPU run of a few minutes; fp32 compute because CPUs have no fast bf16 matmul (--dtype bf16 works)
-    "cpu": dict(layers=2, hidden=128, heads=4, gqa_groups=None, ffn=512, seq_len=128, batch=16, steps=200,
-                lr=3e-3, warmup=20, dtype="fp32", eval_every=50, eval_batches=8, log_every=10),
+    "cpu": dict(layers=2, hidden=128, heads=4, gqa_groups=None, ffn=512, seq_len=128, batch=16, steps=300,
+                lr=3e-3, warmup=20, dtype="fp32", eval_every=100, eval_batches=8, log_every=10),
     # sized for one H100 (~85M parameters)
     "gpu": dict(layers=12, hidden=768, heads=12, gqa_groups=None, ffn=3072, seq_len=1024, batch=16, steps=300,
                 lr=1e-3, warmup=50, dtype="bf16", eval_every=100, eval_batches=16, log_every=10),
@@ -490,7 +490,8 @@ def train(args):
     end = args.steps if args.stop_after is None else max(start, min(args.steps, args.stop_after))
     if tqdm is not None and not args.no_progress and jax.process_index() == 0 and start < end:
         bar = tqdm(total=end, initial=start, desc="train", dynamic_ncols=True)
-    t_first = None  # timing starts after the first (compiling) step
+    t_first = None  # timing starts after the first (compiling) step; evaluations and saves are not counted
+    paused = 0.0
     steps_timed = 0
     pending = []
     t0 = time.perf_counter()
@@ -511,7 +512,7 @@ def train(args):
                 losses[s] = float(l_)
                 history["train"].append([s, losses[s]])
             pending = []
-            elapsed = time.perf_counter() - t_first if t_first else 0.0
+            elapsed = time.perf_counter() - t_first - paused if t_first else 0.0
             tps = steps_timed * tokens_per_step / elapsed if elapsed > 0 else float("nan")
             msg = dict(loss=f"{losses[step]:.4f}", gnorm=f"{float(g):.2f}", lr=f"{float(schedule(step)):.2e}",
                        tok_s=f"{tps:,.0f}")
@@ -522,14 +523,20 @@ def train(args):
         if bar is not None:
             bar.update(1)
         if args.eval_every and (step % args.eval_every == 0) and not last:
+            t_pause = time.perf_counter()
             ev = evaluate(state["params"])
             history["eval"].append([step, ev])
             (bar.write if bar is not None else _log)(f"step {step}: eval loss {ev:.4f}")
+            paused += time.perf_counter() - t_pause
         if args.ckpt_every and step % args.ckpt_every == 0 and not last:
+            t_pause = time.perf_counter()
+            jax.block_until_ready(state)
             save(step)
+            paused += time.perf_counter() - t_pause
     if bar is not None:
         bar.close()
-    elapsed = time.perf_counter() - t_first if t_first and steps_timed else float("nan")
+    jax.block_until_ready(state)
+    elapsed = time.perf_counter() - t_first - paused if t_first and steps_timed else float("nan")
     tokens_per_s = steps_timed * tokens_per_step / elapsed if steps_timed else float("nan")
 
     final_step = max(start, end)
@@ -547,8 +554,14 @@ def train(args):
         plot_losses(history, os.path.join(args.out_dir, "loss.png"))
 
     sample = None
+    if args.sample_len > 0:
+        if jax.process_count() > 1:  # a collective: every process gathers the full parameters
+            from jax.experimental import multihost_utils
+            host_params = multihost_utils.process_allgather(state["params"], tiled=True)
+        else:
+            host_params = jax.device_get(state["params"])
     if args.sample_len > 0 and jax.process_index() == 0:
-        sample = generate(args, jax.device_get(state["params"]), args.prompt, args.sample_len, args.seed)
+        sample = generate(args, host_params, args.prompt, args.sample_len, args.seed)
         _log("sample (KV-cache decoding, temperature 0.8):\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
 
     final_train = losses.get(final_step, history["train"][-1][1] if history["train"] else float("nan"))
