@@ -10,8 +10,8 @@ What it does, in one process:
  2. timings (median of --reps after a warm-up, jax.block_until_ready) of forward and
     forward+backward at global sequence 32k and 128k, bf16, 16 heads, head_dim 128, causal, batch 1,
     inputs in the zig-zag load-balanced order, inner per-block backend pallas (fallback xla);
- 3. single-GPU te_jax attention (cudnn, and the pallas kernel CP uses inside) at the same global
-    sequence where it fits; scaling efficiency = single-GPU time / (n_devices × CP time).
+ 3. single-GPU te_jax attention (backend cudnn, and backend pallas: whichever Pallas kernel te_jax
+    picks there) at the same global sequence where it fits; scaling efficiency = single-GPU time / (n_devices × CP time).
 A table is printed last; full logs and JSON go to $OUT when set.
 """
 from __future__ import annotations
@@ -261,8 +261,8 @@ def main():
     print("TFLOP/s per device: fwd 2·B·H·S²·D (causal), fwd+bwd 3.5× that, divided by devices. "
           "Efficiency = single-device time / (devices × CP time).")
     effs = [b for b in single_backends]
-    head = ("| run | devices | seq | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s/dev | "
-            + " | ".join(f"eff fwd+bwd vs {b}" for b in effs) + (" |" if effs else "|"))
+    head = "| " + " | ".join(["run", "devices", "seq", "fwd ms", "fwd+bwd ms", "fwd+bwd TFLOP/s/dev"]
+                             + [f"eff fwd+bwd vs {b}" for b in effs]) + " |"
     print(head)
     print("|" + "---|" * (6 + len(effs)))
     for r in rows:
