@@ -94,6 +94,9 @@ def correctness(tiny=False):
         ("Sq=1 vs 1000 keys", 4, 1, 1000, 8, 2, 128, 128, dict(causal=True), 999),
         ("softcap+window", 1, 1024, 1024, 8, 8, 64, 64,
          dict(softcap=30.0, causal=True, window_left=255), 0),
+        ("hd256 gqa split-dKV", 2, 1024, 1024, 8, 2, 256, 256,
+         dict(causal=True, block_sizes=BlockSizes(64, 64, 64, 64, num_warps=4, num_stages=3,
+                                                  num_warps_bwd=4, split_dkv=True)), 0),
     ]
     if tiny:  # CPU smoke test of the script itself
         cases = [(c[0], 1, min(c[2], 40), min(c[3], 72), 2, 1 if c[5] < c[4] else 2, c[6],
@@ -155,18 +158,35 @@ def flops_fwd(B, S, H, D, causal):
     return f / 2 if causal else f
 
 
-def timing(configs, impls=("pallas", "cudnn", "xla"), n=20):
+def blocks_from_sweep(best, D):
+    """BlockSizes from the sweep's best fwd/dkv/dq entries for head dim D (non-causal),
+    or None (the library default) when the sweep did not cover D."""
+    keys = [(w, D, False) for w in ("fwd", "dkv", "dq")]
+    if not all(k in best for k in keys):
+        return None
+    (bq, bk, w, st), (bqb, bkb, wb, stb, split), (bqd, bkd, wd, _, _) = \
+        (best[k][1] for k in keys)
+    return BlockSizes(bq, bk, bqb, bkb, num_warps=w, num_stages=st, num_warps_bwd=wb,
+                      num_stages_bwd=stb, block_q_dq=bqd, block_kv_dq=bkd, num_warps_dq=wd,
+                      split_dkv=split)
+
+
+def timing(configs, impls=("pallas", "cudnn", "xla"), n=20, best=None):
     results = []
     for (B, S, H, G, D, causal) in configs:
         q, k, v, do = inputs(B, S, S, H, G, D, D)
         ff = flops_fwd(B, S, H, D, causal)
         row = dict(B=B, S=S, H=H, G=G, D=D, causal=causal)
+        bs = blocks_from_sweep(best or {}, D)
+        row["blocks"] = "default" if bs is None else "sweep-best"
+        if bs is not None:
+            log(f"[timing] D{D}: using sweep-best {bs}")
         for impl in impls:
             if impl == "xla" and S > 4096:
                 row[impl] = (None, None)
                 continue
             try:
-                fwd, fb = attn_fns(impl, B, S, H, G, D, causal)
+                fwd, fb = attn_fns(impl, B, S, H, G, D, causal, block_sizes=bs)
                 tf = timeit(fwd, q, k, v, n=n)
                 tb = timeit(fb, q, k, v, do, n=n)
                 row[impl] = (ff / tf / 1e12, 3.5 * ff / tb / 1e12)
@@ -188,6 +208,15 @@ FWD_CANDIDATES = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 
 DKV_CANDIDATES = [(32, 64, 4, 1), (32, 64, 4, 2), (64, 64, 4, 1), (64, 64, 4, 2),
                   (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 1), (64, 128, 8, 2),
                   (16, 64, 4, 2), (32, 32, 4, 2)]
+FWD_CANDIDATES_256 = [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
+                      (64, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 3), (128, 32, 8, 3)]
+# (block_q, block_kv, warps, stages, split_dkv)
+DKV_CANDIDATES_256 = [(32, 64, 8, 2, False), (64, 64, 8, 2, False), (32, 64, 4, 2, True),
+                      (64, 64, 4, 2, True), (64, 64, 8, 2, True), (32, 64, 8, 2, True),
+                      (64, 128, 8, 2, True), (32, 128, 8, 2, True), (64, 32, 4, 2, True),
+                      (64, 64, 4, 3, True)]
+DQ_CANDIDATES_256 = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2),
+                     (32, 64, 4, 2), (64, 64, 8, 3), (128, 32, 8, 3)]
 DQ_CANDIDATES = [(64, 64, 4, 1), (64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2),
                  (128, 32, 8, 2), (64, 64, 8, 2), (128, 64, 4, 2), (32, 64, 4, 2)]
 
@@ -203,11 +232,12 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
             scale = 1.0 / np.sqrt(D)
             ff = flops_fwd(B, S, H, D, causal)
             base = default_block_sizes(D, D, jnp.bfloat16)
-            small = lambda c: D < 256 or c[0] * c[1] <= 64 * 64  # noqa: E731
+            big = D > 128
             # forward
             res = []
-            fwd_cands = FWD_CANDIDATES if "fwd" in kernels else []
-            for bq, bk, w, st in [c for c in fwd_cands if small(c)][:max_cfgs]:
+            fwd_cands = (FWD_CANDIDATES_256 if big else FWD_CANDIDATES) if "fwd" in kernels \
+                else []
+            for bq, bk, w, st in fwd_cands[:max_cfgs]:
                 if time.time() > t_end:
                     log("[sweep] budget exhausted")
                     return best
@@ -230,17 +260,20 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
             # backward kernels: vary the dK/dV and the dQ parameters separately
             o, lse = jax.jit(lambda q, k, v: flash_attention_fwd(
                 q, k, v, seg, pos, seg, pos, scale=scale, causal=causal))(q, k, v)
-            for which, cands in (("dkv", DKV_CANDIDATES), ("dq", DQ_CANDIDATES)):
+            dkv_c = DKV_CANDIDATES_256 if big else [c + (False,) for c in DKV_CANDIDATES]
+            dq_c = [c + (False,) for c in (DQ_CANDIDATES_256 if big else DQ_CANDIDATES)]
+            for which, cands in (("dkv", dkv_c), ("dq", dq_c)):
                 if which not in kernels:
                     continue
                 res = []
-                for bq, bk, w, st in [c for c in cands if small(c)][:max_cfgs]:
+                for bq, bk, w, st, split in cands[:max_cfgs]:
                     if time.time() > t_end:
                         log("[sweep] budget exhausted")
                         return best
                     if which == "dkv":
                         bs = dataclasses.replace(base, block_q_bwd=bq, block_kv_bwd=bk,
                                                  num_warps_bwd=w, num_stages_bwd=st,
+                                                 split_dkv=split,
                                                  block_q_dq=base.dq_blocks[0],
                                                  block_kv_dq=base.dq_blocks[1],
                                                  num_warps_dq=base.dq_blocks[2])
@@ -252,9 +285,10 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
                             q, k, v, seg, pos, seg, pos, None, o, lse, do, scale=scale,
                             causal=causal, block_sizes=bs))
                         t = timeit(f, q, k, v, o, lse, do, n=n)
-                        res.append((2.5 * ff / t / 1e12, (bq, bk, w, st)))
+                        res.append((2.5 * ff / t / 1e12, (bq, bk, w, st, split)))
                         log(f"[sweep] bwd({which} varied) D{D} causal={causal} bq{bq} bk{bk} "
-                            f"w{w} s{st}: {t*1e3:7.3f} ms {2.5*ff/t/1e12:6.1f} TFLOP/s")
+                            f"w{w} s{st} split={split}: {t*1e3:7.3f} ms "
+                            f"{2.5*ff/t/1e12:6.1f} TFLOP/s")
                     except Exception as e:  # noqa: BLE001
                         log(f"[sweep] bwd({which}) D{D} bq{bq} bk{bk} w{w} s{st}: FAILED "
                             f"{type(e).__name__}: {str(e)[:200]}")
@@ -288,8 +322,8 @@ def main():
     if args.sweep:
         t1 = time.time()
         if args.tiny:
-            best = sweep(args.sweep_budget, B=1, S=64, H=2, dims=(64,), causals=(True,), n=1,
-                         max_cfgs=1)
+            best = sweep(args.sweep_budget, B=1, S=64, H=2, dims=(64, 256), causals=(False,),
+                         n=1, max_cfgs=1)
         else:
             best = sweep(args.sweep_budget,
                          dims=tuple(int(x) for x in args.sweep_dims.split(",")),
@@ -309,7 +343,7 @@ def main():
             configs = [c for c in configs if c[1] == 4096]
         if args.tiny:
             configs = [(1, 64, 2, 1, 64, True)]
-        rows = timing(configs, n=2 if args.tiny else 20)
+        rows = timing(configs, n=2 if args.tiny else 20, best=best)
         log(f"[time] timing {time.time()-t1:.0f}s")
 
     # ---------------------------------------------------------------- summary
@@ -333,14 +367,14 @@ def main():
         f = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
         out += ["## Timing, bf16, TFLOP/s (fwd: 4BHS^2D, /2 causal; fwd+bwd: 3.5x)", "",
                 "| B | S | H/G | D | causal | pallas fwd | cudnn fwd | xla fwd | pallas f+b |"
-                " cudnn f+b | xla f+b | f+b vs cudnn |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                " cudnn f+b | xla f+b | f+b vs cudnn | blocks |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             p, c, x = r["pallas"], r["cudnn"], r["xla"]
             ratio = "-" if p[1] is None or c[1] is None else f"{p[1]/c[1]:.2f}"
             out.append(f"| {r['B']} | {r['S']} | {r['H']}/{r['G']} | {r['D']} | "
                        f"{'yes' if r['causal'] else 'no'} | {f(p[0])} | {f(c[0])} | {f(x[0])} | "
-                       f"{f(p[1])} | {f(c[1])} | {f(x[1])} | {ratio} |")
+                       f"{f(p[1])} | {f(c[1])} | {f(x[1])} | {ratio} | {r['blocks']} |")
     text = "\n".join(out)
     print("\n" + text, flush=True)
     d = os.environ.get("OUT")

@@ -209,6 +209,13 @@ def test_bias(bias_shape):
     check(Sq=40, Skv=56, bias_shape=bias_shape, causal=True, H=4, G=2)
 
 
+def test_split_dkv_gqa_bias_softcap():
+    import dataclasses
+
+    check(Sq=40, Skv=56, H=4, G=2, bias_shape=(2, 4, 40, 56), softcap=3.0, wl=9,
+          blocks=dataclasses.replace(SMALL, split_dkv=True))
+
+
 def test_softcap():
     check(softcap=2.0, causal=True)
 

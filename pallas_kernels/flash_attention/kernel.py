@@ -50,6 +50,8 @@ class BlockSizes:
     block_q/block_kv, num_warps/num_stages: forward kernel.
     block_q_bwd/block_kv_bwd, num_warps_bwd/num_stages_bwd: dK/dV kernel (and the dQ kernel
     unless block_q_dq/block_kv_dq/num_warps_dq are given).
+    split_dkv: compute dK and dV in two kernels (one fp32 accumulator each; P recomputed),
+    which relieves register pressure for large head dims.
     """
 
     block_q: int = 128
@@ -63,6 +65,7 @@ class BlockSizes:
     block_q_dq: int | None = None
     block_kv_dq: int | None = None
     num_warps_dq: int | None = None
+    split_dkv: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_q_dq",
@@ -406,20 +409,22 @@ def _fwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
 # --------------------------------------------------------------------------------------
 def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref,
                 do_ref, lse_ref, delta_ref, *refs, cfg: _Cfg, bq: int, rep: int,
-                has_bias: bool, bias_heads: int):
+                has_bias: bool, bias_heads: int, outputs: str = "dkdv"):
     """One kv block of one kv head; loops over the rep query heads and the visible q blocks.
 
     Works with transposed tiles ([bk, bq]) so only loaded operands are transposed.
+    outputs: "dkdv" (both), or "dk" / "dv" alone (split mode for large head dims: one
+    [bk, D] fp32 accumulator per kernel instead of two, at the price of recomputing P).
     """
-    if has_bias:
-        bias_ref, dk_ref, dv_ref = refs
-    else:
-        bias_ref = None
-        dk_ref, dv_ref = refs
+    want_dk, want_dv = "dk" in outputs, "dv" in outputs
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    dk_ref = refs.pop(0) if want_dk else None
+    dv_ref = refs.pop(0) if want_dv else None
     bk, dqk = k_ref.shape
     dv_dim = v_ref.shape[-1]
     k = k_ref[...]
-    v = v_ref[...]
+    v = v_ref[...] if want_dk else None
     kseg = kseg_ref[...]
     kpos = kpos_ref[...]
 
@@ -431,7 +436,6 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
             q = q_ref[sl, r, :]
             do = do_ref[sl, r, :]
             lse2 = lse_ref[r, sl]
-            delta = delta_ref[r, sl]
             st = jnp.dot(k, q.T, preferred_element_type=jnp.float32)  # [bk, bq]
             bias_t = None
             if bias_ref is not None:
@@ -441,23 +445,29 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
                 mask_t = _mask(cfg, qseg_ref[sl], qpos_ref[sl], kseg, kpos, transpose=True)
                 st = jnp.where(mask_t, st, -jnp.inf)
             pt = jnp.exp2(st - lse2[None, :])
-            dv = dv + jnp.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
-            dpt = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
-            dst = pt * (dpt - delta[None, :])
-            if tt is not None:
-                dst = dst * (1.0 - tt * tt)
-            dk = dk + jnp.dot(dst.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            if want_dv:
+                dv = dv + jnp.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
+            if want_dk:
+                delta = delta_ref[r, sl]
+                dpt = jnp.dot(v, do.T, preferred_element_type=jnp.float32)
+                dst = pt * (dpt - delta[None, :])
+                if tt is not None:
+                    dst = dst * (1.0 - tt * tt)
+                dk = dk + jnp.dot(dst.astype(q.dtype), q, preferred_element_type=jnp.float32)
             return dk, dv
 
         return _run_schedule(meta_ref, body, carry)
 
-    carry = (jnp.zeros((bk, dqk), jnp.float32), jnp.zeros((bk, dv_dim), jnp.float32))
+    carry = (jnp.zeros((bk, dqk), jnp.float32) if want_dk else jnp.zeros((), jnp.float32),
+             jnp.zeros((bk, dv_dim), jnp.float32) if want_dv else jnp.zeros((), jnp.float32))
     if rep == 1:
         dk, dv = head_loop(0, carry)
     else:
         dk, dv = lax.fori_loop(0, rep, head_loop, carry)
-    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    if want_dk:
+        dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    if want_dv:
+        dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref,
@@ -551,20 +561,31 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, ou
             spec = pl.BlockSpec((None, 1, Sqp, bk), lambda j, b, g: (b if bb > 1 else 0, 0, 0, j))
         in_specs.append(spec)
         args.append(bias)
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, cfg=cfg, bq=bq, rep=rep, has_bias=has_bias,
-                          bias_heads=bias_heads),
-        grid=(nk, B, G),
-        in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bk, None, Dqk), lambda j, b, g: (b, j, g, 0)),
-                   pl.BlockSpec((None, bk, None, Dv), lambda j, b, g: (b, j, g, 0))],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=triton_params(num_warps=blocks.num_warps_bwd,
-                                      num_stages=blocks.num_stages_bwd),
-        interpret=cfg.interpret,
-        name="te_flash_attention_dkv",
-    )(*args)
+    dk_spec = pl.BlockSpec((None, bk, None, Dqk), lambda j, b, g: (b, j, g, 0))
+    dv_spec = pl.BlockSpec((None, bk, None, Dv), lambda j, b, g: (b, j, g, 0))
+    dk_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    dv_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+
+    def dkv_call(outputs):
+        specs = {"dk": [dk_spec], "dv": [dv_spec], "dkdv": [dk_spec, dv_spec]}[outputs]
+        shapes = {"dk": [dk_shape], "dv": [dv_shape], "dkdv": [dk_shape, dv_shape]}[outputs]
+        return pl.pallas_call(
+            functools.partial(_dkv_kernel, cfg=cfg, bq=bq, rep=rep, has_bias=has_bias,
+                              bias_heads=bias_heads, outputs=outputs),
+            grid=(nk, B, G),
+            in_specs=in_specs,
+            out_specs=specs,
+            out_shape=shapes,
+            compiler_params=triton_params(num_warps=blocks.num_warps_bwd,
+                                          num_stages=blocks.num_stages_bwd),
+            interpret=cfg.interpret,
+            name=f"te_flash_attention_{outputs}",
+        )(*args)
+
+    if blocks.split_dkv:
+        (dk,), (dv,) = dkv_call("dk"), dkv_call("dv")
+    else:
+        dk, dv = dkv_call("dkdv")
 
     # ---- dQ (and per-element dS for the bias gradient): grid over (q blocks, B, H).
     bq, bk, warps_dq = geo.bq_dq, geo.bk_dq, blocks.dq_blocks[2]
