@@ -461,7 +461,12 @@ def train(args):
             return float(np.mean([float(eval_loss_fn(params, *b)) for b in eval_batches]))
 
     # ---- checkpoint / resume
-    ckpt = None if args.no_ckpt else Checkpointer(args.ckpt_dir)
+    ckpt = None
+    if not args.no_ckpt:
+        if _ocp() is None and not args.resume:
+            _log("(orbax-checkpoint is not installed: no checkpoints; pip install orbax-checkpoint)")
+        else:
+            ckpt = Checkpointer(args.ckpt_dir)
     config = {k: getattr(args, k) for k in MODEL_KEYS}
     history = {"train": [], "eval": []}
     start = 0
@@ -503,7 +508,8 @@ def train(args):
         if step == start + 1:
             jax.block_until_ready(loss)
             t_first = time.perf_counter()
-            _log(f"step {step}: compiled and ran the first step in {t_first - t0:.1f}s")
+            say = bar.write if bar is not None else _log
+            say(f"step {step}: compiled and ran the first step in {t_first - t0:.1f}s")
         else:
             steps_timed += 1
         last = step == end
@@ -513,9 +519,9 @@ def train(args):
                 history["train"].append([s, losses[s]])
             pending = []
             elapsed = time.perf_counter() - t_first - paused if t_first else 0.0
-            tps = steps_timed * tokens_per_step / elapsed if elapsed > 0 else float("nan")
+            tps = f"{steps_timed * tokens_per_step / elapsed:,.0f}" if steps_timed and elapsed > 0 else "-"
             msg = dict(loss=f"{losses[step]:.4f}", gnorm=f"{float(g):.2f}", lr=f"{float(schedule(step)):.2e}",
-                       tok_s=f"{tps:,.0f}")
+                       tok_s=tps)
             if bar is not None:
                 bar.set_postfix(msg, refresh=False)
             else:

@@ -81,7 +81,6 @@ def test_multi_device_matches_single_device(tmp_path, mesh, extra):
         assert "tensor" in tuple(spec), spec
 
 
-@pytest.mark.slow
 def test_cli_on_fake_devices_prints_summary(tmp_path):
     """The documented command line: --cpu-devices 8 --mesh dp=2,cp=4 in a fresh process."""
     env = dict(os.environ)
