@@ -101,6 +101,11 @@ def test_layer_bf16_compute_fp32_params():
                            p, x)
     assert_close(o, ro, 5e-2, "out")
     assert_tree_close(g, rg, 8e-2, "grad")
+    # dtype=None (default) computes in the input's dtype, as TransformerEngine does
+    o_default = make(mlp_activations=("gelu", "linear"), enable_relative_embedding=False).apply(
+        {"params": p}, x.astype(jnp.bfloat16), deterministic=True)
+    assert o_default.dtype == jnp.bfloat16
+    assert_close(o_default, o, 1e-6, "dtype=None follows the bf16 input")
 
 
 def test_decoder_layer_vs_reference():

@@ -239,7 +239,7 @@ class DotProductAttention(nn.Module):
     attn_mask_type: str = "causal"
     attn_bias_type: str | None = None
     dropout_rng_name: str = "dropout"
-    dtype: Any = jnp.float32
+    dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     float32_logits: bool = False
     qkv_layout: str | None = None
     scale_factor: float | None = None
@@ -348,7 +348,7 @@ class MultiHeadAttention(nn.Module):
     enable_rotary_pos_emb: bool = False
     rotary_pos_emb_windows: tuple[int, int] = (1, 10000)
     rotary_pos_emb_group_method: str = "consecutive"
-    dtype: Any = jnp.float32
+    dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     fuse_qkv_params: bool = True
     attn_input_format: str = "bshd"

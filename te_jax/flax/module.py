@@ -1,9 +1,10 @@
 """Flax linen modules for normalization, dense layers and the MLP block.
 
 Names and arguments follow `transformer_engine.jax.flax`. Every module computes in `dtype`
-(inputs are cast to it) and stores parameters in `param_dtype`; the math runs in the
+(inputs are cast to it; None keeps the input's dtype) and stores parameters in `param_dtype`; the math runs in the
 te_jax functional ops (`te_jax.normalization.norm`, `te_jax.mlp.layernorm_dense`,
 `te_jax.mlp.layernorm_mlp`), which pick their backend (see their `explain_*` functions).
+`dtype=None` (the default) computes in the input's dtype, as TransformerEngine does.
 
 Logical axis names of the parameters (defaults; each is a module field):
   LayerNorm             scale ("embed",)                 ln_bias ("embed",)
@@ -68,7 +69,7 @@ class LayerNorm(nn.Module):
     scale_axes: Sequence[str] = ("embed",)
     bias_init: Initializer = _zeros
     bias_axes: Sequence[str] = ("embed",)
-    dtype: Any = jnp.float32
+    dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     backend: str = "auto"
 
@@ -88,6 +89,7 @@ class LayerNorm(nn.Module):
 def _dense(x, kernel, bias, axis: tuple[int, ...], dtype):
     """Contract `axis` of x with the leading axes of kernel; fp32 accumulation, output in dtype."""
     x = jnp.asarray(x, dtype)
+    dtype = x.dtype
     n_in = len(axis)
     contract = (tuple(axis), tuple(range(n_in)))
     y = lax.dot_general(x, kernel.astype(dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
@@ -120,7 +122,7 @@ class DenseGeneral(nn.Module):
     bias_init: Initializer = _zeros
     bias_axes: Sequence[str] = ()
     axis: int | Sequence[int] = -1
-    dtype: Any = jnp.float32
+    dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
 
     @nn.compact
@@ -159,7 +161,7 @@ class LayerNormDenseGeneral(nn.Module):
     bias_axes: Sequence[str] = ()
     return_layernorm_output: bool = False
     axis: int | Sequence[int] = -1
-    dtype: Any = jnp.float32
+    dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     backend: str = "auto"
 
@@ -219,7 +221,7 @@ class LayerNormMLP(nn.Module):
     activations: Sequence[str] = ("relu",)
     intermediate_dropout_rng_name: str = "dropout"
     intermediate_dropout_rate: float = 0.1
-    dtype: Any = jnp.float32
+    dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     backend: str = "auto"
 

@@ -53,7 +53,7 @@ class TransformerLayer(nn.Module):
     Dropouts (RNG stream `dropout_rng_name`, off when deterministic): hidden_dropout (after
       attention and MLP), attention_dropout (probabilities), intermediate_dropout (MLP activation),
       drop_path (stochastic depth per example on each residual branch).
-    dtype: compute dtype (inputs are cast); param_dtype: parameter storage dtype.
+    dtype: compute dtype (inputs are cast; None: the input's dtype); param_dtype: parameter storage dtype.
     enable_relative_embedding: T5 relative position biases (TE's default True); enable_rotary_pos_emb: RoPE.
     context_parallel_axis / _strategy / _load_balanced: passed to the self-attention (context-parallel
       attention over that mesh axis).
@@ -88,7 +88,7 @@ class TransformerLayer(nn.Module):
     enable_rotary_pos_emb: bool = False
     rotary_pos_emb_windows: tuple[int, int] = (1, 10000)
     rotary_pos_emb_group_method: str = "consecutive"
-    dtype: Any = jnp.float32
+    dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     drop_path: float = 0.0
     fuse_qkv_params: bool = True
@@ -139,14 +139,15 @@ class TransformerLayer(nn.Module):
             raise ValueError(f"{name}: `encoded` was passed to an encoder layer; use layer_type='decoder' for "
                              "cross-attention.")
         head_dim = self.hidden_size // self.num_attention_heads
-        x_in = constrain(jnp.asarray(inputs, self.dtype), fmt)
+        cdt = self.dtype or inputs.dtype
+        x_in = constrain(jnp.asarray(inputs, cdt), fmt)
         seq_axis, batch_axis = {"bshd": (1, 0), "sbhd": (0, 1), "thd": (0, None)}[fmt]
 
         attn_bias = None
         if self.enable_relative_embedding:
             rel_emb = self.relative_embedding or RelativePositionBiases(
                 num_buckets=32, max_distance=128, num_attention_heads=self.num_attention_heads,
-                dtype=self.dtype, param_dtype=self.param_dtype, name="relpos_bias")
+                dtype=self.dtype or jnp.float32, param_dtype=self.param_dtype, name="relpos_bias")
             length = inputs.shape[seq_axis]
             if decode and max_decode_length:
                 length = max_decode_length
@@ -197,7 +198,7 @@ class TransformerLayer(nn.Module):
             residual = x
             y, ln_out = MultiHeadAttention(
                 input_layernorm=True, attn_mask_type="padding", name="encoder_decoder_attention",
-                **mha_common)(x, jnp.asarray(encoded, self.dtype), encoder_decoder_mask, None,
+                **mha_common)(x, jnp.asarray(encoded, cdt), encoder_decoder_mask, None,
                               deterministic=deterministic, q_seqlens=encoder_q_seqlens,
                               kv_seqlens=encoder_kv_seqlens, q_segment_ids=encoder_q_segment_ids,
                               kv_segment_ids=encoder_kv_segment_ids)
