@@ -275,6 +275,26 @@ def test_context_parallel_arguments_are_passed_down(monkeypatch):
     assert kw["scale"] == 1.0
 
 
+def test_context_parallel_layer_matches_single_device():
+    """A real context-parallel run (2 fake CPU devices, ring, load-balanced zig-zag order, RoPE)."""
+    from te_jax.context_parallel import inverse_reorder_causal_load_balancing, reorder_causal_load_balancing
+
+    kw = dict(enable_relative_embedding=False, enable_rotary_pos_emb=True, num_gqa_groups=2)
+    base = make(**kw)
+    x = rand(1, (B, S, D))
+    p = init(base, x)
+    loss = lambda m: (lambda p, x: jnp.sum(m.apply(p, x, deterministic=True) ** 2))
+    y_ref, g_ref = base.apply(p, x, deterministic=True), jax.grad(loss(base))(p, x)
+    m = make(context_parallel_axis="cp", context_parallel_load_balanced=True, context_parallel_strategy="ring", **kw)
+    mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        xz = reorder_causal_load_balancing(x, 2, 1)
+        y = jax.jit(lambda p, x: m.apply(p, x, deterministic=True))(p, xz)
+        g = jax.jit(jax.grad(loss(m)))(p, xz)
+    assert_close(inverse_reorder_causal_load_balancing(y, 2, 1), y_ref, 2e-5, "context-parallel forward")
+    assert_tree_close(g, g_ref, 5e-5, "context-parallel grads")
+
+
 def test_logical_axis_rules_shard_a_layer():
     """The README's rules: data parallel on "batch", tensor parallel on heads/mlp, FSDP on embed."""
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -326,8 +326,12 @@ class MultiHeadAttention(nn.Module):
     scale_attn_logits / scaled_query_init: TransformerEngine's convention — by default the logits are
       not scaled (scale 1.0) and the query kernel is initialised divided by sqrt(head_dim);
       scale_attn_logits=True scales the logits by 1/sqrt(head_dim) (scale_factor overrides both).
+    context_parallel_axis: a mesh axis name → the attention runs as te_jax.context_parallel.
+      context_parallel_attention over that axis (global arrays in, the mesh from jax.set_mesh);
+      context_parallel_load_balanced=True means the tokens come in the zig-zag order of
+      reorder_causal_load_balancing (RoPE positions follow that order). No bias / attention dropout.
     Other arguments: as DotProductAttention (attn_mask_type, window_size, softcap, float32_logits,
-    attention_dropout, context_parallel_*), LayerNorm (layernorm_type, epsilon, zero_centered_gamma).
+    attention_dropout), LayerNorm (layernorm_type, epsilon, zero_centered_gamma).
     """
 
     head_dim: int
@@ -441,6 +445,9 @@ class MultiHeadAttention(nn.Module):
         if self.enable_rotary_pos_emb:
             rope = dict(group_method=self.rotary_pos_emb_group_method, windows=self.rotary_pos_emb_windows)
             q_pos = _positions(fmt, b, sq, offset, q_segment_ids, q_seqlens if fmt == "thd" else None)
+            if (self.context_parallel_axis and self.context_parallel_load_balanced and q_segment_ids is None
+                    and fmt != "thd" and not use_cache):
+                q_pos = self._load_balanced_positions(fmt, sq)
             if is_self:
                 kv_pos = q_pos
             else:
@@ -487,6 +494,21 @@ class MultiHeadAttention(nn.Module):
         y = DenseGeneral(features=hidden, axis=(-2, -1), kernel_init=base_init, kernel_axes=("heads", "kv", "embed"),
                          bias_axes=("embed",), name="out", **common)(out)
         return y, ln_out
+
+    def _load_balanced_positions(self, fmt, s):
+        """RoPE positions of tokens given in the zig-zag order of reorder_causal_load_balancing."""
+        from te_jax.context_parallel import reorder_causal_load_balancing
+
+        mesh = jax.sharding.get_abstract_mesh()
+        names = tuple(getattr(mesh, "axis_names", ()) or ())
+        if self.context_parallel_axis not in names:
+            raise ValueError(
+                f"MultiHeadAttention: context_parallel_axis={self.context_parallel_axis!r} with "
+                f"context_parallel_load_balanced=True and rotary embeddings needs the mesh to be set "
+                f"(jax.set_mesh(mesh)) to know the context-parallel size; current mesh axes: {names}.")
+        cp = mesh.shape[self.context_parallel_axis]
+        pos = reorder_causal_load_balancing(jnp.arange(s)[None], cp, 1)  # [1, s]
+        return pos if fmt == "bshd" else pos.T
 
 
 # ----------------------------------------------------------------------------- RelativePositionBiases
