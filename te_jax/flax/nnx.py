@@ -19,6 +19,8 @@ to a mesh with nn.logical_to_mesh_axes / your rules and place the state with jax
 """
 from __future__ import annotations
 
+import contextlib
+
 from flax import nnx as _nnx
 from flax.nnx import bridge
 
@@ -38,7 +40,8 @@ class _Bridged(bridge.ToNNX):
     def __call__(self, *args, **kwargs):
         # The logical axis names stay as metadata on the nnx.Param variables; they are not applied
         # eagerly (that needs a mesh at creation time). Shard with nnx.get_partition_spec + jit.
-        with _nnx.use_eager_sharding(False):
+        eager = getattr(_nnx, "use_eager_sharding", None)  # absent in older flax (no eager sharding there)
+        with (eager(False) if eager is not None else contextlib.nullcontext()):
             return super().__call__(*args, **kwargs)
 
 
