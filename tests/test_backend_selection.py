@@ -145,3 +145,20 @@ def test_selected_backend_runs_and_matches_xla():
     q, k, v = _qkv(dtype=jnp.float32)
     np.testing.assert_allclose(te_jax.dot_product_attention(q, k, v),
                                te_jax.dot_product_attention(q, k, v, backend="xla"), rtol=1e-6)
+
+
+def test_gpu_preference_follows_measurements(fake_h100, monkeypatch):
+    """On sm90, the Hopper kernel is preferred where it measured faster; cuDNN elsewhere."""
+    from te_jax.backends import selection
+
+    monkeypatch.setattr(selection.BACKENDS["pallas"], "hopper_reason", lambda call: None)
+    short = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), attn_mask_type="causal")
+    assert short.selected == "pallas" and "Hopper kernel measured faster" in short.reasons["cudnn"]
+    long = te_jax.explain_attention_backend(*_qkv(b=1, sq=8192, skv=8192, d=128), attn_mask_type="causal")
+    assert long.selected == "cudnn" and "cuDNN measured faster" in long.reasons["pallas"]
+    monkeypatch.setattr(selection.BACKENDS["pallas"], "hopper_reason", lambda call: "GPU arch sm80 is not sm90")
+    other = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), attn_mask_type="causal")
+    assert other.selected == "cudnn" and "portable Pallas kernel" in other.reasons["pallas"]
+    # Where cuDNN cannot serve (softcap), the Pallas kernel runs and the explanation names the Hopper reason.
+    capped = te_jax.explain_attention_backend(*_qkv(), softcap=30.0)
+    assert capped.selected == "pallas" and "portable" in capped.detail

@@ -21,10 +21,28 @@ BACKEND_NAMES = tuple(BACKENDS)
 _DISABLE_ENV = {"pallas": "TE_JAX_PALLAS_ATTN", "cudnn": "TE_JAX_CUDNN_ATTN", "xla": "TE_JAX_XLA_ATTN"}
 FORCE_ENV = "TE_JAX_ATTN_BACKEND"
 
-# Automatic preference, fastest first, from benchmarks/results/ on the H100.
-GPU_PREFERENCE = ("cudnn", "pallas", "xla")
-GPU_PREFERENCE_WHY = "cuDNN measured faster than the portable Pallas kernel on H100 (benchmarks/results/)"
+# Automatic preference, fastest first, from forward+backward timings on the H100
+# (benchmarks/results/flash_attention_h100.md, attention_hopper_h100.md).
 OTHER_PREFERENCE = ("xla", "pallas", "cudnn")
+HOPPER_FASTER_MAX_LEN = {False: 1024, True: 4096}  # causal → longest q_len where the Hopper kernel won
+
+
+def gpu_preference(call) -> tuple[tuple[str, ...], str]:
+    """Backend order on a GPU for this call, with the measurement that justifies it."""
+    hopper = BACKENDS["pallas"].hopper_reason(call) is None
+    if hopper and call.dims.q_len <= HOPPER_FASTER_MAX_LEN[call.mask.causal]:
+        return ("pallas", "cudnn", "xla"), (
+            f"te_jax's Hopper kernel measured faster than cuDNN forward+backward on H100 for "
+            f"{'causal' if call.mask.causal else 'non-causal'} q_len <= "
+            f"{HOPPER_FASTER_MAX_LEN[call.mask.causal]} (benchmarks/results/attention_hopper_h100.md)")
+    if hopper:
+        why = (f"cuDNN measured faster forward+backward than te_jax's Hopper kernel on H100 for "
+               f"{'causal' if call.mask.causal else 'non-causal'} q_len > {HOPPER_FASTER_MAX_LEN[call.mask.causal]} "
+               f"(benchmarks/results/attention_hopper_h100.md)")
+    else:
+        why = ("cuDNN measured faster than the portable Pallas kernel on H100 "
+               "(benchmarks/results/flash_attention_h100.md)")
+    return ("cudnn", "pallas", "xla"), why
 
 
 @dataclasses.dataclass
@@ -92,11 +110,13 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
             if name != forced and reasons[name] is None:
                 reasons[name] = f"serves the call, but {forced!r} was forced by {source}"
     else:
-        order = GPU_PREFERENCE if call.platform == "gpu" else OTHER_PREFERENCE
+        if call.platform == "gpu":
+            order, why = gpu_preference(call)
+        else:
+            order, why = OTHER_PREFERENCE, f"the xla backend comes first on {call.platform}"
         selected = next((n for n in order if reasons[n] is None), None)
         for name in order:
             if name != selected and reasons[name] is None and selected is not None:
-                why = GPU_PREFERENCE_WHY if call.platform == "gpu" else f"{selected!r} comes first on {call.platform}"
                 reasons[name] = f"serves the call, but {selected!r} is preferred: {why}"
     detail = ""
     if selected == "pallas":
