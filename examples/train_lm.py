@@ -128,6 +128,7 @@ def build_parser():
     g.add_argument("--resume", action="store_true", help="restore the latest checkpoint of --ckpt-dir")
     g.add_argument("--sample-len", type=int, default=200, help="bytes to generate at the end (0: none)")
     g.add_argument("--prompt", default="def ")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a tqdm bar")
     g = p.add_argument_group("devices")
@@ -567,8 +568,8 @@ def train(args):
         else:
             host_params = jax.device_get(state["params"])
     if args.sample_len > 0 and jax.process_index() == 0:
-        sample = generate(args, host_params, args.prompt, args.sample_len, args.seed)
-        _log("sample (KV-cache decoding, temperature 0.8):\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
+        sample = generate(args, host_params, args.prompt, args.sample_len, args.seed, args.temperature)
+        _log(f"sample (KV-cache decoding, temperature {args.temperature}):\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
 
     final_train = losses.get(final_step, history["train"][-1][1] if history["train"] else float("nan"))
     _log(f"summary: steps {final_step}  train_loss {final_train:.4f}  eval_loss {eval_loss:.4f}  "
@@ -617,27 +618,33 @@ def generate(args, params, prompt: str, length: int, seed: int, temperature: flo
     total = min(P + length, args.seq_len)  # learned positions: at most seq_len tokens
     if P >= total:
         return prompt
-    # the cache is created by a call on an input of the maximum length
-    _, init_vars = model.apply({"params": params}, jnp.zeros((1, total), jnp.int32),
-                               jnp.arange(total, dtype=jnp.int32)[None], decode=True, mutable=["cache"])
-    cache = init_vars["cache"]
+    # the cache is created by a call on an input of the maximum length (shapes only: eval_shape)
+    cache_shapes = jax.eval_shape(
+        lambda p: model.apply({"params": p}, jnp.zeros((1, total), jnp.int32),
+                              jnp.arange(total, dtype=jnp.int32)[None], decode=True, mutable=["cache"])[1]["cache"],
+        params)
+    cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), cache_shapes)
 
     @jax.jit
-    def step(cache, tokens, pos, key):
+    def step(params, cache, tokens, pos, key):  # params as an argument, not baked in as constants
         logits, new_vars = model.apply({"params": params, "cache": cache}, tokens, pos, decode=True,
                                        mutable=["cache"])
-        nxt = jax.random.categorical(key, logits[:, -1] / temperature, axis=-1)
+        if temperature > 0:
+            nxt = jax.random.categorical(key, logits[:, -1] / temperature, axis=-1)
+        else:  # greedy
+            nxt = jnp.argmax(logits[:, -1], axis=-1)
         return new_vars["cache"], nxt.astype(jnp.int32)
 
+    params = jax.device_put(params)
     key = jax.random.key(seed + 1)
     out = list(prompt_ids[0])
-    cache, nxt = step(cache, jnp.asarray(prompt_ids), jnp.arange(P, dtype=jnp.int32)[None],
+    cache, nxt = step(params, cache, jnp.asarray(prompt_ids), jnp.arange(P, dtype=jnp.int32)[None],
                       jax.random.fold_in(key, 0))  # prefill
     for t in range(P, total):
         out.append(int(nxt[0]))
         if t + 1 == total:
             break
-        cache, nxt = step(cache, nxt[:, None], jnp.full((1, 1), t, jnp.int32), jax.random.fold_in(key, t))
+        cache, nxt = step(params, cache, nxt[:, None], jnp.full((1, 1), t, jnp.int32), jax.random.fold_in(key, t))
     return bytes(out).decode("utf-8", errors="replace")
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -47,6 +48,17 @@ def test_loss_falls_and_resume_matches_uninterrupted_run(tmp_path):
     assert math.isfinite(full["eval_loss"]) and full["eval_loss"] < losses[0]
     assert full["sample"].startswith("def ") and len(full["sample"].encode("utf-8", "replace")) >= 4
     assert os.path.isfile(tmp_path / "full" / "loss.png")
+
+    # KV-cache decoding (greedy) gives the tokens of full forward passes over the growing sequence
+    args = train_lm.parse_args(TINY)
+    greedy = train_lm.generate(args, full["params"], "def ", 10, seed=0, temperature=0.0)
+    model = train_lm.make_model(args)
+    ids = list(b"def ")
+    for _ in range(10):
+        x = jnp.asarray([ids], jnp.int32)
+        logits = model.apply({"params": full["params"]}, x, jnp.arange(len(ids))[None])
+        ids.append(int(jnp.argmax(logits[0, -1])))
+    assert len(ids) == 14 and greedy == bytes(ids).decode("utf-8", errors="replace"), (greedy, bytes(ids))
 
     first = _run(tmp_path / "split", "--steps", "8", "--stop-after", "4", "--sample-len", "0", "--no-plot")
     assert sorted(first["losses"]) == [1, 2, 3, 4]
