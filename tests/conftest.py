@@ -18,6 +18,11 @@ try:
                    print_blob=True)
     settings.register_profile("ci", max_examples=10, derandomize=True, **_common)
     settings.register_profile("long", max_examples=300, derandomize=False, **_common)
-    settings.load_profile(os.environ.get("TE_JAX_HYPOTHESIS_PROFILE", "ci"))
+    if os.environ.get("TE_JAX_HYPOTHESIS_EXAMPLES"):  # e.g. a time-boxed GPU run
+        settings.register_profile("custom", max_examples=int(os.environ["TE_JAX_HYPOTHESIS_EXAMPLES"]),
+                                  derandomize=False, **_common)
+        settings.load_profile("custom")
+    else:
+        settings.load_profile(os.environ.get("TE_JAX_HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # hypothesis is in the test extra
     pass
