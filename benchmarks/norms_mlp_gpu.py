@@ -236,36 +236,27 @@ def time_norms():
 # ----------------------------------------------------------------------------- MLP timing + memory
 
 
-def residual_bytes(fn, args, n_param_args):
-    """Bytes of the residuals jax.vjp keeps for fn (under jit), parameters (args[1:]) excluded."""
-    res_fn = jax.jit(lambda *a: jax.vjp(fn, *a)[1])
-    vjp_fn = res_fn(*args)
-    jax.block_until_ready(vjp_fn)
-    param_ptrs = set()
-    for a in args[1:]:
-        try:
-            param_ptrs.add(a.unsafe_buffer_pointer())
-        except Exception:  # noqa: BLE001
-            pass
-    total = 0
-    weight_shapes = set()
-    for a in args[1:]:
-        if a.ndim >= 2:
-            for shp in (a.shape, (a.shape[0], a.size // a.shape[0]), (a.size // a.shape[-1], a.shape[-1])):
-                weight_shapes.add(tuple(shp))
-                weight_shapes.add(tuple(shp)[::-1])
-    for leaf in jax.tree.leaves(vjp_fn):
-        if not hasattr(leaf, "nbytes"):
+def residual_bytes(fn, args, n_param_args=None):
+    """Bytes of the residuals jax.vjp keeps for fn: outputs of the vjp closure's jaxpr, except the
+    weights (args[1:]) forwarded unchanged or only reshaped/cast/transposed. x counts. Shapes only."""
+    from jax.extend import core as jcore
+
+    closed = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*args)
+    jaxpr = closed.jaxpr
+    weights = set(jaxpr.invars[1:])
+    alias = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("reshape", "convert_element_type", "transpose", "squeeze", "expand_dims",
+                                  "copy") and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], jcore.Literal):
+            alias[eqn.outvars[0]] = alias.get(eqn.invars[0], eqn.invars[0])
+    total, seen = 0, set()
+    for v in jaxpr.outvars:
+        if isinstance(v, jcore.Literal) or v in seen:
             continue
-        try:
-            if leaf.unsafe_buffer_pointer() in param_ptrs:
-                continue
-        except Exception:  # noqa: BLE001
-            pass
-        if tuple(leaf.shape) in weight_shapes and tuple(leaf.shape) != tuple(args[0].shape):
-            continue  # a weight (possibly reshaped), not an activation
-        total += leaf.nbytes
-    del vjp_fn
+        seen.add(v)
+        if alias.get(v, v) in weights:
+            continue
+        total += int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
     return total
 
 
