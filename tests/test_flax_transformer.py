@@ -275,6 +275,27 @@ def test_context_parallel_arguments_are_passed_down(monkeypatch):
     assert kw["scale"] == 1.0
 
 
+def test_context_parallel_keeps_data_and_tensor_axes_of_the_logical_rules(monkeypatch):
+    """Under logical axis rules, context-parallel attention is told the batch/head mesh axes (so a
+    dp x cp mesh does not replicate attention over the data axis)."""
+    calls = []
+
+    def fake_cp(query, key, value, **kw):
+        calls.append(kw)
+        return jnp.zeros(query.shape[:-1] + value.shape[-1:], query.dtype)
+
+    monkeypatch.setitem(sys.modules, "te_jax.context_parallel",
+                        types.SimpleNamespace(context_parallel_attention=fake_cp))
+    m = make(context_parallel_axis="cp", enable_relative_embedding=False, self_attn_mask_type="causal")
+    x = rand(1, (B, S, D))
+    p = init(m, x)
+    with nn.logical_axis_rules([("batch", "data"), ("heads", "model"), ("kv_heads", "model")]):
+        m.apply(p, x, deterministic=True)
+    assert calls[-1]["batch_axes"] == "data" and calls[-1]["head_axes"] == "model"
+    m.apply(p, x, deterministic=True)  # no rules: nothing assumed
+    assert calls[-1]["batch_axes"] is None and calls[-1]["head_axes"] is None
+
+
 def test_context_parallel_layer_matches_single_device():
     """A real context-parallel run (2 fake CPU devices, ring, load-balanced zig-zag order, RoPE)."""
     from te_jax.context_parallel import inverse_reorder_causal_load_balancing, reorder_causal_load_balancing

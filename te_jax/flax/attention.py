@@ -27,6 +27,7 @@ from jax import lax
 from te_jax import layouts, masks
 from te_jax.attention import dot_product_attention
 from te_jax.flax._common import (
+    BATCH_AXES,
     Initializer,
     batch_seq,
     check_hidden_input,
@@ -125,6 +126,16 @@ def _effective_mask_type(mask_type: str, has_padding: bool) -> str:
     return mask_type
 
 
+def _cp_batch_and_head_axes():
+    """Mesh axes of the batch and head axes under the active logical axis rules (None without rules),
+    so that context-parallel attention keeps data and tensor parallelism instead of replicating."""
+    batch = nn.logical_to_mesh_axes((BATCH_AXES,))[0]
+    heads = nn.logical_to_mesh_axes(("heads",))[0]
+    kv_heads = nn.logical_to_mesh_axes(("kv_heads",))[0]
+    # q, k and v share one spec inside context parallelism: shard heads only where both agree.
+    return batch, (heads if heads == kv_heads else None)
+
+
 def attend(module: nn.Module, q, k, v, *, attn_input_format, attn_mask_type, mask=None, bias=None,
            attn_bias_type=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
            window_size=None, softcap=None, scale=None, dropout_rate=0.0, deterministic=True,
@@ -180,12 +191,13 @@ def attend(module: nn.Module, q, k, v, *, attn_input_format, attn_mask_type, mas
                              f"{context_parallel_axis!r}) supports neither a bias nor attention dropout.")
         from te_jax.context_parallel import context_parallel_attention  # written concurrently; lazy
 
+        batch_axes, head_axes = _cp_batch_and_head_axes()
         out = context_parallel_attention(
             q, k, v, cp_axis=context_parallel_axis, strategy=context_parallel_strategy,
             load_balanced=context_parallel_load_balanced, attn_input_format=fmt, attn_mask_type=mask_type,
             q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids, window_size=window_size, softcap=softcap, scale=eff_scale,
-            backend=backend)
+            backend=backend, batch_axes=batch_axes, head_axes=head_axes)
     else:
         out = dot_product_attention(
             q, k, v, attn_input_format=fmt, attn_mask_type=mask_type, q_seqlens=q_seqlens,
