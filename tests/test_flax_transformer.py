@@ -316,6 +316,25 @@ def test_context_parallel_layer_matches_single_device():
     assert_tree_close(g, g_ref, 5e-5, "context-parallel grads")
 
 
+def test_context_parallel_layer_on_an_explicit_dp_cp_mesh():
+    """jax.make_mesh's default (Explicit) axes, batch on "dp", sequence on "cp": the whole layer
+    (norms and MLP included) runs on the sharded activations and matches one device."""
+    from te_jax.context_parallel import inverse_reorder_causal_load_balancing, reorder_causal_load_balancing
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    kw = dict(enable_relative_embedding=False, self_attn_mask_type="causal")
+    base = make(**kw)
+    x = rand(3, (2, 16, D))
+    p = init(base, x)
+    y_ref = base.apply(p, x, deterministic=True)
+    m = make(context_parallel_axis="cp", context_parallel_load_balanced=True, **kw)
+    mesh = jax.make_mesh((2, 4), ("dp", "cp"))
+    with jax.set_mesh(mesh):
+        xz = jax.device_put(reorder_causal_load_balancing(x, 4, 1), NamedSharding(mesh, P("dp", "cp", None)))
+        y = jax.jit(lambda p, x: m.apply(p, x, deterministic=True))(p, xz)
+    assert_close(inverse_reorder_causal_load_balancing(np.asarray(y), 4, 1), y_ref, 2e-5, "explicit-mesh CP forward")
+
+
 def test_logical_axis_rules_shard_a_layer():
     """The README's rules: data parallel on "batch", tensor parallel on heads/mlp, FSDP on embed."""
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

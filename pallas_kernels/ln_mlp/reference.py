@@ -19,32 +19,30 @@ def _norm(x, gamma, beta, rms, epsilon, zero_centered_gamma):
 
 
 def mm(a, b):
-    """[M, K] @ [K, N] in fp32, as fp32: the output keeps the inputs' dtype so that autodiff's
-    backward GEMMs stay in x.dtype (an fp32-output dot would make them fp32 GEMMs); GPUs
-    accumulate bf16 GEMMs in fp32 anyway. Callers upcast the result for the epilogue."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=a.dtype).astype(jnp.float32)
+    """[..., K] @ [K, ...] (last axis of a with the first of b), as fp32: the output keeps the inputs'
+    dtype so that autodiff's backward GEMMs stay in x.dtype (an fp32-output dot would make them
+    fp32 GEMMs); GPUs accumulate bf16 GEMMs in fp32 anyway. Callers upcast for the epilogue.
+    Leading axes are contracted as they are (no reshape), so sharded activations keep their sharding."""
+    return lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=a.dtype).astype(jnp.float32)
 
 
 def layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, *, rms=False, activations=("gelu",), epsilon=1e-6,
                   zero_centered_gamma=False, return_layernorm_output=False, dropout_fn=None):
     """x [..., D]; w1 [D, n_act, F]; b1 [n_act, F] | None; w2 [F, Dout]; b2 [Dout] | None."""
     dt = x.dtype
-    d = x.shape[-1]
-    lead = x.shape[:-1]
-    n_act, f = w1.shape[1], w1.shape[2]
     ln = _norm(x, gamma, beta, rms, epsilon, zero_centered_gamma)
-    h = mm(ln.reshape(-1, d), w1.reshape(d, n_act * f).astype(dt))
+    h = mm(ln, w1.astype(dt))  # [..., n_act, F]
     if b1 is not None:
-        h = h + b1.reshape(-1).astype(jnp.float32)
+        h = h + b1.astype(jnp.float32)
     h = h.astype(dt)
-    a = apply_activations(h.astype(jnp.float32).reshape(-1, n_act, f), activations)
+    a = apply_activations(h.astype(jnp.float32), activations)
     if dropout_fn is not None:
         a = dropout_fn(a)
     a = a.astype(dt)
     y = mm(a, w2.astype(dt))
     if b2 is not None:
         y = y + b2.astype(jnp.float32)
-    y = y.astype(dt).reshape(*lead, w2.shape[1])
+    y = y.astype(dt)
     return (y, ln) if return_layernorm_output else y
 
 
@@ -52,10 +50,9 @@ def layernorm_dense(x, gamma, beta, w, b=None, *, rms=False, epsilon=1e-6, zero_
                     return_layernorm_output=False):
     """x [..., D]; w [D, N]; b [N] | None -> y [..., N]."""
     dt = x.dtype
-    d = x.shape[-1]
     ln = _norm(x, gamma, beta, rms, epsilon, zero_centered_gamma)
-    y = mm(ln.reshape(-1, d), w.astype(dt))
+    y = mm(ln, w.astype(dt))
     if b is not None:
         y = y + b.astype(jnp.float32)
-    y = y.astype(dt).reshape(*x.shape[:-1], w.shape[1])
+    y = y.astype(dt)
     return (y, ln) if return_layernorm_output else y
