@@ -235,18 +235,3 @@ def build_token_mask(mask: MaskSpec, attn_input_format: str, batch: int, q_len: 
         q_pos = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32)[None] - shift_q, (batch, q_len))
         kv_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32)[None] - shift_kv, (batch, kv_len))
     return TokenMask(q_seg, q_pos.astype(jnp.int32), kv_seg, kv_pos.astype(jnp.int32))
-
-
-def dense_mask(tm: TokenMask, causal: bool, window: tuple[int, int]):
-    """The [batch, 1, q_seq, kv_seq] boolean mask a TokenMask describes (for the XLA paths)."""
-    qs, qp = tm.q_segment_ids[:, :, None], tm.q_positions[:, :, None]
-    ks, kp = tm.kv_segment_ids[:, None, :], tm.kv_positions[:, None, :]
-    visible = (qs == ks) & (qs != 0)
-    if causal:
-        visible &= kp <= qp
-    left, right = window
-    if left >= 0:
-        visible &= kp >= qp - left
-    if right >= 0:
-        visible &= kp <= qp + right
-    return visible[:, None]

@@ -1,23 +1,17 @@
-"""Plain-XLA float32 reference for the Hopper flash-attention kernel (the truth for tests)."""
+"""Plain-XLA float32 reference for the Hopper flash-attention kernel (the truth for tests):
+the portable kernels' reference with no padding, top-left causal or no mask."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from pallas_kernels.flash_attention.reference import reference_attention
 
 
 def attention_reference(q, k, v, *, scale: float, causal: bool = False):
     """q [B,S,H,D], k/v [B,S,G,D] (GQA) -> (out [B,S,H,D] float32, lse [B,H,S] float32)."""
-    b, sq, h, d = q.shape
-    skv, g = k.shape[1], k.shape[2]
-    rep = h // g
-    qf = q.astype(jnp.float32).reshape(b, sq, g, rep, d)
-    kf = k.astype(jnp.float32)
-    vf = v.astype(jnp.float32)
-    s = jnp.einsum("bqgrd,bkgd->bgrqk", qf, kf, precision=jax.lax.Precision.HIGHEST) * scale
-    if causal:
-        mask = jnp.arange(sq)[:, None] >= jnp.arange(skv)[None, :]
-        s = jnp.where(mask, s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - lse[..., None])
-    out = jnp.einsum("bgrqk,bkgd->bqgrd", p, vf, precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(b, sq, h, d), lse.reshape(b, h, sq)
+    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+    seg_q, seg_kv = jnp.ones((b, sq), jnp.int32), jnp.ones((b, skv), jnp.int32)
+    pos_q = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (b, sq))
+    pos_kv = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
+    return reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), seg_q, pos_q,
+                               seg_kv, pos_kv, scale=scale, causal=causal)
