@@ -84,3 +84,28 @@ def test_pallas_backend_bf16():
     assert out.dtype == jnp.bfloat16
     ref = naive_attention(q, k, v, naive_mask(2, 16, 16, "causal"))
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_pallas_sbhd_from_packed_gqa_tensor_with_causal_window():
+    """The issue's case, scaled down: s x b x (16 query heads + 2·1 kv heads) x 64 in one packed
+    sb(h+2g)d tensor, window (-1, 0), against separately made q, k, v on the naive path."""
+    s, b, h, g, d = 96, 1, 16, 1, 64
+    packed = jax.random.normal(jax.random.key(21), (s, b, h + 2 * g, d))
+    q, k, v = te_jax.unpack_qkv(packed, qkv_layout="sb(h+2g)d", num_attention_heads=h, num_gqa_groups=g)
+    out = jax.jit(lambda q, k, v: te_jax.dot_product_attention(
+        q, k, v, attn_input_format="sbhd", window_size=(-1, 0), backend="pallas"))(q, k, v)
+    qs, ks, vs = packed[:, :, :h], packed[:, :, h:h + g], packed[:, :, h + g:]
+    ref = naive_attention(*(jnp.swapaxes(t, 0, 1) for t in (qs, ks, vs)),
+                          naive_mask(b, s, s, "no_mask", window=(-1, 0)))
+    np.testing.assert_allclose(jnp.swapaxes(out, 0, 1), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_pallas_odd_length_and_eighteen_heads():
+    """[2, 16534, 18, 128]-like, scaled down: an odd length that is no multiple of any block, 18 heads."""
+    q, k, v = _inputs(22, "bshd", 2, 67, 67, 18, 18, 32, 32)
+    f = lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="pallas")
+    mask = naive_mask(2, 67, 67, "causal")
+    np.testing.assert_allclose(jax.jit(f)(q, k, v), naive_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)
+    g_te = jax.jit(jax.grad(lambda q: jnp.sum(f(q, k, v) ** 2)))(q)
+    g_ref = jax.grad(lambda q: jnp.sum(naive_attention(q, k, v, mask) ** 2))(q)
+    np.testing.assert_allclose(g_te, g_ref, rtol=2e-4, atol=2e-4)
