@@ -14,17 +14,17 @@ custom_vjp; on a non-GPU backend they run in interpret mode, which is for tests 
 (benchmarks/results/norms_mlp_h100.md), xla elsewhere.
 Order of precedence: an explicit backend= argument, then TE_JAX_NORM_BACKEND=<name>, then auto.
 TE_JAX_PALLAS_NORM=0 makes pallas unavailable (a forced pallas then raises).
-TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax", level INFO).
+TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax"; shared policy in te_jax/backends/policy.py).
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from te_jax.backends import policy
 
 # Kernel modules are imported lazily: they import te_jax._compat, which runs te_jax/__init__,
 # which imports this module (an import cycle if pallas_kernels is imported first).
@@ -37,7 +37,6 @@ def _kernels():
 
     return pallas_norm, ref
 
-logger = logging.getLogger("te_jax")
 
 BACKENDS = ("pallas", "xla")
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
@@ -84,41 +83,21 @@ class BackendChoice:
         return "\n".join(lines)
 
 
-def _debug_enabled() -> bool:
-    return os.environ.get("TE_JAX_DEBUG", "0") not in ("", "0", "false", "False")
-
-
 def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, disable_env: str,
                    pref_key: str, auto_notes: tuple = ()) -> BackendChoice:
-    """Small selection helper shared by the norm and MLP ops.
+    """The shared policy (te_jax/backends/policy.py) applied to the norm and MLP ops.
 
     reasons: backend -> None (can serve) or a reason string; updated here with env/platform facts.
     """
-    if not isinstance(requested, str) or requested not in BACKENDS + ("auto",):
-        raise ValueError(
-            f"{op}: backend={requested!r} is unknown; expected one of {('auto',) + BACKENDS}. "
-            f"Fix: pass backend='auto', 'pallas' or 'xla'.")
+    forced, source = policy.resolve_request(op, requested, BACKENDS, force_env)
     reasons = dict(reasons)
-    notes = []
-    if os.environ.get(disable_env, "1") == "0":
-        reasons["pallas"] = (reasons.get("pallas") + "; " if reasons.get("pallas") else "") + \
-            f"disabled by {disable_env}=0"
-    effective = requested
-    if requested == "auto":
-        forced = os.environ.get(force_env, "").strip()
-        if forced:
-            if forced not in BACKENDS + ("auto",):
-                raise ValueError(
-                    f"{op}: environment variable {force_env}={forced!r} names an unknown backend; "
-                    f"expected one of {BACKENDS} (or unset it).")
-            if forced != "auto":
-                notes.append(f"backend forced to {forced!r} by {force_env}={forced}")
-                effective = forced
-    else:
-        notes.append(f"backend {requested!r} requested by the backend= argument")
+    disabled = policy.disabled_by_env(disable_env)
+    if disabled:
+        reasons["pallas"] = (reasons.get("pallas") + "; " if reasons.get("pallas") else "") + disabled
+    notes = [] if source == "auto" else [f"backend {forced!r} forced by the {source}"]
 
     on_gpu = jax.default_backend() == "gpu"
-    if effective == "auto":
+    if forced is None:
         if reasons.get("pallas") is None and on_gpu and GPU_MEASURED_FASTER.get(pref_key) == "pallas":
             selected = "pallas"
             notes.append("auto: on GPU pallas serves this call and was measured faster than xla")
@@ -135,17 +114,16 @@ def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, di
         choice = BackendChoice(op, requested, selected, reasons, notes)
     else:
         error = None
-        selected = effective
-        if reasons.get(effective) is not None:
-            error = (f"{op}: backend {effective!r} was forced but cannot serve this call: "
-                     f"{reasons[effective]}. Fix: use backend='auto' or 'xla'" +
+        selected = forced
+        if reasons.get(forced) is not None:
+            error = (f"{op}: backend {forced!r} was forced but cannot serve this call: "
+                     f"{reasons[forced]}. Fix: use backend='auto' or 'xla'" +
                      (f" (and unset {force_env})" if requested == "auto" else "") + ".")
             selected = None
-        elif effective == "pallas" and not on_gpu:
+        elif forced == "pallas" and not on_gpu:
             notes.append("pallas on a non-GPU backend runs in interpret mode (slow; meant for tests)")
         choice = BackendChoice(op, requested, selected, reasons, notes, error)
-    if _debug_enabled():
-        logger.info("te_jax backend choice\n%s", choice)
+    policy.log_choice(choice)
     return choice
 
 

@@ -186,7 +186,7 @@ def test_dropout_xla_only():
     ("act", r"activations=\('gelu', 'tanh'\).*unknown activation.*Valid choices"),
     ("act_str", r"activations='gelu' is a string"),
     ("type", r"layernorm_type='ln' is unknown"),
-    ("backend", r"backend='triton' is unknown"),
+    ("backend", r"backend='triton' is not known"),
     ("int_w1", r"w1 has dtype int32"),
     ("rate", r"dropout_rate=1.5"),
 ])

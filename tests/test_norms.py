@@ -99,7 +99,7 @@ def test_wrappers_and_jit():
     ("int_x", r"x has dtype int32.*floating-point.*astype"),
     ("int_gamma", r"gamma has dtype int32"),
     ("type", r"layernorm_type='batchnorm' is unknown.*'layernorm', 'rmsnorm'"),
-    ("backend", r"backend='cuda' is unknown.*'pallas', 'xla'"),
+    ("backend", r"backend='cuda' is not known.*'pallas', 'xla'"),
 ])
 def test_bad_inputs(case, match):
     x, g, b = jnp.ones((2, 8)), jnp.ones((8,)), jnp.zeros((8,))

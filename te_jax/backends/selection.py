@@ -1,20 +1,17 @@
 """Attention backend selection: automatic, overridable by argument and environment, explainable.
 
-Precedence: `backend=` argument (not "auto") > TE_JAX_ATTN_BACKEND > automatic preference.
-TE_JAX_PALLAS_ATTN=0 / TE_JAX_CUDNN_ATTN=0 / TE_JAX_XLA_ATTN=0 disable a backend everywhere.
-TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax").
+The shared policy (te_jax/backends/policy.py): `backend=` argument > TE_JAX_ATTN_BACKEND > the
+automatic preference below. TE_JAX_PALLAS_ATTN=0 / TE_JAX_CUDNN_ATTN=0 / TE_JAX_XLA_ATTN=0 disable a
+backend everywhere. TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax").
 """
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 
+from te_jax.backends import policy
 from te_jax.backends.cudnn import CudnnBackend
 from te_jax.backends.pallas import PallasBackend
 from te_jax.backends.xla import XlaBackend
-
-logger = logging.getLogger("te_jax")
 
 BACKENDS = {b.name: b for b in (PallasBackend(), CudnnBackend(), XlaBackend())}
 BACKEND_NAMES = tuple(BACKENDS)
@@ -66,37 +63,12 @@ class BackendChoice:
         return "\n".join(lines)
 
 
-def _disabled(name) -> str | None:
-    var = _DISABLE_ENV[name]
-    if os.environ.get(var, "").strip() == "0":
-        return f"disabled by environment {var}=0"
-    return None
-
-
-def check_backend_name(backend: str) -> str:
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not known; expected 'auto' or one of {BACKEND_NAMES}.")
-    return backend
-
-
 def choose_backend(call, backend: str = "auto") -> BackendChoice:
     """Decide which backend serves `call` and record the reason for every other one."""
-    check_backend_name(backend)
-    env_force = os.environ.get(FORCE_ENV, "").strip() or None
-    if env_force is not None and env_force not in BACKENDS and env_force != "auto":
-        raise ValueError(f"{FORCE_ENV}={env_force!r} is not known; expected one of {BACKEND_NAMES}.")
-    if env_force == "auto":
-        env_force = None
-    if backend != "auto":
-        forced, source = backend, "argument"
-    elif env_force is not None:
-        forced, source = env_force, f"environment {FORCE_ENV}={env_force}"
-    else:
-        forced, source = None, "auto"
-
+    forced, source = policy.resolve_request("attention", backend, BACKEND_NAMES, FORCE_ENV)
     reasons: dict[str, str | None] = {}
     for name, b in BACKENDS.items():
-        why = _disabled(name)
+        why = policy.disabled_by_env(_DISABLE_ENV[name])
         if why is None:
             if name == "pallas":
                 why = b.unsupported_reason(call, forced=(forced == "pallas"))
@@ -125,8 +97,7 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
         detail = ("Hopper (Mosaic GPU) kernel" if hr is None
                   else f"portable Triton-lowered kernel (Hopper kernel not used: {hr})")
     choice = BackendChoice(selected, reasons, source, detail)
-    if os.environ.get("TE_JAX_DEBUG", "").strip() not in ("", "0"):
-        logger.warning("%s", choice)
+    policy.log_choice(choice)
     return choice
 
 

@@ -1,0 +1,43 @@
+"""The selection policy every op shares (attention, norms, MLP).
+
+Precedence: a `backend=` argument (not "auto") > the op's TE_JAX_<OP>_BACKEND variable > the
+op's automatic preference. A TE_JAX_PALLAS_<OP>=0 style variable disables one backend.
+TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax").
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("te_jax")
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("TE_JAX_DEBUG", "").strip() not in ("", "0", "false", "False")
+
+
+def disabled_by_env(var: str) -> str | None:
+    """The reason a backend is off when `var` is set to 0, else None."""
+    if os.environ.get(var, "").strip() == "0":
+        return f"disabled by environment {var}=0"
+    return None
+
+
+def resolve_request(op: str, requested: str, names: tuple[str, ...], force_env: str) -> tuple[str | None, str]:
+    """(forced backend or None for auto, where the decision came from). Raises on unknown names."""
+    if not isinstance(requested, str) or (requested != "auto" and requested not in names):
+        raise ValueError(f"{op}: backend={requested!r} is not known; expected 'auto' or one of {names}.")
+    env = os.environ.get(force_env, "").strip()
+    if env and env != "auto" and env not in names:
+        raise ValueError(f"{op}: environment {force_env}={env!r} is not known; expected one of {names} "
+                         f"(or unset it).")
+    if requested != "auto":
+        return requested, "argument"
+    if env and env != "auto":
+        return env, f"environment {force_env}={env}"
+    return None, "auto"
+
+
+def log_choice(choice) -> None:
+    if debug_enabled():
+        logger.warning("%s", choice)
