@@ -139,6 +139,17 @@ def _seqlens_to_packed_segments(lens, total):
     return jnp.where(idx < ends[-1], seg, 0)
 
 
+def _both_sides(q_value, kv_value, what, q_len, kv_len):
+    """Self-attention may pass padding for one side only: the other side shares it."""
+    if q_value is None or kv_value is None:
+        if q_len != kv_len:
+            raise ValueError(f"Only one of q_{what}/kv_{what} was given and q and kv lengths differ "
+                             f"({q_len} vs {kv_len}); pass both.")
+        q_value = kv_value if q_value is None else q_value
+        kv_value = q_value if kv_value is None else kv_value
+    return q_value, kv_value
+
+
 def build_token_mask(mask: MaskSpec, attn_input_format: str, batch: int, q_len: int, kv_len: int,
                      q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None) -> TokenMask:
     """Validate the padding arguments and build the TokenMask for canonical [batch, seq] inputs.
@@ -166,13 +177,7 @@ def build_token_mask(mask: MaskSpec, attn_input_format: str, batch: int, q_len: 
             "([num_seqs] lengths) or q_segment_ids/kv_segment_ids ([tokens]) with a padding mask type.")
 
     if has_segs:
-        if q_segment_ids is None or kv_segment_ids is None:
-            if q_len != kv_len:
-                raise ValueError(
-                    "Only one of q_segment_ids/kv_segment_ids was given and q and kv lengths differ "
-                    f"({q_len} vs {kv_len}); pass both.")
-            q_segment_ids = kv_segment_ids if q_segment_ids is None else q_segment_ids
-            kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+        q_segment_ids, kv_segment_ids = _both_sides(q_segment_ids, kv_segment_ids, "segment_ids", q_len, kv_len)
         if fmt == "thd":
             q_seg = _check_int_array(q_segment_ids, "q_segment_ids", (q_len,), "[tokens] for thd")[None]
             kv_seg = _check_int_array(kv_segment_ids, "kv_segment_ids", (kv_len,), "[tokens] for thd")[None]
@@ -180,13 +185,7 @@ def build_token_mask(mask: MaskSpec, attn_input_format: str, batch: int, q_len: 
             q_seg = _check_int_array(q_segment_ids, "q_segment_ids", (batch, q_len), "[batch, q_seq]")
             kv_seg = _check_int_array(kv_segment_ids, "kv_segment_ids", (batch, kv_len), "[batch, kv_seq]")
     elif has_lens:
-        if q_seqlens is None or kv_seqlens is None:
-            if q_len != kv_len:
-                raise ValueError(
-                    "Only one of q_seqlens/kv_seqlens was given and q and kv lengths differ "
-                    f"({q_len} vs {kv_len}); pass both.")
-            q_seqlens = kv_seqlens if q_seqlens is None else q_seqlens
-            kv_seqlens = q_seqlens if kv_seqlens is None else kv_seqlens
+        q_seqlens, kv_seqlens = _both_sides(q_seqlens, kv_seqlens, "seqlens", q_len, kv_len)
         if fmt == "thd":
             q_lens = jnp.asarray(q_seqlens)
             kv_lens = jnp.asarray(kv_seqlens)
