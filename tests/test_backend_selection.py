@@ -162,3 +162,24 @@ def test_gpu_preference_follows_measurements(fake_h100, monkeypatch):
     # Where cuDNN cannot serve (softcap), the Pallas kernel runs and the explanation names the Hopper reason.
     capped = te_jax.explain_attention_backend(*_qkv(), softcap=30.0)
     assert capped.selected == "pallas" and "portable" in capped.detail
+
+
+def test_trace_time_refusal_falls_back_in_auto_and_is_explained(monkeypatch):
+    """A backend that refuses at trace time (as cuDNN does for an unsupported plan) hands the call to
+    the next serving backend in auto mode, and raises a ValueError naming it when forced."""
+    from te_jax.backends import selection
+
+    q, k, v = _qkv(dtype=jnp.float32)
+    pallas = selection.BACKENDS["pallas"]
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("no valid execution plan")
+
+    monkeypatch.setattr(pallas, "forward", refuse)
+    monkeypatch.setattr(selection, "OTHER_PREFERENCE", ("pallas", "xla", "cudnn"))
+    monkeypatch.setattr(pallas, "unsupported_reason", lambda call, forced=False: None)
+    out = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal")
+    np.testing.assert_allclose(out, te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="xla"),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="backend 'pallas' refused the call: NotImplementedError"):
+        te_jax.dot_product_attention(q, k, v, backend="pallas")
