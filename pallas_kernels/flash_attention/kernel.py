@@ -359,6 +359,22 @@ def _prepare(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
     return geo, q, k, v, qseg, qpos, kseg, kpos, bias
 
 
+def _q_row_specs(nq, bq, skv, dqk, dv, rep):
+    """Specs shared by the kernels gridded over (q blocks, B, H): block bounds, one q block, the
+    whole K/V of the head's group, and the mask arrays. Program i takes q block nq-1-i (longest
+    causal rows first)."""
+    return [
+        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, nq - 1 - i, 0)),
+        pl.BlockSpec((None, bq, None, dqk), lambda i, b, h: (b, nq - 1 - i, h, 0)),
+        pl.BlockSpec((None, skv, None, dqk), lambda i, b, h: (b, 0, h // rep, 0)),
+        pl.BlockSpec((None, skv, None, dv), lambda i, b, h: (b, 0, h // rep, 0)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
+        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
+        pl.BlockSpec((None, skv), lambda i, b, h: (b, 0)),
+        pl.BlockSpec((None, skv), lambda i, b, h: (b, 0)),
+    ]
+
+
 def _fwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias):
     B, Sqp, H, Dqk = q.shape
     Skvp, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -370,16 +386,7 @@ def _fwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias):
     # Program i handles q block nq-1-i: under a causal mask the longest rows start first,
     # which shortens the tail of the launch.
     grid = (nq, B, H)
-    in_specs = [
-        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, nq - 1 - i, 0)),
-        pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, nq - 1 - i, h, 0)),
-        pl.BlockSpec((None, Skvp, None, Dqk), lambda i, b, h: (b, 0, h // rep, 0)),
-        pl.BlockSpec((None, Skvp, None, Dv), lambda i, b, h: (b, 0, h // rep, 0)),
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
-        pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
-        pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
-    ]
+    in_specs = _q_row_specs(nq, bq, Skvp, Dqk, Dv, rep)
     args = [meta, q, k, v, qseg, qpos, kseg, kpos]
     if bias is not None:
         in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, nq - 1 - i, 0)))
@@ -595,15 +602,7 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, ou
     nq, nk = Sqp // bq, Skvp // bk
     possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
     meta_q = _loop_bounds(possible, full)  # [B, nq, 4]
-    in_specs = [
-        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, nq - 1 - i, 0)),
-        pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, nq - 1 - i, h, 0)),
-        pl.BlockSpec((None, Skvp, None, Dqk), lambda i, b, h: (b, 0, h // rep, 0)),
-        pl.BlockSpec((None, Skvp, None, Dv), lambda i, b, h: (b, 0, h // rep, 0)),
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
-        pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
-        pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
-        pl.BlockSpec((None, Skvp), lambda i, b, h: (b, 0)),
+    in_specs = _q_row_specs(nq, bq, Skvp, Dqk, Dv, rep) + [
         pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, nq - 1 - i, h, 0)),
         pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)),
         pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)),
