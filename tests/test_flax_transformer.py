@@ -256,7 +256,9 @@ def test_transformer_layer_from_nnx():
     assert loss(layer) < before
 
 
-def test_context_parallel_arguments_are_passed_down(monkeypatch):
+@pytest.fixture
+def recorded_cp_calls(monkeypatch):
+    """Replace context-parallel attention with a stub that records its keyword arguments."""
     calls = []
 
     def fake_cp(query, key, value, **kw):
@@ -265,6 +267,11 @@ def test_context_parallel_arguments_are_passed_down(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "te_jax.context_parallel",
                         types.SimpleNamespace(context_parallel_attention=fake_cp))
+    return calls
+
+
+def test_context_parallel_arguments_are_passed_down(recorded_cp_calls):
+    calls = recorded_cp_calls
     m = make(context_parallel_axis="cp", context_parallel_strategy="all_gather", context_parallel_load_balanced=True,
              enable_relative_embedding=False, self_attn_mask_type="causal", window_size=(4, 0))
     x = rand(1, (B, S, D))
@@ -275,17 +282,10 @@ def test_context_parallel_arguments_are_passed_down(monkeypatch):
     assert kw["scale"] == 1.0
 
 
-def test_context_parallel_keeps_data_and_tensor_axes_of_the_logical_rules(monkeypatch):
+def test_context_parallel_keeps_data_and_tensor_axes_of_the_logical_rules(recorded_cp_calls):
     """Under logical axis rules, context-parallel attention is told the batch/head mesh axes (so a
     dp x cp mesh does not replicate attention over the data axis)."""
-    calls = []
-
-    def fake_cp(query, key, value, **kw):
-        calls.append(kw)
-        return jnp.zeros(query.shape[:-1] + value.shape[-1:], query.dtype)
-
-    monkeypatch.setitem(sys.modules, "te_jax.context_parallel",
-                        types.SimpleNamespace(context_parallel_attention=fake_cp))
+    calls = recorded_cp_calls
     m = make(context_parallel_axis="cp", enable_relative_embedding=False, self_attn_mask_type="causal")
     x = rand(1, (B, S, D))
     p = init(m, x)
