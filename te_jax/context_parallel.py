@@ -136,6 +136,7 @@ class _Cfg:
     causal: bool
     window: tuple[int, int]
     halves: bool  # ring: the half-block branches are allowed (even local lengths)
+    dense: bool = False  # ring: blocks run mask-free (diagonal causal, others full): the Hopper kernel
 
 
 _BIG = np.int32(2 ** 30)
@@ -181,17 +182,23 @@ def _branch(cfg: _Cfg, qseg, qpos, kseg, kpos):
     return jnp.where(~full, 0, jnp.where(~need_k2, 2, jnp.where(~need_q1, 3, 1))).astype(jnp.int32)
 
 
-def _fwd_call(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos):
+def _fwd_call(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, diagonal=False):
+    if cfg.dense:  # no token masks: causal on the diagonal block pair, every other pair fully visible
+        return BACKENDS[cfg.backend].dense_forward(q, k, v, scale=cfg.scale, causal=cfg.causal and diagonal)
     tm = masks.TokenMask(qseg, qpos, kseg, kpos)
     return BACKENDS[cfg.backend].forward_only(q, k, v, tm, None, scale=cfg.scale, softcap=cfg.softcap,
                                               causal=cfg.causal, window=cfg.window)
 
 
-def _bwd_call(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, out, lse, dout):
-    tm = masks.TokenMask(qseg, qpos, kseg, kpos)
-    dq, dk, dv, _ = BACKENDS[cfg.backend].backward(
-        q, k, v, tm, None, out, lse, dout, None, scale=cfg.scale, softcap=cfg.softcap, causal=cfg.causal,
-        window=cfg.window)
+def _bwd_call(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, out, lse, dout, diagonal=False):
+    if cfg.dense:
+        dq, dk, dv = BACKENDS[cfg.backend].dense_backward(q, k, v, out, lse, dout, scale=cfg.scale,
+                                                          causal=cfg.causal and diagonal)
+    else:
+        tm = masks.TokenMask(qseg, qpos, kseg, kpos)
+        dq, dk, dv, _ = BACKENDS[cfg.backend].backward(
+            q, k, v, tm, None, out, lse, dout, None, scale=cfg.scale, softcap=cfg.softcap, causal=cfg.causal,
+            window=cfg.window)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
@@ -206,9 +213,13 @@ def _merge(acc_out, acc_lse, out_blk, lse_blk):
     return out, lse
 
 
-def _ring_fwd_step(cfg: _Cfg, q, qseg, qpos, acc, kv):
-    """Merge the contribution of one K/V block into the accumulator (acc_out f32, acc_lse)."""
+def _ring_fwd_step(cfg: _Cfg, q, qseg, qpos, acc, kv, diagonal=False):
+    """Merge the contribution of one K/V block into the accumulator (acc_out f32, acc_lse).
+
+    diagonal: the K/V block is this device's own (ring step 0)."""
     k, v, kseg, kpos = kv
+    if cfg.dense and diagonal:  # unpadded tokens: the diagonal pair always has visible keys
+        return _merge(*acc, *_fwd_call(cfg, q, k, v, qseg, qpos, kseg, kpos, diagonal=True))
 
     def skip(acc):
         return acc
@@ -234,10 +245,12 @@ def _ring_fwd_step(cfg: _Cfg, q, qseg, qpos, acc, kv):
     return lax.switch(_branch(cfg, qseg, qpos, kseg, kpos), branches, acc)
 
 
-def _ring_bwd_step(cfg: _Cfg, q, qseg, qpos, out, lse, dout, kv):
+def _ring_bwd_step(cfg: _Cfg, q, qseg, qpos, out, lse, dout, kv, diagonal=False):
     """Gradient contributions (dq f32 [local q], dk/dv f32 [this K/V block]) of one block pair."""
     k, v, kseg, kpos = kv
     f32 = jnp.float32
+    if cfg.dense and diagonal:
+        return _bwd_call(cfg, q, k, v, qseg, qpos, kseg, kpos, out, lse, dout, diagonal=True)
 
     def skip():
         return (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
@@ -273,14 +286,21 @@ def _ring_forward(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos):
     acc = (jnp.zeros((b, sq, h, v.shape[-1]), jnp.float32), jnp.full((b, h, sq), -jnp.inf, jnp.float32))
     kv = (k, v, kseg, kpos)
     perm = _ring_perm(cfg)
-    if cfg.cp_size > 1:
+    if cfg.cp_size == 1:
+        out, lse = _ring_fwd_step(cfg, q, qseg, qpos, acc, kv, diagonal=True)
+        return out.astype(q.dtype), lse
+    # Step 0 (own K/V, the diagonal) is peeled off the loop: its mask differs from every other step's.
+    nxt = lax.ppermute(kv, cfg.cp_axis, perm)  # send the next block before computing
+    acc = _ring_fwd_step(cfg, q, qseg, qpos, acc, kv, diagonal=True)
+    kv = nxt
+    if cfg.cp_size > 2:
         def body(carry, _):
             kv, acc = carry
-            nxt = lax.ppermute(kv, cfg.cp_axis, perm)  # send the next block before computing
+            nxt = lax.ppermute(kv, cfg.cp_axis, perm)
             acc = _ring_fwd_step(cfg, q, qseg, qpos, acc, kv)
             return (nxt, acc), None
 
-        (kv, acc), _ = lax.scan(body, (kv, acc), None, length=cfg.cp_size - 1)
+        (kv, acc), _ = lax.scan(body, (kv, acc), None, length=cfg.cp_size - 2)
     out, lse = _ring_fwd_step(cfg, q, qseg, qpos, acc, kv)
     return out.astype(q.dtype), lse
 
@@ -292,20 +312,26 @@ def _ring_backward(cfg: _Cfg, res, dout):
     dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     kv = (k, v, kseg, kpos)
 
-    def step(kv, dkv, dq):
-        dq_p, dk_p, dv_p = _ring_bwd_step(cfg, q, qseg, qpos, out, lse, dout, kv)
+    def step(kv, dkv, dq, diagonal=False):
+        dq_p, dk_p, dv_p = _ring_bwd_step(cfg, q, qseg, qpos, out, lse, dout, kv, diagonal=diagonal)
         # dK/dV accumulators travel one step behind their K/V block.
         send = (dkv[0] + dk_p, dkv[1] + dv_p)
         return lax.ppermute(send, cfg.cp_axis, perm) if cfg.cp_size > 1 else send, dq + dq_p
 
-    if cfg.cp_size > 1:
+    if cfg.cp_size == 1:
+        (dk, dv), dq = step(kv, dkv, dq, diagonal=True)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    nxt = lax.ppermute(kv, cfg.cp_axis, perm)  # step 0, the diagonal, peeled off the loop
+    dkv, dq = step(kv, dkv, dq, diagonal=True)
+    kv = nxt
+    if cfg.cp_size > 2:
         def body(carry, _):
             kv, dkv, dq = carry
             nxt = lax.ppermute(kv, cfg.cp_axis, perm)
             dkv, dq = step(kv, dkv, dq)
             return (nxt, dkv, dq), None
 
-        (kv, dkv, dq), _ = lax.scan(body, (kv, dkv, dq), None, length=cfg.cp_size - 1)
+        (kv, dkv, dq), _ = lax.scan(body, (kv, dkv, dq), None, length=cfg.cp_size - 2)
     (dk, dv), dq = step(kv, dkv, dq)  # the last send brings each block's dK/dV home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -484,7 +510,38 @@ def _prepare(query, key, value, *, cp_axis, mesh, strategy, load_balanced, attn_
         raise ValueError(
             f"context_parallel_attention: backend {choice.selected!r} has no split forward/backward, which "
             f"context parallelism needs; use backend='pallas' or 'xla'.\n{choice}")
-    return mesh, cp_size, prep, choice
+    dense, detail = _inner_kernel(choice.selected, prep.call, strategy, cp_size)
+    if detail:
+        choice = dataclasses.replace(choice, detail=detail)
+    return mesh, cp_size, prep, choice, dense
+
+
+def _inner_kernel(backend, call, strategy, cp_size):
+    """(dense, detail): whether the per-block calls run mask-free on the backend's dense kernel
+    (the Hopper kernel for pallas on sm90), and the explanation line."""
+    b = BACKENDS[backend]
+    if not hasattr(b, "ring_block_reason"):
+        return False, ""
+    d = call.dims
+    q_blk = (d.batch, d.q_len // cp_size, d.num_heads, d.head_dim_qk)
+    kv_blk = (d.batch, d.kv_len // cp_size, d.num_kv_heads, d.head_dim_qk)
+    if strategy == "all_gather":
+        kv_blk = (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk)
+        why = ("all_gather with a causal mask: the gathered K/V needs token masks (use strategy='ring')"
+               if call.mask.causal or call.mask.mask_type != "no_mask" else None)
+        halves = False
+    else:
+        why = None
+        halves = call.mask.causal and q_blk[1] % 2 == 0 and kv_blk[1] % 2 == 0
+    if why is None and call.platform == "gpu":
+        why = b.ring_block_reason(call, q_blk, kv_blk, halves)
+    elif why is None:
+        why = f"not a GPU ({call.platform})"
+    if why is None:
+        return True, (f"per-block Hopper (Mosaic GPU) kernel, mask-free ({strategy}: "
+                      + ("causal on the diagonal block pair, the others fully visible)" if call.mask.causal
+                         else "no mask)"))
+    return False, f"per-block portable Triton-lowered kernel with token masks (Hopper kernel not used: {why})"
 
 
 def explain_context_parallel_backend(query, key, value, *, cp_axis, mesh=None, backend="auto", **kwargs):
@@ -525,7 +582,7 @@ def context_parallel_attention(query, key, value, *, cp_axis: str, mesh=None, st
       `cp_axis` alone; the inputs are resharded to P(batch_axes, cp_axis, head_axes, None) (bshd)
       if they are not already.
     """
-    mesh, cp_size, prep, choice = _prepare(
+    mesh, cp_size, prep, choice, dense = _prepare(
         query, key, value, cp_axis=cp_axis, mesh=mesh, strategy=strategy, load_balanced=load_balanced,
         attn_input_format=attn_input_format, attn_mask_type=attn_mask_type, q_seqlens=q_seqlens,
         kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -547,7 +604,7 @@ def context_parallel_attention(query, key, value, *, cp_axis: str, mesh=None, st
     hq, hk = prep.call.dims.q_len // cp_size, prep.call.dims.kv_len // cp_size
     cfg = _Cfg(backend=choice.selected, strategy=strategy, cp_axis=cp_axis, cp_size=cp_size, scale=prep.scale,
                softcap=prep.softcap, causal=prep.call.mask.causal, window=prep.window,
-               halves=(hq % 2 == 0 and hk % 2 == 0))
+               halves=(hq % 2 == 0 and hk % 2 == 0), dense=dense)
     q, k, v = (_place(t, mesh, x_spec) for t in (prep.q, prep.k, prep.v))
     mask_arrays = [_place(a, mesh, m_spec) for a in (tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids,
                                                       tm.kv_positions)]

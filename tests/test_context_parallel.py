@@ -372,3 +372,78 @@ def test_input_batch_sharded_on_cp_axis_is_resharded():
     assert out.sharding.spec[1] == "cp"
     ref = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="xla")
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask-free ("dense") per-block kernels: the path the Hopper kernel takes on sm90
+# ---------------------------------------------------------------------------------------------
+def _local_tm(q, k):
+    """Token mask of a mask-free kernel: one segment, local positions 0..s-1 (causal = top-left)."""
+    from te_jax import masks
+
+    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+    ones = lambda s: jnp.ones((b, s), jnp.int32)  # noqa: E731
+    pos = lambda s: jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))  # noqa: E731
+    return masks.TokenMask(ones(sq), pos(sq), ones(skv), pos(skv))
+
+
+class _DenseStandIn:
+    """What the Hopper kernel offers the ring (q, k, v, causal) → (out, lse), built on the reference,
+    with a record of the causal flags it was called with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, q, k, v, *, scale, causal):
+        from te_jax import reference
+        self.calls.append(("fwd", q.shape[1], k.shape[1], causal))
+        return reference.reference_attention(q, k, v, _local_tm(q, k), None, scale=scale, softcap=None,
+                                             causal=causal, window=(-1, -1))
+
+    def backward(self, q, k, v, out, lse, dout, *, scale, causal):
+        from te_jax import reference
+        self.calls.append(("bwd", q.shape[1], k.shape[1], causal))
+        dq, dk, dv, _ = reference.reference_attention_bwd(q, k, v, _local_tm(q, k), None, out, lse, dout,
+                                                          None, scale=scale, softcap=None, causal=causal,
+                                                          window=(-1, -1))
+        return dq, dk, dv
+
+
+@pytest.mark.parametrize("strategy,mask_type,lb,cp", [
+    ("ring", "causal", True, 4), ("ring", "causal", True, 2), ("ring", "causal", False, 4),
+    ("ring", "no_mask", True, 4), ("all_gather", "no_mask", True, 2)])
+def test_dense_block_kernel_path(monkeypatch, strategy, mask_type, lb, cp):
+    """With a mask-free block kernel the ring passes causal=True on the diagonal pair only and calls
+    every other pair (or half pair) unmasked; the result must still equal single-device attention."""
+    from te_jax.backends import selection
+
+    standin = _DenseStandIn()
+    xla = selection.BACKENDS["xla"]
+    monkeypatch.setattr(xla, "dense_forward", standin.forward, raising=False)
+    monkeypatch.setattr(xla, "dense_backward", standin.backward, raising=False)
+    monkeypatch.setattr(tcp, "_inner_kernel", lambda backend, call, strategy, cp_size: (True, "stand-in"))
+    mesh = _mesh((cp,), ("cp",))
+    q, k, v, ct = _qkv(11, g=G)
+    kw = dict(attn_mask_type=mask_type)
+    f_cp = _cp_fn(mesh, "cp", cp, lb, strategy=strategy, backend="xla", **kw)
+    _compare(f_cp, _ref_fn(**kw), q, k, v, ct)
+    causal_calls = {c for c in standin.calls if c[3]}
+    if mask_type == "causal":  # only the diagonal (full local blocks) is causal, forward and backward
+        assert causal_calls == {("fwd", S // cp, S // cp, True), ("bwd", S // cp, S // cp, True)}, standin.calls
+        if lb:  # zig-zag: off-diagonal steps run on half blocks
+            assert any(c[1] != c[2] for c in standin.calls if not c[3]), standin.calls
+    else:
+        assert not causal_calls, standin.calls
+
+
+def test_dense_path_explained():
+    mesh = _mesh((2,), ("cp",))
+    choice = tcp.explain_context_parallel_backend(*_small(512), cp_axis="cp", mesh=mesh, backend="pallas",
+                                                  attn_mask_type="causal")
+    if jax.default_backend() != "gpu":
+        assert "portable Triton-lowered kernel with token masks (Hopper kernel not used: not a GPU" in choice.detail
+    choice = tcp.explain_context_parallel_backend(*_small(512), cp_axis="cp", mesh=mesh, backend="pallas",
+                                                  attn_mask_type="padding_causal",
+                                                  q_seqlens=jnp.array([500]), kv_seqlens=jnp.array([500]))
+    if jax.default_backend() == "gpu":
+        assert "padding" in choice.detail

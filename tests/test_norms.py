@@ -162,3 +162,24 @@ def test_too_large_hidden_cannot_use_pallas():
     x = jax.ShapeDtypeStruct((2, 40000), jnp.float32)
     e = N.explain_norm_backend(x, backend="pallas")
     assert e.selected is None and "40000" in e.error
+
+
+@pytest.mark.parametrize("fwd_stats", ["one_pass", "two_pass"])
+def test_layernorm_stats_with_large_mean(fwd_stats):
+    """fp32 rows with |mean| >> std (offset 1000, std 1): E[x²]-E[x]² without a shift would lose the
+    variance to cancellation (error ~1e6·2^-24 per term); both modes must match a float64 reference."""
+    from pallas_kernels.norms import NormConfig
+
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    x = 1000.0 + jax.random.normal(k[0], (19, 300))
+    x = x.at[:, 0].set(1003.0)  # the shift (first element) is not the mean
+    g = 0.5 + jax.random.uniform(k[1], (300,))
+    b = 0.3 * jax.random.normal(k[2], (300,))
+    y, mean, rstd = norm_fwd(x, g, b, rms=False, config=NormConfig(fwd_stats=fwd_stats), interpret=True)
+    xd, gd, bd = (np.asarray(t, np.float64) for t in (x, g, b))
+    mu, var = xd.mean(-1, keepdims=True), xd.var(-1, keepdims=True)
+    np.testing.assert_allclose(mean, mu[:, 0], rtol=5e-7)  # a few fp32 ulps at 1000
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(var[:, 0] + 1e-6), rtol=1e-4)
+    np.testing.assert_allclose(y, (xd - mu) / np.sqrt(var + 1e-6) * gd + bd, atol=1e-3)
+    with pytest.raises(ValueError, match="fwd_stats"):
+        norm_fwd(x, g, b, config=NormConfig(fwd_stats="welford"), interpret=True)

@@ -28,13 +28,16 @@ from pallas_kernels.norms import reference as norm_ref
 from te_jax._compat import default_interpret
 
 
-def _mm(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+# GEMMs accumulate in fp32 inside the matrix unit and write the compute dtype (as plain JAX does):
+# an fp32 [tokens, F] or [D, F] output followed by a cast costs a round trip through memory.
+def _mm(a, b, out_dtype=None):
+    """a[M, K] @ b[K, N] -> [M, N] in out_dtype (default a.dtype)."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype or a.dtype)
 
 
-def _mm_tn(a, b):
-    """a[M, K]^T @ b[M, N] -> [K, N] fp32."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _mm_tn(a, b, out_dtype=None):
+    """a[M, K]^T @ b[M, N] -> [K, N] in out_dtype (default a.dtype)."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=out_dtype or a.dtype)
 
 
 def _mm_nt(a, b, out_dtype=jnp.float32):
@@ -106,7 +109,7 @@ def _first_gemm(ln, x2, gamma, beta, mean, rstd, w1f, b1f, zc, gemm_impl, interp
         return ln_gemm(x2, gamma, beta, mean, rstd, w1f, b1f, zero_centered_gamma=zc, interpret=interpret)
     h = _mm(ln, w1f)
     if b1f is not None:
-        h = h + b1f.astype(jnp.float32)
+        h = h.astype(jnp.float32) + b1f.astype(jnp.float32)
     return h.astype(ln.dtype)
 
 
@@ -125,7 +128,7 @@ def _mlp_forward(x2, gamma, beta, w1, b1, w2, b2, cfg):
     a = apply_activations(h.astype(jnp.float32).reshape(-1, n_act, f), acts).astype(dt)
     y = _mm(a, w2)
     if b2 is not None:
-        y = y + b2.astype(jnp.float32)
+        y = y.astype(jnp.float32) + b2.astype(jnp.float32)
     y = y.astype(dt)
     return y, ln, mean, rstd, h
 
@@ -158,7 +161,7 @@ def _ln_mlp_bwd(cfg, res, ct):
     hf = h.astype(jnp.float32).reshape(-1, n_act, f)
     a, act_vjp = jax.vjp(lambda t: apply_activations(t, acts), hf)
     a = a.astype(dt)
-    dw2 = _mm_tn(a, dy).astype(w2.dtype)
+    dw2 = _mm_tn(a, dy, w2.dtype)
     # GEMM outputs in x.dtype (fp32 accumulation inside): an fp32 [T, F] output would double temp memory.
     da = _mm_nt(dy, w2, dt).astype(jnp.float32)          # [T, F]
     (dh,) = act_vjp(da)                                  # [T, n_act, F] fp32
@@ -168,7 +171,7 @@ def _ln_mlp_bwd(cfg, res, ct):
 
     ln = _recompute_ln(x2, gamma, beta, mean, rstd, zc)
     w1f = w1.reshape(d, n_act * f)
-    dw1 = _mm_tn(ln, dh).reshape(w1.shape).astype(w1.dtype)
+    dw1 = _mm_tn(ln, dh, w1.dtype).reshape(w1.shape)
     dln = _mm_nt(dh, w1f, dt if dln_extra is None else jnp.float32)
     if dln_extra is not None:
         dln = dln + dln_extra.astype(jnp.float32)
@@ -208,7 +211,7 @@ def _ln_dense(x2, gamma, beta, w, b, cfg):
     ln, _, _ = _norm_fwd(x2, gamma, beta, rms, eps, zc, norm_impl, interpret)
     y = _mm(ln, w)
     if b is not None:
-        y = y + b.astype(jnp.float32)
+        y = y.astype(jnp.float32) + b.astype(jnp.float32)
     y = y.astype(x2.dtype)
     return (y, ln) if ret_ln else y
 
@@ -218,7 +221,7 @@ def _ln_dense_fwd(x2, gamma, beta, w, b, cfg):
     ln, mean, rstd = _norm_fwd(x2, gamma, beta, rms, eps, zc, norm_impl, interpret)
     y = _mm(ln, w)
     if b is not None:
-        y = y + b.astype(jnp.float32)
+        y = y.astype(jnp.float32) + b.astype(jnp.float32)
     y = y.astype(x2.dtype)
     return ((y, ln) if ret_ln else y), (x2, gamma, beta, mean, rstd, w, b)
 
@@ -230,8 +233,8 @@ def _ln_dense_bwd(cfg, res, ct):
     dy = dy.astype(x2.dtype)
     db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(b.dtype)
     ln = _recompute_ln(x2, gamma, beta, mean, rstd, zc)
-    dw = _mm_tn(ln, dy).astype(w.dtype)
-    dln = _mm_nt(dy, w)
+    dw = _mm_tn(ln, dy, w.dtype)
+    dln = _mm_nt(dy, w, x2.dtype if dln_extra is None else jnp.float32)
     if dln_extra is not None:
         dln = dln + dln_extra.astype(jnp.float32)
     dx, dgamma, dbeta = _norm_bwd(dln.astype(x2.dtype), x2, gamma, beta, mean, rstd, rms, zc, norm_impl,

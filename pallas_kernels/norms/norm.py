@@ -35,6 +35,10 @@ class NormConfig:
     bwd_num_warps: int | None = None
     bwd_grid: int | None = None
     num_stages: int = 1
+    #: LayerNorm forward statistics: "one_pass" sums (x-K) and (x-K)² together, K = the row's first
+    #: element (a shift that keeps E[(x-K)²]-E[x-K]² exact enough in fp32 when |mean| >> std);
+    #: "two_pass" computes the mean, then the variance of x - mean (one more reduction in sequence).
+    fwd_stats: str = "one_pass"
 
 
 def _next_pow2(n: int) -> int:
@@ -64,7 +68,7 @@ def _bwd_params(n_rows, n_cols, cfg: NormConfig):
 # ----------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, eps, rms, zero_centered, has_beta):
+def _fwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, eps, rms, zero_centered, has_beta, one_pass):
     refs = list(refs)
     x_ref, g_ref = refs.pop(0), refs.pop(0)
     b_ref = refs.pop(0) if has_beta else None
@@ -81,10 +85,18 @@ def _fwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, eps, rms, zero_ce
     x = pltriton.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0).astype(jnp.float32)
     if rms:
         xc = x
+        var = jnp.sum(xc * xc, axis=1) / n_cols
+    elif one_pass:
+        shift = pltriton.load(x_ref.at[rows, 0], mask=rmask, other=0.0).astype(jnp.float32)
+        xs = jnp.where(mask, x - shift[:, None], 0.0)
+        m1 = jnp.sum(xs, axis=1) / n_cols
+        var = jnp.maximum(jnp.sum(xs * xs, axis=1) / n_cols - m1 * m1, 0.0)
+        mean = shift + m1
+        xc = x - mean[:, None]  # padded columns are never stored
     else:
         mean = jnp.sum(x, axis=1) / n_cols
         xc = jnp.where(mask, x - mean[:, None], 0.0)
-    var = jnp.sum(xc * xc, axis=1) / n_cols
+        var = jnp.sum(xc * xc, axis=1) / n_cols
     rstd = lax.rsqrt(var + eps)
     g = pltriton.load(g_ref.at[cols], mask=cmask, other=0.0).astype(jnp.float32)
     if zero_centered:
@@ -111,7 +123,10 @@ def norm_fwd(x, gamma, beta=None, *, rms=False, epsilon=1e-6, zero_centered_gamm
     has_beta = (beta is not None) and not rms
     kernel = functools.partial(
         _fwd_kernel, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
-        eps=float(epsilon), rms=rms, zero_centered=zero_centered_gamma, has_beta=has_beta)
+        eps=float(epsilon), rms=rms, zero_centered=zero_centered_gamma, has_beta=has_beta,
+        one_pass=config.fwd_stats == "one_pass")
+    if config.fwd_stats not in ("one_pass", "two_pass"):
+        raise ValueError(f"NormConfig.fwd_stats={config.fwd_stats!r}: expected 'one_pass' or 'two_pass'")
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_cols), x.dtype)]
     if not rms:
         out_shape.append(jax.ShapeDtypeStruct((n_rows,), jnp.float32))

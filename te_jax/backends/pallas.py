@@ -61,11 +61,58 @@ class PallasBackend:
         if call.softcap is not None:
             return "softcap: the Hopper kernel has no softcap"
         if call.needs_split_vjp:
-            return "context parallelism uses the portable kernel's split forward/backward"
+            return ("context parallelism calls the kernel per ring block: see the ring's inner-kernel "
+                    "explanation (explain_context_parallel_backend)")
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
                             call.dtype, call.mask.causal)
+
+    def ring_block_reason(self, call, q_block_shape, kv_block_shape, half_blocks: bool) -> str | None:
+        """Why the Hopper kernel cannot serve the per-block calls of ring attention (None when it can).
+
+        Ring blocks are called without token masks: the diagonal block pair with a causal mask, every
+        other pair fully visible. That holds when the only mask is causal (or none) on unpadded tokens.
+        q_block_shape / kv_block_shape: local [b, s, h, d]; half_blocks: the causal zig-zag schedule
+        also calls halves of the blocks (their lengths must fit the kernel too).
+        """
+        if call.compute_capability != (9, 0):
+            return f"GPU arch {call.gpu_arch} is not sm90"
+        mod, err = _import("pallas_kernels.flash_attention_hopper")
+        if mod is None or not hasattr(mod, "supports"):
+            return f"the Hopper kernel could not be imported ({err or 'no supports()'})"
+        if call.mask.mask_type not in ("no_mask", "causal") and not (
+                call.mask.mask_type == "causal_bottom_right" and call.dims.q_len == call.dims.kv_len):
+            return f"attn_mask_type={call.mask.mask_type!r}: ring blocks run mask-free only for no_mask and causal"
+        if call.padding_source != "none":
+            return "padding/segments: the Hopper kernel has no token masks"
+        if call.window != (-1, -1):
+            return f"window_size={call.window}: the Hopper kernel has no sliding window"
+        if call.softcap is not None:
+            return "softcap: the Hopper kernel has no softcap"
+        if call.mask.causal and q_block_shape[1] != kv_block_shape[1]:
+            return "causal with different local query and key lengths"
+        v_shape = tuple(kv_block_shape[:3]) + (call.dims.head_dim_v,)
+        shapes = [(tuple(q_block_shape), tuple(kv_block_shape))]
+        if half_blocks:
+            hq = (q_block_shape[0], q_block_shape[1] // 2) + tuple(q_block_shape[2:])
+            hk = (kv_block_shape[0], kv_block_shape[1] // 2) + tuple(kv_block_shape[2:])
+            shapes += [(q_block_shape, hk), (hq, kv_block_shape)]
+        for qs, ks in shapes:
+            why = mod.supports(qs, ks, tuple(ks[:3]) + (v_shape[3],), call.dtype, False)
+            if why is not None:
+                return f"ring block q{tuple(qs)} x kv{tuple(ks)}: {why}"
+        return None
+
+    def dense_forward(self, q, k, v, *, scale, causal):
+        """Mask-free block forward (Hopper kernel): (out [b,s,h,dv], lse [b,h,s] f32)."""
+        from pallas_kernels import flash_attention_hopper as fh
+        return fh.hopper_attention_fwd(q, k, v, scale=scale, causal=causal)
+
+    def dense_backward(self, q, k, v, out, lse, dout, *, scale, causal):
+        """Mask-free block backward (Hopper kernel) from the final out/lse: (dq, dk, dv)."""
+        from pallas_kernels import flash_attention_hopper as fh
+        return fh.hopper_attention_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal)
 
     def kernel_name(self, call) -> str:
         if call.platform == "gpu" and self.hopper_reason(call) is None:
