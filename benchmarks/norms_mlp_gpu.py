@@ -196,6 +196,10 @@ def time_norms():
         t_def = bench(jax.jit(pal(pnorm.NormConfig())), x, g, b, inner=INNER)
         r["pallas_fwd_default"] = 2 * nbytes / t_def / 1e12
         log(f"{name} Pallas fwd default config: {r['pallas_fwd_default']:.2f} TB/s")
+        if name == "layernorm":  # the statistics mode: one pass (default) vs two passes
+            t2 = bench(jax.jit(pal(pnorm.NormConfig(fwd_stats="two_pass"))), x, g, b, inner=INNER)
+            r["pallas_fwd_two_pass"] = 2 * nbytes / t2 / 1e12
+            log(f"{name} Pallas fwd two-pass statistics: {r['pallas_fwd_two_pass']:.2f} TB/s")
         for br, nw in fwd_cfgs:
             if elapsed() > BUDGET_S * 0.45:
                 break
