@@ -28,8 +28,9 @@ from pallas_kernels.norms import reference as norm_ref
 from te_jax._compat import default_interpret
 
 
-def _mm(a, b):
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def _mm(a, b, out_dtype=jnp.float32):
+    """a[M, K] @ b[K, N] (fp32 accumulation, out_dtype result)."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
 
 
 def _mm_tn(a, b):
@@ -104,10 +105,12 @@ def _first_gemm(ln, x2, gamma, beta, mean, rstd, w1f, b1f, zc, gemm_impl, interp
         from pallas_kernels.ln_mlp.fused_gemm import ln_gemm
 
         return ln_gemm(x2, gamma, beta, mean, rstd, w1f, b1f, zero_centered_gamma=zc, interpret=interpret)
-    h = _mm(ln, w1f)
+    # Output in x.dtype (fp32 accumulation inside), as the reference's mm: an fp32 [T, F] output
+    # would be written and read back only to be rounded.
+    h = _mm(ln, w1f, ln.dtype)
     if b1f is not None:
-        h = h + b1f.astype(jnp.float32)
-    return h.astype(ln.dtype)
+        h = (h.astype(jnp.float32) + b1f.astype(jnp.float32)).astype(ln.dtype)
+    return h
 
 
 def _mlp_forward(x2, gamma, beta, w1, b1, w2, b2, cfg):
@@ -123,10 +126,9 @@ def _mlp_forward(x2, gamma, beta, w1, b1, w2, b2, cfg):
     b1f = None if b1 is None else b1.reshape(n_act * f)
     h = _first_gemm(ln, x2, gamma, beta, mean, rstd, w1f, b1f, zc, gemm_impl, interpret)
     a = apply_activations(h.astype(jnp.float32).reshape(-1, n_act, f), acts).astype(dt)
-    y = _mm(a, w2)
+    y = _mm(a, w2, dt)
     if b2 is not None:
-        y = y + b2.astype(jnp.float32)
-    y = y.astype(dt)
+        y = (y.astype(jnp.float32) + b2.astype(jnp.float32)).astype(dt)
     return y, ln, mean, rstd, h
 
 
@@ -206,20 +208,22 @@ def layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, *, rms=False, activations=("ge
 def _ln_dense(x2, gamma, beta, w, b, cfg):
     rms, eps, zc, ret_ln, norm_impl, interpret = cfg
     ln, _, _ = _norm_fwd(x2, gamma, beta, rms, eps, zc, norm_impl, interpret)
-    y = _mm(ln, w)
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    y = y.astype(x2.dtype)
+    y = _dense_out(ln, w, b)
     return (y, ln) if ret_ln else y
+
+
+def _dense_out(ln, w, b):
+    """ln @ w (+ b), output in ln.dtype (fp32 accumulation; bias added in fp32)."""
+    y = _mm(ln, w, ln.dtype)
+    if b is not None:
+        y = (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(ln.dtype)
+    return y
 
 
 def _ln_dense_fwd(x2, gamma, beta, w, b, cfg):
     rms, eps, zc, ret_ln, norm_impl, interpret = cfg
     ln, mean, rstd = _norm_fwd(x2, gamma, beta, rms, eps, zc, norm_impl, interpret)
-    y = _mm(ln, w)
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    y = y.astype(x2.dtype)
+    y = _dense_out(ln, w, b)
     return ((y, ln) if ret_ln else y), (x2, gamma, beta, mean, rstd, w, b)
 
 
@@ -231,7 +235,7 @@ def _ln_dense_bwd(cfg, res, ct):
     db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(b.dtype)
     ln = _recompute_ln(x2, gamma, beta, mean, rstd, zc)
     dw = _mm_tn(ln, dy).astype(w.dtype)
-    dln = _mm_nt(dy, w)
+    dln = _mm_nt(dy, w, x2.dtype if dln_extra is None else jnp.float32)
     if dln_extra is not None:
         dln = dln + dln_extra.astype(jnp.float32)
     dx, dgamma, dbeta = _norm_bwd(dln.astype(x2.dtype), x2, gamma, beta, mean, rstd, rms, zc, norm_impl,
