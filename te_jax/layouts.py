@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax import lax
 
 FORMATS = ("bshd", "sbhd", "thd")
 
@@ -166,7 +167,9 @@ def unpack_qkv(*tensors, qkv_layout: str, num_attention_heads: int | None = None
             raise _packed_shape_error(
                 argname, layout, shape, expected,
                 f"Axis {layout.pack_axis} must have size {n}; check that the layout matches how the tensor was packed.")
-        parts = [jnp.take(packed, i, axis=layout.pack_axis) for i in range(n)]
+        # Static slices (backward: pads that XLA fuses into one write), not jnp.take (a gather whose
+        # transpose is a scatter-add into zeros per part).
+        parts = [lax.index_in_dim(packed, i, axis=layout.pack_axis, keepdims=False) for i in range(n)]
         if n == 2:
             q = tensors[0]
             check_attention_tensor(q, "query", fmt)

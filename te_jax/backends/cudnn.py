@@ -54,12 +54,18 @@ class CudnnBackend:
         if not is_causal and local is None and (left, right) != (-1, -1):
             raise ValueError(f"window {window} not servable by cuDNN")
         padded = call.padding_source != "none"
-        q_lens = jnp.sum(tm.q_segment_ids != 0, axis=1).astype(jnp.int32)
-        kv_lens = jnp.sum(tm.kv_segment_ids != 0, axis=1).astype(jnp.int32)
+        q_lens = kv_lens = None
+        if padded:
+            q_lens = jnp.sum(tm.q_segment_ids != 0, axis=1).astype(jnp.int32)
+            kv_lens = jnp.sum(tm.kv_segment_ids != 0, axis=1).astype(jnp.int32)
         out = jax.nn.dot_product_attention(
             q, k, v, bias=None if bias is None else bias.astype(q.dtype), scale=scale, is_causal=is_causal,
-            query_seq_lengths=q_lens if padded else None, key_value_seq_lengths=kv_lens if padded else None,
+            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
             local_window_size=local, implementation="cudnn")
+        if not padded:
+            # No padding: every query row sees at least one key (top-left causal, or bottom-right with
+            # q_len == kv_len, the only cases served), so there is no row to zero.
+            return out
         # Rows with no visible key are zeros by contract (cuDNN leaves them unspecified).
         row_ok = (tm.q_segment_ids != 0) & (kv_lens[:, None] > 0)
         return jnp.where(row_ok[:, :, None, None], out, jnp.zeros((), out.dtype))

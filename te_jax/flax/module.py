@@ -87,15 +87,22 @@ class LayerNorm(nn.Module):
 
 
 def _dense(x, kernel, bias, axis: tuple[int, ...], dtype):
-    """Contract `axis` of x with the leading axes of kernel; fp32 accumulation, output in dtype."""
+    """Contract `axis` of x with the leading axes of kernel; fp32 accumulation, output in dtype.
+
+    The dot's output type is the compute dtype (GPUs and XLA:CPU accumulate bf16/fp16 GEMMs in
+    fp32 anyway), not fp32: autodiff transposes an fp32-output dot into fp32 x fp32 backward GEMMs
+    (operands upcast, TF32 on an H100 instead of bf16 tensor cores), which cost the te_jax
+    TransformerLayer ~1 ms per step in its output projection (issue #4). Same convention as
+    pallas_kernels/ln_mlp/reference.mm. The bias is added in fp32.
+    """
     x = jnp.asarray(x, dtype)
     dtype = x.dtype
     n_in = len(axis)
     contract = (tuple(axis), tuple(range(n_in)))
-    y = lax.dot_general(x, kernel.astype(dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
+    y = lax.dot_general(x, kernel.astype(dtype), (contract, ((), ())), preferred_element_type=dtype)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return y.astype(dtype)
+        y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
+    return y
 
 
 def _normalize_axes(module: str, axis, ndim: int) -> tuple[int, ...]:
@@ -270,15 +277,18 @@ def _wi_init(init):
 
 
 def _plain_mlp(x, w1, b1, w2, b2, acts, rate, rng):
-    """MLP without the norm (enable_layernorm=False): jnp GEMMs with fp32 accumulation."""
-    h = jnp.einsum("...d,daf->...af", x, w1.astype(x.dtype), preferred_element_type=jnp.float32)
+    """MLP without the norm (enable_layernorm=False): jnp GEMMs with fp32 accumulation.
+
+    GEMM outputs are in x.dtype (see _dense: an fp32-output dot makes the backward GEMMs fp32)."""
+    dt = x.dtype
+    h = jnp.einsum("...d,daf->...af", x, w1.astype(dt), preferred_element_type=dt).astype(jnp.float32)
     if b1 is not None:
         h = h + b1.astype(jnp.float32)
-    a = _acts.apply_activations(h.astype(x.dtype).astype(jnp.float32), acts)
+    a = _acts.apply_activations(h.astype(dt).astype(jnp.float32), acts)
     if rate > 0.0:
         keep = jax.random.bernoulli(rng, 1.0 - rate, a.shape)
         a = jnp.where(keep, a / (1.0 - rate), 0.0)
-    y = jnp.einsum("...f,fd->...d", a.astype(x.dtype), w2.astype(x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum("...f,fd->...d", a.astype(dt), w2.astype(dt), preferred_element_type=dt)
     if b2 is not None:
-        y = y + b2.astype(jnp.float32)
-    return y.astype(x.dtype)
+        y = y.astype(jnp.float32) + b2.astype(jnp.float32)
+    return y.astype(dt)
