@@ -4,7 +4,7 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-timeout 320 python3 benchmarks/transformer_layer_profile_gpu.py --no-trace > "$OUT/profile_log.txt" 2>&1
+timeout 320 python3 benchmarks/transformer_layer_profile_gpu.py > "$OUT/profile_log.txt" 2>&1
 echo "profile rc=$?"; tail -45 "$OUT/profile_log.txt"
 timeout 255 python3 examples/train_lm.py --preset gpu --steps 300 --no-progress --no-ckpt --out-dir "$OUT/train" \
   > "$OUT/train_lm_gpu.txt" 2>&1
