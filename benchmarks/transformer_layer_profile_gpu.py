@@ -71,6 +71,8 @@ AP.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU,
 AP.add_argument("--budget", type=float, default=150.0,
                 help="seconds after which the remaining (lower-priority) rows are skipped")
 AP.add_argument("--no-trace", action="store_true", help="skip the profiler trace")
+AP.add_argument("--layers-only", action="store_true",
+                help="whole-layer variants only (more samples, plain timed twice), no sub-blocks")
 ARGS = AP.parse_args()
 SMOKE = ARGS.cpu_smoke
 DATE = "2026-11-22"
@@ -80,7 +82,7 @@ if SMOKE:
     B, S, HID, HEADS, FFN, N_TIMED, WARM = 2, 128, 128, 2, 256, 10, 1
     PEER = "xla"  # attention implementation of the plain layer (cuDNN needs a GPU)
 else:
-    B, S, HID, HEADS, FFN, N_TIMED, WARM = 4, 2048, 4096, 32, 16384, 10, 2
+    B, S, HID, HEADS, FFN, N_TIMED, WARM = 4, 2048, 4096, 32, 16384, (30 if ARGS.layers_only else 10), 2
     PEER = "cudnn"
 HD = HID // HEADS
 DT = jnp.bfloat16
@@ -522,68 +524,78 @@ def main():
         plain_res, dense_prefix=True, keep=True)
     del te_res
 
-    # (b) attention alone.
-    q, k, v, do = (rnd((B, S, HEADS, HD)) for _ in range(4))
-    Bk = "(b) attention"
-    pb = run(Bk, f"jax.nn {PEER}", vjp_step(lambda q, k, v: plain_attn(q, k, v)), ((q, k, v), do), side="plain")
-    run(Bk, "te pallas (Hopper on sm90)", vjp_step(te_attn), ((q, k, v), do), pb)
-    run(Bk, "te cudnn backend", vjp_step(lambda q, k, v: te_attn(q, k, v, "cudnn")), ((q, k, v), do), pb)
-    run(Bk, "te pallas-portable (Triton)", vjp_step(te_attn_portable), ((q, k, v), do), pb)
-    del pb
+    if ARGS.layers_only:  # whole layers only, more samples, the plain layer timed again (noise check)
+        for impl, lay in (("te mlp_backend='xla'", make_layer(mlp_backend="xla")),
+                          ("te norm_backend='xla', mlp_backend='xla'", make_layer(norm_backend="xla", mlp_backend="xla")),
+                          (f"te attention_backend={PEER!r}", make_layer(attention_backend=PEER)),
+                          (f"te all backends as plain (attention {PEER}, norm xla, mlp xla)",
+                           make_layer(attention_backend=PEER, norm_backend="xla", mlp_backend="xla"))):
+            run(L, impl, loss_step(te_fwd(lay), ct), (params, x), plain_res)
+        run(L, f"plain JAX, {PEER} attention (again)", loss_step(lambda p, x: plain_layer(p, x), ct), (params, x),
+            side="plain")
+    else:
+        # (b) attention alone.
+        q, k, v, do = (rnd((B, S, HEADS, HD)) for _ in range(4))
+        Bk = "(b) attention"
+        pb = run(Bk, f"jax.nn {PEER}", vjp_step(lambda q, k, v: plain_attn(q, k, v)), ((q, k, v), do), side="plain")
+        run(Bk, "te pallas (Hopper on sm90)", vjp_step(te_attn), ((q, k, v), do), pb)
+        run(Bk, "te cudnn backend", vjp_step(lambda q, k, v: te_attn(q, k, v, "cudnn")), ((q, k, v), do), pb)
+        run(Bk, "te pallas-portable (Triton)", vjp_step(te_attn_portable), ((q, k, v), do), pb)
+        del pb
 
-    # (c) output projection + residual.
-    o = rnd((B, S, HEADS, HD))
-    dy = rnd((B, S, HID))
-    Ck = "(c) out proj + residual"
-    pc = run(Ck, "plain einsum", vjp_step(plain_out), ((pa["out"], o, x), dy), side="plain")
-    run(Ck, "te DenseGeneral", vjp_step(te_out), ((pa["out"], o, x), dy), pc)
-    run(Ck, "te DenseGeneral pre-fix (fp32-output dot)", vjp_step(te_out), ((pa["out"], o, x), dy), pc,
-        dense_prefix=True)
-    del pc
+        # (c) output projection + residual.
+        o = rnd((B, S, HEADS, HD))
+        dy = rnd((B, S, HID))
+        Ck = "(c) out proj + residual"
+        pc = run(Ck, "plain einsum", vjp_step(plain_out), ((pa["out"], o, x), dy), side="plain")
+        run(Ck, "te DenseGeneral", vjp_step(te_out), ((pa["out"], o, x), dy), pc)
+        run(Ck, "te DenseGeneral pre-fix (fp32-output dot)", vjp_step(te_out), ((pa["out"], o, x), dy), pc,
+            dense_prefix=True)
+        del pc
 
-    # (d) LN + MLP + residual.
-    Dk = "(d) LN + MLP + residual"
-    pdm = run(Dk, "plain", vjp_step(plain_mlp), ((pm, x), dy), side="plain")
-    run(Dk, "te LayerNormMLP xla (auto on GPU)", vjp_step(lambda p, x: te_mlp(p, x, "xla")), ((pm, x), dy), pdm)
-    run(Dk, "te LayerNormMLP pallas", vjp_step(lambda p, x: te_mlp(p, x, "pallas")), ((pm, x), dy), pdm)
-    del pdm
+        # (d) LN + MLP + residual.
+        Dk = "(d) LN + MLP + residual"
+        pdm = run(Dk, "plain", vjp_step(plain_mlp), ((pm, x), dy), side="plain")
+        run(Dk, "te LayerNormMLP xla (auto on GPU)", vjp_step(lambda p, x: te_mlp(p, x, "xla")), ((pm, x), dy), pdm)
+        run(Dk, "te LayerNormMLP pallas", vjp_step(lambda p, x: te_mlp(p, x, "pallas")), ((pm, x), dy), pdm)
+        del pdm
 
-    # (a) LN + QKV projection + split.
-    cq = tuple(rnd((B, S, HEADS, HD)) for _ in range(3))
-    Ak = "(a) LN + QKV + split"
-    pq_ = run(Ak, "plain", vjp_step(plain_qkv), ((pa["qkv"], x), cq), side="plain")
-    run(Ak, "te LayerNormDenseGeneral xla (auto on GPU)", vjp_step(lambda p, x: te_qkv(p, x, "xla")),
-        ((pa["qkv"], x), cq), pq_)
-    run(Ak, "te LayerNormDenseGeneral pallas", vjp_step(lambda p, x: te_qkv(p, x, "pallas")), ((pa["qkv"], x), cq),
-        pq_)
-    del pq_
+        # (a) LN + QKV projection + split.
+        cq = tuple(rnd((B, S, HEADS, HD)) for _ in range(3))
+        Ak = "(a) LN + QKV + split"
+        pq_ = run(Ak, "plain", vjp_step(plain_qkv), ((pa["qkv"], x), cq), side="plain")
+        run(Ak, "te LayerNormDenseGeneral xla (auto on GPU)", vjp_step(lambda p, x: te_qkv(p, x, "xla")),
+            ((pa["qkv"], x), cq), pq_)
+        run(Ak, "te LayerNormDenseGeneral pallas", vjp_step(lambda p, x: te_qkv(p, x, "pallas")), ((pa["qkv"], x), cq),
+            pq_)
+        del pq_
 
-    # (e) the remaining whole-layer variants. A variant whose jaxpr equals one already timed is the same
-    # program: its row takes that time instead of another whole-layer compile.
-    def jaxpr_of(fn):
-        try:
-            return str(jax.make_jaxpr(fn)(params, x))
-        except Exception:
-            return None
+        # (e) the remaining whole-layer variants. A variant whose jaxpr equals one already timed is the same
+        # program: its row takes that time instead of another whole-layer compile.
+        def jaxpr_of(fn):
+            try:
+                return str(jax.make_jaxpr(fn)(params, x))
+            except Exception:
+                return None
 
-    timed = {"te default (auto backends)": jaxpr_of(loss_step(te_fwd(layer), ct))}
-    variants = [(f"te attention_backend={PEER!r}", make_layer(attention_backend=PEER)),
-                ("te norm_backend='xla'", make_layer(norm_backend="xla")),
-                (f"te all backends as plain (attention {PEER}, norm xla, mlp xla)",
-                 make_layer(attention_backend=PEER, norm_backend="xla", mlp_backend="xla"))]
-    for impl, lay in variants:
-        fn = loss_step(te_fwd(lay), ct)
-        jp = jaxpr_of(fn)
-        same = next((k for k, v in timed.items() if jp is not None and v == jp), None)
-        prev = next((r for r in rows if r["block"] == L and r["impl"] == same), None)
-        if prev is not None and prev["ms"] is not None:
-            rows.append(dict(block=L, impl=impl, side="te", ms=prev["ms"], best_ms=prev.get("best_ms"),
-                             rel_err_vs_plain=prev.get("rel_err_vs_plain"),
-                             note=f"same jaxpr as '{same}': same program, its time (not re-compiled)"))
-            log(f"{L} | {impl}: same jaxpr as '{same}', not re-compiled")
-            continue
-        run(L, impl, fn, (params, x), plain_res)
-        timed[impl] = jp
+        timed = {"te default (auto backends)": jaxpr_of(loss_step(te_fwd(layer), ct))}
+        variants = [(f"te attention_backend={PEER!r}", make_layer(attention_backend=PEER)),
+                    ("te norm_backend='xla'", make_layer(norm_backend="xla")),
+                    (f"te all backends as plain (attention {PEER}, norm xla, mlp xla)",
+                     make_layer(attention_backend=PEER, norm_backend="xla", mlp_backend="xla"))]
+        for impl, lay in variants:
+            fn = loss_step(te_fwd(lay), ct)
+            jp = jaxpr_of(fn)
+            same = next((k for k, v in timed.items() if jp is not None and v == jp), None)
+            prev = next((r for r in rows if r["block"] == L and r["impl"] == same), None)
+            if prev is not None and prev["ms"] is not None:
+                rows.append(dict(block=L, impl=impl, side="te", ms=prev["ms"], best_ms=prev.get("best_ms"),
+                                 rel_err_vs_plain=prev.get("rel_err_vs_plain"),
+                                 note=f"same jaxpr as '{same}': same program, its time (not re-compiled)"))
+                log(f"{L} | {impl}: same jaxpr as '{same}', not re-compiled")
+                continue
+            run(L, impl, fn, (params, x), plain_res)
+            timed[impl] = jp
     del plain_res
 
     # HLO statistics of the whole-layer steps; the trace.
