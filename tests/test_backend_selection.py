@@ -71,7 +71,13 @@ def test_cudnn_reasons_dtype_headdim_arch(fake_h100, monkeypatch):
     choice = te_jax.explain_attention_backend(*_qkv(d=192))
     assert "<= 128 on sm80" in choice.reasons["cudnn"]
     choice = te_jax.explain_attention_backend(*_qkv(d=64, dv=32))
-    assert "sm90+ only" in choice.reasons["cudnn"]
+    assert "requires value's head_dim to equal the query's" in choice.reasons["cudnn"]
+    monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (9, 0)))
+    choice = te_jax.explain_attention_backend(*_qkv(d=64, dv=32))  # found on the H100: jax.nn refuses d_v != d_qk
+    assert "requires value's head_dim to equal the query's" in choice.reasons["cudnn"]
+    q, k, v = _qkv()
+    choice = te_jax.explain_attention_backend(q[:, :1], k[:, :3], v[:, :3])  # odd lengths (q 1, kv 3)
+    assert "odd sequence length (q 1, kv 3)" in choice.reasons["cudnn"] and choice.selected != "cudnn"
     monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (7, 5)))
     choice = te_jax.explain_attention_backend(*_qkv())
     assert "sm75" in choice.reasons["cudnn"] and "sm75" in choice.reasons["pallas"]
