@@ -8,7 +8,9 @@ interpret mode). For each packed layout (bs3hd, bs(h+2g)d with GQA, bshd_bs2hd w
 1. correctness: in place vs `flash_attention` on q, k, v sliced out in XLA (today's path): relative L2 of
    the output and of the packed gradient (the same kernels run, so expect ~0);
 2. no copy: in the *optimized* HLO of the jitted forward, what consumes the packed parameter (through
-   bitcasts) — expect only the Triton custom calls, no copy/slice/fusion;
+   bitcasts) — expect only the Triton custom calls, no copy/slice/fusion. (On the CPU, where the kernels
+   run in interpret mode, the interpreter copies its operands: this column and the timings mean
+   something on a GPU only; a CPU smoke run with --seq 32 --batch 1 --reps 1 checks the script runs.)
 3. timing (warm-up, median of --reps runs, jax.block_until_ready): forward and forward+backward,
    in place vs split.
 
@@ -86,6 +88,8 @@ def main():
     a = ap.parse_args()
     B, S, D, dt = a.batch, a.seq, 128, jnp.bfloat16
     log(f"# packed attention, {datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if jax.default_backend() != "gpu":
+        log("# not a GPU: interpret mode, so the HLO consumers and timings below say nothing about the kernels")
     seg = jnp.ones((B, S), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     kw = dict(scale=D ** -0.5, causal=True)
