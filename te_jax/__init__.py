@@ -2,7 +2,12 @@
 
 Functional ops live at the top level; Flax modules in `te_jax.flax`.
 """
-from te_jax.attention import dot_product_attention, explain_attention_backend
+from te_jax.attention import (
+    dot_product_attention,
+    dot_product_attention_packed,
+    explain_attention_backend,
+    explain_attention_backend_packed,
+)
 from te_jax.backends.selection import BACKEND_NAMES as ATTENTION_BACKENDS, BackendChoice
 from te_jax.layouts import FORMATS, QKV_LAYOUTS, from_bshd, infer_qkv_layout, to_bshd, unpack_qkv
 from te_jax.masks import MASK_TYPES
@@ -19,7 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ATTENTION_BACKENDS", "BackendChoice", "FORMATS", "MASK_TYPES", "QKV_LAYOUTS",
-    "dot_product_attention", "explain_attention_backend", "from_bshd", "infer_qkv_layout",
+    "dot_product_attention", "dot_product_attention_packed", "explain_attention_backend",
+    "explain_attention_backend_packed", "from_bshd", "infer_qkv_layout",
     "to_bshd", "unpack_qkv",
     "layernorm", "rmsnorm", "norm", "explain_norm_backend",
     "layernorm_mlp", "layernorm_dense", "explain_mlp_backend",

@@ -85,6 +85,19 @@ def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_
                       window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
                       dropout_rng=None, needs_split_vjp=False) -> PreparedAttention:
     """Validate every argument and bring the call to canonical form (shared by all entry points)."""
+    call, tm, bias, scale, softcap, window = _validate_call(
+        query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
+        q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, needs_split_vjp=needs_split_vjp)
+    q, k, v = (layouts.to_bshd(t, call.attn_input_format) for t in (query, key, value))
+    return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window)
+
+
+def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask", q_seqlens=None,
+                   kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None, bias=None,
+                   softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None, needs_split_vjp=False):
+    """Every check of `prepare_attention`; q/k/v only need .shape and .dtype (ShapeDtypeStructs do)."""
     fmt = layouts.check_format(attn_input_format)
     dims = layouts.check_qkv(query, key, value, fmt)
     dtype = _check_dtypes(query, key, value)
@@ -102,8 +115,7 @@ def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_
     call = AttentionCall(fmt, dims, dtype, mask, padding_source, window,
                          None if bias is None else tuple(bias.shape), softcap, dropout_rate, platform, cc,
                          needs_split_vjp)
-    q, k, v = (layouts.to_bshd(t, fmt) for t in (query, key, value))
-    return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window)
+    return call, tm, bias, scale, softcap, window
 
 
 def _choose(prep: PreparedAttention, backend: str) -> BackendChoice:
@@ -170,3 +182,135 @@ def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None
             last_err = e
             choice.reasons[name] = f"refused at trace time: {type(e).__name__}: {e}"
     raise ValueError(f"every backend refused the call; last error: {last_err}\n{choice}")
+
+
+# ----------------------------------------------------------------------------- packed q/k/v
+
+_PACKED_FORMS = {"separate": "(query, key, value)", "kv_packed": "(query, kv)",
+                 "qkv_packed": "the packed tensor qkv (or (qkv,))", "gqa_packed": "the packed tensor qkv (or (qkv,))"}
+
+
+@dataclasses.dataclass
+class _PackedPlan:
+    layout: layouts.QKVLayout
+    tensors: tuple
+    num_heads: int
+    num_gqa_groups: int
+    call: AttentionCall
+    token_mask: masks.TokenMask
+    bias: jax.Array | None
+    scale: float
+    softcap: float | None
+    window: tuple[int, int]
+    choice: BackendChoice
+    in_place: bool
+
+
+def _packed_tensors(qkv, layout: layouts.QKVLayout) -> tuple:
+    tensors = tuple(qkv) if isinstance(qkv, (tuple, list)) else (qkv,)
+    if len(tensors) != layout.num_tensors:
+        raise ValueError(
+            f"qkv: qkv_layout={layout.name!r} stores q, k, v in {layout.num_tensors} tensor(s), got "
+            f"{len(tensors)} ({', '.join(str(tuple(getattr(t, 'shape', ()))) for t in tensors)}). "
+            f"Pass qkv={_PACKED_FORMS[layout.kind]}.")
+    return tensors
+
+
+def _plan_packed(qkv, *, qkv_layout, num_attention_heads, num_gqa_groups, attn_input_format, backend,
+                 for_explain=False, **kwargs) -> _PackedPlan:
+    layout = layouts.get_qkv_layout(qkv_layout)
+    fmt = layout.attn_input_format
+    if attn_input_format is not None:
+        layouts.check_format(attn_input_format)
+        if attn_input_format != fmt:
+            raise ValueError(
+                f"attn_input_format={attn_input_format!r} but qkv_layout={qkv_layout!r} is a {fmt!r} layout; "
+                f"pass a {attn_input_format!r} layout, attn_input_format={fmt!r}, or leave attn_input_format "
+                f"out (the layout names the format).")
+    tensors = _packed_tensors(qkv, layout)
+    # Validate the shapes and learn q/k/v's without slicing anything (eval_shape traces abstractly).
+    q, k, v = jax.eval_shape(
+        lambda *t: layouts.unpack_qkv(*t, qkv_layout=qkv_layout, num_attention_heads=num_attention_heads,
+                                      num_gqa_groups=num_gqa_groups), *tensors)
+    if for_explain and kwargs.get("dropout_rate", 0.0):
+        kwargs["dropout_rng"] = jax.random.key(0)
+    call, tm, bias, scale, softcap, window = _validate_call(q, k, v, attn_input_format=fmt, **kwargs)
+    h, g = call.dims.num_heads, call.dims.num_kv_heads
+    choice = choose_backend(call, backend)
+    in_place = False
+    if layout.kind == "separate":
+        choice.packed = f"qkv_layout={qkv_layout!r} is not packed: q, k and v are passed as they are"
+    elif choice.selected is None:
+        choice.packed = "no backend serves the call"
+    elif choice.selected != "pallas":
+        choice.packed = (f"split into q, k, v by XLA slicing (a copy) before the call: the {choice.selected!r} "
+                         f"backend takes separate q, k, v; only te_jax's portable Pallas kernel reads packed input "
+                         f"in place")
+    else:
+        why = BACKENDS["pallas"].packed_input_reason(call, qkv_layout, tensors, h, g)
+        in_place = why is None
+        choice.packed = ("read in place by the portable Pallas kernel: the packed tensor is one operand of the "
+                         "kernels, which address q, k and v by head offsets (no slice, no copy)" if in_place
+                         else f"split into q, k, v by XLA slicing (a copy) before the Pallas kernel: {why}")
+    return _PackedPlan(layout, tensors, h, g, call, tm, bias, scale, softcap, window, choice, in_place)
+
+
+def explain_attention_backend_packed(qkv, *, qkv_layout, backend="auto", **kwargs) -> BackendChoice:
+    """`explain_attention_backend` for `dot_product_attention_packed` (takes exactly its arguments).
+
+    The result's `packed` note (last line of `str()`) says whether the packed input is read in place
+    by the kernel or split into q, k, v first, and why.
+    """
+    kwargs.pop("dropout_rng", None)
+    args = dict(num_attention_heads=None, num_gqa_groups=None, attn_input_format=None)
+    args.update(kwargs)
+    return _plan_packed(qkv, qkv_layout=qkv_layout, backend=backend, for_explain=True, **args).choice
+
+
+def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, num_gqa_groups=None,
+                                 attn_input_format=None, attn_mask_type="no_mask", q_seqlens=None,
+                                 kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None,
+                                 bias=None, softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None,
+                                 backend="auto"):
+    """`dot_product_attention` on q, k, v stored as `qkv_layout` says (TransformerEngine's layouts).
+
+    qkv: the packed tensor for QKV-packed and GQA-packed layouts ("bs3hd" [b, s, 3, h, d],
+      "bsh3d" [b, s, h, 3, d], "bs(h+2g)d" [b, s, h + 2g, d], and their sbhd / thd forms);
+      (query, kv) for KV-packed layouts ("bshd_bs2hd" kv [b, s, 2, g, d], "bshd_bsh2d" [b, s, g, 2, d], ...);
+      (query, key, value) for separate layouts. See te_jax.QKV_LAYOUTS.
+    num_attention_heads (h) / num_gqa_groups (g): needed for "(h+2g)" layouts, checked otherwise.
+    attn_input_format: optional, the layout names it (given, it must agree).
+    Every other argument is `dot_product_attention`'s. Returns [..., h, d] in the layout's format.
+    Gradients come back in the packed shape(s).
+
+    When the Pallas backend runs the portable kernel on a bshd (or thd) packed tensor that needs no
+    padding (sequence a multiple of the kernel blocks, head_dim a power of two >= 16), the kernel reads
+    the packed tensor where it lies; otherwise q, k, v are sliced out first, as `unpack_qkv` does.
+    `explain_attention_backend_packed` says which happens and why.
+    """
+    plan = _plan_packed(
+        qkv, qkv_layout=qkv_layout, num_attention_heads=num_attention_heads, num_gqa_groups=num_gqa_groups,
+        attn_input_format=attn_input_format, backend=backend, attn_mask_type=attn_mask_type,
+        q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, needs_split_vjp=False)
+    choice, call = plan.choice, plan.call
+    if choice.selected is None:
+        raise unavailable_error(choice)
+    fmt = call.attn_input_format
+    if plan.in_place:
+        try:
+            out = BACKENDS["pallas"].forward_packed(
+                call, plan.layout.name, plan.tensors, plan.token_mask, plan.bias, num_heads=plan.num_heads,
+                num_gqa_groups=plan.num_gqa_groups, scale=plan.scale, softcap=plan.softcap,
+                causal=call.mask.causal, window=plan.window)
+            return layouts.from_bshd(out, fmt)
+        except (NotImplementedError, RuntimeError) as e:
+            if choice.source != "auto":
+                raise ValueError(f"backend 'pallas' refused the packed call: {type(e).__name__}: {e}") from e
+            choice.packed = f"split after the in-place call was refused at trace time: {type(e).__name__}: {e}"
+    q, k, v = layouts.unpack_qkv(*plan.tensors, qkv_layout=plan.layout.name, num_attention_heads=plan.num_heads,
+                                 num_gqa_groups=plan.num_gqa_groups)
+    prep = PreparedAttention(call, *(layouts.to_bshd(t, fmt) for t in (q, k, v)), plan.token_mask, plan.bias,
+                             plan.scale, plan.softcap, plan.window)
+    return layouts.from_bshd(run_backend(choice, prep, dropout_rng=dropout_rng), fmt)

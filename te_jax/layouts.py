@@ -13,7 +13,8 @@ QKV layouts (TransformerEngine names). `h` query heads, `g` key/value heads (GQA
   GQA-packed:  bs(h+2g)d [b,s,h+2g,d], sb(h+2g)d, t(h+2g)d — heads q..., k..., v... on one axis.
 
 Every function here raises ValueError naming the argument, the shape seen, the shape expected
-and the fix.
+and the fix. `te_jax.dot_product_attention_packed` takes packed tensors without splitting them
+where the Pallas kernel can read them in place (it validates with `unpack_qkv` on shapes only).
 """
 from __future__ import annotations
 

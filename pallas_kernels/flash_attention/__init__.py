@@ -9,6 +9,9 @@ from pallas_kernels.flash_attention.kernel import (
     flash_attention,
     flash_attention_bwd,
     flash_attention_fwd,
+    flash_attention_packed,
+    packed_in_place_reason,
+    PACKED_LAYOUTS,
 )
 from pallas_kernels.flash_attention.reference import reference_attention, visibility_mask
 
@@ -19,6 +22,9 @@ __all__ = [
     "flash_attention",
     "flash_attention_bwd",
     "flash_attention_fwd",
+    "flash_attention_packed",
+    "packed_in_place_reason",
+    "PACKED_LAYOUTS",
     "reference_attention",
     "visibility_mask",
 ]

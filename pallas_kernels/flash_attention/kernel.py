@@ -23,6 +23,11 @@ non-contiguous segment layout) are computed with the mask: correct, just not ski
 Sequence tails and head dims: the wrapper pads Sq/Skv to block multiples (padded tokens get
 segment id 0, so the mask hides them) and head dims to a power of two (zeros, which change
 neither q.k nor the valid output columns), and slices the results.
+
+Packed inputs (`flash_attention_packed`): every head index in the BlockSpec index maps goes
+through `_Heads` (an offset and a stride per q/k/v), so a packed tensor viewed as
+[B, S, heads, D] (a free reshape) is passed as q, k and v of the same pallas_calls and read
+where it lies. That needs no padding of the packed tensor; otherwise it is sliced first.
 """
 from __future__ import annotations
 
@@ -176,6 +181,78 @@ def _pad_axis(x, axis, size, value=0):
     pads = [(0, 0)] * x.ndim
     pads[axis] = (0, size - x.shape[axis])
     return jnp.pad(x, pads, constant_values=value)
+
+
+def _lin(off: int, stride: int, x):
+    """off + stride * x, leaving x untouched in the plain case (index maps stay as before)."""
+    if stride != 1:
+        x = stride * x
+    return x if off == 0 else off + x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """Where the heads sit on axis 2 of the q, k and v arrays the kernels are given.
+
+    Query head h is ``q[:, :, q_off + q_stride * h]``, kv head g is ``k[:, :, k_off + k_stride * g]``
+    and ``v[:, :, v_off + v_stride * g]``. The plain case (``_Heads.of(q, k)``: offsets 0, strides 1)
+    is three bshd arrays; a packed tensor viewed as [B, S, heads, D] is passed as q, k and v at once
+    with offsets (and, for interleaved forms, strides), so the kernels read it where it lies.
+    """
+
+    h: int
+    g: int
+    q_off: int = 0
+    q_stride: int = 1
+    k_off: int = 0
+    k_stride: int = 1
+    v_off: int = 0
+    v_stride: int = 1
+
+    def __post_init__(self):
+        if self.h <= 0 or self.g <= 0 or self.h % self.g:
+            raise ValueError(f"num_heads={self.h} must be a positive multiple of num_kv_heads={self.g}")
+        rep = self.h // self.g
+        if not (self.q_stride == 1 and self.q_off % rep == 0) and rep != 1:
+            raise ValueError(f"query heads at offset {self.q_off}, stride {self.q_stride}: the dK/dV kernel "
+                             f"reads the {rep} query heads of a group as one block, which needs stride 1 "
+                             f"and an offset that is a multiple of {rep}")
+
+    @staticmethod
+    def of(q, k) -> "_Heads":
+        return _Heads(q.shape[2], k.shape[2])
+
+    @property
+    def rep(self) -> int:
+        return self.h // self.g
+
+    @property
+    def plain(self) -> bool:
+        return self == _Heads(self.h, self.g)
+
+    def q(self, h):
+        return _lin(self.q_off, self.q_stride, h)
+
+    def k(self, g):
+        return _lin(self.k_off, self.k_stride, g)
+
+    def v(self, g):
+        return _lin(self.v_off, self.v_stride, g)
+
+    def q_group(self, g):
+        """Block index (in blocks of rep heads) of kv head g's query heads, for the dK/dV kernel."""
+        if self.q_stride == 1 and self.q_off % self.rep == 0:
+            return _lin(self.q_off // self.rep, 1, g)
+        return self.q(g)  # rep == 1 (checked in __post_init__)
+
+    def check(self, q, k, v):
+        for name, x, first, stride, n in (("q", q, self.q_off, self.q_stride, self.h),
+                                          ("k", k, self.k_off, self.k_stride, self.g),
+                                          ("v", v, self.v_off, self.v_stride, self.g)):
+            last = first + stride * (n - 1)
+            if first < 0 or stride < 1 or last >= x.shape[2]:
+                raise ValueError(f"{name} heads {first}..{last} (stride {stride}) do not fit the head "
+                                 f"axis of {name}{tuple(x.shape)}")
 
 
 # --------------------------------------------------------------------------------------
@@ -337,12 +414,20 @@ def _bias_spec(bias, block, index):
                                                         i, j))(*index(*g)))
 
 
-def _prepare(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
-    """Pad sequences/head dims; returns padded arrays and geometry."""
-    B, Sq, H, Dqk = q.shape
+def _prepare(cfg, heads: _Heads, q, k, v, qseg, qpos, kseg, kpos, bias):
+    """Pad sequences/head dims; returns padded arrays and geometry.
+
+    An array that needs no padding is returned as is (the same traced value): a packed tensor
+    passed as q, k and v stays one operand of the kernels.
+    """
+    B, Sq, _, Dqk = q.shape
+    H = heads.h
     Skv, Dv = k.shape[1], v.shape[-1]
-    if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[-1] != Dqk or H % k.shape[2]:
+    if k.shape[0] != B or v.shape[:2] != k.shape[:2] or k.shape[-1] != Dqk:
         raise ValueError(f"bad shapes q{q.shape} k{k.shape} v{v.shape}")
+    if heads.plain and v.shape[2] != k.shape[2]:
+        raise ValueError(f"bad shapes q{q.shape} k{k.shape} v{v.shape}")
+    heads.check(q, k, v)
     geo = _geometry(cfg, Sq, Skv, Dqk, Dv)
     q = _pad_axis(_pad_axis(q, 1, geo.sq_pad), 3, geo.dqk_pad)
     k = _pad_axis(_pad_axis(k, 1, geo.skv_pad), 3, geo.dqk_pad)
@@ -359,15 +444,16 @@ def _prepare(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
     return geo, q, k, v, qseg, qpos, kseg, kpos, bias
 
 
-def _q_row_specs(nq, bq, skv, dqk, dv, rep):
+def _q_row_specs(nq, bq, skv, dqk, dv, heads: _Heads):
     """Specs shared by the kernels gridded over (q blocks, B, H): block bounds, one q block, the
     whole K/V of the head's group, and the mask arrays. Program i takes q block nq-1-i (longest
-    causal rows first)."""
+    causal rows first). Head indices go through `heads` (offsets into a packed tensor)."""
+    rep = heads.rep
     return [
         pl.BlockSpec((None, None, 4), lambda i, b, h: (b, nq - 1 - i, 0)),
-        pl.BlockSpec((None, bq, None, dqk), lambda i, b, h: (b, nq - 1 - i, h, 0)),
-        pl.BlockSpec((None, skv, None, dqk), lambda i, b, h: (b, 0, h // rep, 0)),
-        pl.BlockSpec((None, skv, None, dv), lambda i, b, h: (b, 0, h // rep, 0)),
+        pl.BlockSpec((None, bq, None, dqk), lambda i, b, h: (b, nq - 1 - i, heads.q(h), 0)),
+        pl.BlockSpec((None, skv, None, dqk), lambda i, b, h: (b, 0, heads.k(h // rep), 0)),
+        pl.BlockSpec((None, skv, None, dv), lambda i, b, h: (b, 0, heads.v(h // rep), 0)),
         pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
         pl.BlockSpec((None, bq), lambda i, b, h: (b, nq - 1 - i)),
         pl.BlockSpec((None, skv), lambda i, b, h: (b, 0)),
@@ -375,10 +461,10 @@ def _q_row_specs(nq, bq, skv, dqk, dv, rep):
     ]
 
 
-def _fwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias):
-    B, Sqp, H, Dqk = q.shape
-    Skvp, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    rep = H // G
+def _fwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg, kpos, bias):
+    B, Sqp, _, Dqk = q.shape
+    H = heads.h
+    Skvp, Dv = k.shape[1], v.shape[-1]
     bq, bk = geo.bq, geo.bk
     nq = Sqp // bq
     possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
@@ -386,7 +472,7 @@ def _fwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias):
     # Program i handles q block nq-1-i: under a causal mask the longest rows start first,
     # which shortens the tail of the launch.
     grid = (nq, B, H)
-    in_specs = _q_row_specs(nq, bq, Skvp, Dqk, Dv, rep)
+    in_specs = _q_row_specs(nq, bq, Skvp, Dqk, Dv, heads)
     args = [meta, q, k, v, qseg, qpos, kseg, kpos]
     if bias is not None:
         in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, nq - 1 - i, 0)))
@@ -407,10 +493,11 @@ def _fwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias):
     return out, lse
 
 
-def _fwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
+def _fwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, heads: _Heads | None = None):
+    heads = heads or _Heads.of(q, k)
     Sq, Dv = q.shape[1], v.shape[-1]
-    geo, *padded = _prepare(cfg, q, k, v, qseg, qpos, kseg, kpos, bias)
-    out, lse = _fwd_padded(cfg, geo, *padded)
+    geo, *padded = _prepare(cfg, heads, q, k, v, qseg, qpos, kseg, kpos, bias)
+    out, lse = _fwd_padded(cfg, geo, heads, *padded)
     return out[:, :Sq, :, :Dv], lse[:, :, :Sq]
 
 
@@ -528,11 +615,11 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos
         lax.fori_loop(meta_ref[3], nk, zero, 0)
 
 
-def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout,
-                dlse):
-    B, Sqp, H, Dqk = q.shape
-    Skvp, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    rep = H // G
+def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg, kpos, bias, out,
+                lse, dout, dlse):
+    B, Sqp, _, Dqk = q.shape
+    H, G, rep = heads.h, heads.g, heads.rep
+    Skvp, Dv = k.shape[1], v.shape[-1]
     blocks = cfg.blocks
     # Preprocessing (XLA, memory bound): delta = rowsum(dout * out) - dlse; lse in base 2 with
     # empty rows (lse = -inf) mapped to 0 so that exp2(-inf - 0) = 0, never NaN.
@@ -550,9 +637,9 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, ou
     meta_kv = _loop_bounds(possible.swapaxes(1, 2), full.swapaxes(1, 2))  # [B, nk, 4]
     in_specs = [
         pl.BlockSpec((None, None, 4), lambda j, b, g: (b, j, 0)),
-        pl.BlockSpec((None, Sqp, rep, Dqk), lambda j, b, g: (b, 0, g, 0)),
-        pl.BlockSpec((None, bk, None, Dqk), lambda j, b, g: (b, j, g, 0)),
-        pl.BlockSpec((None, bk, None, Dv), lambda j, b, g: (b, j, g, 0)),
+        pl.BlockSpec((None, Sqp, rep, Dqk), lambda j, b, g: (b, 0, heads.q_group(g), 0)),
+        pl.BlockSpec((None, bk, None, Dqk), lambda j, b, g: (b, j, heads.k(g), 0)),
+        pl.BlockSpec((None, bk, None, Dv), lambda j, b, g: (b, j, heads.v(g), 0)),
         pl.BlockSpec((None, Sqp), lambda j, b, g: (b, 0)),
         pl.BlockSpec((None, Sqp), lambda j, b, g: (b, 0)),
         pl.BlockSpec((None, bk), lambda j, b, g: (b, j)),
@@ -573,8 +660,8 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, ou
         args.append(bias)
     dk_spec = pl.BlockSpec((None, bk, None, Dqk), lambda j, b, g: (b, j, g, 0))
     dv_spec = pl.BlockSpec((None, bk, None, Dv), lambda j, b, g: (b, j, g, 0))
-    dk_shape = jax.ShapeDtypeStruct(k.shape, k.dtype)
-    dv_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    dk_shape = jax.ShapeDtypeStruct((B, Skvp, G, Dqk), k.dtype)
+    dv_shape = jax.ShapeDtypeStruct((B, Skvp, G, Dv), v.dtype)
 
     def dkv_call(outputs):
         specs = {"dk": [dk_spec], "dv": [dv_spec], "dkdv": [dk_spec, dv_spec]}[outputs]
@@ -602,14 +689,14 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, ou
     nq, nk = Sqp // bq, Skvp // bk
     possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
     meta_q = _loop_bounds(possible, full)  # [B, nq, 4]
-    in_specs = _q_row_specs(nq, bq, Skvp, Dqk, Dv, rep) + [
+    in_specs = _q_row_specs(nq, bq, Skvp, Dqk, Dv, heads) + [
         pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, nq - 1 - i, h, 0)),
         pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)),
         pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)),
     ]
     args = [meta_q, q, k, v, qseg, qpos, kseg, kpos, dout, lse2, delta]
     out_specs = [pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, nq - 1 - i, h, 0))]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((B, Sqp, H, Dqk), q.dtype)]
     if has_bias:
         in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, nq - 1 - i, 0)))
         args.append(bias)
@@ -637,15 +724,17 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, q, k, v, qseg, qpos, kseg, kpos, bias, ou
     return dq, dk, dv, dbias
 
 
-def _bwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse):
+def _bwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse,
+              heads: _Heads | None = None):
+    heads = heads or _Heads.of(q, k)
     Sq, Skv, Dqk, Dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
     geo, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp = _prepare(
-        cfg, q, k, v, qseg, qpos, kseg, kpos, bias)
+        cfg, heads, q, k, v, qseg, qpos, kseg, kpos, bias)
     outp = _pad_axis(_pad_axis(out, 1, geo.sq_pad), 3, geo.dv_pad)
     doutp = _pad_axis(_pad_axis(dout.astype(out.dtype), 1, geo.sq_pad), 3, geo.dv_pad)
     lsep = _pad_axis(lse.astype(jnp.float32), 2, geo.sq_pad, value=-jnp.inf)
     dlsep = None if dlse is None else _pad_axis(dlse, 2, geo.sq_pad)
-    dq, dk, dv, dbias = _bwd_padded(cfg, geo, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp,
+    dq, dk, dv, dbias = _bwd_padded(cfg, geo, heads, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp,
                                     outp, lsep, doutp, dlsep)
     dq = dq[:, :Sq, :, :Dqk]
     dk = dk[:, :Skv, :, :Dqk]
@@ -725,3 +814,192 @@ def flash_attention_bwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_
                     interpret)
     return _bwd_impl(cfg, q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
                      bias, out, lse, dout, dlse)
+
+
+# --------------------------------------------------------------------------------------
+# Packed inputs: one tensor holding q, k and v (or k and v), read where it lies
+# --------------------------------------------------------------------------------------
+# layout -> (tensor holding q too?, axis of the 2/3 (None: heads h+2g on one axis))
+PACKED_LAYOUTS = {
+    "bs3hd": ("qkv", 2),       # [B, S, 3, H, D]         (H == G)
+    "bsh3d": ("qkv", 3),       # [B, S, H, 3, D]         (H == G)
+    "bs(h+2g)d": ("qkv", None),  # [B, S, H + 2G, D]     (q heads, then k, then v)
+    "bshd_bs2hd": ("kv", 2),   # q [B, Sq, H, D], kv [B, S, 2, G, D]
+    "bshd_bsh2d": ("kv", 3),   # q [B, Sq, H, D], kv [B, S, G, 2, D]
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """A packed layout with its head counts: how to view it, where its heads are, its gradient."""
+
+    layout: str
+    h: int
+    g: int
+
+    @property
+    def has_q(self) -> bool:
+        return PACKED_LAYOUTS[self.layout][0] == "qkv"
+
+    @property
+    def n(self) -> int:  # parts along the packing axis (3 or 2)
+        return 3 if self.has_q else 2
+
+    def expected_shape(self, b, s, d) -> tuple[int, ...]:
+        h, g = self.h, self.g
+        return {"bs3hd": (b, s, 3, h, d), "bsh3d": (b, s, h, 3, d), "bs(h+2g)d": (b, s, h + 2 * g, d),
+                "bshd_bs2hd": (b, s, 2, g, d), "bshd_bsh2d": (b, s, g, 2, d)}[self.layout]
+
+    def heads(self) -> _Heads:
+        h, g = self.h, self.g
+        if self.layout in ("bs3hd", "bs(h+2g)d"):
+            return _Heads(h, g, 0, 1, h, 1, h + g, 1)
+        if self.layout == "bsh3d":
+            return _Heads(h, g, 0, 3, 1, 3, 2, 3)
+        if self.layout == "bshd_bs2hd":
+            return _Heads(h, g, 0, 1, 0, 1, g, 1)
+        return _Heads(h, g, 0, 1, 0, 2, 1, 2)  # bshd_bsh2d
+
+    def view(self, packed):
+        """[B, S, heads, D] view of the packed tensor: a reshape of contiguous axes (no copy)."""
+        B, S, D = packed.shape[0], packed.shape[1], packed.shape[-1]
+        return packed.reshape(B, S, math.prod(packed.shape[2:-1]), D)
+
+    def split(self, packed):
+        """The fallback: (q or None, k, v) sliced out in XLA (copies)."""
+        if self.layout == "bs(h+2g)d":
+            h, g = self.h, self.g
+            return packed[:, :, :h], packed[:, :, h:h + g], packed[:, :, h + g:]
+        axis = PACKED_LAYOUTS[self.layout][1]
+        parts = [lax.index_in_dim(packed, i, axis, keepdims=False) for i in range(self.n)]
+        return tuple(parts) if self.has_q else (None, *parts)
+
+    def assemble(self, dq, dk, dv):
+        """Gradient of the packed tensor from dq (qkv layouts), dk, dv."""
+        parts = [dq, dk, dv] if self.has_q else [dk, dv]
+        if self.layout == "bs(h+2g)d":
+            return jnp.concatenate(parts, axis=2)
+        return jnp.stack(parts, axis=PACKED_LAYOUTS[self.layout][1])
+
+
+def _check_packed(qkv, layout, num_heads, num_kv_heads):
+    """(spec, q or None, packed) after checking the shapes; ValueError names what is wrong."""
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not a packed layout; expected one of {tuple(PACKED_LAYOUTS)}")
+    h = int(num_heads)
+    g = h if num_kv_heads is None else int(num_kv_heads)
+    if layout in ("bs3hd", "bsh3d") and h != g:
+        raise ValueError(f"layout={layout!r} packs as many k/v heads as q heads; got num_heads={h}, "
+                         f"num_kv_heads={g} (use 'bs(h+2g)d' for grouped-query packing)")
+    pk = _Packed(layout, h, g)
+    if pk.has_q:
+        if isinstance(qkv, (tuple, list)):
+            if len(qkv) != 1:
+                raise ValueError(f"layout={layout!r} takes one packed tensor, got {len(qkv)}")
+            qkv = qkv[0]
+        q, packed = None, qkv
+    else:
+        if not isinstance(qkv, (tuple, list)) or len(qkv) != 2:
+            raise ValueError(f"layout={layout!r} takes (q, kv); got {type(qkv).__name__}")
+        q, packed = qkv
+        if q.ndim != 4 or q.shape[2] != h:
+            raise ValueError(f"q shape {tuple(q.shape)} is not [B, Sq, num_heads={h}, D]")
+    if packed.ndim < 4:
+        raise ValueError(f"packed shape {tuple(packed.shape)} has rank {packed.ndim}, layout={layout!r} "
+                         f"expects {pk.expected_shape('B', 'S', 'D')}")
+    B, S, D = packed.shape[0], packed.shape[1], packed.shape[-1]
+    if tuple(packed.shape) != pk.expected_shape(B, S, D):
+        raise ValueError(f"packed shape {tuple(packed.shape)} does not match layout={layout!r} with "
+                         f"num_heads={h}, num_kv_heads={g}: expected {pk.expected_shape(B, S, D)}")
+    if q is not None and (q.shape[0] != B or q.shape[-1] != D):
+        raise ValueError(f"q shape {tuple(q.shape)} and kv shape {tuple(packed.shape)} need the same batch "
+                         f"and head dim")
+    return pk, q, packed
+
+
+def packed_in_place_reason(qkv, *, layout: str, num_heads: int, num_kv_heads: int | None = None,
+                           block_sizes: BlockSizes | None = None) -> str | None:
+    """None when `flash_attention_packed` reads the packed tensor in place, else why it slices.
+
+    In place needs no padding of the packed tensor: its sequence length a multiple of the
+    kernels' blocks and its head dim a power of two >= 16 (what `_prepare` would pad to). A
+    separate q (KV-packed layouts) may still be padded: that is q's own copy. Takes arrays or
+    anything with .shape/.dtype (jax.ShapeDtypeStruct).
+    """
+    pk, q, packed = _check_packed(qkv, layout, num_heads, num_kv_heads)
+    S, D = packed.shape[1], packed.shape[-1]
+    cfg = _make_cfg(packed, packed, 1.0, None, False, -1, -1, block_sizes, True)
+    sq = S if q is None else q.shape[1]
+    geo = _geometry(cfg, sq, S, D, D)
+    why = []
+    if geo.skv_pad != S or (q is None and geo.sq_pad != S):
+        pad = geo.skv_pad if q is not None else max(geo.sq_pad, geo.skv_pad)
+        why.append(f"sequence length {S} is not a multiple of the kernel blocks (it would be padded to {pad})")
+    if geo.dqk_pad != D:
+        why.append(f"head_dim {D} is not a power of two >= 16 (it would be padded to {geo.dqk_pad})")
+    return "; ".join(why) if why else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash_packed(cfg, pk: _Packed, q, packed, qseg, qpos, kseg, kpos, bias):
+    return _flash_packed_fwd(cfg, pk, q, packed, qseg, qpos, kseg, kpos, bias)[0]
+
+
+def _packed_operands(pk: _Packed, q, packed):
+    view = pk.view(packed)
+    return (view if q is None else q), view, view
+
+
+def _flash_packed_fwd(cfg, pk, q, packed, qseg, qpos, kseg, kpos, bias):
+    qa, ka, va = _packed_operands(pk, q, packed)
+    out, lse = _fwd_impl(cfg, qa, ka, va, qseg, qpos, kseg, kpos, bias, heads=pk.heads())
+    return (out, lse), (q, packed, qseg, qpos, kseg, kpos, bias, out, lse)
+
+
+def _flash_packed_bwd(cfg, pk, res, cts):
+    q, packed, qseg, qpos, kseg, kpos, bias, out, lse = res
+    dout, dlse = cts
+    qa, ka, va = _packed_operands(pk, q, packed)
+    dq, dk, dv, dbias = _bwd_impl(cfg, qa, ka, va, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse,
+                                  heads=pk.heads())
+    if q is None:
+        return None, pk.assemble(dq, dk, dv), None, None, None, None, dbias
+    return dq, pk.assemble(None, dk, dv), None, None, None, None, dbias
+
+
+_flash_packed.defvjp(_flash_packed_fwd, _flash_packed_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("layout", "num_heads", "num_kv_heads"))
+def flash_attention_packed(qkv, q_segment_ids, q_positions, kv_segment_ids, kv_positions, bias=None, *,
+                           layout: str, num_heads: int, num_kv_heads: int | None = None, scale: float,
+                           softcap: float | None = None, causal: bool = False, window_left: int = -1,
+                           window_right: int = -1, block_sizes: BlockSizes | None = None,
+                           interpret: bool | None = None):
+    """`flash_attention` on packed inputs. Returns (out [B, Sq, H, D], lse [B, H, Sq] f32).
+
+    qkv: the packed tensor for "bs3hd" [B, S, 3, H, D], "bsh3d" [B, S, H, 3, D] and
+    "bs(h+2g)d" [B, S, H + 2G, D]; the pair (q [B, Sq, H, D], kv) for "bshd_bs2hd"
+    (kv [B, S, 2, G, D]) and "bshd_bsh2d" (kv [B, S, G, 2, D]). num_heads H, num_kv_heads G
+    (default H) say how the head axis splits.
+
+    Two paths, decided from static shapes (`packed_in_place_reason` says which and why):
+    - in place: the packed tensor is reshaped (free, contiguous axes) to [B, S, heads, D] and passed
+      as q, k and v of the same pallas_calls; the BlockSpec index maps add each part's head offset
+      (and stride for the interleaved forms). No slice of the input is made.
+    - split: when the packed tensor would need padding (sequence not a multiple of the blocks,
+      head dim not a power of two >= 16), it is sliced into q, k, v in XLA and `flash_attention`
+      runs on them.
+    Either way the gradient comes back in the packed form (in place: dq, dk, dv are written by the
+    kernels separately and stacked/concatenated into the packed shape).
+    """
+    pk, q, packed = _check_packed(qkv, layout, num_heads, num_kv_heads)
+    cfg = _make_cfg(packed, packed, scale, softcap, causal, window_left, window_right, block_sizes,
+                    interpret)
+    if packed_in_place_reason(qkv, layout=layout, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                              block_sizes=cfg.blocks) is None:
+        return _flash_packed(cfg, pk, q, packed, q_segment_ids, q_positions, kv_segment_ids,
+                             kv_positions, bias)
+    qs, k, v = pk.split(packed)
+    return _flash(cfg, qs if q is None else q, k, v, q_segment_ids, q_positions, kv_segment_ids,
+                  kv_positions, bias)

@@ -10,6 +10,26 @@ import importlib
 _SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 MAX_HEAD_DIM = 256
 
+# te_jax qkv_layout -> the portable kernel's packed layout (thd tensors get a leading batch axis of 1,
+# a free reshape). sbhd layouts are absent: the kernel reads [b, s, h, d], so they are transposed anyway.
+KERNEL_PACKED_LAYOUTS = {
+    "bs3hd": "bs3hd", "bsh3d": "bsh3d", "bs(h+2g)d": "bs(h+2g)d",
+    "bshd_bs2hd": "bshd_bs2hd", "bshd_bsh2d": "bshd_bsh2d",
+    "t3hd": "bs3hd", "th3d": "bsh3d", "t(h+2g)d": "bs(h+2g)d",
+    "thd_t2hd": "bshd_bs2hd", "thd_th2d": "bshd_bsh2d",
+}
+
+
+def _batched(tensors, fmt):
+    """thd tensors as a batch of one ([t, ...] -> [1, t, ...], a reshape, no copy)."""
+    if fmt != "thd":
+        return tuple(tensors)
+    return tuple(t.reshape((1,) + tuple(t.shape)) for t in tensors)
+
+
+def _kernel_qkv(tensors):
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
 
 def _import(name):
     try:
@@ -129,6 +149,41 @@ class PallasBackend:
         out, _ = fa.flash_attention(
             q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
             scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1])
+        return out
+
+    def packed_input_reason(self, call, qkv_layout: str, tensors, num_heads: int, num_gqa_groups: int):
+        """None when `forward_packed` reads the packed tensor(s) in place, else why they must be split.
+
+        `tensors` are what the qkv_layout stores (arrays or ShapeDtypeStructs), in its format.
+        """
+        if self.kernel_name(call) == "hopper":
+            return "the Hopper kernel takes separate q, k, v arrays"
+        if call.attn_input_format == "sbhd":
+            return ("attn_input_format='sbhd': the kernel reads [b, s, h, d], so sbhd tensors are transposed "
+                    "(a copy) whatever the layout; only bshd and thd packed tensors are read in place")
+        kernel_layout = KERNEL_PACKED_LAYOUTS.get(qkv_layout)
+        if kernel_layout is None:
+            return f"qkv_layout={qkv_layout!r} is not a packed layout the kernel knows"
+        mod, err = _import("pallas_kernels.flash_attention")
+        if mod is None or not hasattr(mod, "packed_in_place_reason"):
+            return f"the kernel's packed entry could not be imported ({err or 'no packed_in_place_reason'})"
+        import jax
+
+        lead = (1,) if call.attn_input_format == "thd" else ()
+        shapes = [jax.ShapeDtypeStruct(lead + tuple(t.shape), t.dtype) for t in tensors]
+        why = mod.packed_in_place_reason(_kernel_qkv(shapes), layout=kernel_layout, num_heads=num_heads,
+                                         num_kv_heads=num_gqa_groups)
+        return None if why is None else f"the packed tensor would need padding: {why}"
+
+    def forward_packed(self, call, qkv_layout, tensors, tm, bias, *, num_heads, num_gqa_groups, scale, softcap,
+                       causal, window):
+        """The portable kernel on the packed tensor(s) as they lie; returns out [b, s, h, d] (bshd)."""
+        from pallas_kernels import flash_attention as fa
+        out, _ = fa.flash_attention_packed(
+            _kernel_qkv(_batched(tensors, call.attn_input_format)), tm.q_segment_ids, tm.q_positions,
+            tm.kv_segment_ids, tm.kv_positions, bias, layout=KERNEL_PACKED_LAYOUTS[qkv_layout],
+            num_heads=num_heads, num_kv_heads=num_gqa_groups, scale=scale, softcap=softcap, causal=causal,
+            window_left=window[0], window_right=window[1])
         return out
 
     def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):

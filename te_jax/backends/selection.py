@@ -50,6 +50,7 @@ class BackendChoice:
     reasons: dict[str, str | None]  # None: serves the call
     source: str  # "argument" | "environment" | "auto"
     detail: str = ""  # e.g. which Pallas kernel
+    packed: str = ""  # packed-input entry only: read in place or split, and why
 
     def __str__(self):
         head = (f"attention backend: {self.selected} ({self.source})" if self.selected
@@ -60,6 +61,8 @@ class BackendChoice:
         for name, why in self.reasons.items():
             mark = "selected" if name == self.selected else ("serves, not chosen" if why is None else "not taken")
             lines.append(f"  {name:7s} {mark}" + (f": {why}" if why else ""))
+        if self.packed:
+            lines.append(f"  packed input: {self.packed}")
         return "\n".join(lines)
 
 

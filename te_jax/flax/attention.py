@@ -1,8 +1,10 @@
 """Flax linen attention modules: DotProductAttention, MultiHeadAttention, RelativePositionBiases.
 
-Every attention call goes through `te_jax.dot_product_attention` (or, with
-`context_parallel_axis` set, `te_jax.context_parallel.context_parallel_attention`), which
-validates the call and picks the backend.
+Every attention call goes through `te_jax.dot_product_attention`, or for packed layouts (fused
+QKV / KV projections, packed inputs to DotProductAttention) `te_jax.dot_product_attention_packed`,
+which reads the packed tensor in place where the Pallas kernel can (or, with `context_parallel_axis`
+set, `te_jax.context_parallel.context_parallel_attention` on split q, k, v); these validate the call
+and pick the backend.
 
 Logical axis names of the MultiHeadAttention parameters (h heads, g = num_gqa_groups, d head_dim):
   qkv/kernel   [embed, 3, h, d]  ("embed", "qkv", "heads", "kv")      fused self-attention, g == h
@@ -25,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from te_jax import layouts, masks
-from te_jax.attention import dot_product_attention
+from te_jax.attention import dot_product_attention, dot_product_attention_packed
 from te_jax.flax._common import (
     BATCH_AXES,
     Initializer,
@@ -136,14 +138,29 @@ def _cp_batch_and_head_axes():
     return batch, (heads if heads == kv_heads else None)
 
 
-def attend(module: nn.Module, q, k, v, *, attn_input_format, attn_mask_type, mask=None, bias=None,
+def _qkv_shapes(tensors, qkv_layout, h, g):
+    """Shapes (ShapeDtypeStructs) of q, k, v stored as qkv_layout, validated, without slicing anything."""
+    return jax.eval_shape(lambda *t: layouts.unpack_qkv(*t, qkv_layout=qkv_layout, num_attention_heads=h,
+                                                        num_gqa_groups=g), *tensors)
+
+
+def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=None, num_gqa_groups=None,
+           attn_input_format, attn_mask_type, mask=None, bias=None,
            attn_bias_type=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
            window_size=None, softcap=None, scale=None, dropout_rate=0.0, deterministic=True,
            dropout_rng_name="dropout", float32_logits=False, backend="auto", context_parallel_axis=None,
            context_parallel_strategy="ring", context_parallel_load_balanced=False, module_name="attention"):
-    """One attention call from a module: mask/bias/dropout policy, then the functional op."""
+    """One attention call from a module: mask/bias/dropout policy, then the functional op.
+
+    tensors: (q, k, v), or with `qkv_layout` (a packed te_jax.QKV_LAYOUTS name) the tensors that layout
+    stores, which go to `dot_product_attention_packed` (read in place by the Pallas kernel where it can).
+    """
     fmt = layouts.check_format(attn_input_format)
     masks.check_mask_type(attn_mask_type)
+    if qkv_layout is None:
+        q, k, v = tensors
+    else:
+        q, k, v = _qkv_shapes(tensors, qkv_layout, num_attention_heads, num_gqa_groups)
     b, sq = batch_seq(q, fmt)
     skv = batch_seq(k, fmt)[1]
     given = [n for n, a in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens),
@@ -179,11 +196,13 @@ def attend(module: nn.Module, q, k, v, *, attn_input_format, attn_mask_type, mas
     rng = module.make_rng(dropout_rng_name) if active else None
 
     out_dtype = q.dtype
-    if float32_logits:
-        q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
-    else:
-        dt = jnp.result_type(q.dtype, k.dtype, v.dtype)
-        q, k, v = (t.astype(dt) for t in (q, k, v))
+    dt = jnp.float32 if float32_logits else jnp.result_type(*(t.dtype for t in tensors))
+    tensors = tuple(t.astype(dt) for t in tensors)
+    if qkv_layout is None or context_parallel_axis:
+        if qkv_layout is not None:
+            tensors = layouts.unpack_qkv(*tensors, qkv_layout=qkv_layout, num_attention_heads=num_attention_heads,
+                                         num_gqa_groups=num_gqa_groups)
+        q, k, v = tensors
 
     if context_parallel_axis:
         if bias is not None or active:
@@ -199,11 +218,16 @@ def attend(module: nn.Module, q, k, v, *, attn_input_format, attn_mask_type, mas
             kv_segment_ids=kv_segment_ids, window_size=window_size, softcap=softcap, scale=eff_scale,
             backend=backend, batch_axes=batch_axes, head_axes=head_axes)
     else:
-        out = dot_product_attention(
-            q, k, v, attn_input_format=fmt, attn_mask_type=mask_type, q_seqlens=q_seqlens,
-            kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-            window_size=window_size, bias=bias, softcap=softcap, scale=eff_scale,
-            dropout_rate=rate if active else 0.0, dropout_rng=rng, backend=backend)
+        common = dict(attn_mask_type=mask_type, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=window_size,
+                      bias=bias, softcap=softcap, scale=eff_scale, dropout_rate=rate if active else 0.0,
+                      dropout_rng=rng, backend=backend)
+        if qkv_layout is None:
+            out = dot_product_attention(q, k, v, attn_input_format=fmt, **common)
+        else:
+            out = dot_product_attention_packed(tensors, qkv_layout=qkv_layout,
+                                               num_attention_heads=num_attention_heads,
+                                               num_gqa_groups=num_gqa_groups, **common)
     return out.astype(out_dtype)
 
 
@@ -280,14 +304,16 @@ class DotProductAttention(nn.Module):
         if lay.attn_input_format != fmt:
             raise ValueError(f"{name}: qkv_layout={layout!r} is a {lay.attn_input_format!r} layout but "
                              f"attn_input_format={fmt!r}; use a {fmt!r} layout or change attn_input_format.")
-        q, k, v = layouts.unpack_qkv(*tensors, qkv_layout=layout, num_attention_heads=h, num_gqa_groups=g)
+        q = _qkv_shapes(tensors, layout, h, g)[0]
         if q.shape[-1] != self.head_dim:
             raise ValueError(f"{name}: head_dim={self.head_dim} but the query has shape {tuple(q.shape)} "
                              f"(head_dim {q.shape[-1]}) in attn_input_format={fmt!r}.")
-        q, k, v = (jnp.asarray(t, self.dtype) for t in (q, k, v))
-        return attend(self, q, k, v, attn_input_format=fmt, attn_mask_type=self.attn_mask_type, mask=mask,
-                      bias=bias, attn_bias_type=self.attn_bias_type, q_seqlens=q_seqlens,
-                      kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        tensors = tuple(jnp.asarray(t, self.dtype) for t in tensors)
+        # Packed layouts stay packed: dot_product_attention_packed reads them in place where it can.
+        return attend(self, *tensors, qkv_layout=None if lay.kind == "separate" else layout,
+                      num_attention_heads=h, num_gqa_groups=g, attn_input_format=fmt,
+                      attn_mask_type=self.attn_mask_type, mask=mask, bias=bias, attn_bias_type=self.attn_bias_type,
+                      q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                       window_size=self.window_size, softcap=self.softcap, scale=self.scale_factor,
                       dropout_rate=self.attention_dropout, deterministic=deterministic,
                       dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
@@ -297,6 +323,28 @@ class DotProductAttention(nn.Module):
 
 
 # ----------------------------------------------------------------------------- MultiHeadAttention
+
+
+def _rope_qk(tensors, packed_layout, q_pos, kv_pos, rope):
+    """RoPE on the query and key heads of the stored tensors, keeping a packed layout packed.
+
+    Packed ("…3hd": [.., 3, h, d], self-attention so q and k share positions; "…2hd": q, [.., 2, g, d]):
+    the q/k part is rotated and concatenated back with v along the packing axis (one elementwise XLA
+    fusion writing the packed tensor, as many bytes as rotating q and k and slicing v out).
+    """
+    if packed_layout is None:
+        q, k, v = tensors
+        return apply_rotary_pos_emb(q, q_pos, **rope), apply_rotary_pos_emb(k, kv_pos, **rope), v
+    kind = layouts.get_qkv_layout(packed_layout).kind
+    x = tensors[-1]  # the packed tensor, packing axis -3
+    n_rot = 2 if kind == "qkv_packed" else 1
+    part = lax.slice_in_dim(x, 0, n_rot, axis=x.ndim - 3)
+    flat = part.reshape(*part.shape[:-3], n_rot * part.shape[-2], part.shape[-1])
+    rot = apply_rotary_pos_emb(flat, kv_pos, **rope).reshape(part.shape)
+    x = jnp.concatenate([rot, lax.slice_in_dim(x, n_rot, x.shape[-3], axis=x.ndim - 3)], axis=x.ndim - 3)
+    if kind == "qkv_packed":
+        return (x,)
+    return apply_rotary_pos_emb(tensors[0], q_pos, **rope), x
 
 
 def _scaled_init(init, n_blocks: int, scale_first: float):
@@ -323,9 +371,11 @@ class MultiHeadAttention(nn.Module):
     inputs: [b, s, hidden] ("bshd"), [s, b, hidden] ("sbhd") or [t, hidden] ("thd").
     Self-attention when inputs_kv is None or is inputs_q (the input LayerNorm feeds Q, K and V);
     cross-attention otherwise (K/V projected from inputs_kv without a norm).
-    fuse_qkv_params: one [embed, 3, h, d] QKV kernel for self-attention with h == g, split by
-      te_jax.unpack_qkv ("bs3hd"); with GQA or cross-attention Q stays separate and K/V share one
-      [embed, 2, g, d] kernel ("bshd_bs2hd"). False: separate query/key/value kernels.
+    fuse_qkv_params: one [embed, 3, h, d] QKV kernel for self-attention with h == g ("bs3hd"); with GQA
+      or cross-attention Q stays separate and K/V share one [embed, 2, g, d] kernel ("bshd_bs2hd").
+      The packed projection goes to te_jax.dot_product_attention_packed (RoPE is applied on it without
+      unpacking), so the Pallas kernel reads it in place where it can; decoding with the KV cache and
+      context parallelism split it. False: separate query/key/value kernels.
     num_gqa_groups: g key/value heads (None = h; 1 = multi-query attention); must divide h.
     enable_rotary_pos_emb: RoPE on Q and K, rotary_pos_emb_group_method "consecutive" or "alternate",
       rotary_pos_emb_windows (min, max) timescales; positions restart at 0 in every segment
@@ -422,7 +472,7 @@ class MultiHeadAttention(nn.Module):
                 features=(3, h, d), kernel_init=_scaled_init(base_init, 3, q_scale),
                 kernel_axes=("embed", "qkv", "heads", "kv"), bias_axes=("qkv", "heads", "kv"),
                 return_layernorm_output=self.return_layernorm_output, name="qkv", **ln_args, **common)(inputs_q)
-            q, k, v = layouts.unpack_qkv(qkv, qkv_layout=f"{pre}3hd", num_attention_heads=h, num_gqa_groups=g)
+            packed_layout, tensors = f"{pre}3hd", (qkv,)
         else:
             q, ln_q = LayerNormDenseGeneral(
                 features=(h, d), kernel_init=_scaled_init(base_init, 1, q_scale),
@@ -434,17 +484,23 @@ class MultiHeadAttention(nn.Module):
                 kv = DenseGeneral(features=(2, g, d), kernel_init=_scaled_init(base_init, 2, 1.0),
                                   kernel_axes=("embed", "qkv", "kv_heads", "kv"),
                                   bias_axes=("qkv", "kv_heads", "kv"), name="kv", **common)(kv_in)
-                q, k, v = layouts.unpack_qkv(q, kv, qkv_layout=f"{fmt}_{pre}2hd", num_attention_heads=h,
-                                             num_gqa_groups=g)
+                packed_layout, tensors = f"{fmt}_{pre}2hd", (q, kv)
             else:
                 dense = dict(features=(g, d), kernel_init=base_init, kernel_axes=("embed", "kv_heads", "kv"),
                              bias_axes=("kv_heads", "kv"), **common)
                 k = DenseGeneral(name="key", **dense)(kv_in)
                 v = DenseGeneral(name="value", **dense)(kv_in)
+                packed_layout, tensors = None, (q, k, v)
 
-        b, sq = batch_seq(q, fmt)
-        skv = batch_seq(k, fmt)[1]
         use_cache = decode and is_self
+        if use_cache and packed_layout is not None:  # the KV cache keeps k and v apart
+            tensors = layouts.unpack_qkv(*tensors, qkv_layout=packed_layout, num_attention_heads=h,
+                                         num_gqa_groups=g)
+            packed_layout = None
+        # Fused projections stay packed ("…3hd" / "…2hd") down to dot_product_attention_packed, whose Pallas
+        # path reads them in place; every stored tensor has the same leading (batch/seq) axes.
+        b, sq = batch_seq(tensors[0], fmt)
+        skv = batch_seq(tensors[-1], fmt)[1]
         cache_ready = use_cache and self.has_variable("cache", "cached_key")
         if use_cache and fmt == "thd":
             raise ValueError(f"{name}: decode=True is not supported with attn_input_format='thd'; use 'bshd' "
@@ -464,14 +520,14 @@ class MultiHeadAttention(nn.Module):
                 kv_pos = q_pos
             else:
                 kv_pos = _positions(fmt, b, skv, 0, kv_segment_ids, kv_seqlens if fmt == "thd" else None)
-            q = apply_rotary_pos_emb(q, q_pos, **rope)
-            k = apply_rotary_pos_emb(k, kv_pos, **rope)
+            tensors = _rope_qk(tensors, packed_layout, q_pos, kv_pos, rope)
 
         attn_args = dict(attn_bias_type=self.attn_bias_type, window_size=self.window_size, softcap=self.softcap,
                          scale=scale, dropout_rate=self.attention_dropout, deterministic=deterministic,
                          dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
                          backend=self.backend, module_name=name)
         if use_cache:
+            q, k, v = tensors
             qb, kb, vb = (layouts.to_bshd(t, fmt) for t in (q, k, v))
             ck = self.variable("cache", "cached_key", jnp.zeros, kb.shape, kb.dtype)
             cv = self.variable("cache", "cached_value", jnp.zeros, vb.shape, vb.dtype)
@@ -497,7 +553,8 @@ class MultiHeadAttention(nn.Module):
         else:
             out = None
         if out is None:
-            out = attend(self, q, k, v, attn_input_format=fmt, attn_mask_type=self.attn_mask_type, mask=mask,
+            out = attend(self, *tensors, qkv_layout=packed_layout, num_attention_heads=h, num_gqa_groups=g,
+                         attn_input_format=fmt, attn_mask_type=self.attn_mask_type, mask=mask,
                          bias=bias, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
                          kv_segment_ids=kv_segment_ids, context_parallel_axis=self.context_parallel_axis,
                          context_parallel_strategy=self.context_parallel_strategy,
