@@ -10,6 +10,7 @@ te_jax.dot_product_attention_packed and the kernel's flash_attention_packed (int
 from __future__ import annotations
 
 import jax
+import jax.extend.core as jex_core  # an explicit import: jax 0.11 no longer loads jax.extend with jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,9 +64,9 @@ def reference(tensors, layout, h, g, mask, fmt):
 def _sub_jaxprs(eqn):
     for val in eqn.params.values():
         for x in (val if isinstance(val, (tuple, list)) else (val,)):
-            if isinstance(x, jax.extend.core.ClosedJaxpr):
+            if isinstance(x, jex_core.ClosedJaxpr):
                 yield x.jaxpr
-            elif isinstance(x, jax.extend.core.Jaxpr):
+            elif isinstance(x, jex_core.Jaxpr):
                 yield x
 
 
@@ -246,9 +247,12 @@ def test_interleaved_forms_forward_equal_split():
 
 def test_other_backends_and_sbhd_split_and_say_why():
     (x,) = make_qkv("bs3hd", 2, 2, 16, jnp.float32)
-    auto = te_jax.explain_attention_backend_packed(x, qkv_layout="bs3hd")  # CPU: xla comes first
-    assert auto.selected == "xla" and auto.packed.startswith("split") and "'xla' backend" in auto.packed
-    assert "packed input: split" in str(auto)
+    auto = te_jax.explain_attention_backend_packed(x, qkv_layout="bs3hd")
+    if jax.default_backend() == "cpu":  # xla comes first off-GPU
+        assert auto.selected == "xla" and auto.packed.startswith("split") and "'xla' backend" in auto.packed
+        assert "packed input: split" in str(auto)
+    else:  # on a GPU the choice varies with the chip; the packed note is there either way
+        assert auto.packed.startswith(("split", "read in place")) and "packed input:" in str(auto)
     sb = jnp.swapaxes(x, 0, 1)  # [s, b, 3, h, d]
     why = te_jax.explain_attention_backend_packed(sb, qkv_layout="sb3hd", backend="pallas").packed
     assert why.startswith("split") and "sbhd" in why and "transposed" in why, why
