@@ -4,6 +4,8 @@ call checked against the naive attention, forward and gradients.
 CI runs the fixed-seed "ci" hypothesis profile; `pytest --hypothesis-profile=long` (or
 TE_JAX_HYPOTHESIS_PROFILE=long) draws many more calls.
 """
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,8 +113,16 @@ def _check_call(c, backends):
     return checked
 
 
+# TE_JAX_HYPOTHESIS_SHARDS=N runs the test N times with independent random draws (profiles without
+# derandomize), so pytest-xdist spreads a long GPU run over N workers (compiles are CPU-bound):
+#   TE_JAX_HYPOTHESIS_PROFILE=long TE_JAX_HYPOTHESIS_SHARDS=8 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+#     python3 -m pytest -n 8 tests/test_attention_properties.py    (8 x 300 random calls)
+SHARDS = int(os.environ.get("TE_JAX_HYPOTHESIS_SHARDS", "1"))
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
 @given(attention_calls())
-def test_random_calls_xla_and_gpu_backends(c):
+def test_random_calls_xla_and_gpu_backends(shard, c):
     """xla everywhere; on a GPU also cudnn and pallas wherever they say they serve the call."""
     backends = ["xla"] + (["cudnn", "pallas"] if jax.default_backend() == "gpu" else [])
     assert "xla" in _check_call(c, backends)
