@@ -61,28 +61,37 @@ class PallasBackend:
                     f"mode, which is for tests; pass backend='pallas' to force it")
         return None
 
-    def hopper_reason(self, call) -> str | None:
-        """Why the Hopper kernel does not serve this call (None when it does)."""
+    @staticmethod
+    def _hopper_feature_reason(call):
+        """(module, reason): what about the call keeps the Hopper kernel out (arch, mask, features)."""
         if call.compute_capability != (9, 0):
-            return f"GPU arch {call.gpu_arch} is not sm90"
+            return None, f"GPU arch {call.gpu_arch} is not sm90"
         mod, err = _import("pallas_kernels.flash_attention_hopper")
         if mod is None or not hasattr(mod, "supports"):
-            return f"the Hopper kernel could not be imported ({err or 'no supports()'})"
+            return None, f"the Hopper kernel could not be imported ({err or 'no supports()'})"
         d = call.dims
         if call.mask.mask_type not in ("no_mask", "causal") and not (
                 call.mask.mask_type == "causal_bottom_right" and d.q_len == d.kv_len):
-            return f"attn_mask_type={call.mask.mask_type!r}: the Hopper kernel serves no_mask and causal only"
+            return mod, f"attn_mask_type={call.mask.mask_type!r}: the Hopper kernel serves no_mask and causal only"
         if call.padding_source != "none":
-            return "padding/segments: the Hopper kernel has no padding"
+            return mod, "padding/segments: the Hopper kernel has no padding"
         if call.window != (-1, -1):
-            return f"window_size={call.window}: the Hopper kernel has no sliding window"
+            return mod, f"window_size={call.window}: the Hopper kernel has no sliding window"
         if call.bias_shape is not None:
-            return "bias: the Hopper kernel has no bias"
+            return mod, "bias: the Hopper kernel has no bias"
         if call.softcap is not None:
-            return "softcap: the Hopper kernel has no softcap"
+            return mod, "softcap: the Hopper kernel has no softcap"
+        return mod, None
+
+    def hopper_reason(self, call) -> str | None:
+        """Why the Hopper kernel does not serve this call (None when it does)."""
+        mod, why = self._hopper_feature_reason(call)
+        if why is not None:
+            return why
         if call.needs_split_vjp:
             return ("context parallelism calls the kernel per ring block: see the ring's inner-kernel "
                     "explanation (explain_context_parallel_backend)")
+        d = call.dims
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
@@ -96,20 +105,9 @@ class PallasBackend:
         q_block_shape / kv_block_shape: local [b, s, h, d]; half_blocks: the causal zig-zag schedule
         also calls halves of the blocks (their lengths must fit the kernel too).
         """
-        if call.compute_capability != (9, 0):
-            return f"GPU arch {call.gpu_arch} is not sm90"
-        mod, err = _import("pallas_kernels.flash_attention_hopper")
-        if mod is None or not hasattr(mod, "supports"):
-            return f"the Hopper kernel could not be imported ({err or 'no supports()'})"
-        if call.mask.mask_type not in ("no_mask", "causal") and not (
-                call.mask.mask_type == "causal_bottom_right" and call.dims.q_len == call.dims.kv_len):
-            return f"attn_mask_type={call.mask.mask_type!r}: ring blocks run mask-free only for no_mask and causal"
-        if call.padding_source != "none":
-            return "padding/segments: the Hopper kernel has no token masks"
-        if call.window != (-1, -1):
-            return f"window_size={call.window}: the Hopper kernel has no sliding window"
-        if call.softcap is not None:
-            return "softcap: the Hopper kernel has no softcap"
+        mod, why = self._hopper_feature_reason(call)
+        if why is not None:
+            return why
         if call.mask.causal and q_block_shape[1] != kv_block_shape[1]:
             return "causal with different local query and key lengths"
         v_shape = tuple(kv_block_shape[:3]) + (call.dims.head_dim_v,)
