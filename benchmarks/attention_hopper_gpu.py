@@ -38,7 +38,6 @@ import importlib
 import importlib.util
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -50,6 +49,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import timing  # noqa: E402  (benchmarks/timing.py)
 from pallas_kernels.flash_attention_hopper import (  # noqa: E402
     HopperConfig, attention_reference, default_config, hopper_attention, supports)
 
@@ -99,24 +99,9 @@ def inputs(key, B, S, H, G, D, dtype):
 
 
 def bench(fn, args, iters=20, warmup=2):
-    """Median seconds per call over `iters` samples.  Each sample dispatches n calls back to back
-    and blocks once (so host dispatch latency, ~50-100 us, does not count against sub-ms kernels)."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    single = time.perf_counter() - t
-    n = int(max(1, min(20, 0.005 // max(single, 1e-6))))
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / n)
-    return statistics.median(ts)
+    """Median seconds per call over `iters` samples (benchmarks/timing.py: each sample dispatches
+    calls back to back and blocks once, so host dispatch latency does not count)."""
+    return timing.measure(fn, args, samples=iters, warmup=warmup)[0]
 
 
 def gpu_warmup(seconds=2.0):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -28,6 +27,8 @@ from pallas_kernels.ln_mlp import ln_mlp as kern
 from pallas_kernels.ln_mlp import reference as mlp_ref
 from pallas_kernels.norms import norm as pnorm
 from pallas_kernels.norms import reference as nref
+
+import timing  # benchmarks/timing.py (the script's folder is on sys.path)
 
 T0 = time.time()
 BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "330"))
@@ -47,19 +48,8 @@ def log(*a):
 
 
 def bench(f, *args, n=25, warm=3, inner=1):
-    """Median over n samples; each sample enqueues `inner` calls and blocks once (amortizes dispatch)."""
-    out = f(*args)
-    jax.block_until_ready(out)
-    for _ in range(warm):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        outs = [f(*args) for _ in range(inner)]
-        jax.block_until_ready(outs)
-        ts.append((time.perf_counter() - t) / inner)
-        del outs
-    return statistics.median(ts)
+    """Median over n samples; each sample enqueues `inner` calls and blocks once (benchmarks/timing.py)."""
+    return timing.measure(f, args, samples=n, warmup=warm, inner=inner)[0]
 
 
 def rel(a, b):

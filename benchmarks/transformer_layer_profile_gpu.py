@@ -48,7 +48,6 @@ import math
 import os
 import re
 import shutil
-import statistics
 import sys
 import tarfile
 import tempfile
@@ -65,6 +64,8 @@ from te_jax.attention import dot_product_attention
 from te_jax.flax import TransformerLayer
 from te_jax.flax import module as te_module
 from te_jax.flax.module import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP
+
+import timing  # benchmarks/timing.py (the script's folder is on sys.path)
 
 AP = argparse.ArgumentParser()
 AP.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, to test the script itself")
@@ -250,22 +251,7 @@ def compile_fn(fn, args, name, dense_prefix=False):
 
 
 def bench(compiled, args):
-    out = compiled(*args)
-    jax.block_until_ready(out)
-    for _ in range(WARM):
-        jax.block_until_ready(compiled(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    est = time.perf_counter() - t
-    inner = max(1, min(20, int(0.005 / max(est, 1e-6))))
-    ts = []
-    for _ in range(N_TIMED):
-        t = time.perf_counter()
-        outs = [compiled(*args) for _ in range(inner)]
-        jax.block_until_ready(outs)
-        ts.append((time.perf_counter() - t) / inner)
-        del outs
-    return statistics.median(ts), min(ts), out
+    return timing.measure(compiled, args, samples=N_TIMED, warmup=WARM)
 
 
 @jax.jit
