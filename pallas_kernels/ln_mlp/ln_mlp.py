@@ -164,10 +164,11 @@ def _ln_mlp_bwd(cfg, res, ct):
     dw2 = _mm_tn(a, dy, w2.dtype)
     # GEMM outputs in x.dtype (fp32 accumulation inside): an fp32 [T, F] output would double temp memory.
     da = _mm_nt(dy, w2, dt).astype(jnp.float32)          # [T, F]
-    (dh,) = act_vjp(da)                                  # [T, n_act, F] fp32
-    dh = dh.reshape(-1, n_act * f)
-    db1 = None if b1 is None else jnp.sum(dh, axis=0).reshape(b1.shape).astype(b1.dtype)
-    dh = dh.astype(dt)
+    (dh,) = act_vjp(da)                                  # [T, n_act, F], fp32 inside the fusion only
+    # Rounded to x.dtype before anything else reads it (db1 included), as plain autodiff does: an fp32
+    # [T, n_act*F] cotangent kept for the bias reduction would stay alive in memory.
+    dh = dh.reshape(-1, n_act * f).astype(dt)
+    db1 = None if b1 is None else jnp.sum(dh.astype(jnp.float32), axis=0).reshape(b1.shape).astype(b1.dtype)
 
     ln = _recompute_ln(x2, gamma, beta, mean, rstd, zc)
     w1f = w1.reshape(d, n_act * f)
