@@ -23,6 +23,12 @@ second query half × all K/V, so every device does the same work per step. The b
 one step behind their K/V block and arrive home after a full turn; each step calls the inner
 backend's `backward` with the final out/lse. Memory per device is O(local sequence).
 
+Mask-free blocks: when the mask is causal or none on unpadded tokens (no window, softcap or
+segments), every block pair is either the diagonal (step 0: causal in local order, which the zig-zag
+layout keeps exact) or fully visible. Then the per-block calls need no token masks, and on sm90 the
+`pallas` backend runs them on the Hopper kernel (`dense_forward` / `dense_backward`); the choice and
+its reason are in `explain_context_parallel_backend(...).detail`.
+
 All-gather (`strategy="all_gather"`): K/V and kv segment ids/positions are all-gathered once,
 each device attends its queries to the whole sequence; the backward re-gathers K/V and
 reduce-scatters dK/dV (`lax.psum_scatter`, fp32). Memory O(global sequence) for K/V.
