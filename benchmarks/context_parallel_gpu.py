@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -63,6 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import te_jax  # noqa: E402
 from te_jax import _compat  # noqa: E402
 from te_jax import context_parallel as tcp  # noqa: E402
+import timing  # noqa: E402  (benchmarks/timing.py)
 
 OUT = os.environ.get("OUT")
 _LOG = []
@@ -105,13 +105,8 @@ def _rand(key, shape, dtype, sharding):
 
 
 def _median_time(fn, args, reps):
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+    """Median seconds per call after a warm-up, each call blocked on (benchmarks/timing.py)."""
+    return timing.measure(fn, args, samples=reps, warmup=0, inner=1)[0]
 
 
 def _fwd_bwd(f):

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import datetime
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import timing as bench_timing  # benchmarks/timing.py (the script's folder is on sys.path)
 from pallas_kernels.flash_attention import (
     BlockSizes,
     default_block_sizes,
@@ -71,14 +71,8 @@ def seg_pos(B, S, offset=0):
 
 
 def timeit(f, *args, n=20):
-    jax.block_until_ready(f(*args))  # compile + warm-up
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median seconds per call, each call blocked on (benchmarks/timing.py, one call per sample)."""
+    return bench_timing.measure(f, args, samples=n, warmup=1, inner=1)[0]
 
 
 # ------------------------------------------------------------------------------ correctness

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import re
-import statistics
 import time
 
 import jax
@@ -30,6 +29,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.flash_attention import flash_attention, flash_attention_packed, packed_in_place_reason
 from pallas_kernels.flash_attention.kernel import _Packed
+
+import timing  # benchmarks/timing.py (the script's folder is on sys.path)
 
 LINES: list[str] = []
 
@@ -49,13 +50,8 @@ def rel_l2(a, b):
 
 
 def median_ms(fn, *args, reps):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+    """Median ms per call after a warm-up, each call blocked on (benchmarks/timing.py)."""
+    return timing.measure(fn, args, samples=reps, warmup=0, inner=1)[0] * 1e3
 
 
 def consumers_of_param(hlo_text: str, index: int = 0) -> list[str]:

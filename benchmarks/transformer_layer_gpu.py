@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
 import flax.linen as nn
 import jax
@@ -32,6 +30,8 @@ import te_jax
 from te_jax import mlp as te_mlp
 from te_jax import normalization as te_norm
 from te_jax.flax import TransformerLayer
+
+import timing  # benchmarks/timing.py (the script's folder is on sys.path)
 
 DATE = "2026-11-22"
 SMOKE = "--cpu-smoke" in sys.argv
@@ -87,16 +87,9 @@ def make_step(fwd, ct):
 
 
 def timed(f, *args):
-    out = f(*args)
-    jax.block_until_ready(out)
-    for _ in range(WARM):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(N_TIMED):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), out
+    """(median seconds per step, first output) after WARM warm-up steps (benchmarks/timing.py)."""
+    med, _, out = timing.measure(f, args, samples=N_TIMED, warmup=WARM, inner=1)
+    return med, out
 
 
 def rel(a, b):

@@ -648,9 +648,12 @@ def main():
     def pick(block, impl):
         return next((r["ms"] for r in rows if r["block"] == block and r["impl"] == impl), None)
 
-    te_parts = [pick(Ak, "te LayerNormDenseGeneral xla (auto on GPU)"), pick(Bk, "te pallas (Hopper on sm90)"),
-                pick(Ck, "te DenseGeneral"), pick(Dk, "te LayerNormMLP xla (auto on GPU)")]
-    pl_parts = [plain_ms.get(b) for b in (Ak, Bk, Ck, Dk)]
+    if ARGS.layers_only:  # no sub-blocks were timed
+        te_parts = pl_parts = [None]
+    else:
+        te_parts = [pick(Ak, "te LayerNormDenseGeneral xla (auto on GPU)"), pick(Bk, "te pallas (Hopper on sm90)"),
+                    pick(Ck, "te DenseGeneral"), pick(Dk, "te LayerNormMLP xla (auto on GPU)")]
+        pl_parts = [plain_ms.get(b) for b in (Ak, Bk, Ck, Dk)]
     if all(t is not None for t in te_parts + pl_parts):
         ts, ps = sum(te_parts), sum(pl_parts)
         md.append(f"| sum (a)+(b)+(c)+(d) | te defaults / plain | {ts:.3f} / {ps:.3f} | {ts / ps:.3f} | | "
