@@ -496,3 +496,52 @@ def test_bad_inputs_modules():
         dpa.apply({}, q[..., :4], q[..., :4], q[..., :4])
     with pytest.raises(ValueError, match="'sbhd' layout but attn_input_format='bshd'"):
         DotProductAttention(head_dim=HD, num_attention_heads=H, qkv_layout="sbhd_sbhd_sbhd").apply({}, q, q, q)
+
+
+def _dot_output_dtypes(fn, *args):
+    """Output dtypes of every dot_general in the jaxpr of fn(*args), sub-jaxprs included."""
+    import jax.extend.core as jex_core
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(eqn.outvars[0].aval.dtype)
+            for val in eqn.params.values():
+                for x in (val if isinstance(val, (tuple, list)) else (val,)):
+                    if isinstance(x, jex_core.ClosedJaxpr):
+                        walk(x.jaxpr)
+                    elif isinstance(x, jex_core.Jaxpr):
+                        walk(x)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("make", [
+    lambda: DenseGeneral(features=(4, 8), use_bias=True, dtype=jnp.bfloat16),
+    lambda: LayerNormDenseGeneral(features=24, use_bias=True, dtype=jnp.bfloat16, backend="xla"),
+    lambda: LayerNormDenseGeneral(features=24, use_bias=True, dtype=jnp.bfloat16, backend="pallas"),
+    lambda: LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), use_bias=True, dtype=jnp.bfloat16,
+                         intermediate_dropout_rate=0.0,
+                         backend="xla"),
+    lambda: LayerNormMLP(intermediate_dim=32, activations=("gelu",), use_bias=True, dtype=jnp.bfloat16,
+                         intermediate_dropout_rate=0.0,
+                         backend="pallas"),
+])
+def test_bf16_modules_run_every_gemm_in_bf16_forward_and_backward(make):
+    """With a bf16 compute dtype every GEMM of the forward and of the gradient writes bf16 (fp32
+    accumulation inside): an fp32-output GEMM made autodiff run the backward GEMMs in fp32, which
+    cost the H100 TransformerLayer 7% (benchmarks/results/transformer_layer_profile_h100.md)."""
+    m = make()
+    x = jax.random.normal(jax.random.key(0), (2, 6, 16), jnp.float32).astype(jnp.bfloat16)
+    params = m.init(jax.random.key(1), x)
+
+    def loss(p, x):
+        y = m.apply(p, x)
+        y = y[0] if isinstance(y, tuple) else y
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    dtypes = _dot_output_dtypes(jax.grad(loss, argnums=(0, 1)), params, x)
+    assert dtypes and all(d == jnp.bfloat16 for d in dtypes), dtypes
