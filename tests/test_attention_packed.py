@@ -10,12 +10,12 @@ te_jax.dot_product_attention_packed and the kernel's flash_attention_packed (int
 from __future__ import annotations
 
 import jax
-import jax.extend.core as jex_core  # an explicit import: jax 0.11 no longer loads jax.extend with jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import te_jax
+from jaxpr_walk import walk
 from naive_attention import naive_attention, naive_mask
 from pallas_kernels.flash_attention import flash_attention_packed, packed_in_place_reason
 from pallas_kernels.flash_attention.kernel import _Packed
@@ -59,24 +59,6 @@ def reference(tensors, layout, h, g, mask, fmt):
 
 
 # ----------------------------------------------------------------------------- jaxpr inspection
-
-
-def _sub_jaxprs(eqn):
-    for val in eqn.params.values():
-        for x in (val if isinstance(val, (tuple, list)) else (val,)):
-            if isinstance(x, jex_core.ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, jex_core.Jaxpr):
-                yield x
-
-
-def walk(jaxpr):
-    """Every equation, recursively, except inside pallas_call kernels (their bodies index refs)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        if eqn.primitive.name != "pallas_call":
-            for sub in _sub_jaxprs(eqn):
-                yield from walk(sub)
 
 
 def pallas_operands(jaxpr):

@@ -500,23 +500,10 @@ def test_bad_inputs_modules():
 
 def _dot_output_dtypes(fn, *args):
     """Output dtypes of every dot_general in the jaxpr of fn(*args), sub-jaxprs included."""
-    import jax.extend.core as jex_core
+    from jaxpr_walk import walk
 
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(eqn.outvars[0].aval.dtype)
-            for val in eqn.params.values():
-                for x in (val if isinstance(val, (tuple, list)) else (val,)):
-                    if isinstance(x, jex_core.ClosedJaxpr):
-                        walk(x.jaxpr)
-                    elif isinstance(x, jex_core.Jaxpr):
-                        walk(x)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [e.outvars[0].aval.dtype for e in walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            if e.primitive.name == "dot_general"]
 
 
 @pytest.mark.parametrize("make", [
