@@ -61,16 +61,32 @@ class CudnnBackend:
         padded = call.padding_source != "none"
         q_lens = kv_lens = None
         if padded:
-            q_lens = jnp.sum(tm.q_segment_ids != 0, axis=1).astype(jnp.int32)
-            kv_lens = jnp.sum(tm.kv_segment_ids != 0, axis=1).astype(jnp.int32)
+            q_ok = tm.q_segment_ids != 0  # [B, Sq]
+            kv_ok = tm.kv_segment_ids != 0  # [B, Skv]
+            q_lens = jnp.sum(q_ok, axis=1).astype(jnp.int32)
+            kv_lens = jnp.sum(kv_ok, axis=1).astype(jnp.int32)
+            # cuDNN leaves outputs and gradients of padded tokens unspecified, and a sequence of length 0 is
+            # undefined behaviour (found on the H100 by the randomized tests: a batch with kv length 0 came
+            # back with garbage/non-finite dV). So: cuDNN sees lengths >= 1, and padded tokens reach it through
+            # a select, whose transpose drops whatever cuDNN writes into their gradients.
+            zero = jnp.zeros((), q.dtype)
+            q = jnp.where(q_ok[:, :, None, None], q, zero)
+            k = jnp.where(kv_ok[:, :, None, None], k, zero)
+            v = jnp.where(kv_ok[:, :, None, None], v, zero)
         out = jax.nn.dot_product_attention(
             q, k, v, bias=None if bias is None else bias.astype(q.dtype), scale=scale, is_causal=is_causal,
-            query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+            query_seq_lengths=None if q_lens is None else jnp.maximum(q_lens, 1),
+            key_value_seq_lengths=None if kv_lens is None else jnp.maximum(kv_lens, 1),
             local_window_size=local, implementation="cudnn")
         if not padded:
             # No padding: every query row sees at least one key (top-left causal, or bottom-right with
             # q_len == kv_len, the only cases served), so there is no row to zero.
             return out
-        # Rows with no visible key are zeros by contract (cuDNN leaves them unspecified).
-        row_ok = (tm.q_segment_ids != 0) & (kv_lens[:, None] > 0)
+        # Rows with no visible key are zeros by contract (cuDNN leaves them unspecified). Zeroing them also
+        # zeroes their output cotangent, so the key a length-0 sequence was clamped to gets no gradient.
+        row_ok = q_ok & (kv_lens[:, None] > 0)
+        if is_causal and local is not None:
+            # Top-left causal with a left window: query i sees keys [i - left, i] of [0, kv_len), empty once
+            # i - left >= kv_len (found by the CPU contract test: XLA averages such a row, cuDNN may too).
+            row_ok &= tm.q_positions - left < kv_lens[:, None]
         return jnp.where(row_ok[:, :, None, None], out, jnp.zeros((), out.dtype))
