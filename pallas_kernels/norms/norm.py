@@ -83,19 +83,27 @@ def _fwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, eps, rms, zero_ce
     cmask = cols < n_cols
     mask = rmask[:, None] & cmask[None, :]
     x = pltriton.load(x_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0).astype(jnp.float32)
+    # Masked loads give 0 in padded rows and columns. Padded columns must be kept out of the statistics
+    # where a shift or the mean is subtracted first; with no padded column (n_cols a power of two) that
+    # select is skipped: fewer instructions per element between the load and the store.
+    pad_cols = block_cols != n_cols
     if rms:
         xc = x
         var = jnp.sum(xc * xc, axis=1) / n_cols
     elif one_pass:
         shift = pltriton.load(x_ref.at[rows, 0], mask=rmask, other=0.0).astype(jnp.float32)
-        xs = jnp.where(mask, x - shift[:, None], 0.0)
+        xs = x - shift[:, None]
+        if pad_cols:
+            xs = jnp.where(cmask[None, :], xs, 0.0)
         m1 = jnp.sum(xs, axis=1) / n_cols
         var = jnp.maximum(jnp.sum(xs * xs, axis=1) / n_cols - m1 * m1, 0.0)
         mean = shift + m1
-        xc = x - mean[:, None]  # padded columns are never stored
+        xc = xs - m1[:, None]  # = x - mean; padded columns are never stored
     else:
         mean = jnp.sum(x, axis=1) / n_cols
-        xc = jnp.where(mask, x - mean[:, None], 0.0)
+        xc = x - mean[:, None]
+        if pad_cols:
+            xc = jnp.where(cmask[None, :], xc, 0.0)
         var = jnp.sum(xc * xc, axis=1) / n_cols
     rstd = lax.rsqrt(var + eps)
     g = pltriton.load(g_ref.at[cols], mask=cmask, other=0.0).astype(jnp.float32)

@@ -1,0 +1,76 @@
+"""Norm forward bandwidth on 32768x4096 bf16, measured in interleaved rounds (issue #5's 2.64 TB/s target).
+
+    PYTHONPATH=. python3 benchmarks/norm_fwd_rounds_gpu.py          # on the GPU machine
+    PYTHONPATH=. BENCH_SMALL=1 python3 benchmarks/norm_fwd_rounds_gpu.py   # CPU smoke test (interpret mode)
+
+Single measurements of the same kernel moved by 4% between runs (2.44 vs 2.54 TB/s), so every variant is
+timed once per round, ROUNDS rounds in turn, and the table gives the median over rounds with min-max.
+Variants: a plain XLA elementwise op (bf16 negation: the read+write ceiling), XLA LayerNorm, Pallas
+RMSNorm, Pallas LayerNorm (one-pass and two-pass statistics, and a launch sweep).
+TB/s = (bytes of x read + bytes of y written) / time.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.norms import norm as pnorm
+from pallas_kernels.norms import reference as nref
+
+import timing  # benchmarks/timing.py
+
+SMALL = os.environ.get("BENCH_SMALL") == "1"
+ROUNDS = 2 if SMALL else int(os.environ.get("ROUNDS", "7"))
+SAMPLES = 2 if SMALL else 15
+INNER = 1 if SMALL else 10
+
+
+def main():
+    m, d = (64, 512) if SMALL else (32768, 4096)
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (m, d)).astype(jnp.bfloat16)
+    g = 1 + 0.1 * jax.random.normal(k[1], (d,))
+    b = 0.1 * jax.random.normal(k[2], (d,))
+    nbytes = 2 * x.size * x.dtype.itemsize
+
+    ln = lambda cfg: jax.jit(lambda x, g, b: pnorm.layernorm(x, g, b, config=cfg))  # noqa: E731
+    variants = {
+        "XLA bf16 negation (read+write ceiling)": jax.jit(lambda x, g, b: -x),
+        "XLA layernorm": jax.jit(lambda x, g, b: nref.layernorm(x, g, b)),
+        "Pallas rmsnorm (default)": jax.jit(lambda x, g, b: pnorm.rmsnorm(x, g)),
+        "Pallas layernorm (default: one-pass)": ln(pnorm.NormConfig()),
+        "Pallas layernorm two-pass": ln(pnorm.NormConfig(fwd_stats="two_pass")),
+    }
+    for br, nw in [(1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16), (8, 16)]:
+        variants[f"Pallas layernorm rows={br} warps={nw}"] = ln(pnorm.NormConfig(block_rows=br, num_warps=nw))
+
+    ref = nref.layernorm(x.astype(jnp.float32), g, b)
+    for name, f in variants.items():
+        if "layernorm" in name and "Pallas" in name:
+            err = float(jnp.max(jnp.abs(f(x, g, b).astype(jnp.float32) - ref)))
+            print(f"{name}: max abs err vs fp32 reference {err:.2e}", flush=True)
+            assert err < 0.05, name
+
+    tbps = {name: [] for name in variants}
+    for r in range(ROUNDS):
+        for name, f in variants.items():
+            t = timing.measure(f, (x, g, b), samples=SAMPLES, warmup=2, inner=INNER)[0]
+            tbps[name].append(nbytes / t / 1e12)
+        print(f"round {r + 1}/{ROUNDS} done", flush=True)
+
+    dev = jax.devices()[0]
+    print(f"\nNorm forward, {m}x{d} bf16, {dev.device_kind}, jax {jax.__version__}, 2026-11-22; "
+          f"{ROUNDS} interleaved rounds, each the median of {SAMPLES} samples x {INNER} calls\n")
+    print("| variant | TB/s median of rounds | min | max |")
+    print("|---|---|---|---|")
+    for name, v in tbps.items():
+        print(f"| {name} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
