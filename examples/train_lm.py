@@ -242,7 +242,8 @@ class ByteLM(nn.Module):
                 context_parallel_strategy=self.context_parallel_strategy,
                 context_parallel_load_balanced=self.context_parallel_load_balanced,
                 name=f"layer_{i}")(x, deterministic=True, decode=decode)
-        x = LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="final_norm")(x)
+        x = LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="final_norm",  # per shard under a mesh
+                      layernorm_input_axes=("length", "batch", "embed") if sbhd else ("batch", "length", "embed"))(x)
         if sbhd:
             x = jnp.swapaxes(x, 0, 1)
         if self.tie_embeddings:
@@ -271,6 +272,61 @@ def _global_norm(tree):
 def cross_entropy(logits, targets):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def make_optimizer(args):
+    """(learning-rate schedule, optax transformation): AdamW, warm-up + cosine decay, norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(args.warmup, 1), max(args.steps, args.warmup + 1),
+                                                  end_value=args.lr * 0.1)
+    tx = optax.chain(
+        optax.clip_by_global_norm(args.clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
+                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    return schedule, tx
+
+
+def build_train_step(model, tx, mesh, rules, batch, seq_len):
+    """The jitted pieces of training `model` with `tx` on `mesh` (global batch [batch, seq_len]).
+
+    Returns a dict: init (key -> state {params, opt_state} on its shardings), abstract_state
+    (ShapeDtypeStructs with those shardings), train_step ((state, x, y, pos) -> (state, loss,
+    grad norm), state donated), eval_loss ((params, x, y, pos) -> loss), data_sharding (the
+    batch's: "data" × "context"). Parameters and optimiser state are sharded through the logical
+    axis names. Trace and call them under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    """
+    data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "context"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def init_state(key):
+        dummy = jnp.zeros((batch, seq_len), jnp.int32)
+        params = model.init(key, dummy, jnp.zeros((batch, seq_len), jnp.int32))["params"]
+        return {"params": params, "opt_state": tx.init(params)}  # boxed: the optimiser state inherits the axes
+
+    def loss_fn(params, x, y, pos):
+        return cross_entropy(model.apply({"params": params}, x, pos), y)
+
+    def train_step(state, x, y, pos):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, pos)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt_state": opt_state}, loss, _global_norm(grads)
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        abstract = jax.eval_shape(init_state, jax.random.key(0))
+        logical = nn.get_partition_spec(abstract)
+        shardings = nn.logical_to_mesh_sharding(logical, mesh, rules)
+        shardings = nn.unbox(jax.tree.map(lambda s: replicated if s is None else s, shardings,
+                                          is_leaf=lambda s: s is None))
+        shapes = jax.eval_shape(lambda k: nn.unbox(init_state(k)), jax.random.key(0))
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    return {
+        "init": jax.jit(lambda k: nn.unbox(init_state(k)), out_shardings=shardings),
+        "abstract_state": abstract_state,
+        "train_step": jax.jit(train_step, in_shardings=(shardings, data_sharding, data_sharding, data_sharding),
+                              out_shardings=(shardings, replicated, replicated), donate_argnums=0),
+        "eval_loss": jax.jit(loss_fn, out_shardings=replicated),
+        "data_sharding": data_sharding,
+    }
 
 
 # --------------------------------------------------------------------------------------------- mesh
@@ -398,15 +454,9 @@ def train(args):
          f"mesh {dict(mesh.shape)}" + (f"; context parallel {args.cp_strategy}"
                                        f"{' load-balanced' if balanced else ''}" if cp > 1 else ""))
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(args.warmup, 1), max(args.steps, args.warmup + 1),
-                                                  end_value=args.lr * 0.1)
-    tx = optax.chain(
-        optax.clip_by_global_norm(args.clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
-                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
-
-    data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "context"))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    schedule, tx = make_optimizer(args)
+    built = build_train_step(model, tx, mesh, rules, B, S)
+    data_sharding = built["data_sharding"]
 
     def to_global(x_np, sharding):
         """Every process holds the same global numpy batch; each feeds its addressable shards."""
@@ -421,33 +471,9 @@ def train(args):
             x, y, pos = (np.asarray(reorder_causal_load_balancing(a, cp, seq_axis=1)) for a in (x, y, pos))
         return tuple(to_global(np.ascontiguousarray(a), data_sharding) for a in (x, y, pos))
 
-    def init_state(key):
-        dummy = jnp.zeros((B, S), jnp.int32)
-        params = model.init(key, dummy, jnp.zeros((B, S), jnp.int32))["params"]
-        return {"params": params, "opt_state": tx.init(params)}  # boxed: the optimiser state inherits the axes
-
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        abstract = jax.eval_shape(init_state, jax.random.key(args.seed))
-        logical = nn.get_partition_spec(abstract)
-        shardings = nn.logical_to_mesh_sharding(logical, mesh, rules)
-        shardings = jax.tree.map(lambda s: replicated if s is None else s, shardings,
-                                 is_leaf=lambda s: s is None)
-        state = jax.jit(lambda k: nn.unbox(init_state(k)), out_shardings=nn.unbox(shardings))(
-            jax.random.key(args.seed))
-        state_shardings = jax.tree.map(lambda a: a.sharding, state)
-
-        def loss_fn(params, x, y, pos):
-            return cross_entropy(model.apply({"params": params}, x, pos), y)
-
-        def train_step(state, x, y, pos):
-            loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, pos)
-            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
-            return {"params": params, "opt_state": opt_state}, loss, _global_norm(grads)
-
-        train_step = jax.jit(train_step, in_shardings=(state_shardings, data_sharding, data_sharding, data_sharding),
-                             out_shardings=(state_shardings, replicated, replicated), donate_argnums=0)
-        eval_loss_fn = jax.jit(loss_fn, out_shardings=replicated)
+        state = built["init"](jax.random.key(args.seed))
+    train_step, eval_loss_fn = built["train_step"], built["eval_loss"]
 
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(state["params"]))
     _log(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "

@@ -11,7 +11,10 @@ has x.dtype. zero_centered_gamma=True means y = norm(x) * (1 + gamma).
 Backends: "xla" (plain jnp, autodiff) and "pallas" (Triton-lowered Pallas kernels with a
 custom_vjp; on a non-GPU backend they run in interpret mode, which is for tests only).
 "auto" picks pallas on a GPU where it serves and was measured faster
-(benchmarks/results/norms_mlp_h100.md), xla elsewhere.
+(benchmarks/results/norms_mlp_h100.md), xla elsewhere, and xla under a mesh whose axes XLA
+partitions (jax.set_mesh, outside shard_map): a Pallas kernel is opaque to the SPMD partitioner
+and would run replicated on the whole global array (the Flax modules with layernorm_input_axes
+run pallas per shard through shard_map instead).
 Order of precedence: an explicit backend= argument, then TE_JAX_NORM_BACKEND=<name>, then auto.
 TE_JAX_PALLAS_NORM=0 makes pallas unavailable (a forced pallas then raises).
 TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax"; shared policy in te_jax/backends/policy.py).
@@ -97,10 +100,18 @@ def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, di
     notes = [] if source == "auto" else [f"backend {forced!r} forced by the {source}"]
 
     on_gpu = jax.default_backend() == "gpu"
+    mesh_axes = policy.partitioned_mesh_axes()
     if forced is None:
         if reasons.get("pallas") is None and on_gpu and GPU_MEASURED_FASTER.get(pref_key) == "pallas":
-            selected = "pallas"
-            notes.append("auto: on GPU pallas serves this call and was measured faster than xla")
+            if mesh_axes:
+                selected = "xla"
+                notes.append(f"auto: under a mesh with partitioned axes {mesh_axes} the Pallas kernel (an opaque "
+                             "custom call to XLA's SPMD partitioner) would run replicated on the whole global "
+                             "array on every device, so xla (which XLA partitions); the Flax modules given "
+                             "layernorm_input_axes run pallas per shard instead")
+            else:
+                selected = "pallas"
+                notes.append("auto: on GPU pallas serves this call and was measured faster than xla")
         else:
             selected = "xla"
             if not on_gpu:
@@ -122,6 +133,9 @@ def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, di
             selected = None
         elif forced == "pallas" and not on_gpu:
             notes.append("pallas on a non-GPU backend runs in interpret mode (slow; meant for tests)")
+        if forced == "pallas" and mesh_axes:
+            notes.append(f"pallas under a mesh with partitioned axes {mesh_axes}, outside shard_map: the kernel "
+                         "runs replicated (whole global array on every device)")
         choice = BackendChoice(op, requested, selected, reasons, notes, error)
     policy.log_choice(choice)
     return choice

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 
+import jax
+
 logger = logging.getLogger("te_jax")
 
 
@@ -41,3 +43,23 @@ def resolve_request(op: str, requested: str, names: tuple[str, ...], force_env: 
 def log_choice(choice) -> None:
     if debug_enabled():
         logger.warning("%s", choice)
+
+
+def partitioned_mesh_axes() -> dict:
+    """{axis: size} of the current mesh's axes (jax.set_mesh) that XLA's SPMD partitioner splits
+    arrays over: not Manual (inside shard_map), size > 1. Empty without a mesh.
+
+    A Pallas kernel is an opaque custom call to that partitioner: called on arrays sharded over
+    these axes outside shard_map, it runs replicated (operands all-gathered, the whole global
+    array computed on every device). The Flax modules run their Pallas norm / MLP kernels per
+    shard (shard_map) where the logical axis rules tell them how the input is sharded.
+    """
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+    except Exception:  # pragma: no cover - older jax
+        return {}
+    if mesh is None or mesh.empty:
+        return {}
+    manual = jax.sharding.AxisType.Manual
+    return {a: int(s) for a, s, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+            if t != manual and int(s) > 1}

@@ -35,6 +35,7 @@ from te_jax.flax._common import (
     check_hidden_input,
     check_rate,
     default_kernel_init,
+    hidden_axes,
     param,
 )
 from te_jax.flax.module import DenseGeneral, LayerNormDenseGeneral
@@ -464,7 +465,7 @@ class MultiHeadAttention(nn.Module):
                       bias_init=self.bias_init)
         ln_args = dict(enable_layernorm=self.input_layernorm, layernorm_type=self.layernorm_type,
                        epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                       backend=self.norm_backend)
+                       backend=self.norm_backend, layernorm_input_axes=hidden_axes(fmt))
         pre = _PRE[fmt]
         ln_out = None
         if self.fuse_qkv_params and is_self and h == g:

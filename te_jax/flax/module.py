@@ -13,6 +13,14 @@ Logical axis names of the parameters (defaults; each is a module field):
   LayerNormMLP          scale/ln_bias ("embed",)
                         wi_kernel [embed, n_act, mlp] ("embed", "act", "mlp")   wi_bias ("act", "mlp")
                         wo_kernel [mlp, embed]        ("mlp", "embed")          wo_bias ("embed",)
+
+Under a mesh (jax.set_mesh, Auto axes) with logical axis rules, `layernorm_input_axes` (the logical
+names of the input's axes, e.g. ("batch", "length", "embed"); TransformerLayer passes them) make
+LayerNorm, LayerNormDenseGeneral and LayerNormMLP constrain their input to them and run the op per
+shard (shard_map over the mesh axes those names map to; the parameters replicated), so a Pallas
+kernel, which XLA's SPMD partitioner cannot split, computes only the local rows. Without them, or
+when the hidden axis or a parameter is sharded (tensor parallelism, FSDP), the op runs under the
+partitioner as before (auto then takes the xla backend, see te_jax.normalization).
 """
 from __future__ import annotations
 
@@ -22,10 +30,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from te_jax import activations as _acts
 from te_jax import mlp as _mlp
 from te_jax import normalization as _norm
+from te_jax.backends import policy as _policy
 from te_jax.flax._common import Initializer, check_rate, default_kernel_init, dropout, flat_init, param
 
 _zeros = nn.initializers.zeros
@@ -54,12 +64,78 @@ def _norm_params(module: nn.Module, d: int, layernorm_type: str, zero_centered_g
     return gamma, beta
 
 
+def _axes_of(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _per_shard(module: str, fn, x, weights, weight_axes, input_axes):
+    """fn(x, *weights), run per shard of x (shard_map) when a mesh and the logical axis rules allow.
+
+    input_axes: logical names of x's axes (None: call fn directly, as before). x is constrained to
+    them; under a mesh whose Auto axes XLA partitions, with logical axis rules active, fn runs in a
+    shard_map over the mesh axes that split x: x split as the rules map input_axes (its last, hidden axis
+    must stay whole), the weights replicated (their cotangents are summed over those axes by
+    shard_map's transpose). fn must act row by row on x's leading axes (norms, norm + GEMMs).
+    Falls back to fn(x, *weights) when a weight or the hidden axis is sharded on an axis of size
+    > 1, a leading axis does not divide, or the mesh has Explicit / Manual axes.
+    """
+    if input_axes is None:
+        return fn(x, *weights)
+    input_axes = tuple(input_axes)
+    if len(input_axes) != x.ndim:
+        raise ValueError(f"{module}: layernorm_input_axes={input_axes} names {len(input_axes)} axes but the input "
+                         f"has shape {tuple(x.shape)} (rank {x.ndim}); give one logical name (or None) per axis.")
+    x = nn.with_logical_constraint(x, input_axes)
+    split = _policy.partitioned_mesh_axes()
+    if not split or not nn.get_logical_axis_rules():
+        return fn(x, *weights)
+    mesh = jax.sharding.get_abstract_mesh()
+    if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return fn(x, *weights)
+    sizes = dict(zip(mesh.axis_names, (int(n) for n in mesh.axis_sizes)))
+
+    def sharded(entry):
+        return any(a in split for a in _axes_of(entry))
+
+    spec = tuple(nn.logical_to_mesh_axes(input_axes))
+    spec = spec + (None,) * (x.ndim - len(spec))
+    if sharded(spec[-1]):
+        return fn(x, *weights)
+    for w, axes in zip(weights, weight_axes):
+        if w is not None and axes and any(sharded(e) for e in nn.logical_to_mesh_axes(tuple(axes))):
+            return fn(x, *weights)
+    for dim, entry in zip(x.shape[:-1], spec[:-1]):
+        n = 1
+        for a in _axes_of(entry):
+            n *= sizes[a]
+        if dim % n:
+            return fn(x, *weights)
+    lead = spec[:-1]
+    manual = {a for entry in lead for a in _axes_of(entry)}
+    if not manual & set(split):  # x is not split: nothing to run per shard
+        return fn(x, *weights)
+    arrays = [w for w in weights if w is not None]
+
+    def body(x, *arrs):
+        it = iter(arrs)
+        return fn(x, *[None if w is None else next(it) for w in weights])
+
+    # Manual over the axes that split x only: over any other axis x is replicated, and a manual
+    # axis x does not name would make the transpose all-reduce x's cotangent over it.
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(*lead, None),) + (P(),) * len(arrays),
+                         out_specs=P(*lead), axis_names=manual, check_vma=False)(x, *arrays)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm or RMSNorm over the last axis (te_jax.normalization.norm).
 
     layernorm_type: "layernorm" (params `scale`, `ln_bias`) or "rmsnorm" (`scale` only).
     zero_centered_gamma: y = norm(x) * (1 + scale); `scale` then initialises to zeros.
     Statistics are fp32; the output has dtype `dtype`.
+    layernorm_input_axes: logical names of the input's axes; under a mesh with logical axis rules
+      the norm then runs per shard (see the module docstring). None: no constraint.
     """
 
     epsilon: float = 1e-6
@@ -72,6 +148,7 @@ class LayerNorm(nn.Module):
     dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     backend: str = "auto"
+    layernorm_input_axes: Sequence[str | None] | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -81,9 +158,13 @@ class LayerNorm(nn.Module):
         gamma, beta = _norm_params(self, x.shape[-1], self.layernorm_type, self.zero_centered_gamma,
                                    self.scale_init, self.scale_axes, self.bias_init, self.bias_axes,
                                    self.param_dtype)
-        return _norm.norm(jnp.asarray(x, self.dtype), gamma, beta, layernorm_type=self.layernorm_type,
-                          epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                          backend=self.backend)
+
+        def fn(x, gamma, beta):
+            return _norm.norm(x, gamma, beta, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                              zero_centered_gamma=self.zero_centered_gamma, backend=self.backend)
+
+        return _per_shard("LayerNorm", fn, jnp.asarray(x, self.dtype), (gamma, beta),
+                          (self.scale_axes, self.bias_axes), self.layernorm_input_axes)
 
 
 def _dense(x, kernel, bias, axis: tuple[int, ...], dtype):
@@ -150,6 +231,8 @@ class LayerNormDenseGeneral(nn.Module):
     else None (TransformerEngine's convention). Contracts the last axis only.
     Parameters: `scale`, `ln_bias` (scale_axes / ln_bias_axes), `kernel` [hidden, *features]
     (kernel_axes), `bias` [*features] (bias_axes).
+    layernorm_input_axes: logical names of the input's axes; under a mesh with logical axis rules
+      the op then runs per shard (see the module docstring). None: no constraint.
     """
 
     features: int | Sequence[int]
@@ -171,6 +254,7 @@ class LayerNormDenseGeneral(nn.Module):
     dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     backend: str = "auto"
+    layernorm_input_axes: Sequence[str | None] | None = None
 
     @nn.compact
     def __call__(self, inputs):
@@ -188,9 +272,15 @@ class LayerNormDenseGeneral(nn.Module):
             return y, (x if self.return_layernorm_output else None)
         gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
                                    self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
-        out = _mlp.layernorm_dense(x, gamma, beta, kernel, bias, layernorm_type=self.layernorm_type,
-                                   epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                                   return_layernorm_output=self.return_layernorm_output, backend=self.backend)
+
+        def fn(x, gamma, beta, kernel, bias):
+            return _mlp.layernorm_dense(x, gamma, beta, kernel, bias, layernorm_type=self.layernorm_type,
+                                        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                                        return_layernorm_output=self.return_layernorm_output, backend=self.backend)
+
+        out = _per_shard("LayerNormDenseGeneral", fn, x, (gamma, beta, kernel, bias),
+                         (self.scale_axes, self.ln_bias_axes, self.kernel_axes, self.bias_axes),
+                         self.layernorm_input_axes)
         if self.return_layernorm_output:
             return out
         return out, None
@@ -206,6 +296,8 @@ class LayerNormMLP(nn.Module):
     Returns (output, ln_output) with ln_output None unless return_layernorm_output.
     Parameters: scale, ln_bias ("embed",); wi_kernel ("embed", "act", "mlp"); wi_bias ("act", "mlp");
     wo_kernel ("mlp", "embed"); wo_bias ("embed",) (biases only when use_bias).
+    layernorm_input_axes: logical names of the input's axes; under a mesh with logical axis rules
+      the block then runs per shard (see the module docstring). None: no constraint.
     """
 
     intermediate_dim: int = 2048
@@ -231,6 +323,7 @@ class LayerNormMLP(nn.Module):
     dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     backend: str = "auto"
+    layernorm_input_axes: Sequence[str | None] | None = None
 
     @nn.compact
     def __call__(self, inputs, deterministic: bool = False):
@@ -255,11 +348,20 @@ class LayerNormMLP(nn.Module):
             return y, (x if self.return_layernorm_output else None)
         gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
                                    self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
-        out = _mlp.layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, layernorm_type=self.layernorm_type,
-                                 activations=acts, epsilon=self.epsilon,
-                                 zero_centered_gamma=self.zero_centered_gamma,
-                                 return_layernorm_output=self.return_layernorm_output, backend=self.backend,
-                                 dropout_rate=rate, dropout_rng=rng, deterministic=not active)
+
+        def fn(x, gamma, beta, w1, b1, w2, b2):
+            return _mlp.layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, layernorm_type=self.layernorm_type,
+                                      activations=acts, epsilon=self.epsilon,
+                                      zero_centered_gamma=self.zero_centered_gamma,
+                                      return_layernorm_output=self.return_layernorm_output, backend=self.backend,
+                                      dropout_rate=rate, dropout_rng=rng, deterministic=not active)
+
+        if active:  # dropout draws one mask over the global array: no per-shard run (the xla path serves it)
+            out = fn(x, gamma, beta, w1, b1, w2, b2)
+        else:
+            out = _per_shard("LayerNormMLP", fn, x, (gamma, beta, w1, b1, w2, b2),
+                             (self.scale_axes, self.ln_bias_axes, self.kernel_axes_1, self.bias_axes_1,
+                              self.kernel_axes_2, self.bias_axes_2), self.layernorm_input_axes)
         if self.return_layernorm_output:
             return out
         return out, None

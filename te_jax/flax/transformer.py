@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from te_jax import layouts
-from te_jax.flax._common import Initializer, check_hidden_input, check_rate, constrain, dropout
+from te_jax.flax._common import Initializer, check_hidden_input, check_rate, constrain, dropout, hidden_axes
 from te_jax.flax.attention import MultiHeadAttention, RelativePositionBiases, _check_heads
 from te_jax.flax.module import LayerNorm, LayerNormMLP
 
@@ -215,7 +215,8 @@ class TransformerLayer(nn.Module):
             return_layernorm_output=self.apply_residual_connection_post_layernorm,
             activations=self.mlp_activations, intermediate_dropout_rng_name=self.dropout_rng_name,
             intermediate_dropout_rate=self.intermediate_dropout, dtype=self.dtype, param_dtype=self.param_dtype,
-            backend=self.mlp_backend, name="mlp")(mlp_input, deterministic=deterministic)
+            backend=self.mlp_backend, layernorm_input_axes=hidden_axes(fmt), name="mlp")(
+                mlp_input, deterministic=deterministic)
         if self.apply_residual_connection_post_layernorm:
             residual = ln_out
         z = path_drop(hidden_drop(z))
@@ -224,5 +225,6 @@ class TransformerLayer(nn.Module):
         if self.output_layernorm:
             z = LayerNorm(epsilon=self.layernorm_epsilon, layernorm_type=self.layernorm_type,
                           zero_centered_gamma=self.zero_centered_gamma, dtype=self.dtype,
-                          param_dtype=self.param_dtype, backend=self.norm_backend, name="output_layernorm")(z)
+                          param_dtype=self.param_dtype, backend=self.norm_backend,
+                          layernorm_input_axes=hidden_axes(fmt), name="output_layernorm")(z)
         return z

@@ -1,0 +1,148 @@
+"""The example's training step (examples/train_lm.py) on a dp=2 × cp=2 mesh of fake CPU devices does a
+quarter of the single-device work per device, and moves no activation-sized array but the ring's.
+
+With the Pallas norm / LayerNorm-MLP kernels (what `auto` takes on a GPU; forced here, interpret mode),
+each kernel called on a sharded activation outside shard_map ran replicated: XLA's SPMD partitioner
+cannot split a Pallas call (on a GPU an opaque custom call: operands all-gathered to every device,
+the whole global batch normalized everywhere; in interpret mode on the CPU the kernel's row loop
+gathered the sequence). Measured before the fix (2 layers, hidden 128, seq 256, batch 8): per-device
+flops 0.42x of the single-device step, with all-gathers of [batch/dp, seq, hidden] activations in
+every layer. The Flax modules now run those kernels per shard (shard_map over the axes the logical
+rules put the input on): 0.26x, no all-gather.
+"""
+import importlib.util
+import os
+import re
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "train_lm.py")
+
+
+def _load():
+    name = "train_lm_example"  # the name tests/test_examples.py loads it under: one module either way
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses (the Flax module) look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+train_lm = _load()
+
+SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn", "128", "--seq-len", "128", "--batch", "8",
+         "--dtype", "fp32"]
+COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)"
+                        r"(?:-start)?\(")
+
+
+def _build(mesh_spec):
+    args = train_lm.parse_args(SMALL + ["--mesh", mesh_spec])
+    sizes = train_lm.parse_mesh(args.mesh, jax.device_count())
+    mesh = train_lm.make_mesh(sizes)
+    rules = train_lm.logical_rules(args, sizes)
+    cp = sizes["cp"]
+    model = train_lm.make_model(args, ("context", "ring", True) if cp > 1 else None)
+    _, tx = train_lm.make_optimizer(args)
+    built = train_lm.build_train_step(model, tx, mesh, rules, args.batch, args.seq_len)
+    return args, sizes, mesh, rules, built
+
+
+def _compile(mesh_spec):
+    args, sizes, mesh, rules, built = _build(mesh_spec)
+    tok = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32, sharding=built["data_sharding"])
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        compiled = built["train_step"].lower(built["abstract_state"], tok, tok, tok).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return args, sizes, float(cost["flops"]), compiled.as_text()
+
+
+def _elements(shape_text):
+    total = 0
+    for dims in re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", shape_text):
+        total += int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+    return total
+
+
+@pytest.fixture
+def pallas_norms(monkeypatch):
+    monkeypatch.setenv("TE_JAX_NORM_BACKEND", "pallas")
+    monkeypatch.setenv("TE_JAX_MLP_BACKEND", "pallas")
+
+
+def test_dp_cp_step_is_a_quarter_of_the_work_per_device(pallas_norms):
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (fake) devices; tests/conftest.py sets them")
+    _, _, flops_1, _ = _compile("dp=1,cp=1,tp=1")
+    args, sizes, flops_4, hlo = _compile("dp=2,cp=2")
+    ratio = flops_4 / flops_1
+    collectives = [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
+    # one device's share of a [batch, seq, hidden] activation
+    local = args.batch // sizes["dp"] * (args.seq_len // sizes["cp"]) * args.hidden
+    gathered = [(k, s) for k, s in collectives if k in ("all-gather", "all-to-all") and _elements(s) >= local]
+    assert not gathered, f"activation-sized gathers in the dp=2,cp=2 step: {gathered}"
+    assert ratio <= 0.3, (f"per-device flops of the dp=2,cp=2 step are {ratio:.3f}x the single-device step's "
+                          f"(ideal 0.25): computation is replicated. Collectives: {collectives}")
+    assert any(k == "collective-permute" for k, _ in collectives), "the ring's K/V exchange is missing"
+
+
+def test_dp_cp_step_matches_single_device(pallas_norms):
+    """The per-shard Pallas kernels give the single-device loss and gradient norm (fp32)."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (fake) devices; tests/conftest.py sets them")
+    args, _, _, _, _ = _build("dp=1,cp=1,tp=1")
+    x, y = train_lm.sample_batch(np.arange(4096, dtype=np.uint8) * 7 % 251, args.batch, args.seq_len, 0, 1, 0)
+    pos = np.broadcast_to(np.arange(args.seq_len, dtype=np.int32)[None], x.shape)
+    out = {}
+    for spec in ("dp=1,cp=1,tp=1", "dp=2,cp=2"):
+        args, sizes, mesh, rules, built = _build(spec)
+        xs, ys, ps = x, y, pos
+        if sizes["cp"] > 1:
+            from te_jax.context_parallel import reorder_causal_load_balancing
+            xs, ys, ps = (np.asarray(reorder_causal_load_balancing(a, sizes["cp"], seq_axis=1)) for a in (x, y, pos))
+        batch = [jax.device_put(np.ascontiguousarray(a), built["data_sharding"]) for a in (xs, ys, ps)]
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            state = built["init"](jax.random.key(0))
+            _, loss, gnorm = built["train_step"](state, *batch)
+        out[spec] = (float(loss), float(gnorm))
+    np.testing.assert_allclose(out["dp=2,cp=2"], out["dp=1,cp=1,tp=1"], rtol=2e-5)
+
+
+def test_auto_norm_backend_under_a_mesh_is_not_a_replicated_pallas_kernel(monkeypatch):
+    """On a GPU, auto picks pallas for layernorm / the MLP; under a mesh whose axes XLA partitions
+    (outside shard_map) that kernel would run replicated, so auto takes xla there, and pallas again
+    per shard inside shard_map (where the Flax modules call it)."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (fake) devices; tests/conftest.py sets them")
+    from te_jax.mlp import explain_mlp_backend
+    from te_jax.normalization import explain_norm_backend
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    x = jax.ShapeDtypeStruct((8, 64, 128), jnp.bfloat16)
+    assert explain_norm_backend(x).selected == "pallas"
+    assert explain_mlp_backend(x).selected == "pallas"
+    mesh = jax.make_mesh((2, 2), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        choice = explain_norm_backend(x)
+        assert choice.selected == "xla" and "replicated" in str(choice), str(choice)
+        assert explain_mlp_backend(x).selected == "xla"
+        seen = []
+
+        def body(a):
+            seen.append((explain_norm_backend(a).selected, explain_mlp_backend(a).selected))
+            return a
+
+        P = jax.sharding.PartitionSpec
+        jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=P("data", "context"), out_specs=P("data", "context"),
+                                     check_vma=False), x)
+    assert seen == [("pallas", "pallas")]
