@@ -36,9 +36,31 @@ def mosaic_gpu():
     return plgpu
 
 
-def shard_map(f, *, mesh, in_specs, out_specs, check_vma: bool = True):
-    """`jax.shard_map` with keyword arguments, the form both versions accept."""
-    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+def shard_map(f, *, mesh, in_specs, out_specs, check_vma: bool = True, axis_names=None):
+    """`jax.shard_map` with keyword arguments, the form both versions accept.
+
+    axis_names: the mesh axes the body is manual over (None: all of them); the others stay Auto,
+    partitioned by XLA inside the body.
+    """
+    kwargs = {} if axis_names is None else {"axis_names": frozenset(axis_names)}
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, **kwargs)
+
+
+def current_mesh():
+    """The current abstract mesh (set by `jax.set_mesh`; inside shard_map its manual axes say so),
+    or None when there is none."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get is None:  # pragma: no cover - older jax
+        return None
+    mesh = get()
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def mesh_axis_kinds(mesh) -> dict:
+    """{axis name: "auto" | "explicit" | "manual"} of a mesh (jax.sharding.AxisType by name)."""
+    return {a: str(getattr(t, "name", t)).lower() for a, t in zip(mesh.axis_names, mesh.axis_types)}
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import layouts, masks
+from te_jax.backends import policy
 from te_jax.backends.call import AttentionCall, current_platform
 from te_jax.backends.selection import BACKENDS, BackendChoice, choose_backend, unavailable_error
 
@@ -83,20 +84,25 @@ def _check_scalars(scale, softcap, dropout_rate, dropout_rng, head_dim):
 def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",
                       q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
                       window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
-                      dropout_rng=None, needs_split_vjp=False) -> PreparedAttention:
-    """Validate every argument and bring the call to canonical form (shared by all entry points)."""
+                      dropout_rng=None, needs_split_vjp=False, runs_per_shard=False) -> PreparedAttention:
+    """Validate every argument and bring the call to canonical form (shared by all entry points).
+
+    runs_per_shard: the caller runs the backend inside its own shard_map over every mesh axis
+    (context parallelism), so the current mesh's partitioned axes do not make a Pallas kernel replicated.
+    """
     call, tm, bias, scale, softcap, window = _validate_call(
         query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, needs_split_vjp=needs_split_vjp)
+        dropout_rng=dropout_rng, needs_split_vjp=needs_split_vjp, runs_per_shard=runs_per_shard)
     q, k, v = (layouts.to_bshd(t, call.attn_input_format) for t in (query, key, value))
     return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window)
 
 
 def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask", q_seqlens=None,
                    kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None, bias=None,
-                   softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None, needs_split_vjp=False):
+                   softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None, needs_split_vjp=False,
+                   runs_per_shard=False):
     """Every check of `prepare_attention`; q/k/v only need .shape and .dtype (ShapeDtypeStructs do)."""
     fmt = layouts.check_format(attn_input_format)
     dims = layouts.check_qkv(query, key, value, fmt)
@@ -112,9 +118,10 @@ def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_typ
     if fmt == "thd" and padding_source == "seqlens":
         padding_source = "segment_ids"  # packed lengths become segment ids
     platform, cc = current_platform()
+    partitioned = () if runs_per_shard else tuple(policy.partitioned_mesh_axes())
     call = AttentionCall(fmt, dims, dtype, mask, padding_source, window,
                          None if bias is None else tuple(bias.shape), softcap, dropout_rate, platform, cc,
-                         needs_split_vjp)
+                         needs_split_vjp, partitioned)
     return call, tm, bias, scale, softcap, window
 
 
@@ -150,7 +157,9 @@ def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_m
     window_size: (left, right), -1 unbounded; composes with the mask.
     bias: [batch or 1, heads or 1, s_q, s_kv], added after scaling (and after softcap).
     softcap: logits ← softcap·tanh(logits/softcap). scale defaults to 1/sqrt(d_qk).
-    backend: "auto", "pallas", "cudnn" or "xla"; see `explain_attention_backend`.
+    backend: "auto", "pallas", "cudnn" or "xla"; see `explain_attention_backend`. Under a mesh whose
+      axes XLA partitions (jax.set_mesh, outside shard_map) auto does not take pallas: the kernel would
+      run replicated; call inside shard_map, or through the te_jax.flax modules, which do.
     Rows with no visible key give zeros (and finite gradients).
     """
     prep = prepare_attention(

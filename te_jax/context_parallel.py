@@ -505,7 +505,7 @@ def _prepare(query, key, value, *, cp_axis, mesh, strategy, load_balanced, attn_
     prep = prepare_attention(
         query, key, value, attn_input_format=fmt, attn_mask_type=attn_mask_type, q_seqlens=q_seqlens,
         kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        window_size=window_size, softcap=softcap, scale=scale, needs_split_vjp=True)
+        window_size=window_size, softcap=softcap, scale=scale, needs_split_vjp=True, runs_per_shard=True)
     d = prep.call.dims
     _check_seq("query", d.q_len, cp_size, load_balanced)
     _check_seq("key/value", d.kv_len, cp_size, load_balanced)

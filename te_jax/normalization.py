@@ -105,10 +105,9 @@ def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, di
         if reasons.get("pallas") is None and on_gpu and GPU_MEASURED_FASTER.get(pref_key) == "pallas":
             if mesh_axes:
                 selected = "xla"
-                notes.append(f"auto: under a mesh with partitioned axes {mesh_axes} the Pallas kernel (an opaque "
-                             "custom call to XLA's SPMD partitioner) would run replicated on the whole global "
-                             "array on every device, so xla (which XLA partitions); the Flax modules given "
-                             "layernorm_input_axes run pallas per shard instead")
+                notes.append(f"auto: pallas not taken: {policy.pallas_replicated_reason(mesh_axes)}; so xla "
+                             "(which XLA partitions). The Flax modules given layernorm_input_axes run pallas per "
+                             "shard")
             else:
                 selected = "pallas"
                 notes.append("auto: on GPU pallas serves this call and was measured faster than xla")
@@ -134,8 +133,7 @@ def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, di
         elif forced == "pallas" and not on_gpu:
             notes.append("pallas on a non-GPU backend runs in interpret mode (slow; meant for tests)")
         if forced == "pallas" and mesh_axes:
-            notes.append(f"pallas under a mesh with partitioned axes {mesh_axes}, outside shard_map: the kernel "
-                         "runs replicated (whole global array on every device)")
+            notes.append(policy.pallas_forced_replicated_note(mesh_axes))
         choice = BackendChoice(op, requested, selected, reasons, notes, error)
     policy.log_choice(choice)
     return choice

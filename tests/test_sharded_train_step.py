@@ -9,6 +9,10 @@ gathered the sequence). Measured before the fix (2 layers, hidden 128, seq 256, 
 flops 0.42x of the single-device step, with all-gathers of [batch/dp, seq, hidden] activations in
 every layer. The Flax modules now run those kernels per shard (shard_map over the axes the logical
 rules put the input on): 0.26x, no all-gather.
+
+The same held for the Pallas attention without context parallelism (a dp=4 step): it ran replicated
+(the global packed qkv all-gathered); the attention modules now run it per shard too (the tests
+*_dp_step_*; module-level cases in tests/test_sharded_attention.py).
 """
 import importlib.util
 import os
@@ -40,12 +44,13 @@ train_lm = _load()
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn", "128", "--seq-len", "128", "--batch", "8",
          "--dtype", "fp32"]
+ONE_LAYER = ["--layers", "1"]  # the attention tests' steps: one layer shows it
 COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)"
                         r"(?:-start)?\(")
 
 
-def _build(mesh_spec):
-    args = train_lm.parse_args(SMALL + ["--mesh", mesh_spec])
+def _build(mesh_spec, extra=()):
+    args = train_lm.parse_args(SMALL + list(extra) + ["--mesh", mesh_spec])
     sizes = train_lm.parse_mesh(args.mesh, jax.device_count())
     mesh = train_lm.make_mesh(sizes)
     rules = train_lm.logical_rules(args, sizes)
@@ -56,8 +61,8 @@ def _build(mesh_spec):
     return args, sizes, mesh, rules, built
 
 
-def _compile(mesh_spec):
-    args, sizes, mesh, rules, built = _build(mesh_spec)
+def _compile(mesh_spec, extra=()):
+    args, sizes, mesh, rules, built = _build(mesh_spec, extra)
     tok = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32, sharding=built["data_sharding"])
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         compiled = built["train_step"].lower(built["abstract_state"], tok, tok, tok).compile()
@@ -115,6 +120,66 @@ def test_dp_cp_step_matches_single_device(pallas_norms):
             _, loss, gnorm = built["train_step"](state, *batch)
         out[spec] = (float(loss), float(gnorm))
     np.testing.assert_allclose(out["dp=2,cp=2"], out["dp=1,cp=1,tp=1"], rtol=2e-5)
+
+
+@pytest.fixture
+def pallas_attention(monkeypatch):
+    monkeypatch.setenv("TE_JAX_ATTN_BACKEND", "pallas")
+
+
+def _activation_gathers(args, sizes, hlo):
+    collectives = [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
+    local = args.batch // sizes["dp"] * (args.seq_len // sizes["cp"]) * args.hidden
+    return [(k, s) for k, s in collectives if k in ("all-gather", "all-to-all") and _elements(s) >= local]
+
+
+def test_dp_step_runs_the_pallas_attention_per_shard(pallas_norms, pallas_attention):
+    """dp=4, no context parallelism, every Pallas kernel forced (interpret mode): the attention kernel
+    used to run replicated, its packed qkv all-gathered (before: f32[8,128,6,32] x18, f32[8,128,2,32] x4,
+    f32[8,2,128] x4 per step with 2 layers); the Flax attention now runs it per shard: no activation-sized
+    gather (checked on a 1-layer step)."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (fake) devices; tests/conftest.py sets them")
+    args, sizes, _, hlo = _compile("dp=4", ONE_LAYER)
+    gathered = _activation_gathers(args, sizes, hlo)
+    assert not gathered, f"activation-sized gathers in the dp=4 step: {gathered}"
+
+
+def test_dp_step_with_an_opaque_attention_kernel_is_a_quarter_of_the_work(monkeypatch, pallas_attention):
+    """Per-device flops of the dp=4 step with the attention forced to pallas, the kernel replaced by a
+    stand-in that behaves as on a GPU: opaque to the SPMD partitioner (outside shard_map it runs
+    replicated: its operands and output constrained to replicated) but with XLA-visible flops (the
+    reference attention; the interpret-mode kernel's loop bodies are counted once whatever the shape,
+    so they hide the replication). The 1-layer step here: before 0.459x the single-device step's, now
+    0.253x (2 layers: 0.488x -> 0.252x)."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (fake) devices; tests/conftest.py sets them")
+    from te_jax import masks
+    from te_jax.backends import policy
+    from te_jax.backends.pallas import PallasBackend
+    from te_jax.backends.xla import XlaBackend
+
+    xla = XlaBackend()
+
+    def opaque_forward(self, call, q, k, v, tm, bias, **kw):
+        if not policy.partitioned_mesh_axes():  # inside shard_map (or no mesh): local, as a kernel
+            return xla.forward(call, q, k, v, tm, bias, **kw)
+
+        def rep(a):
+            return None if a is None else jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec())
+
+        tm = masks.TokenMask(rep(tm.q_segment_ids), rep(tm.q_positions), rep(tm.kv_segment_ids),
+                             rep(tm.kv_positions))
+        return rep(xla.forward(call, rep(q), rep(k), rep(v), tm, rep(bias), **kw))
+
+    monkeypatch.setattr(PallasBackend, "forward", opaque_forward)
+    monkeypatch.setattr(PallasBackend, "packed_input_reason", lambda self, *a, **k: "stand-in: split q, k, v")
+    _, _, flops_1, _ = _compile("dp=1,cp=1,tp=1", ONE_LAYER)
+    args, sizes, flops_4, hlo = _compile("dp=4", ONE_LAYER)
+    ratio = flops_4 / flops_1
+    assert ratio <= 0.3, (f"per-device flops of the dp=4 step are {ratio:.3f}x the single-device step's "
+                          "(ideal 0.25): the attention is replicated")
+    assert not _activation_gathers(args, sizes, hlo)
 
 
 def test_auto_norm_backend_under_a_mesh_is_not_a_replicated_pallas_kernel(monkeypatch):

@@ -27,6 +27,10 @@ class AttentionCall:
     platform: str
     compute_capability: tuple[int, int] | None
     needs_split_vjp: bool = False  # context parallelism calls forward/backward separately
+    # Mesh axes XLA's SPMD partitioner splits arrays over at this call (jax.set_mesh, outside shard_map):
+    # a Pallas kernel here would run replicated. Empty inside shard_map and for callers that run the
+    # backend per shard themselves (context parallelism).
+    partitioned_axes: tuple[str, ...] = ()
 
     @property
     def dtype_name(self) -> str:

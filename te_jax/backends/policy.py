@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-import jax
+from te_jax import _compat
 
 logger = logging.getLogger("te_jax")
 
@@ -51,15 +51,27 @@ def partitioned_mesh_axes() -> dict:
 
     A Pallas kernel is an opaque custom call to that partitioner: called on arrays sharded over
     these axes outside shard_map, it runs replicated (operands all-gathered, the whole global
-    array computed on every device). The Flax modules run their Pallas norm / MLP kernels per
-    shard (shard_map) where the logical axis rules tell them how the input is sharded.
+    array computed on every device). The Flax modules run their Pallas norm / MLP / attention
+    kernels per shard (shard_map, te_jax/flax/_sharding.py) where the logical axis rules tell them
+    how the operands are split.
     """
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-    except Exception:  # pragma: no cover - older jax
+    mesh = _compat.current_mesh()
+    if mesh is None:
         return {}
-    if mesh is None or mesh.empty:
-        return {}
-    manual = jax.sharding.AxisType.Manual
-    return {a: int(s) for a, s, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-            if t != manual and int(s) > 1}
+    kinds = _compat.mesh_axis_kinds(mesh)
+    return {a: int(s) for a, s in zip(mesh.axis_names, mesh.axis_sizes) if kinds[a] != "manual" and int(s) > 1}
+
+
+def pallas_replicated_reason(axes) -> str:
+    """Why a Pallas kernel is not taken automatically under a mesh whose `axes` XLA partitions
+    (the text norms and attention share; axes: names, or partitioned_mesh_axes()'s dict)."""
+    return (f"under a mesh whose axes {tuple(axes)} XLA partitions, a Pallas kernel would run replicated on "
+            "every device (an opaque custom call to the SPMD partitioner: operands all-gathered, the whole "
+            "global array computed everywhere); call inside shard_map or through te_jax.flax modules (which do)")
+
+
+def pallas_forced_replicated_note(axes) -> str:
+    """The note on a forced Pallas kernel under a mesh whose `axes` XLA partitions (outside shard_map)."""
+    return (f"pallas forced outside shard_map under a mesh whose axes {tuple(axes)} XLA partitions: the kernel "
+            "runs replicated (operands all-gathered, the whole global array computed on every device); call "
+            "inside shard_map or through te_jax.flax modules (which do)")

@@ -3,6 +3,12 @@
 The shared policy (te_jax/backends/policy.py): `backend=` argument > TE_JAX_ATTN_BACKEND > the
 automatic preference below. TE_JAX_PALLAS_ATTN=0 / TE_JAX_CUDNN_ATTN=0 / TE_JAX_XLA_ATTN=0 disable a
 backend everywhere. TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax").
+
+Under a mesh whose axes XLA partitions (jax.set_mesh, outside shard_map) `auto` does not take pallas:
+a Pallas kernel is an opaque custom call to the SPMD partitioner and would run replicated (operands
+all-gathered, the whole global batch computed on every device). The te_jax.flax attention modules run
+the attention per shard (shard_map over the batch / head axes), where pallas is taken again; a
+forced pallas is honoured, with a note saying it runs replicated.
 """
 from __future__ import annotations
 
@@ -51,6 +57,7 @@ class BackendChoice:
     source: str  # "argument" | "environment" | "auto"
     detail: str = ""  # e.g. which Pallas kernel
     packed: str = ""  # packed-input entry only: read in place or split, and why
+    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. a forced Pallas kernel running replicated
 
     def __str__(self):
         head = (f"attention backend: {self.selected} ({self.source})" if self.selected
@@ -63,6 +70,7 @@ class BackendChoice:
             lines.append(f"  {name:7s} {mark}" + (f": {why}" if why else ""))
         if self.packed:
             lines.append(f"  packed input: {self.packed}")
+        lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
 
@@ -79,17 +87,25 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
                 why = b.unsupported_reason(call)
         reasons[name] = why
 
+    notes = []
+    mesh_axes = tuple(getattr(call, "partitioned_axes", ()))
     if forced is not None:
         selected = forced if reasons[forced] is None else None
         for name in BACKENDS:
             if name != forced and reasons[name] is None:
                 reasons[name] = f"serves the call, but {forced!r} was forced by {source}"
+        if selected == "pallas" and mesh_axes:
+            notes.append(policy.pallas_forced_replicated_note(mesh_axes))
     else:
+        if mesh_axes and reasons["pallas"] is None:
+            reasons["pallas"] = policy.pallas_replicated_reason(mesh_axes)
         if call.platform == "gpu":
             order, why = gpu_preference(call)
         else:
             order, why = OTHER_PREFERENCE, f"the xla backend comes first on {call.platform}"
         selected = next((n for n in order if reasons[n] is None), None)
+        if selected is not None and selected != order[0]:
+            why = f"{why}; {order[0]!r}, first in that order, is not taken here (see its reason)"
         for name in order:
             if name != selected and reasons[name] is None and selected is not None:
                 reasons[name] = f"serves the call, but {selected!r} is preferred: {why}"
@@ -99,7 +115,7 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
         hr = pb.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
         detail = ("Hopper (Mosaic GPU) kernel" if hr is None
                   else f"portable Triton-lowered kernel (Hopper kernel not used: {hr})")
-    choice = BackendChoice(selected, reasons, source, detail)
+    choice = BackendChoice(selected, reasons, source, detail, notes=notes)
     policy.log_choice(choice)
     return choice
 

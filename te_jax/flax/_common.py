@@ -17,6 +17,11 @@ Initializer = Callable[..., jax.Array]
 BATCH_AXES = "batch"
 SEQ_AXES = "length"
 HIDDEN_AXES = "embed"
+#: Logical names of the per-head attention tensors' axes (as the projection kernels name them).
+HEADS_AXES = "heads"
+KV_HEADS_AXES = "kv_heads"
+HEAD_DIM_AXES = "kv"
+QKV_PACK_AXES = "qkv"
 
 _HIDDEN_AXES_TEXT = {
     "bshd": "[batch, seq, hidden]",

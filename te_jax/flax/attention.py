@@ -14,6 +14,17 @@ Logical axis names of the MultiHeadAttention parameters (h heads, g = num_gqa_gr
   out/kernel   [h, d, embed]     ("heads", "kv", "embed")
   biases: the kernel's names without "embed" (out/bias: ("embed",)); LayerNorm scale/ln_bias ("embed",).
 RelativePositionBiases: rel_embedding [h, num_buckets] ("heads", "relpos_buckets").
+
+Under a mesh (jax.set_mesh, Auto axes) with logical axis rules active and no context parallelism, the
+attention itself runs per shard: a shard_map over the mesh axes the rules put "batch" on (and "heads"
+with "kv_heads", when both map to the same mesh axes), the sequence and head_dim axes whole; seqlens,
+segment ids and the bias are split with them (te_jax/flax/_sharding.py, shared with the norm modules).
+The activations' names are those above: q [.., "heads", "kv"], k/v [.., "kv_heads", "kv"] after
+("batch", "length") (bshd), ("length", "batch") (sbhd) or ("length",) (thd). A Pallas kernel, which
+XLA's SPMD partitioner cannot split, then computes only its shard instead of running replicated on
+the global batch. Falls back to the plain call (under the partitioner) when the sequence or head_dim
+axis is sharded, query and key/value heads map to different mesh axes or do not divide, the batch
+does not divide, or attention dropout is active.
 """
 from __future__ import annotations
 
@@ -26,10 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_jax import layouts, masks
+from te_jax import _compat, layouts, masks
 from te_jax.attention import dot_product_attention, dot_product_attention_packed
 from te_jax.flax._common import (
     BATCH_AXES,
+    HEAD_DIM_AXES,
+    HEADS_AXES,
+    KV_HEADS_AXES,
+    QKV_PACK_AXES,
+    SEQ_AXES,
     Initializer,
     batch_seq,
     check_hidden_input,
@@ -38,6 +54,7 @@ from te_jax.flax._common import (
     hidden_axes,
     param,
 )
+from te_jax.flax._sharding import mesh_axes_of, run_per_shard
 from te_jax.flax.module import DenseGeneral, LayerNormDenseGeneral
 
 ROTARY_GROUP_METHODS = ("consecutive", "alternate")
@@ -139,6 +156,74 @@ def _cp_batch_and_head_axes():
     return batch, (heads if heads == kv_heads else None)
 
 
+_LEAD_AXES = {"bshd": (BATCH_AXES, SEQ_AXES), "sbhd": (SEQ_AXES, BATCH_AXES), "thd": (SEQ_AXES,)}
+
+
+def _tensor_axes(fmt, qkv_layout):
+    """Logical names of the axes of the attention tensors as stored: (q, k, v), (q, kv) or (qkv,)."""
+    lead = _LEAD_AXES[fmt]
+    q = lead + (HEADS_AXES, HEAD_DIM_AXES)
+    kv = lead + (KV_HEADS_AXES, HEAD_DIM_AXES)
+    lay = layouts.get_qkv_layout(qkv_layout) if qkv_layout is not None else None
+    if lay is None or lay.kind == "separate":
+        return q, kv, kv
+    if lay.kind == "gqa_packed":  # q, k and v heads share one axis: it is not split
+        return (lead + (None, HEAD_DIM_AXES),)
+    names = list(lead + ((HEADS_AXES if lay.kind == "qkv_packed" else KV_HEADS_AXES), HEAD_DIM_AXES))
+    names.insert(lay.pack_axis, QKV_PACK_AXES)
+    return (tuple(names),) if lay.kind == "qkv_packed" else (q, tuple(names))
+
+
+def _head_split(qkv_layout):
+    """The head axes' logical names attention may run per shard over: both of "heads" and "kv_heads"
+    when the rules map them to the same mesh axes (each key/value head then stays with its query
+    heads: h/n query heads and g/n key/value heads per shard, with both divisible, checked by the
+    plan), else none (a sharded head axis then makes the call fall back)."""
+    kind = layouts.get_qkv_layout(qkv_layout).kind if qkv_layout is not None else "separate"
+    if kind == "gqa_packed":
+        return ()
+    if kind == "qkv_packed":
+        return (HEADS_AXES,)
+    hq = mesh_axes_of(nn.logical_to_mesh_axes((HEADS_AXES,))[0])
+    hk = mesh_axes_of(nn.logical_to_mesh_axes((KV_HEADS_AXES,))[0])
+    return (HEADS_AXES, KV_HEADS_AXES) if hq == hk else ()
+
+
+def _attention_per_shard(module_name, core, tensors, extras, *, fmt, qkv_layout, b, h):
+    """core(*tensors, *extras) per shard over the mesh axes of the batch (and heads) axes.
+
+    A Pallas attention kernel is opaque to XLA's SPMD partitioner (te_jax/flax/_sharding.py): under
+    a mesh it would run replicated. Attention is independent per batch entry and per head, so it runs
+    in a shard_map over the mesh axes the logical rules put "batch" (and "heads"/"kv_heads") on; the
+    sequence and head_dim axes stay whole (context parallelism is its own path). extras: q_seqlens,
+    kv_seqlens, q_segment_ids, kv_segment_ids, bias (or None), split along the batch ([b] seqlens,
+    [b, s] segment ids, a bias with b entries) and the bias along the heads (h entries); thd seqlens
+    and segment ids, and broadcast bias axes, are passed whole.
+    """
+    q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias = extras
+    thd = fmt == "thd"
+
+    def token_axes(a, per_seq):
+        if a is None:
+            return None
+        if thd:
+            return (SEQ_AXES,) if (per_seq and a.ndim == 1) else None
+        if per_seq:
+            return (BATCH_AXES if a.shape[0] == b else None, SEQ_AXES) if a.ndim == 2 else None
+        return (BATCH_AXES,) if a.shape == (b,) else None
+
+    bias_axes = None
+    if bias is not None and bias.ndim == 4:
+        bias_axes = (BATCH_AXES if not thd and bias.shape[0] == b and b > 1 else None,
+                     HEADS_AXES if bias.shape[1] == h and h > 1 else None, SEQ_AXES, SEQ_AXES)
+    names = _tensor_axes(fmt, qkv_layout) + (token_axes(q_seqlens, False), token_axes(kv_seqlens, False),
+                                             token_axes(q_segment_ids, True), token_axes(kv_segment_ids, True),
+                                             bias_axes)
+    out_names = _LEAD_AXES[fmt] + (HEADS_AXES, HEAD_DIM_AXES)
+    return run_per_shard(module_name, core, tuple(tensors) + tuple(extras), names, out_names,
+                         split=(BATCH_AXES,) + _head_split(qkv_layout))
+
+
 def _qkv_shapes(tensors, qkv_layout, h, g):
     """Shapes (ShapeDtypeStructs) of q, k, v stored as qkv_layout, validated, without slicing anything."""
     return jax.eval_shape(lambda *t: layouts.unpack_qkv(*t, qkv_layout=qkv_layout, num_attention_heads=h,
@@ -155,6 +240,7 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
 
     tensors: (q, k, v), or with `qkv_layout` (a packed te_jax.QKV_LAYOUTS name) the tensors that layout
     stores, which go to `dot_product_attention_packed` (read in place by the Pallas kernel where it can).
+    Without context parallelism the op runs per shard under a mesh (see the module docstring).
     """
     fmt = layouts.check_format(attn_input_format)
     masks.check_mask_type(attn_mask_type)
@@ -219,16 +305,29 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
             kv_segment_ids=kv_segment_ids, window_size=window_size, softcap=softcap, scale=eff_scale,
             backend=backend, batch_axes=batch_axes, head_axes=head_axes)
     else:
-        common = dict(attn_mask_type=mask_type, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, window_size=window_size,
-                      bias=bias, softcap=softcap, scale=eff_scale, dropout_rate=rate if active else 0.0,
-                      dropout_rng=rng, backend=backend)
-        if qkv_layout is None:
-            out = dot_product_attention(q, k, v, attn_input_format=fmt, **common)
+        common = dict(attn_mask_type=mask_type, window_size=window_size, softcap=softcap, scale=eff_scale,
+                      dropout_rate=rate if active else 0.0, dropout_rng=rng, backend=backend)
+        n_tensors = len(tensors)
+        # Per shard the head counts are the local ones: packed layouts other than "(h+2g)" (whose heads are
+        # never split) read them from the tensors' shapes (validated globally above by _qkv_shapes).
+        gqa_packed = qkv_layout is not None and layouts.get_qkv_layout(qkv_layout).kind == "gqa_packed"
+        heads = dict(num_attention_heads=num_attention_heads, num_gqa_groups=num_gqa_groups) if gqa_packed else {}
+
+        def core(*arrays):
+            ts = arrays[:n_tensors]
+            qsl, kvsl, qseg, kvseg, bias_ = arrays[n_tensors:]
+            tokens = dict(q_seqlens=qsl, kv_seqlens=kvsl, q_segment_ids=qseg, kv_segment_ids=kvseg, bias=bias_)
+            if qkv_layout is None:
+                return dot_product_attention(*ts, attn_input_format=fmt, **tokens, **common)
+            return dot_product_attention_packed(ts, qkv_layout=qkv_layout, **heads, **tokens, **common)
+
+        extras = tuple(a if a is None or hasattr(a, "shape") else jnp.asarray(a)
+                       for a in (q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias))
+        if active:  # dropout draws one mask over the global array: no per-shard run (the xla backend serves it)
+            out = core(*tensors, *extras)
         else:
-            out = dot_product_attention_packed(tensors, qkv_layout=qkv_layout,
-                                               num_attention_heads=num_attention_heads,
-                                               num_gqa_groups=num_gqa_groups, **common)
+            out = _attention_per_shard(module_name, core, tensors, extras, fmt=fmt, qkv_layout=qkv_layout,
+                                       b=b, h=q.shape[-2])
     return out.astype(out_dtype)
 
 
@@ -569,7 +668,7 @@ class MultiHeadAttention(nn.Module):
         """RoPE positions of tokens given in the zig-zag order of reorder_causal_load_balancing."""
         from te_jax.context_parallel import reorder_causal_load_balancing
 
-        mesh = jax.sharding.get_abstract_mesh()
+        mesh = _compat.current_mesh()
         names = tuple(getattr(mesh, "axis_names", ()) or ())
         if self.context_parallel_axis not in names:
             raise ValueError(

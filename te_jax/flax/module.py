@@ -20,7 +20,8 @@ LayerNorm, LayerNormDenseGeneral and LayerNormMLP constrain their input to them 
 shard (shard_map over the mesh axes those names map to; the parameters replicated), so a Pallas
 kernel, which XLA's SPMD partitioner cannot split, computes only the local rows. Without them, or
 when the hidden axis or a parameter is sharded (tensor parallelism, FSDP), the op runs under the
-partitioner as before (auto then takes the xla backend, see te_jax.normalization).
+partitioner as before (auto then takes the xla backend, see te_jax.normalization). The mechanism is
+te_jax/flax/_sharding.py's run_per_shard, which the attention modules use too.
 """
 from __future__ import annotations
 
@@ -30,13 +31,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from te_jax import activations as _acts
 from te_jax import mlp as _mlp
 from te_jax import normalization as _norm
-from te_jax.backends import policy as _policy
 from te_jax.flax._common import Initializer, check_rate, default_kernel_init, dropout, flat_init, param
+from te_jax.flax._sharding import run_per_shard
 
 _zeros = nn.initializers.zeros
 _ones = nn.initializers.ones
@@ -64,22 +64,15 @@ def _norm_params(module: nn.Module, d: int, layernorm_type: str, zero_centered_g
     return gamma, beta
 
 
-def _axes_of(entry) -> tuple:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
 def _per_shard(module: str, fn, x, weights, weight_axes, input_axes):
-    """fn(x, *weights), run per shard of x (shard_map) when a mesh and the logical axis rules allow.
+    """fn(x, *weights), run per shard of x (te_jax/flax/_sharding.py) when a mesh and the logical axis rules allow.
 
     input_axes: logical names of x's axes (None: call fn directly, as before). x is constrained to
-    them; under a mesh whose Auto axes XLA partitions, with logical axis rules active, fn runs in a
-    shard_map over the mesh axes that split x: x split as the rules map input_axes (its last, hidden axis
-    must stay whole), the weights replicated (their cotangents are summed over those axes by
-    shard_map's transpose). fn must act row by row on x's leading axes (norms, norm + GEMMs).
-    Falls back to fn(x, *weights) when a weight or the hidden axis is sharded on an axis of size
-    > 1, a leading axis does not divide, or the mesh has Explicit / Manual axes.
+    them; fn must act row by row on x's leading axes (norms, norm + GEMMs): it runs per shard over the
+    mesh axes those leading names map to, x's last (hidden) axis whole, the weights replicated (their
+    cotangents summed over the split axes by shard_map's transpose). Falls back to fn(x, *weights)
+    when a weight or the hidden axis is sharded over a partitioned mesh axis, a leading axis does not
+    divide, or the mesh has Explicit / Manual axes (the rules of run_per_shard).
     """
     if input_axes is None:
         return fn(x, *weights)
@@ -88,44 +81,8 @@ def _per_shard(module: str, fn, x, weights, weight_axes, input_axes):
         raise ValueError(f"{module}: layernorm_input_axes={input_axes} names {len(input_axes)} axes but the input "
                          f"has shape {tuple(x.shape)} (rank {x.ndim}); give one logical name (or None) per axis.")
     x = nn.with_logical_constraint(x, input_axes)
-    split = _policy.partitioned_mesh_axes()
-    if not split or not nn.get_logical_axis_rules():
-        return fn(x, *weights)
-    mesh = jax.sharding.get_abstract_mesh()
-    if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
-        return fn(x, *weights)
-    sizes = dict(zip(mesh.axis_names, (int(n) for n in mesh.axis_sizes)))
-
-    def sharded(entry):
-        return any(a in split for a in _axes_of(entry))
-
-    spec = tuple(nn.logical_to_mesh_axes(input_axes))
-    spec = spec + (None,) * (x.ndim - len(spec))
-    if sharded(spec[-1]):
-        return fn(x, *weights)
-    for w, axes in zip(weights, weight_axes):
-        if w is not None and axes and any(sharded(e) for e in nn.logical_to_mesh_axes(tuple(axes))):
-            return fn(x, *weights)
-    for dim, entry in zip(x.shape[:-1], spec[:-1]):
-        n = 1
-        for a in _axes_of(entry):
-            n *= sizes[a]
-        if dim % n:
-            return fn(x, *weights)
-    lead = spec[:-1]
-    manual = {a for entry in lead for a in _axes_of(entry)}
-    if not manual & set(split):  # x is not split: nothing to run per shard
-        return fn(x, *weights)
-    arrays = [w for w in weights if w is not None]
-
-    def body(x, *arrs):
-        it = iter(arrs)
-        return fn(x, *[None if w is None else next(it) for w in weights])
-
-    # Manual over the axes that split x only: over any other axis x is replicated, and a manual
-    # axis x does not name would make the transpose all-reduce x's cotangent over it.
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(*lead, None),) + (P(),) * len(arrays),
-                         out_specs=P(*lead), axis_names=manual, check_vma=False)(x, *arrays)
+    lead = input_axes[:-1]
+    return run_per_shard(module, fn, (x, *weights), (input_axes, *weight_axes), lead, split=lead)
 
 
 class LayerNorm(nn.Module):
