@@ -525,7 +525,9 @@ def train(args):
     t_first = None  # timing starts after the first (compiling) step; evaluations and saves are not counted
     paused = 0.0
     steps_timed = 0
+    clock = []  # (steps timed, seconds) at each log point: the steady rate is read off the second half
     pending = []
+    float(schedule(start + 1))  # the log line's eager schedule ops compile here, not inside the timed steps
     t0 = time.perf_counter()
     for step in range(start + 1, end + 1):
         x, y, pos = make_batch(*sample_batch(train_data, B, S, args.seed, step, stream=0))
@@ -547,6 +549,8 @@ def train(args):
             pending = []
             elapsed = time.perf_counter() - t_first - paused if t_first else 0.0
             tps = f"{steps_timed * tokens_per_step / elapsed:,.0f}" if steps_timed and elapsed > 0 else "-"
+            if steps_timed:
+                clock.append((steps_timed, elapsed))
             msg = dict(loss=f"{losses[step]:.4f}", gnorm=f"{float(g):.2f}", lr=f"{float(schedule(step)):.2e}",
                        tok_s=tps)
             if bar is not None:
@@ -571,6 +575,7 @@ def train(args):
     jax.block_until_ready(state)
     elapsed = time.perf_counter() - t_first - paused if t_first and steps_timed else float("nan")
     tokens_per_s = steps_timed * tokens_per_step / elapsed if steps_timed else float("nan")
+    steady_tokens_per_s = _second_half_rate(clock, steps_timed, elapsed, tokens_per_step)
 
     final_step = max(start, end)
     eval_loss = evaluate(state["params"])
@@ -599,10 +604,22 @@ def train(args):
 
     final_train = losses.get(final_step, history["train"][-1][1] if history["train"] else float("nan"))
     _log(f"summary: steps {final_step}  train_loss {final_train:.4f}  eval_loss {eval_loss:.4f}  "
-         f"tokens/s {tokens_per_s:,.0f}  params {n_params:,}  mesh {dict(mesh.shape)}  "
+         f"tokens/s {tokens_per_s:,.0f} (2nd half {steady_tokens_per_s:,.0f})  params {n_params:,}  mesh {dict(mesh.shape)}  "
          f"devices {jax.device_count()}x{jax.devices()[0].platform}  dtype {args.dtype}")
-    return {"losses": losses, "eval_loss": eval_loss, "tokens_per_s": tokens_per_s, "sample": sample,
+    return {"losses": losses, "eval_loss": eval_loss, "tokens_per_s": tokens_per_s,
+            "steady_tokens_per_s": steady_tokens_per_s, "sample": sample,
             "step": final_step, "history": history, "params": state["params"]}
+
+
+def _second_half_rate(clock, steps_timed, elapsed, tokens_per_step):
+    """Tokens/s over the second half of the timed steps: the first steps after the compile run slow
+    (the cumulative average still rises at the end of a short run). nan when too few steps were logged."""
+    if not steps_timed or not clock:
+        return float("nan")
+    mid = next(((s, t) for s, t in clock if s >= steps_timed / 2 and s < steps_timed), None)
+    if mid is None:
+        return float("nan")
+    return (steps_timed - mid[0]) * tokens_per_step / max(elapsed - mid[1], 1e-9)
 
 
 def plot_losses(history, path):
