@@ -102,10 +102,10 @@ def _explicit_spec(x):
     """The (abstract) NamedSharding in x's type when x is sharded on Explicit mesh axes, else None."""
     try:
         sh = jax.typeof(x).sharding
-        types = sh.mesh.axis_types
+        sh.mesh.axis_types  # probe: raises where the type carries no mesh
     except Exception:
         return None
-    if sh.mesh.empty or not any(t == jax.sharding.AxisType.Explicit for t in types):
+    if sh.mesh.empty or "explicit" not in _compat.mesh_axis_kinds(sh.mesh).values():
         return None
     return sh
 
@@ -388,8 +388,8 @@ _cp_attention_local.defvjp(_cp_attention_local_fwd, _cp_attention_local_bwd)
 # --------------------------------------------------------------------------------------
 def _resolve_mesh(mesh, cp_axis):
     if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh is None or mesh.empty:
+        mesh = _compat.current_mesh()
+        if mesh is None:
             raise ValueError(
                 "context_parallel_attention: no mesh. Pass mesh=<jax.sharding.Mesh> or call it under "
                 "`with jax.set_mesh(mesh):` (a mesh with the context-parallel axis, e.g. "
@@ -451,7 +451,7 @@ def _resolve_axes(given, inferred, argname, cp_axis, mesh, size, what):
 
 def _place(x, mesh, spec):
     """Put x on `spec` (jax.reshard for Explicit meshes, a sharding constraint otherwise)."""
-    explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    explicit = hasattr(mesh, "axis_types") and "explicit" in _compat.mesh_axis_kinds(mesh).values()
     if isinstance(mesh, jax.sharding.AbstractMesh):
         if explicit:
             return jax.reshard(x, spec)
