@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 import sys
 
 import jax
@@ -137,19 +136,8 @@ def main():
     for name in broken:
         variants.pop(name)
 
-    tbps = {name: [] for name in variants}
-    for r in range(ROUNDS):
-        for name, f in variants.items():
-            t = timing.measure(f, (x, g, b), samples=SAMPLES, warmup=2, inner=INNER)[0]
-            tbps[name].append(nbytes / t / 1e12)
-        print(f"round {r + 1}/{ROUNDS} done", flush=True)
-
-    print(f"\nLayerNorm forward variants, {m}x{d} bf16, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"2026-11-22; {ROUNDS} interleaved rounds, each the median of {SAMPLES} samples x {INNER} calls\n")
-    print("| variant | TB/s median of rounds | min | max |")
-    print("|---|---|---|---|")
-    for name, v in tbps.items():
-        print(f"| {name} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+    timing.bandwidth_rounds(variants, (x, g, b), nbytes, rounds=ROUNDS, samples=SAMPLES, inner=INNER,
+                            title=f"LayerNorm forward variants, {m}x{d} bf16")
     return 0
 
 

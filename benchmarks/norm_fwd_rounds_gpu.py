@@ -12,7 +12,6 @@ TB/s = (bytes of x read + bytes of y written) / time.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import jax
@@ -55,20 +54,8 @@ def main():
             print(f"{name}: max abs err vs fp32 reference {err:.2e}", flush=True)
             assert err < 0.05, name
 
-    tbps = {name: [] for name in variants}
-    for r in range(ROUNDS):
-        for name, f in variants.items():
-            t = timing.measure(f, (x, g, b), samples=SAMPLES, warmup=2, inner=INNER)[0]
-            tbps[name].append(nbytes / t / 1e12)
-        print(f"round {r + 1}/{ROUNDS} done", flush=True)
-
-    dev = jax.devices()[0]
-    print(f"\nNorm forward, {m}x{d} bf16, {dev.device_kind}, jax {jax.__version__}, 2026-11-22; "
-          f"{ROUNDS} interleaved rounds, each the median of {SAMPLES} samples x {INNER} calls\n")
-    print("| variant | TB/s median of rounds | min | max |")
-    print("|---|---|---|---|")
-    for name, v in tbps.items():
-        print(f"| {name} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+    timing.bandwidth_rounds(variants, (x, g, b), nbytes, rounds=ROUNDS, samples=SAMPLES, inner=INNER,
+                            title=f"Norm forward, {m}x{d} bf16")
     return 0
 
 

@@ -31,3 +31,21 @@ def measure(fn, args, *, samples=20, warmup=2, inner=None, min_sample_s=0.005, m
         ts.append((time.perf_counter() - t) / inner)
         del outs
     return statistics.median(ts), min(ts), out
+
+
+def bandwidth_rounds(variants, args, nbytes, *, rounds, samples, inner, title):
+    """Time every variant once per round, `rounds` rounds in turn (run-to-run drift then hits all alike),
+    and print a markdown table of TB/s = nbytes / time: median over rounds, min, max. Returns {name: [TB/s]}."""
+    tbps = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, f in variants.items():
+            t = measure(f, args, samples=samples, warmup=2, inner=inner)[0]
+            tbps[name].append(nbytes / t / 1e12)
+        print(f"round {r + 1}/{rounds} done", flush=True)
+    print(f"\n{title}, {jax.devices()[0].device_kind}, jax {jax.__version__}, 2026-11-22; {rounds} interleaved "
+          f"rounds, each the median of {samples} samples x {inner} calls\n")
+    print("| variant | TB/s median of rounds | min | max |")
+    print("|---|---|---|---|")
+    for name, v in tbps.items():
+        print(f"| {name} | {statistics.median(v):.2f} | {min(v):.2f} | {max(v):.2f} |")
+    return tbps
