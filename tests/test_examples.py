@@ -105,3 +105,12 @@ def test_cli_on_fake_devices_prints_summary(tmp_path):
     last = res.stdout.strip().splitlines()[-1]
     assert last.startswith("summary: steps 2"), res.stdout[-2000:]
     assert "'context': 4" in last and "8xcpu" in last
+
+
+def test_second_half_rate_skips_the_slow_first_steps():
+    """The summary's steady rate: tokens over the second half of the timed steps / their time."""
+    # 10 timed steps of 100 tokens; the first 5 took 4 s in all, the last 5 took 1 s.
+    clock = [(1, 2.0), (5, 4.0), (8, 4.6), (10, 5.0)]
+    assert math.isclose(train_lm._second_half_rate(clock, 10, 5.0, 100), 5 * 100 / 1.0)
+    assert math.isnan(train_lm._second_half_rate([], 10, 5.0, 100))
+    assert math.isnan(train_lm._second_half_rate([(10, 5.0)], 10, 5.0, 100))  # no point inside the run

@@ -35,7 +35,7 @@ TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=4e-2, rt
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 @pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("d,zc", [(48, False), (100, True)])
+@pytest.mark.parametrize("d,zc", [(48, False), (100, True), (64, True)])  # 64: no padded column
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_norm_fwd_bwd(backend, layernorm_type, d, zc, dtype):
     rms = layernorm_type == "rmsnorm"
@@ -165,17 +165,18 @@ def test_too_large_hidden_cannot_use_pallas():
     assert e.selected is None and "40000" in e.error
 
 
+@pytest.mark.parametrize("d", [300, 256])  # 256: the kernel's no-padded-column path
 @pytest.mark.parametrize("fwd_stats", ["one_pass", "two_pass"])
-def test_layernorm_stats_with_large_mean(fwd_stats):
+def test_layernorm_stats_with_large_mean(fwd_stats, d):
     """fp32 rows with |mean| >> std (offset 1000, std 1): E[x²]-E[x]² without a shift would lose the
     variance to cancellation (error ~1e6·2^-24 per term); both modes must match a float64 reference."""
     from pallas_kernels.norms import NormConfig
 
     k = jax.random.split(jax.random.PRNGKey(3), 3)
-    x = 1000.0 + jax.random.normal(k[0], (19, 300))
+    x = 1000.0 + jax.random.normal(k[0], (19, d))
     x = x.at[:, 0].set(1003.0)  # the shift (first element) is not the mean
-    g = 0.5 + jax.random.uniform(k[1], (300,))
-    b = 0.3 * jax.random.normal(k[2], (300,))
+    g = 0.5 + jax.random.uniform(k[1], (d,))
+    b = 0.3 * jax.random.normal(k[2], (d,))
     y, mean, rstd = norm_fwd(x, g, b, rms=False, config=NormConfig(fwd_stats=fwd_stats), interpret=True)
     xd, gd, bd = (np.asarray(t, np.float64) for t in (x, g, b))
     mu, var = xd.mean(-1, keepdims=True), xd.var(-1, keepdims=True)
