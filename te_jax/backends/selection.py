@@ -88,7 +88,7 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
         reasons[name] = why
 
     notes = []
-    mesh_axes = tuple(getattr(call, "partitioned_axes", ()))
+    mesh_axes = call.partitioned_axes
     if forced is not None:
         selected = forced if reasons[forced] is None else None
         for name in BACKENDS:
