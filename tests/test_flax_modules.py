@@ -532,3 +532,16 @@ def test_bf16_modules_run_every_gemm_in_bf16_forward_and_backward(make):
 
     dtypes = _dot_output_dtypes(jax.grad(loss, argnums=(0, 1)), params, x)
     assert dtypes and all(d == jnp.bfloat16 for d in dtypes), dtypes
+
+
+@pytest.mark.parametrize("module", [
+    lambda: LayerNorm(layernorm_input_axes=("batch", "embed")),
+    lambda: LayerNormDenseGeneral(features=8, layernorm_input_axes=("batch", "embed")),
+    lambda: LayerNormMLP(intermediate_dim=16, layernorm_input_axes=("batch", "embed")),
+])
+def test_layernorm_input_axes_of_the_wrong_rank_is_a_clear_error(module):
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    m = module()
+    with pytest.raises(ValueError, match=r"layernorm_input_axes=\('batch', 'embed'\) names 2 axes but the input "
+                                         r"has shape \(2, 3, 8\) \(rank 3\); give one logical name"):
+        m.init(jax.random.key(1), x)

@@ -64,6 +64,17 @@ def _norm_params(module: nn.Module, d: int, layernorm_type: str, zero_centered_g
     return gamma, beta
 
 
+def _check_input_axes(module: str, x, input_axes):
+    """layernorm_input_axes as a tuple, one logical name (or None) per axis of x; None passes through."""
+    if input_axes is None:
+        return None
+    input_axes = tuple(input_axes)
+    if len(input_axes) != x.ndim:
+        raise ValueError(f"{module}: layernorm_input_axes={input_axes} names {len(input_axes)} axes but the input "
+                         f"has shape {tuple(x.shape)} (rank {x.ndim}); give one logical name (or None) per axis.")
+    return input_axes
+
+
 def _per_shard(module: str, fn, x, weights, weight_axes, input_axes):
     """fn(x, *weights), run per shard of x (te_jax/flax/_sharding.py) when a mesh and the logical axis rules allow.
 
@@ -76,10 +87,7 @@ def _per_shard(module: str, fn, x, weights, weight_axes, input_axes):
     """
     if input_axes is None:
         return fn(x, *weights)
-    input_axes = tuple(input_axes)
-    if len(input_axes) != x.ndim:
-        raise ValueError(f"{module}: layernorm_input_axes={input_axes} names {len(input_axes)} axes but the input "
-                         f"has shape {tuple(x.shape)} (rank {x.ndim}); give one logical name (or None) per axis.")
+    input_axes = _check_input_axes(module, x, input_axes)
     x = nn.with_logical_constraint(x, input_axes)
     lead = input_axes[:-1]
     return run_per_shard(module, fn, (x, *weights), (input_axes, *weight_axes), lead, split=lead)
@@ -291,6 +299,7 @@ class LayerNormMLP(nn.Module):
             raise ValueError(f"LayerNormMLP: intermediate_dim={self.intermediate_dim!r} must be a positive int.")
         d, f, n_act = inputs.shape[-1], self.intermediate_dim, len(acts)
         x = jnp.asarray(inputs, self.dtype)
+        _check_input_axes("LayerNormMLP", x, self.layernorm_input_axes)  # also where no per-shard run follows
         init = self.kernel_init or default_kernel_init()
         w1 = param(self, "wi_kernel", _wi_init(init), (d, n_act, f), self.param_dtype, self.kernel_axes_1)
         w2 = param(self, "wo_kernel", flat_init(init, 1), (f, d), self.param_dtype, self.kernel_axes_2)
