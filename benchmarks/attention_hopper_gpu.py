@@ -257,8 +257,8 @@ def correctness(quick):
         (2, 2048, 16, 16, 128, True, jnp.float16),
         (1, 384, 4, 2, 128, True, jnp.bfloat16),
     ]
-    if quick:  # the default (dQ-kernel) path on every served kind of case, plus one atomic-dQ case
-        cases = [cases[0]] + cases[4:6] + cases[7:8] + cases[9:]
+    if quick:  # the default (dQ-kernel) path on every served kind of case, plus atomic-dQ cases
+        cases = cases[:3] + cases[4:6] + cases[7:8] + cases[9:]
     rows = []
     for i, (B, S, H, G, D, causal, dt, *extra) in enumerate(cases):
         cfg = dataclasses.replace(default_config(D), bwd_dq_atomic=bool(extra))
@@ -329,8 +329,10 @@ def timing_rows(quick, budget, with_atomic=False, tk=None, tk_impl="mosaic", pee
                 log(f"  S={S} causal={causal} fp32 reference: ERROR {type(e).__name__}: {str(e)[:400]}")
                 ref_out = None
             at_cfg = dataclasses.replace(default_config(D), bwd_dq_atomic=True)
-            impls = [("ours", lambda: make_ours(scale, causal))]
-            if with_atomic:
+            kern_cfg = dataclasses.replace(default_config(D), bwd_dq_atomic=False)
+            impls = [("ours", lambda: make_ours(scale, causal))]  # the default: what users get
+            if with_atomic:  # both backward algorithms, forced (same forward as "ours")
+                impls.append(("ourskern", lambda: make_ours(scale, causal, kern_cfg)))
                 impls.append(("oursat", lambda: make_ours(scale, causal, at_cfg)))
             if "cudnn" in peers:
                 impls.append(("cudnn", lambda: make_jax_nn("cudnn", scale, causal)))
@@ -345,7 +347,7 @@ def timing_rows(quick, budget, with_atomic=False, tk=None, tk_impl="mosaic", pee
                 try:
                     fwd, fb = mk()
                     o = fwd(q, k, v)
-                    if name != "oursat":  # same forward as "ours"
+                    if name not in ("oursat", "ourskern"):  # same forward as "ours"
                         if ref_out is not None:
                             e = rel(o[:, S - n_ref:], ref_out)
                             row[f"{name}_err"] = e
@@ -380,18 +382,25 @@ def timing_rows(quick, budget, with_atomic=False, tk=None, tk_impl="mosaic", pee
     return results
 
 
-def variants(budget):
-    """Tuning sweep at 4k, hd 128 (and a hd 64 / 256 check); errors vs the default's output."""
+def variants(budget, which="all"):
+    """Tuning sweep at 4k, hd 128 (and a hd 64 / 256 check); errors vs the default's output.
+
+    which="atomic": only the two backward dQ algorithms (atomic, dQ kernel)."""
     log("\n== variants (B=4, S=4096, H=16) ==")
     res = []
-    sweeps = [
-        (128, HopperConfig(block_q=64, block_kv=128, stages=2)),
-        (128, HopperConfig(block_q=64, block_kv=128, stages=2, bwd_dq_atomic=True)),
-        (128, HopperConfig(block_q=64, block_kv=128, stages=2, bwd_dq_atomic=True, dq_chunk=128)),
-        (64, HopperConfig(block_q=64, block_kv=256, stages=2)),
-        (64, HopperConfig(block_q=64, block_kv=256, stages=2, bwd_dq_atomic=True)),
-        (256, HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)),
-    ]
+    if which == "atomic":
+        sweeps = [
+            (128, HopperConfig(block_q=64, block_kv=128, stages=2, bwd_dq_atomic=True)),
+            (128, HopperConfig(block_q=64, block_kv=128, stages=2, bwd_dq_atomic=False)),
+        ]
+    else:
+        sweeps = [
+            (128, HopperConfig(block_q=64, block_kv=128, stages=2)),
+            (128, HopperConfig(block_q=64, block_kv=128, stages=2, bwd_dq_atomic=True)),
+            (64, HopperConfig(block_q=64, block_kv=256, stages=2)),
+            (64, HopperConfig(block_q=64, block_kv=256, stages=2, bwd_dq_atomic=True)),
+            (256, HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)),
+        ]
     for D, cfg in sweeps:
         for causal in (False, True):
             if elapsed() > budget:
@@ -402,8 +411,7 @@ def variants(budget):
             scale = D ** -0.5
             flops = 4 * B * H * S * S * D / (2 if causal else 1)
             tag = (f"D{D} {'causal' if causal else 'full'} bq{cfg.block_q} bkv{cfg.block_kv} "
-                   f"st{cfg.stages} | bwd wgs{cfg.bwd_wgs} st{cfg.bwd_stages} atomic-dQ {cfg.bwd_dq_atomic} "
-                   f"chunk {cfg.dq_chunk}")
+                   f"st{cfg.stages} | bwd wgs{cfg.bwd_wgs} st{cfg.bwd_stages} atomic-dQ {cfg.bwd_dq_atomic}")
             try:
                 fwd, fb = make_ours(scale, causal, cfg)
                 cud, _ = make_jax_nn("cudnn", scale, causal)
@@ -442,10 +450,11 @@ def best_peers(r, tk_measured):
 
 def table(results, tk_measured):
     lines = ["| seq | causal | ours fwd | cuDNN fwd | tokamax fwd | portable fwd | XLA fwd "
-             "| best peer fwd | ours/best | ours fwd+bwd (dQ kernel) | ours fwd+bwd (atomic dQ) "
+             "| best peer fwd | ours/best | ours fwd+bwd (default) | ours fwd+bwd (dQ kernel) "
+             "| ours fwd+bwd (atomic dQ) "
              "| cuDNN fwd+bwd | tokamax fwd+bwd | portable fwd+bwd | XLA fwd+bwd | best peer fwd+bwd "
-             "| ours(best)/best |",
-             "|---" * 17 + "|"]
+             "| ours(default)/best |",
+             "|---" * 18 + "|"]
 
     def f(r, key):
         v = r.get(key)
@@ -457,18 +466,18 @@ def table(results, tk_measured):
     for r in results:
         (best_f, tkf, rdf), (best_b, tkb, rdb) = best_peers(r, tk_measured)
         rf = f"{r['ours_fwd'] / best_f:.2f}" if r.get("ours_fwd") and best_f else "-"
-        ob = max(r.get("ours_fb") or 0, r.get("oursat_fb") or 0)
+        ob = r.get("ours_fb") or 0
         rb = f"{ob / best_b:.2f}" if ob and best_b else "-"
         lines.append(f"| {r['S']} | {'yes' if r['causal'] else 'no'} | {f(r, 'ours_fwd')} | "
                      f"{f(r, 'cudnn_fwd')} | {tkcell(tkf, rdf)} | {f(r, 'portable_fwd')} | "
                      f"{f(r, 'xla_fwd')} | {best_f:.0f} | {rf} | {f(r, 'ours_fb')} | "
-                     f"{f(r, 'oursat_fb')} | {f(r, 'cudnn_fb')} | {tkcell(tkb, rdb)} | "
+                     f"{f(r, 'ourskern_fb')} | {f(r, 'oursat_fb')} | {f(r, 'cudnn_fb')} | {tkcell(tkb, rdb)} | "
                      f"{f(r, 'portable_fb')} | {f(r, 'xla_fb')} | {best_b:.0f} | {rb} |")
     return "\n".join(lines)
 
 
 def error_table(results):
-    names = ["ours", "oursat", "cudnn", "tokamax", "portable", "xla"]
+    names = ["ours", "ourskern", "oursat", "cudnn", "tokamax", "portable", "xla"]
     lines = ["| seq | causal | " + " | ".join(f"{n} out err / grad err" for n in names) + " |",
              "|---" * (2 + len(names)) + "|"]
 
@@ -497,7 +506,7 @@ def plot(results, tk_measured, device_kind):
     labels = [f"{r['S'] // 1024}k{' c' if r['causal'] else ''}" for r in results]
     x = np.arange(len(results))
     for ax, suf, title in ((axes[0], "fwd", "forward"), (axes[1], "fb", "forward+backward")):
-        names = ["ours", "oursat", "cudnn", "portable", "xla"]
+        names = ["ours", "ourskern", "oursat", "cudnn", "portable", "xla"]
         w = 0.8 / (len(names) + 1)
         for i, n in enumerate(names):
             ax.bar(x + i * w, [r.get(f"{n}_{suf}") or 0 for r in results], w, label=n)
@@ -521,6 +530,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--only-variants", action="store_true")
+    ap.add_argument("--variant-set", default="all", choices=("all", "atomic"))
     ap.add_argument("--skip-correctness", action="store_true",
                     help="skip the hopper_attention correctness sweep (timing rows still check outputs)")
     ap.add_argument("--atomic", action="store_true", help="also time the atomic-dQ backward")
@@ -561,7 +571,7 @@ def main():
             res = timing_rows(args.quick, budget=t_budget, with_atomic=args.atomic, tk=tk,
                               tk_impl=args.tokamax_impl, peers=peers)
         if not args.no_variants:
-            var = variants(args.budget)
+            var = variants(args.budget, args.variant_set)
     tk_measured = any(r.get("tokamax_fwd") for r in res)
     json.dump(dict(tokamax=tk_info, tokamax_measured=tk_measured, correctness=corr, timings=res,
                    variants=var),

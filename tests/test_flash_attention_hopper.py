@@ -135,3 +135,19 @@ def test_forward_and_grads(S, H, G, D, causal):
     for g, rg in zip(grads, rgrads):
         assert g.shape == rg.shape
         assert _rel(g, rg) < 2e-2
+
+
+def test_atomic_dq_policy():
+    """Where the backward accumulates dQ inside the dK/dV kernel (GPU-only: TMA reduce-add)."""
+    from pallas_kernels.flash_attention_hopper.kernel import (
+        ATOMIC_DQ_MIN_KV, HopperConfig, atomic_dq_served, default_config)
+
+    auto = default_config(128)
+    assert auto.bwd_dq_atomic is None  # auto: by key length
+    assert atomic_dq_served(128, auto, interpret=False)
+    assert not atomic_dq_served(128, auto, interpret=True)  # the interpreter has no TMA reduce
+    assert not atomic_dq_served(64, auto, interpret=False)  # 32 dQ columns per warpgroup
+    assert not atomic_dq_served(256, default_config(256), interpret=False)  # shared memory
+    assert not atomic_dq_served(128, HopperConfig(bwd_dq_atomic=False), interpret=False)
+    assert atomic_dq_served(128, HopperConfig(bwd_dq_atomic=True), interpret=False)
+    assert ATOMIC_DQ_MIN_KV == 2048

@@ -7,13 +7,18 @@ ring with TMA.  The two compute warpgroups ping-pong on the tensor cores through
 Causal: the grid walks query tiles heaviest first, CTAs load only the K/V blocks left of the
 diagonal, and only blocks that cross the diagonal are masked.
 
-Backward: two kernels, both warp specialised with a TMA ring.
+Backward: warp specialised with a TMA ring.
   * dK/dV: a CTA owns `wgs` x block_kv key rows of one KV head and loops over every query
     head of its GQA group and every query block (causal: only those at or below the diagonal),
     accumulating dK and dV in registers.  For head_dim 256 dK and dV run as two launches
     (two 64x256 fp32 accumulators do not fit in one warpgroup's registers).
-  * dQ: a CTA owns `wgs` x block_q query rows and loops over K/V blocks.
-Both recompute P from the saved log-sum-exp.
+  * dQ, either (bwd_dq_atomic; auto = atomic for head_dim 128 from 2k keys):
+    - atomic: inside the dK/dV kernel.  The CTA's dS tile goes to shared memory; warpgroup w
+      computes dQ[:, w*D/2:(w+1)*D/2] over all of the CTA's keys and adds it to an fp32 buffer
+      with a TMA reduce-add (5 matmuls per block pair);
+    - a separate dQ kernel: a CTA owns `wgs` x block_q query rows and loops over K/V blocks
+      (recomputes S and dP: 7 matmuls per block pair, no fp32 buffer).
+All recompute P from the saved log-sum-exp.
 
 Mosaic GPU is imported lazily (inside functions) so that this module imports on any machine.
 Only jax >= 0.11 (`plgpu.kernel` + `lax.axis_index`) is supported for the kernels themselves.
@@ -31,6 +36,7 @@ from jax import lax
 from te_jax._compat import default_interpret, mosaic_gpu, pl
 
 LOG2E = math.log2(math.e)
+ATOMIC_DQ_MIN_KV = 2048  # bwd_dq_atomic=None: atomic dQ from this key length on
 LN2 = math.log(2.0)
 
 
@@ -48,10 +54,12 @@ class HopperConfig:
     # The mask is applied only on blocks that cross the diagonal when True; on every block
     # (simpler, slower) when False.  Kept for debugging.
     split_causal: bool = True
-    # dQ accumulated inside the dK/dV kernel (FA3): dS goes to shared memory, dQ partials are
-    # added to a float32 buffer with TMA reduce-add.  5 matmuls per block instead of 7.
-    bwd_dq_atomic: bool = False
-    dq_chunk: int = 64  # head_dim columns per dQ partial (registers)
+    # dQ accumulated inside the dK/dV kernel (FA3): the CTA's dS tile goes to shared memory and
+    # each warpgroup adds its dQ columns to a float32 buffer with TMA reduce-add: 5 matmuls per
+    # block pair instead of the dQ kernel's 7, plus a zero-fill and a conversion pass over dQ.
+    # None (auto): on when served (see atomic_dq_served) and the key sequence is >= 2048
+    # (H100: faster from 4k; at 1k the two extra passes over the fp32 buffer cost more).
+    bwd_dq_atomic: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -380,7 +388,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     split = cfg.split_causal
 
     want_dq = dq_acc_ref is not None
-    dqn = min(cfg.dq_chunk, D)
+    # atomic dQ: the CTA's `wgs` warpgroups share one (bq x wgs*bkv) dS tile through shared
+    # memory; warpgroup w computes dQ columns [w*dqw, (w+1)*dqw) over all of the CTA's keys, so
+    # each query block gets ONE fp32 reduce-add of bq x D per CTA step (not one per warpgroup).
+    dqw = D // wgs
     if want_dq and not want_dk:
         raise ValueError("atomic dQ rides on the dK pass")
 
@@ -393,7 +404,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         dv_ref = outs[-1] if want_dv else None
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
         if want_dq:
-            ds_smem2, dq_smem2 = smem[6:]
+            ds_smem3, dq_smem2 = smem[6:]
+            bars, ds_ready = bars[:-1], bars[-1]
         (kv_bar, q_bar, do_bar, lse_bar, delta_bar,
          q_cons, do_cons, lse_cons, delta_cons) = bars
         b = lax.axis_index("batch")
@@ -415,8 +427,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             qb = q_lo + _rem(t, n_steps_h)
             return hh, qb
 
-        @pl.when(wg < wgs)
-        def _compute():
+        def _compute(wq):
+            # wq: this warpgroup's index as a Python int when dQ is accumulated here (its dQ
+            # columns are a static slice of the swizzled K tile); refs are indexed with `wg`.
             plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             kv0 = kv_cta0 + wg * bkv
@@ -469,27 +482,36 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     dsT = pT * (dpT - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
                     plgpu.barrier_arrive(delta_cons.at[slot])
                     dsT16 = dsT.astype(dtype)
-                    if want_dq:
-                        ds_smem = ds_smem2.at[wg]
-                        ds_smem[...] = dsT16
-                        plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
-                    dk_acc = _mma_into(plgpu, dk_acc, dsT16, q_smem.at[slot],
-                                       interpret=interpret)
-                    if want_dq:
+                    if want_dq and not interpret:
                         hh, _ = step_coords(t)
-                        # the previous step's reduce-adds must have read dq_smem
+                        buf = _rem(t, 2)  # dS is double buffered: one 2-arrival barrier per step
+                        ds_smem3.at[buf, wg][...] = dsT16
+                        plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
+                        plgpu.barrier_arrive(ds_ready.at[buf])
+                        zq = plgpu.layout_cast(jnp.full((bq, dqw), 0.0, jnp.float32),
+                                               plgpu.Layout.WGMMA)
+
+                        def _dk_dq(refs):
+                            dk_r, dq_r = refs
+                            plgpu.wgmma(dk_r, dsT16, q_smem.at[slot])
+                            plgpu.barrier_wait(ds_ready.at[buf])  # every warpgroup's dS stored
+                            for w in range(wgs):
+                                plgpu.wgmma(dq_r, ds_smem3.at[buf, w].transpose((1, 0)),
+                                            k_smem2.at[w, :, pl.ds(wq * dqw, dqw)])
+
+                        dk_acc, dq_part = pl.run_state(_dk_dq)((plgpu.ACC.init(dk_acc),
+                                                                plgpu.ACC.init(zq)))
+                        # the previous step's reduce-add must have read dq_smem
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for ci in range(D // dqn):
-                            part = _mma(plgpu, (bq, dqn), ds_smem.transpose((1, 0)),
-                                        k_smem.at[:, pl.ds(ci * dqn, dqn)])
-                            dq_smem2.at[wg, ci][...] = part
+                        dq_smem2.at[wg][...] = dq_part
                         plgpu.commit_smem()
-                        for ci in range(D // dqn):
-                            plgpu.copy_smem_to_gmem(
-                                dq_smem2.at[wg, ci],
-                                dq_ref.at[b, pl.ds(qb * bq, bq), hh, pl.ds(ci * dqn, dqn)],
-                                reduction_op="add", commit_group=False)
-                        plgpu.commit_smem_to_gmem_group()
+                        plgpu.copy_smem_to_gmem(
+                            dq_smem2.at[wg],
+                            dq_ref.at[b, pl.ds(qb * bq, bq), hh, pl.ds(wq * dqw, dqw)],
+                            reduction_op="add")
+                    else:
+                        dk_acc = _mma_into(plgpu, dk_acc, dsT16, q_smem.at[slot],
+                                           interpret=interpret)
                 else:
                     plgpu.barrier_wait(delta_bar.at[slot])
                     plgpu.barrier_arrive(delta_cons.at[slot])
@@ -515,6 +537,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 return carry
 
             dk_acc, dv_acc = lax.fori_loop(0, rep, head_body, (dk_acc, dv_acc))
+            if want_dq and not interpret:
+                # the other warpgroups' last dQ wgmma reads this K tile: wait for them before
+                # the tile is overwritten with dK (one more phase of the dS barrier)
+                plgpu.barrier_arrive(ds_ready.at[_rem(total, 2)])
+                plgpu.barrier_wait(ds_ready.at[_rem(total, 2)])
             if want_dk:
                 k_smem[...] = (dk_acc * scale).astype(dtype)
             if want_dv:
@@ -526,6 +553,12 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[sl], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
+
+        if want_dq:
+            for w in range(wgs):
+                pl.when(wg == w)(functools.partial(_compute, w))
+        else:
+            pl.when(wg < wgs)(functools.partial(_compute, None))
 
         @pl.when(wg == wgs)
         def _memory():
@@ -577,12 +610,13 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
         ) + ((
-            plgpu.SMEM((wgs, bkv, bq), dtype, transforms=tr),
-            plgpu.SMEM((wgs, D // dqn, bq, dqn), jnp.float32),
+            plgpu.SMEM((2, wgs, bkv, bq), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bq, dqw), jnp.float32),
         ) if want_dq else ()),
         (plgpu.Barrier(num_barriers=2 * wgs),)
         + (plgpu.Barrier(num_barriers=stages),) * 4
-        + (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 4,
+        + (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 4
+        + ((plgpu.Barrier(num_arrivals=wgs, num_barriers=2),) if want_dq else ()),
     ]
     out_type = []
     if want_dk:
@@ -752,6 +786,16 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     return dq
 
 
+def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
+    """Whether flash_bwd accumulates dQ inside the dK/dV kernel for this config.
+
+    Needs: the GPU (the CPU interpreter has no TMA reduce-add), head_dim <= 128 (shared memory),
+    and head_dim / bwd_wgs a multiple of 64 (each warpgroup's dQ columns are whole swizzle tiles).
+    """
+    return (cfg.bwd_dq_atomic is not False and not interpret and head_dim <= 128
+            and (head_dim // cfg.bwd_wgs) % 64 == 0)
+
+
 def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
               config: HopperConfig | None = None, dlse=None, interpret: bool | None = None):
     """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S]."""
@@ -764,15 +808,12 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         delta = delta - dlse.astype(jnp.float32)
     lse2 = lse.astype(jnp.float32) * LOG2E
     kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret)
-    if cfg.bwd_dq_atomic and not interpret and D <= 128:  # hd256: shared memory too small
+    atomic = atomic_dq_served(D, cfg, interpret) and (
+        cfg.bwd_dq_atomic or k.shape[1] >= ATOMIC_DQ_MIN_KV)
+    if atomic:
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-        if D > 128:
-            (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False,
-                                   dq_acc_ref=dq_acc, **kw)
-            (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
-        else:
-            dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
-                                    dq_acc_ref=dq_acc, **kw)
+        dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
+                                dq_acc_ref=dq_acc, **kw)
         dq = (dq_acc[...] * scale).astype(q.dtype)
         return dq, dk, dv
     if D > 128:
