@@ -385,9 +385,36 @@ def timing_rows(quick, budget, with_atomic=False, tk=None, tk_impl="mosaic", pee
 def variants(budget, which="all"):
     """Tuning sweep at 4k, hd 128 (and a hd 64 / 256 check); errors vs the default's output.
 
-    which="atomic": only the two backward dQ algorithms (atomic, dQ kernel)."""
-    log("\n== variants (B=4, S=4096, H=16) ==")
+    which="atomic": only the two backward dQ algorithms (atomic, dQ kernel).
+    which="fwd": the non-causal forward on a persistent grid vs one CTA per tile, at 1k/4k/16k
+    (16k tokens), forward only."""
+    log("\n== variants (H=16) ==")
     res = []
+    if which == "fwd":
+        for S in (1024, 4096, 16384):
+            B, H, D = 16384 // S, 16, 128
+            q, k, v, _ = inputs(jax.random.key(5), B, S, H, H, D, jnp.bfloat16)
+            flops = 4 * B * H * S * S * D
+            cud, _ = make_jax_nn("cudnn", D ** -0.5, False)
+            ref = cud(q, k, v)
+            for pers in (True, False):
+                cfg = dataclasses.replace(default_config(D), fwd_persistent=pers)
+                tag = f"S{S} B{B} D{D} full fwd persistent={pers}"
+                try:
+                    fwd, _ = make_ours(D ** -0.5, False, cfg)
+                    err = rel(fwd(q, k, v), ref)
+                    tf = bench(fwd, (q, k, v))
+                    r = dict(tag=tag, fwd=flops / tf / 1e12, err_vs_cudnn=err)
+                    log(f"  {tag}: fwd {r['fwd']:.0f}  (rel vs cudnn {err:.1e})")
+                    res.append(r)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  {tag}: ERROR {type(e).__name__}: {str(e)[:600]}")
+                    traceback.print_exc(file=LOG)
+            tf = bench(cud, (q, k, v))
+            log(f"  S{S} cuDNN fwd {flops / tf / 1e12:.0f}")
+            del q, k, v, ref
+        return res
+    log("   (B=4, S=4096)")
     if which == "atomic":
         sweeps = [
             (128, HopperConfig(block_q=64, block_kv=128, stages=2, bwd_dq_atomic=True)),
@@ -530,7 +557,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--only-variants", action="store_true")
-    ap.add_argument("--variant-set", default="all", choices=("all", "atomic"))
+    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd"))
     ap.add_argument("--skip-correctness", action="store_true",
                     help="skip the hopper_attention correctness sweep (timing rows still check outputs)")
     ap.add_argument("--atomic", action="store_true", help="also time the atomic-dQ backward")

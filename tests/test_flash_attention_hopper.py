@@ -6,6 +6,8 @@
   fp32 reference, forward and gradients.  Slow-ish (seconds per case): marked slow.
 * On an sm90 GPU: the real kernels at small sizes.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,3 +153,38 @@ def test_atomic_dq_policy():
     assert not atomic_dq_served(128, HopperConfig(bwd_dq_atomic=False), interpret=False)
     assert atomic_dq_served(128, HopperConfig(bwd_dq_atomic=True), interpret=False)
     assert ATOMIC_DQ_MIN_KV == 2048
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("ctas", [3, 5])
+def test_persistent_forward_loops_over_tiles(ctas):
+    """Non-causal forward on a persistent grid with fewer CTAs than query tiles (uneven split)."""
+    from pallas_kernels.flash_attention_hopper.kernel import default_config
+
+    interpret = _mode()
+    B, S, H, G, D = 2, 256, 3, 1, 64  # 2 * 3 * 2 = 12 query tiles
+    ks = jax.random.split(jax.random.key(ctas), 4)
+    q = jax.random.normal(ks[0], (B, S, H, D), BF)
+    k = jax.random.normal(ks[1], (B, S, G, D), BF)
+    v = jax.random.normal(ks[2], (B, S, G, D), BF)
+    do = jax.random.normal(ks[3], (B, S, H, D), BF)
+    cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas)
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
+                                         interpret=interpret)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: attention_reference(q, k, v, scale=D ** -0.5, causal=False)
+    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    assert _rel(out, rout) < 1e-2
+    assert _rel(lse, rlse) < 1e-4
+    for g, rg in zip(vjp((do, jnp.zeros_like(lse))), rvjp((f32(do), jnp.zeros_like(rlse)))):
+        assert _rel(g, rg) < 2e-2
+
+
+def test_persistent_forward_shared_memory_budget():
+    from pallas_kernels.flash_attention_hopper.kernel import _persistent_fits, default_config
+
+    assert _persistent_fits(default_config(128), 128, jnp.bfloat16)
+    assert _persistent_fits(default_config(64), 64, jnp.bfloat16)
+    assert not _persistent_fits(default_config(256), 256, jnp.bfloat16)  # grid path serves hd256

@@ -60,6 +60,11 @@ class HopperConfig:
     # None (auto): on when served (see atomic_dq_served) and the key sequence is >= 2048
     # (H100: faster from 4k; at 1k the two extra passes over the fp32 buffer cost more).
     bwd_dq_atomic: bool | None = None
+    # Forward, non-causal: a persistent grid (one CTA per SM looping over query tiles; the K/V
+    # ring runs on across tiles and the next tile's Q is loaded during this tile's epilogue).
+    # None (auto): on for non-causal calls.  Causal calls always use one CTA per query tile.
+    fwd_persistent: bool | None = None
+    fwd_ctas: int | None = None  # persistent CTAs; None: the device's SM count
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -167,6 +172,54 @@ def _when(cond, fn):
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
+def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_cons, sched,
+                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None):
+    """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
+
+    carry: (acc [bq, D] f32, m [bq] f32 (log2 units, scaled), l [bq] f32).  The QK^T wgmma is
+    followed by a rendezvous on `sched` (the other warpgroup then runs its softmax while this
+    one's wgmma runs); after the softmax a second rendezvous waits for the tensor cores.
+    mask(shape) -> bool [bq, bkv] keeps logits (causal blocks); wait_next_k runs while the PV
+    wgmma is in flight (the next K tile's barrier).
+    """
+    acc, m_i, l_i = carry
+    D = acc.shape[-1]
+
+    def qk_after():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    bq, bkv = q_smem.shape[0], k_tile.shape[0]
+    s = _mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=qk_after)
+    plgpu.barrier_arrive(k_cons)
+    if mask is not None:
+        s = jnp.where(mask(s.shape), s, -jnp.inf)
+
+    m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l_i = l_i * alpha
+    p16 = p.astype(dtype)
+
+    def end_softmax():
+        plgpu.barrier_arrive(sched)  # done with softmax
+        plgpu.barrier_wait(v_ready)
+        plgpu.barrier_wait(sched)  # tensor cores free
+
+    if D <= 128:
+        l_i = l_i + p.sum(axis=1)
+        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        end_softmax()
+    else:
+        end_softmax()
+        l_i = l_i + p.sum(axis=1)
+
+    acc = _mma_into(plgpu, acc, p16, v_tile, interpret=interpret, after=wait_next_k)
+    plgpu.barrier_arrive(v_cons)
+    return acc, m_new, l_i
+
+
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
               interpret: bool | None = None):
     """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log)."""
@@ -182,6 +235,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         raise ValueError(f"sequence {S}/{Skv} not a multiple of {2 * bq}/{bkv}")
     if causal and S != Skv:
         raise ValueError("causal needs Sq == Skv")
+    if not causal and cfg.fwd_persistent is not False and _persistent_fits(cfg, D, dtype):
+        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret)
     n_kv = Skv // bkv
     stages = max(1, min(cfg.stages, n_kv))
     n_qt = S // (2 * bq)
@@ -229,50 +284,25 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             pl.when(wg == 1)(sched_sync)
 
             def kv_body(step, carry, masked: bool):
-                acc, m_i, l_i = carry
                 slot = _rem(step, stages)
 
-                def qk_after():
-                    sched_sync()
+                def mask(shape):
+                    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    return rows + q0 >= cols + step * bkv
 
-                s = _mma(plgpu, (bq, bkv), qo_smem, k_smem.at[slot].transpose((1, 0)), after=qk_after)
-                plgpu.barrier_arrive(k_cons.at[slot])
-                if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(rows + q0 >= cols + step * bkv, s, -jnp.inf)
-
-                m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha
-                p16 = p.astype(dtype)
-
-                def end_softmax():
-                    plgpu.barrier_arrive(sched)  # done with softmax
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    plgpu.barrier_wait(sched)  # tensor cores free
-
-                if D <= 128:
-                    l_i = l_i + p.sum(axis=1)
-                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                    end_softmax()
-                else:
-                    end_softmax()
-                    l_i = l_i + p.sum(axis=1)
-
-                def pv_after():
+                def wait_next_k():
                     nxt = step + 1
 
                     @pl.when(nxt < kv_steps)
                     def _():
                         plgpu.barrier_wait(k_bar.at[_rem(nxt, stages)])
 
-                acc = _mma_into(plgpu, acc, p16, v_smem.at[slot], interpret=interpret,
-                                after=pv_after)
-                plgpu.barrier_arrive(v_cons.at[slot])
-                return acc, m_new, l_i
+                return _fwd_kv_step(
+                    plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
+                    k_cons=k_cons.at[slot], v_ready=v_bar.at[slot], v_cons=v_cons.at[slot],
+                    sched=sched, c=c, dtype=dtype, interpret=interpret,
+                    mask=mask if masked else None, wait_next_k=wait_next_k)
 
             carry = (acc, m_i, l_i)
             if not causal:
@@ -360,6 +390,183 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         scratch_types=scratch,
         grid=(H, n_qt, B),
         grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_arg(interpret),
+    )(q, k, v)
+    return out, lse
+
+
+SMEM_BYTES = 227 * 1024  # sm90 dynamic shared memory per CTA
+
+
+def _persistent_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
+    """The persistent forward's shared memory (2 Q/O buffers per warpgroup + the K/V ring)."""
+    item = jnp.dtype(dtype).itemsize
+    need = (4 * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * item + 4096
+    return need <= SMEM_BYTES
+
+
+def _num_sms() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool):
+    """Non-causal forward on a persistent grid: CTA j takes query tiles j, j + n_ctas, ...
+
+    Tiles are ordered (batch, head, query tile) so CTAs running together share K/V in L2.  The
+    memory warpgroup streams K/V for all of the CTA's tiles through one ring (global step
+    counter); each compute warpgroup double-buffers its Q tile in shared memory and loads the
+    next tile's Q before this tile's epilogue (the O tile is staged in the buffer Q leaves).
+    """
+    plgpu = mosaic_gpu()
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv = cfg.block_q, cfg.block_kv
+    n_kv = Skv // bkv
+    stages = max(1, min(cfg.stages, n_kv))
+    n_qt = S // (2 * bq)
+    n_tiles = B * H * n_qt
+    n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or _num_sms()))
+    c = float(scale) * LOG2E
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
+        qo_smem4, k_smem, v_smem, lse_smem2 = smem
+        k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
+        cta = lax.axis_index("cta")
+        wg = lax.axis_index("wg")
+        n_my = _cdiv(n_tiles - cta, n_ctas)  # >= 1: n_ctas <= n_tiles
+
+        def coords(i):
+            t = cta + i * n_ctas
+            bh = _div(t, n_qt)
+            return _div(bh, H), _rem(bh, H), _rem(t, n_qt)  # batch, head, query tile
+
+        def sched_sync():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            def load_q(i, buf):
+                b, h, qt = coords(i)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qt * (2 * bq) + wg * bq, bq), h],
+                                        qo_smem4.at[wg, buf], q_bar.at[2 * wg + buf])
+
+            load_q(0, 0)
+
+            def tile_body(i, _):
+                b, h, qt = coords(i)
+                buf = _rem(i, 2)
+                qo_smem = qo_smem4.at[wg, buf]
+                q0 = qt * (2 * bq) + wg * bq
+                g0 = i * n_kv  # this tile's first step in the CTA's K/V ring
+                plgpu.barrier_wait(q_bar.at[2 * wg + buf])
+                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                plgpu.barrier_wait(k_bar.at[_rem(g0, stages)])
+                pl.when(wg == 1)(sched_sync)
+
+                def kv_body(step, carry):
+                    g = g0 + step
+                    slot = _rem(g, stages)
+
+                    def wait_next_k():
+                        @pl.when(step + 1 < n_kv)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[_rem(g + 1, stages)])
+
+                    return _fwd_kv_step(
+                        plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot],
+                        v_tile=v_smem.at[slot], k_cons=k_cons.at[slot], v_ready=v_bar.at[slot],
+                        v_cons=v_cons.at[slot], sched=sched, c=c, dtype=dtype,
+                        interpret=interpret, wait_next_k=wait_next_k)
+
+                acc, m_i, l_i = lax.fori_loop(0, n_kv, kv_body, (acc, m_i, l_i))
+                pl.when(wg == 0)(sched_sync)
+                # Q of this tile is consumed.  The other buffer staged the previous tile's O,
+                # whose store was issued a whole tile ago: wait for it to be read, then load
+                # the next tile's Q there while this tile's epilogue runs.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                _when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
+                inv = 1.0 / l_i
+                acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                qo_smem[...] = acc.astype(dtype)
+                lse_smem2.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+                plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, h, pl.ds(q0, bq)])
+                return None
+
+            lax.fori_loop(0, n_my, tile_body, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            total = n_my * n_kv
+
+            def load(g, slot):
+                b, h, _ = coords(_div(g, n_kv))
+                sl = (b, pl.ds(_rem(g, n_kv) * bkv, bkv), lax.div(h, jnp.int32(rep)))
+                plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
+
+            for i in range(stages):
+                _when(i < total, functools.partial(load, jnp.int32(i), i))
+
+            def mem_body(step, _):
+                slot = _rem(step, stages)
+                g = step + stages
+                b, h, _ = coords(_div(g, n_kv))
+                sl = (b, pl.ds(_rem(g, n_kv) * bkv, bkv), lax.div(h, jnp.int32(rep)))
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
+
+            lax.fori_loop(0, total - stages, mem_body, None)
+
+            def drain(step, _):
+                slot = _rem(step, stages)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+
+            lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+    tr = _smem_transforms(plgpu, dtype)
+    scratch = [
+        (
+            plgpu.SMEM((2, 2, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.float32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=4),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+        ),
+    ]
+    out, lse = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype),
+                  jax.ShapeDtypeStruct((B, H, S), jnp.float32)),
+        scratch_types=scratch,
+        grid=(n_ctas,),
+        grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
