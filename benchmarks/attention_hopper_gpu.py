@@ -238,7 +238,7 @@ def reference_tail(q, k, v, scale, causal, n):
 
 
 # ------------------------------------------------------------------------------------------
-def correctness(quick):
+def correctness(quick, budget=190.0):
     log("\n== correctness vs fp32 plain-jnp reference (rel L2) ==")
     AT = "atomic"
     cases = [  # (B, S, H, G, D, causal, dtype[, "atomic"])
@@ -295,7 +295,7 @@ def correctness(quick):
             log(f"  {name}: ERROR {type(e).__name__}: {str(e)[:2000]}")
             traceback.print_exc(file=LOG)
             rows.append(dict(case=name, ok=False, error=str(e)[:300]))
-        if elapsed() > 190:
+        if elapsed() > budget:
             log("  (stopping correctness early: time budget)")
             break
     return rows
@@ -386,33 +386,38 @@ def variants(budget, which="all"):
     """Tuning sweep at 4k, hd 128 (and a hd 64 / 256 check); errors vs the default's output.
 
     which="atomic": only the two backward dQ algorithms (atomic, dQ kernel).
-    which="fwd": the non-causal forward on a persistent grid vs one CTA per tile, at 1k/4k/16k
-    (16k tokens), forward only."""
+    which="fwd": forward only, 1k/4k/16k (16k tokens), causal and not: the default and
+    (non-causal) one CTA per tile instead of the persistent grid."""
     log("\n== variants (H=16) ==")
     res = []
     if which == "fwd":
         for S in (1024, 4096, 16384):
-            B, H, D = 16384 // S, 16, 128
-            q, k, v, _ = inputs(jax.random.key(5), B, S, H, H, D, jnp.bfloat16)
-            flops = 4 * B * H * S * S * D
-            cud, _ = make_jax_nn("cudnn", D ** -0.5, False)
-            ref = cud(q, k, v)
-            for pers in (True, False):
-                cfg = dataclasses.replace(default_config(D), fwd_persistent=pers)
-                tag = f"S{S} B{B} D{D} full fwd persistent={pers}"
-                try:
-                    fwd, _ = make_ours(D ** -0.5, False, cfg)
-                    err = rel(fwd(q, k, v), ref)
-                    tf = bench(fwd, (q, k, v))
-                    r = dict(tag=tag, fwd=flops / tf / 1e12, err_vs_cudnn=err)
-                    log(f"  {tag}: fwd {r['fwd']:.0f}  (rel vs cudnn {err:.1e})")
-                    res.append(r)
-                except Exception as e:  # noqa: BLE001
-                    log(f"  {tag}: ERROR {type(e).__name__}: {str(e)[:600]}")
-                    traceback.print_exc(file=LOG)
-            tf = bench(cud, (q, k, v))
-            log(f"  S{S} cuDNN fwd {flops / tf / 1e12:.0f}")
-            del q, k, v, ref
+            for causal in (False, True):
+                B, H, D = 16384 // S, 16, 128
+                q, k, v, _ = inputs(jax.random.key(5), B, S, H, H, D, jnp.bfloat16)
+                flops = 4 * B * H * S * S * D / (2 if causal else 1)
+                cud, _ = make_jax_nn("cudnn", D ** -0.5, causal)
+                ref = cud(q, k, v)
+                cfgs = [dict()]
+                if not causal:
+                    cfgs.append(dict(fwd_persistent=False))
+                for kw in cfgs:
+                    cfg = dataclasses.replace(default_config(D), **kw)
+                    tag = (f"S{S} B{B} D{D} {'causal' if causal else 'full'} fwd "
+                           f"{kw or 'default'}")
+                    try:
+                        fwd, _ = make_ours(D ** -0.5, causal, cfg)
+                        err = rel(fwd(q, k, v), ref)
+                        tf = bench(fwd, (q, k, v))
+                        r = dict(tag=tag, fwd=flops / tf / 1e12, err_vs_cudnn=err)
+                        log(f"  {tag}: fwd {r['fwd']:.0f}  (rel vs cudnn {err:.1e})")
+                        res.append(r)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"  {tag}: ERROR {type(e).__name__}: {str(e)[:600]}")
+                        traceback.print_exc(file=LOG)
+                tf = bench(cud, (q, k, v))
+                log(f"  S{S} {'causal' if causal else 'full'} cuDNN fwd {flops / tf / 1e12:.0f}")
+                del q, k, v, ref
         return res
     log("   (B=4, S=4096)")
     if which == "atomic":
@@ -557,6 +562,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--only-variants", action="store_true")
+    ap.add_argument("--only-correctness", action="store_true",
+                    help="the correctness sweep only (stops after --budget seconds)")
     ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd"))
     ap.add_argument("--skip-correctness", action="store_true",
                     help="skip the hopper_attention correctness sweep (timing rows still check outputs)")
@@ -591,13 +598,15 @@ def main():
                           tokens=256, H=2, D=128, seqs=(128, 256), iters=1, warmup=0)
     else:
         gpu_warmup()
-        if not args.only_variants:
+        if args.only_correctness:
+            corr = correctness(args.quick, budget=args.budget)
+        elif not args.only_variants:
             if not args.skip_correctness:
                 corr = correctness(args.quick)
             t_budget = args.budget if args.no_variants else args.budget * 0.75
             res = timing_rows(args.quick, budget=t_budget, with_atomic=args.atomic, tk=tk,
                               tk_impl=args.tokamax_impl, peers=peers)
-        if not args.no_variants:
+        if not args.no_variants and not args.only_correctness:
             var = variants(args.budget, args.variant_set)
     tk_measured = any(r.get("tokamax_fwd") for r in res)
     json.dump(dict(tokamax=tk_info, tokamax_measured=tk_measured, correctness=corr, timings=res,
