@@ -2,7 +2,7 @@
 
     PYTHONPATH=.:benchmarks python3 benchmarks/layernorm_fwd_variants_gpu.py            # GPU machine
     PYTHONPATH=.:benchmarks BENCH_SMALL=1 python3 benchmarks/layernorm_fwd_variants_gpu.py   # CPU, interpret mode
-    VARIANTS=all (run 1 sweep) or VARIANTS=run2 (run 2 split) instead of the default (run 3: live registers)
+    VARIANTS=all (run 1 sweep), run2 (run 2 split) or run3 (live registers) instead of the default (run 4: cache hints)
 
 The library's LayerNorm forward (pallas_kernels/norms/norm.py) reaches ~2.4 TB/s on 32768x4096 bf16 on the
 H100, its RMSNorm ~2.6 (= an XLA elementwise read+write). These variants each drop or change one piece of
@@ -32,6 +32,13 @@ LayerNorms (fp32 statistics and gamma/beta, mean and rstd stored) that keep less
              x chunk (an L2/L1 hit) and gamma/beta chunk: nothing of x's tile lives past the reductions
   stream     chunked, and the statistics too accumulated chunk by chunk: at most one chunk of x is live
 (chunked with a bf16-held x is no variant: x's tile feeds only the statistics there, the same jaxpr.)
+Run 3: none beats late (= the library). Reading fp32 gamma+beta (32 KB per 16 KB of x) is the cost. Run 4, the
+default (VARIANTS=run3 for run 3's set):
+  evict      late with cache hints: x loads and y stores evict_first, gamma/beta loads evict_last
+  evict_ca   evict, and gamma/beta loaded with cache_modifier .ca (cached in L1: every program on an SM
+             reads the same gamma/beta). jax 0.11.2's Triton lowering raises KeyError('.ca') for it (its
+             _STR_TO_CACHE_MODIFIER is keyed by the enum's str, not '.ca'): reported as FAILED, not timed.
+Run 4: evict 2.42 vs late 2.44-2.46 (no gain).
 """
 from __future__ import annotations
 
@@ -55,7 +62,7 @@ SAMPLES = 2 if SMALL else 15
 INNER = 1 if SMALL else 10
 EPS = 1e-6
 NCHUNK = 4
-LEAN = ("late", "bf16hold", "bf16bits", "chunked", "stream")  # run 3: _lean_kernel
+LEAN = ("late", "bf16hold", "bf16bits", "chunked", "stream", "evict", "evict_ca")  # runs 3-4: _lean_kernel
 
 
 def _kernel(x_ref, g_ref, b_ref, y_ref, mean_ref, rstd_ref, *, variant, block_rows, n_cols, n_rows):
@@ -126,8 +133,15 @@ def _lean_kernel(x_ref, g_ref, b_ref, y_ref, mean_ref, rstd_ref, *, variant, blo
     rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
     rmask = rows < n_rows
 
+    hints = variant in ("evict", "evict_ca")  # run 4: x streams through the caches, gamma/beta stay
+    x_kw = dict(eviction_policy="evict_first") if hints else {}
+    p_kw = dict(eviction_policy="evict_last") if hints else {}
+    if variant == "evict_ca":
+        p_kw["cache_modifier"] = ".ca"
+
     def load_x(cols):  # x's (block_rows, len(cols)) tile in its input dtype
-        return pltriton.load(x_ref.at[rows[:, None], cols[None, :]], mask=rmask[:, None], other=0.0)
+        return pltriton.load(x_ref.at[rows[:, None], cols[None, :]], mask=rmask[:, None], other=0.0,
+                             **x_kw)
 
     width = n_cols // NCHUNK
     assert width * NCHUNK == n_cols and width & (width - 1) == 0, (n_cols, NCHUNK)
@@ -150,9 +164,10 @@ def _lean_kernel(x_ref, g_ref, b_ref, y_ref, mean_ref, rstd_ref, *, variant, blo
     rstd = lax.rsqrt(var + EPS)
 
     def epilogue(cc, xc):  # y for columns cc from xc = x - shift - m1 (fp32): gamma, then beta, loaded late
-        y = xc * rstd[:, None] * f32(pltriton.load(g_ref.at[cc]))[None, :]
-        y = y + f32(pltriton.load(b_ref.at[cc]))[None, :]
-        pltriton.store(y_ref.at[rows[:, None], cc[None, :]], y.astype(y_ref.dtype), mask=rmask[:, None])
+        y = xc * rstd[:, None] * f32(pltriton.load(g_ref.at[cc], **p_kw))[None, :]
+        y = y + f32(pltriton.load(b_ref.at[cc], **p_kw))[None, :]
+        pltriton.store(y_ref.at[rows[:, None], cc[None, :]], y.astype(y_ref.dtype), mask=rmask[:, None],
+                       **x_kw)
 
     if variant in ("chunked", "stream"):
         for cc in chunks:
@@ -196,7 +211,7 @@ def main():
     nbytes = 2 * x.size * x.dtype.itemsize
     variants = {"XLA bf16 negation (read+write ceiling)": jax.jit(lambda x, g, b: -x),
                 "library layernorm (default)": jax.jit(lambda x, g, b: pnorm.layernorm(x, g, b))}
-    which = os.environ.get("VARIANTS", "run3")
+    which = os.environ.get("VARIANTS", "run4")
     g16, b16 = g.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
 
     def add(v, br, nw):
@@ -221,8 +236,12 @@ def main():
                 add(v, br, nw)
         for v in ("bf16hold", "bf16bits", "chunked", "stream"):
             add(v, 4, 8)
+    elif which == "run4":
+        for br, nw in ((2, 8), (2, 4)):
+            for v in ("late", "evict", "evict_ca", "lib bf16 gamma/beta", "no_extras"):
+                add(v, br, nw)
     else:
-        raise SystemExit(f"VARIANTS={which!r}: expected all, run2 or run3 (the default)")
+        raise SystemExit(f"VARIANTS={which!r}: expected all, run2, run3 or run4 (the default)")
 
     ref, ref_mean, ref_rstd = nref.layernorm_fwd(x.astype(jnp.float32), g, b, epsilon=EPS)
     ref_nb = nref.layernorm(x.astype(jnp.float32), g, jnp.zeros_like(b))
@@ -241,7 +260,7 @@ def main():
              else ref)
         err = float(jnp.max(jnp.abs(y - r)))
         print(f"{name}: max abs err {err:.2e}{'  <-- WRONG' if err > 0.05 else ''}", flush=True)
-    for v in LEAN if which == "run3" else ():  # run 3's variants are full LayerNorms: check mean and rstd too
+    for v in (LEAN[:5] if which == "run3" else ("late", "evict", "evict_ca") if which == "run4" else ()):  # run 3's variants are full LayerNorms: check mean and rstd too
         if f"{v} rows=2 warps=8" in broken:
             continue
         _, mean, rstd = variant_fn(v, 2, 8, stats=True)(x, g, b)
