@@ -386,8 +386,9 @@ def variants(budget, which="all"):
     """Tuning sweep at 4k, hd 128 (and a hd 64 / 256 check); errors vs the default's output.
 
     which="atomic": only the two backward dQ algorithms (atomic, dQ kernel).
-    which="fwd": forward only, 1k/4k/16k (16k tokens), causal and not: the default and
-    (non-causal) one CTA per tile instead of the persistent grid."""
+    which="fwd": forward only, 1k/4k/16k (16k tokens), causal and not: the default, the
+    ping-pong on an mbarrier instead of a named barrier, and (non-causal) one CTA per tile
+    instead of the persistent grid."""
     log("\n== variants (H=16) ==")
     res = []
     if which == "fwd":
@@ -398,7 +399,7 @@ def variants(budget, which="all"):
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 cud, _ = make_jax_nn("cudnn", D ** -0.5, causal)
                 ref = cud(q, k, v)
-                cfgs = [dict()]
+                cfgs = [dict(), dict(fwd_named_barrier=False)]
                 if not causal:
                     cfgs.append(dict(fwd_persistent=False))
                 for kw in cfgs:

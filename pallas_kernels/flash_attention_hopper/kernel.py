@@ -65,6 +65,10 @@ class HopperConfig:
     # None (auto): on for non-causal calls.  Causal calls always use one CTA per query tile.
     fwd_persistent: bool | None = None
     fwd_ctas: int | None = None  # persistent CTAs; None: the device's SM count
+    # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
+    # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
+    # uses the mbarrier.
+    fwd_named_barrier: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -172,6 +176,46 @@ def _when(cond, fn):
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
+_SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
+
+
+class _Sched:
+    """The two compute warpgroups' rendezvous (the forward's ping-pong schedule).
+
+    mbarrier: one 2-arrival barrier, arrive + wait.  named: `bar.sync 4, 256` (both compute
+    warpgroups' 256 threads), a hardware barrier with no memory round trip.
+    """
+
+    def __init__(self, plgpu, bar, named: bool):
+        self.plgpu, self.bar, self.named = plgpu, bar, named
+
+    def _bar_sync(self):
+        from jax.experimental.mosaic import gpu as mgpu
+
+        @self.plgpu.inline_mgpu()
+        def _sync(_):
+            mgpu.utils.inline_ptx(f"bar.sync {_SCHED_BAR_ID}, 256;", has_side_effects=True)
+
+        _sync()
+
+    def sync(self):
+        if self.named:
+            self._bar_sync()
+        else:
+            self.plgpu.barrier_arrive(self.bar)
+            self.plgpu.barrier_wait(self.bar)
+
+    def before_pv(self, v_ready):
+        """After the softmax: V ready, and the other warpgroup done with the tensor cores."""
+        if self.named:
+            self.plgpu.barrier_wait(v_ready)
+            self._bar_sync()
+        else:
+            self.plgpu.barrier_arrive(self.bar)  # done with softmax
+            self.plgpu.barrier_wait(v_ready)
+            self.plgpu.barrier_wait(self.bar)  # tensor cores free
+
+
 def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_cons, sched,
                  c: float, dtype, interpret: bool, mask=None, wait_next_k=None):
     """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
@@ -185,12 +229,8 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_con
     acc, m_i, l_i = carry
     D = acc.shape[-1]
 
-    def qk_after():
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
-
     bq, bkv = q_smem.shape[0], k_tile.shape[0]
-    s = _mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=qk_after)
+    s = _mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=sched.sync)
     plgpu.barrier_arrive(k_cons)
     if mask is not None:
         s = jnp.where(mask(s.shape), s, -jnp.inf)
@@ -203,9 +243,7 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_con
     p16 = p.astype(dtype)
 
     def end_softmax():
-        plgpu.barrier_arrive(sched)  # done with softmax
-        plgpu.barrier_wait(v_ready)
-        plgpu.barrier_wait(sched)  # tensor cores free
+        sched.before_pv(v_ready)
 
     if D <= 128:
         l_i = l_i + p.sum(axis=1)
@@ -241,6 +279,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     stages = max(1, min(cfg.stages, n_kv))
     n_qt = S // (2 * bq)
     c = float(scale) * LOG2E
+    named = cfg.fwd_named_barrier is not False and not interpret
     split = cfg.split_causal
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
@@ -254,9 +293,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             qt = (n_qt - 1) - qt  # heaviest tiles first
         kvh = lax.div(h, jnp.int32(rep))
 
-        def sched_sync():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+        sched = _Sched(plgpu, sched, named)
+        sched_sync = sched.sync
 
         if causal:
             cta_steps = _cdiv((qt + 1) * (2 * bq), bkv)
@@ -433,6 +471,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     n_tiles = B * H * n_qt
     n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or _num_sms()))
     c = float(scale) * LOG2E
+    named = cfg.fwd_named_barrier is not False and not interpret
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
         qo_smem4, k_smem, v_smem, lse_smem2 = smem
@@ -446,9 +485,8 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             bh = _div(t, n_qt)
             return _div(bh, H), _rem(bh, H), _rem(t, n_qt)  # batch, head, query tile
 
-        def sched_sync():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+        sched = _Sched(plgpu, sched, named)
+        sched_sync = sched.sync
 
         @pl.when(wg < 2)
         def _compute():
