@@ -28,7 +28,8 @@ FORCE_ENV = "TE_JAX_ATTN_BACKEND"
 # (benchmarks/results/flash_attention_h100.md, attention_hopper_h100_run4/5/6.md).
 OTHER_PREFERENCE = ("xla", "pallas", "cudnn")
 # causal → longest q_len where the Hopper kernel beat cuDNN forward+backward in every run (runs 4-6:
-# 1k +10-25%, 4k +1-11%); at 16k the two tie within the run-to-run spread (0.96-1.01), so cuDNN keeps it.
+# 1k +10-24%, 4k causal +2-13%, 4k non-causal +0.4-2.4%); at 16k the two tie within the run-to-run
+# spread (0.96-1.01 of cuDNN), so cuDNN keeps it.
 HOPPER_FASTER_MAX_LEN = {False: 4096, True: 4096}
 HOPPER_RESULTS = "benchmarks/results/attention_hopper_h100_run6.md"
 
