@@ -18,10 +18,12 @@ Under a mesh (jax.set_mesh, Auto axes) with logical axis rules, `layernorm_input
 names of the input's axes, e.g. ("batch", "length", "embed"); TransformerLayer passes them) make
 LayerNorm, LayerNormDenseGeneral and LayerNormMLP constrain their input to them and run the op per
 shard (shard_map over the mesh axes those names map to; the parameters replicated), so a Pallas
-kernel, which XLA's SPMD partitioner cannot split, computes only the local rows. Without them, or
-when the hidden axis or a parameter is sharded (tensor parallelism, FSDP), the op runs under the
-partitioner as before (auto then takes the xla backend, see te_jax.normalization). The mechanism is
-te_jax/flax/_sharding.py's run_per_shard, which the attention modules use too.
+kernel, which XLA's SPMD partitioner cannot split, computes only the local rows. LayerNormDenseGeneral's
+kernel may also be sharded along its feature axes (tensor parallelism: a column-parallel GEMM, each shard
+computes its own output features). Without them, or when the hidden axis or another parameter axis is
+sharded (LayerNormMLP under tensor parallelism, FSDP), the op runs under the partitioner as before (auto
+then takes the xla backend, see te_jax.normalization). The mechanism is te_jax/flax/_sharding.py's
+run_per_shard, which the attention modules use too.
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def _check_input_axes(module: str, x, input_axes):
     return input_axes
 
 
-def _per_shard(module: str, fn, x, weights, weight_axes, input_axes):
+def _per_shard(module: str, fn, x, weights, weight_axes, input_axes, out_features=()):
     """fn(x, *weights), run per shard of x (te_jax/flax/_sharding.py) when a mesh and the logical axis rules allow.
 
     input_axes: logical names of x's axes (None: call fn directly, as before). x is constrained to
@@ -84,13 +86,19 @@ def _per_shard(module: str, fn, x, weights, weight_axes, input_axes):
     cotangents summed over the split axes by shard_map's transpose). Falls back to fn(x, *weights)
     when a weight or the hidden axis is sharded over a partitioned mesh axis, a leading axis does not
     divide, or the mesh has Explicit / Manual axes (the rules of run_per_shard).
+    out_features: logical names of the output's trailing (feature) axes when fn computes each output
+    feature independently (a column-parallel GEMM): weights sharded along them (tensor parallelism)
+    are then split too, x passed whole to each feature shard (its cotangent summed over them).
     """
     if input_axes is None:
         return fn(x, *weights)
     input_axes = _check_input_axes(module, x, input_axes)
     x = nn.with_logical_constraint(x, input_axes)
     lead = input_axes[:-1]
-    return run_per_shard(module, fn, (x, *weights), (input_axes, *weight_axes), lead, split=lead)
+    out_features = tuple(out_features)
+    split = lead + tuple(n for n in out_features if n is not None)
+    return run_per_shard(module, fn, (x, *weights), (input_axes, *weight_axes), lead + out_features,
+                         split=split)
 
 
 class LayerNorm(nn.Module):
@@ -243,9 +251,15 @@ class LayerNormDenseGeneral(nn.Module):
                                         epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
                                         return_layernorm_output=self.return_layernorm_output, backend=self.backend)
 
+        # Column-parallel under tensor parallelism: each output feature is one column of the kernel, so
+        # kernels sharded along their feature axes run per shard too (not with return_layernorm_output:
+        # the normalized input's hidden axis is not a feature axis).
+        feature_axes = ()
+        if not self.return_layernorm_output and len(self.kernel_axes) == 1 + len(features):
+            feature_axes = tuple(self.kernel_axes[1:])
         out = _per_shard("LayerNormDenseGeneral", fn, x, (gamma, beta, kernel, bias),
                          (self.scale_axes, self.ln_bias_axes, self.kernel_axes, self.bias_axes),
-                         self.layernorm_input_axes)
+                         self.layernorm_input_axes, out_features=feature_axes)
         if self.return_layernorm_output:
             return out
         return out, None
