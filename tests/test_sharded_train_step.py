@@ -103,7 +103,7 @@ def test_dp_cp_step_is_a_quarter_of_the_work_per_device(pallas_norms):
 @pytest.mark.parametrize("spec", ["dp=2,cp=2", "dp=2,tp=2"])
 def test_sharded_step_matches_single_device(pallas_norms, spec):
     """The per-shard Pallas kernels give the single-device loss and gradient norm (fp32); under dp x tp the
-    qkv LayerNormDenseGeneral runs column-parallel per shard (tests/test_sharded_layernorm_dense.py)."""
+    QKV LayerNormDenseGeneral and the LayerNormMLP run tensor-parallel per shard (test_sharded_tensor_parallel.py)."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 (fake) devices; tests/conftest.py sets them")
     args, _, _, _, _ = _build("dp=1,cp=1,tp=1")

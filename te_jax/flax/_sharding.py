@@ -139,6 +139,15 @@ def plan_per_shard(args: Sequence, arg_names: Sequence[AxisNames | None], out_na
     return ShardPlan(mesh, frozenset(manual), tuple(specs), out_spec), ""
 
 
+def partitioned_axes_of(name: str) -> tuple:
+    """The mesh axes XLA partitions (policy.partitioned_mesh_axes) that the logical axis `name` maps to
+    under the active rules and mesh; () without them."""
+    if not nn.get_logical_axis_rules() or _compat.current_mesh() is None:
+        return ()
+    partitioned = policy.partitioned_mesh_axes()
+    return tuple(a for a in mesh_axes_of(mesh_axes_per_dim((name,))[0]) if a in partitioned)
+
+
 def run_per_shard(op: str, fn: Callable, args: Sequence, arg_names: Sequence[AxisNames | None],
                   out_names: AxisNames, *, split: Collection[str]):
     """fn(*args), run per shard (shard_map) when `plan_per_shard` allows, else called as it is.

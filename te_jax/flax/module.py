@@ -18,12 +18,12 @@ Under a mesh (jax.set_mesh, Auto axes) with logical axis rules, `layernorm_input
 names of the input's axes, e.g. ("batch", "length", "embed"); TransformerLayer passes them) make
 LayerNorm, LayerNormDenseGeneral and LayerNormMLP constrain their input to them and run the op per
 shard (shard_map over the mesh axes those names map to; the parameters replicated), so a Pallas
-kernel, which XLA's SPMD partitioner cannot split, computes only the local rows. LayerNormDenseGeneral's
-kernel may also be sharded along its feature axes (tensor parallelism: a column-parallel GEMM, each shard
-computes its own output features). Without them, or when the hidden axis or another parameter axis is
-sharded (LayerNormMLP under tensor parallelism, FSDP), the op runs under the partitioner as before (auto
-then takes the xla backend, see te_jax.normalization). The mechanism is te_jax/flax/_sharding.py's
-run_per_shard, which the attention modules use too.
+kernel, which XLA's SPMD partitioner cannot split, computes only the local rows. Tensor parallelism runs
+per shard too: LayerNormDenseGeneral's kernel sharded along its feature axes (column-parallel), and
+LayerNormMLP's "mlp" axis (wi column-parallel, wo row-parallel: partial products summed over the shards,
+then wo_bias). Without the input axes, or when the hidden axis or another parameter axis is sharded (FSDP),
+the op runs under the partitioner as before (auto then takes the xla backend, see te_jax.normalization).
+The mechanism is te_jax/flax/_sharding.py's run_per_shard, which the attention modules use too.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from te_jax import activations as _acts
 from te_jax import mlp as _mlp
 from te_jax import normalization as _norm
 from te_jax.flax._common import Initializer, check_rate, default_kernel_init, dropout, flat_init, param
-from te_jax.flax._sharding import run_per_shard
+from te_jax.flax._sharding import partitioned_axes_of, run_per_shard
 
 _zeros = nn.initializers.zeros
 _ones = nn.initializers.ones
@@ -77,7 +77,7 @@ def _check_input_axes(module: str, x, input_axes):
     return input_axes
 
 
-def _per_shard(module: str, fn, x, weights, weight_axes, input_axes, out_features=()):
+def _per_shard(module: str, fn, x, weights, weight_axes, input_axes, out_features=(), out_lead=()):
     """fn(x, *weights), run per shard of x (te_jax/flax/_sharding.py) when a mesh and the logical axis rules allow.
 
     input_axes: logical names of x's axes (None: call fn directly, as before). x is constrained to
@@ -89,15 +89,17 @@ def _per_shard(module: str, fn, x, weights, weight_axes, input_axes, out_feature
     out_features: logical names of the output's trailing (feature) axes when fn computes each output
     feature independently (a column-parallel GEMM): weights sharded along them (tensor parallelism)
     are then split too, x passed whole to each feature shard (its cotangent summed over them).
+    out_lead: logical names of leading output axes fn adds (a row-parallel GEMM's partial sums, one
+    per shard of a weight axis: fn returns y[None]; the caller sums them).
     """
     if input_axes is None:
         return fn(x, *weights)
     input_axes = _check_input_axes(module, x, input_axes)
     x = nn.with_logical_constraint(x, input_axes)
     lead = input_axes[:-1]
-    out_features = tuple(out_features)
-    split = lead + tuple(n for n in out_features if n is not None)
-    return run_per_shard(module, fn, (x, *weights), (input_axes, *weight_axes), lead + out_features,
+    out_features, out_lead = tuple(out_features), tuple(out_lead)
+    split = lead + tuple(n for n in out_features + out_lead if n is not None)
+    return run_per_shard(module, fn, (x, *weights), (input_axes, *weight_axes), out_lead + lead + out_features,
                          split=split)
 
 
@@ -336,8 +338,27 @@ class LayerNormMLP(nn.Module):
                                       return_layernorm_output=self.return_layernorm_output, backend=self.backend,
                                       dropout_rate=rate, dropout_rng=rng, deterministic=not active)
 
+        mlp_axis = self.kernel_axes_1[-1] if len(self.kernel_axes_1) == 3 else None
+        row_parallel = (self.layernorm_input_axes is not None and not self.return_layernorm_output
+                        and mlp_axis is not None and tuple(self.kernel_axes_2[:1]) == (mlp_axis,)
+                        and tuple(self.bias_axes_1[-1:]) in ((mlp_axis,), ())
+                        and partitioned_axes_of(mlp_axis))
         if active:  # dropout draws one mask over the global array: no per-shard run (the xla path serves it)
             out = fn(x, gamma, beta, w1, b1, w2, b2)
+        elif row_parallel:
+            # Tensor parallelism (Megatron): wi split along `mlp` (column-parallel), wo along `mlp` too
+            # (row-parallel). Each shard returns its partial product [1, ..., hidden]; their sum over the
+            # shards (an all-reduce XLA inserts) plus wo_bias is the output.
+            def partial(x, gamma, beta, w1, b1, w2):
+                return fn(x, gamma, beta, w1, b1, w2, None)[None]
+
+            parts = _per_shard("LayerNormMLP", partial, x, (gamma, beta, w1, b1, w2),
+                               (self.scale_axes, self.ln_bias_axes, self.kernel_axes_1, self.bias_axes_1,
+                                self.kernel_axes_2), self.layernorm_input_axes, out_lead=(mlp_axis,))
+            y = jnp.sum(parts.astype(jnp.float32), axis=0)
+            if b2 is not None:
+                y = y + b2.astype(jnp.float32)
+            out = y.astype(x.dtype)
         else:
             out = _per_shard("LayerNormMLP", fn, x, (gamma, beta, w1, b1, w2, b2),
                              (self.scale_axes, self.ln_bias_axes, self.kernel_axes_1, self.bias_axes_1,
