@@ -141,7 +141,7 @@ def test_forward_and_grads(S, H, G, D, causal):
 
 def test_atomic_dq_policy():
     """Where the backward accumulates dQ inside the dK/dV kernel (GPU-only: TMA reduce-add)."""
-    from pallas_kernels.flash_attention_hopper.kernel import (
+    from pallas_kernels.flash_attention_hopper.config import (
         ATOMIC_DQ_MIN_KV, HopperConfig, atomic_dq_served, default_config)
 
     auto = default_config(128)
@@ -160,7 +160,7 @@ def test_atomic_dq_policy():
 @pytest.mark.parametrize("ctas", [3, 5])
 def test_persistent_forward_loops_over_tiles(ctas):
     """Non-causal forward on a persistent grid with fewer CTAs than query tiles (uneven split)."""
-    from pallas_kernels.flash_attention_hopper.kernel import default_config
+    from pallas_kernels.flash_attention_hopper.config import default_config
 
     interpret = _mode()
     B, S, H, G, D = 2, 256, 3, 1, 64  # 2 * 3 * 2 = 12 query tiles
@@ -183,8 +183,8 @@ def test_persistent_forward_loops_over_tiles(ctas):
 
 
 def test_persistent_forward_shared_memory_budget():
-    from pallas_kernels.flash_attention_hopper.kernel import _persistent_fits, default_config
+    from pallas_kernels.flash_attention_hopper.config import default_config, persistent_fits
 
-    assert _persistent_fits(default_config(128), 128, jnp.bfloat16)
-    assert _persistent_fits(default_config(64), 64, jnp.bfloat16)
-    assert not _persistent_fits(default_config(256), 256, jnp.bfloat16)  # grid path serves hd256
+    assert persistent_fits(default_config(128), 128, jnp.bfloat16)
+    assert persistent_fits(default_config(64), 64, jnp.bfloat16)
+    assert not persistent_fits(default_config(256), 256, jnp.bfloat16)  # grid path serves hd256

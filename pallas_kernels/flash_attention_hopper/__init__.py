@@ -16,7 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .kernel import HopperConfig, default_config, flash_bwd, flash_fwd
+from .backward import flash_bwd
+from .config import HopperConfig, default_config
+from .forward import flash_fwd
 from .reference import attention_reference
 
 __all__ = [

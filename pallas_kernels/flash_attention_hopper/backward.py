@@ -1,0 +1,473 @@
+"""Hopper (sm90) flash-attention backward in Pallas Mosaic GPU: warp specialised, TMA ring.
+
+  * dK/dV: a CTA owns `wgs` x block_kv key rows of one KV head and loops over every query head of its
+    GQA group and every query block (causal: only those at or below the diagonal), accumulating dK and
+    dV in registers.  For head_dim 256 dK and dV run as two launches (two 64x256 fp32 accumulators do
+    not fit in one warpgroup's registers).
+  * dQ, either (bwd_dq_atomic; auto = atomic for head_dim 128 from 2k keys):
+    - atomic: inside the dK/dV kernel.  The CTA's dS tile goes to shared memory; warpgroup w computes
+      dQ[:, w*D/2:(w+1)*D/2] over all of the CTA's keys and adds it to an fp32 buffer with a TMA
+      reduce-add (5 matmuls per block pair);
+    - a separate dQ kernel: a CTA owns `wgs` x block_q query rows and loops over K/V blocks
+      (recomputes S and dP: 7 matmuls per block pair, no fp32 buffer).
+All recompute P from the saved log-sum-exp.  Mosaic GPU is imported lazily.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax._compat import mosaic_gpu, pl
+
+from .common import cdiv, div, interpret_arg, mma, mma_into, rem, resolve_interpret, smem_transforms, when
+from .config import ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, default_config
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dK/dV
+# --------------------------------------------------------------------------------------------
+def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
+                   want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None):
+    plgpu = mosaic_gpu()
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
+    if S % bq or Skv % (wgs * bkv):
+        raise ValueError("sequence not a multiple of the backward blocks")
+    nq = S // bq
+    n_kt = Skv // (wgs * bkv)
+    stages = cfg.bwd_stages
+    c = float(scale) * LOG2E
+    split = cfg.split_causal
+
+    want_dq = dq_acc_ref is not None
+    # atomic dQ: the CTA's `wgs` warpgroups share one (bq x wgs*bkv) dS tile through shared
+    # memory; warpgroup w computes dQ columns [w*dqw, (w+1)*dqw) over all of the CTA's keys, so
+    # each query block gets ONE fp32 reduce-add of bq x D per CTA step (not one per warpgroup).
+    dqw = D // wgs
+    if want_dq and not want_dk:
+        raise ValueError("atomic dQ rides on the dK pass")
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if want_dq:
+            dq_ref, rest = rest[0], rest[1:]
+        outs = rest[: int(want_dk) + int(want_dv)]
+        smem, bars = rest[len(outs):]
+        dk_ref = outs[0] if want_dk else None
+        dv_ref = outs[-1] if want_dv else None
+        k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
+        if want_dq:
+            ds_smem3, dq_smem2 = smem[6:]
+            bars, ds_ready = bars[:-1], bars[-1]
+        (kv_bar, q_bar, do_bar, lse_bar, delta_bar,
+         q_cons, do_cons, lse_cons, delta_cons) = bars
+        b = lax.axis_index("batch")
+        g = lax.axis_index("kv_heads")
+        wg = lax.axis_index("wg")
+        kt = lax.axis_index("kv_seq")
+        if causal:
+            kt = (n_kt - 1) - kt  # causal: the first key tiles see the most queries: start them first
+        kv_cta0 = kt * (wgs * bkv)
+        q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
+        n_steps_h = nq - q_lo  # query blocks per query head
+        # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
+        if causal:
+            n_mask = (cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
+        total = rep * n_steps_h
+
+        def step_coords(t):
+            hh = g * rep + div(t, n_steps_h)
+            qb = q_lo + rem(t, n_steps_h)
+            return hh, qb
+
+        def _compute(wq):
+            # wq: this warpgroup's index as a Python int when dQ is accumulated here (its dQ
+            # columns are a static slice of the swizzled K tile); refs are indexed with `wg`.
+            plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            kv0 = kv_cta0 + wg * bkv
+            sl = (b, pl.ds(kv0, bkv), g)
+            plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, kv_bar.at[2 * wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, kv_bar.at[2 * wg + 1])
+            plgpu.barrier_wait(kv_bar.at[2 * wg])
+            plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
+            zero = plgpu.layout_cast(jnp.full((bkv, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            dk_acc = zero if want_dk else None
+            dv_acc = zero if want_dv else None
+
+            def step_body(t, qb, carry, masked: bool):
+                dk_acc, dv_acc = carry
+                slot = rem(t, stages)
+                plgpu.barrier_wait(q_bar.at[slot])
+                sT = mma(plgpu, (bkv, bq), k_smem, q_smem.at[slot].transpose((1, 0)))
+                plgpu.barrier_wait(lse_bar.at[slot])
+                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                plgpu.barrier_arrive(lse_cons.at[slot])
+                pT = jnp.exp2(sT * c - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
+                    pT = jnp.where(cols + qb * bq >= rows + kv0, pT, 0.0)
+                plgpu.barrier_wait(do_bar.at[slot])
+                if want_dv and want_dk and not interpret:
+                    # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
+                    zT = plgpu.layout_cast(jnp.full((bkv, bq), 0.0, jnp.float32),
+                                           plgpu.Layout.WGMMA)
+                    pT16 = pT.astype(dtype)
+
+                    def _dv_dp(refs):
+                        dv_ref, dp_ref = refs
+                        plgpu.wgmma(dv_ref, pT16, do_smem.at[slot])
+                        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
+
+                    dv_acc, dpT = pl.run_state(_dv_dp)((plgpu.ACC.init(dv_acc),
+                                                        plgpu.ACC.init(zT)))
+                else:
+                    if want_dv:
+                        dv_acc = mma_into(plgpu, dv_acc, pT.astype(dtype), do_smem.at[slot],
+                                           interpret=interpret)
+                    if want_dk:
+                        dpT = mma(plgpu, (bkv, bq), v_smem, do_smem.at[slot].transpose((1, 0)))
+                plgpu.barrier_arrive(do_cons.at[slot])
+                if want_dk:
+                    plgpu.barrier_wait(delta_bar.at[slot])
+                    delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    dsT = pT * (dpT - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
+                    plgpu.barrier_arrive(delta_cons.at[slot])
+                    dsT16 = dsT.astype(dtype)
+                    if want_dq and not interpret:
+                        hh, _ = step_coords(t)
+                        buf = rem(t, 2)  # dS is double buffered: one 2-arrival barrier per step
+                        ds_smem3.at[buf, wg][...] = dsT16
+                        plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
+                        plgpu.barrier_arrive(ds_ready.at[buf])
+                        zq = plgpu.layout_cast(jnp.full((bq, dqw), 0.0, jnp.float32),
+                                               plgpu.Layout.WGMMA)
+
+                        def _dk_dq(refs):
+                            dk_r, dq_r = refs
+                            plgpu.wgmma(dk_r, dsT16, q_smem.at[slot])
+                            plgpu.barrier_wait(ds_ready.at[buf])  # every warpgroup's dS stored
+                            for w in range(wgs):
+                                plgpu.wgmma(dq_r, ds_smem3.at[buf, w].transpose((1, 0)),
+                                            k_smem2.at[w, :, pl.ds(wq * dqw, dqw)])
+
+                        dk_acc, dq_part = pl.run_state(_dk_dq)((plgpu.ACC.init(dk_acc),
+                                                                plgpu.ACC.init(zq)))
+                        # the previous step's reduce-add must have read dq_smem
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        dq_smem2.at[wg][...] = dq_part
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            dq_smem2.at[wg],
+                            dq_ref.at[b, pl.ds(qb * bq, bq), hh, pl.ds(wq * dqw, dqw)],
+                            reduction_op="add")
+                    else:
+                        dk_acc = mma_into(plgpu, dk_acc, dsT16, q_smem.at[slot],
+                                           interpret=interpret)
+                else:
+                    plgpu.barrier_wait(delta_bar.at[slot])
+                    plgpu.barrier_arrive(delta_cons.at[slot])
+                plgpu.barrier_arrive(q_cons.at[slot])
+                return dk_acc, dv_acc
+
+            def head_body(i, carry):
+                base = i * n_steps_h
+                if causal:
+                    def mbody(j, carry):
+                        return step_body(base + j, q_lo + j, carry, masked=True)
+
+                    def ubody(j, carry):
+                        return step_body(base + j, q_lo + j, carry, masked=False)
+
+                    carry = lax.fori_loop(0, n_mask, mbody, carry)
+                    carry = lax.fori_loop(n_mask, n_steps_h, ubody, carry)
+                else:
+                    def ubody(j, carry):
+                        return step_body(base + j, j, carry, masked=False)
+
+                    carry = lax.fori_loop(0, n_steps_h, ubody, carry)
+                return carry
+
+            dk_acc, dv_acc = lax.fori_loop(0, rep, head_body, (dk_acc, dv_acc))
+            if want_dq and not interpret:
+                # the other warpgroups' last dQ wgmma reads this K tile: wait for them before
+                # the tile is overwritten with dK (one more phase of the dS barrier)
+                plgpu.barrier_arrive(ds_ready.at[rem(total, 2)])
+                plgpu.barrier_wait(ds_ready.at[rem(total, 2)])
+            if want_dk:
+                k_smem[...] = (dk_acc * scale).astype(dtype)
+            if want_dv:
+                v_smem[...] = dv_acc.astype(dtype)
+            plgpu.commit_smem()
+            if want_dk:
+                plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[sl], commit_group=False)
+            if want_dv:
+                plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[sl], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+        if want_dq:
+            for w in range(wgs):
+                pl.when(wg == w)(functools.partial(_compute, w))
+        else:
+            pl.when(wg < wgs)(functools.partial(_compute, None))
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def issue(t, slot):
+                hh, qb = step_coords(t)
+                qsl = (b, pl.ds(qb * bq, bq), hh)
+                rsl = (b, hh, pl.ds(qb * bq, bq))
+                plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem.at[slot], lse_bar.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem.at[slot], do_bar.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem.at[slot], delta_bar.at[slot])
+
+            for i in range(stages):
+                when(i < total, functools.partial(issue, jnp.int32(i), i))
+
+            def mem_body(step, _):
+                t = step + stages
+                slot = rem(step, stages)
+                hh, qb = step_coords(t)
+                qsl = (b, pl.ds(qb * bq, bq), hh)
+                rsl = (b, hh, pl.ds(qb * bq, bq))
+                plgpu.barrier_wait(q_cons.at[slot])
+                plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem.at[slot], q_bar.at[slot])
+                plgpu.barrier_wait(lse_cons.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem.at[slot], lse_bar.at[slot])
+                plgpu.barrier_wait(do_cons.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem.at[slot], do_bar.at[slot])
+                plgpu.barrier_wait(delta_cons.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem.at[slot], delta_bar.at[slot])
+
+            lax.fori_loop(0, total - stages, mem_body, None)
+
+            def drain(step, _):
+                slot = rem(step, stages)
+                for bar in (q_cons, lse_cons, do_cons, delta_cons):
+                    plgpu.barrier_wait(bar.at[slot])
+
+            lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+    tr = smem_transforms(plgpu, dtype)
+    scratch = [
+        (
+            plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.float32),
+        ) + ((
+            plgpu.SMEM((2, wgs, bkv, bq), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bq, dqw), jnp.float32),
+        ) if want_dq else ()),
+        (plgpu.Barrier(num_barriers=2 * wgs),)
+        + (plgpu.Barrier(num_barriers=stages),) * 4
+        + (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 4
+        + ((plgpu.Barrier(num_arrivals=wgs, num_barriers=2),) if want_dq else ()),
+    ]
+    out_type = []
+    if want_dk:
+        out_type.append(jax.ShapeDtypeStruct(k.shape, dtype))
+    if want_dv:
+        out_type.append(jax.ShapeDtypeStruct(v.shape, dtype))
+    outs = plgpu.kernel(
+        body,
+        out_type=tuple(out_type),
+        scratch_types=scratch,
+        grid=(G, n_kt, B),
+        grid_names=("kv_heads", "kv_seq", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_arg(interpret),
+    )(q, k, v, do, lse2, delta, *((dq_acc_ref,) if want_dq else ()))
+    return tuple(outs)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: dQ
+# --------------------------------------------------------------------------------------------
+def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
+                  interpret: bool):
+    plgpu = mosaic_gpu()
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
+    if S % (wgs * bq) or Skv % bkv:
+        raise ValueError("sequence not a multiple of the backward blocks")
+    n_qt = S // (wgs * bq)
+    n_kv = Skv // bkv
+    stages = cfg.bwd_stages
+    c = float(scale) * LOG2E
+    split = cfg.split_causal
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, bars):
+        q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
+        in_bar, k_bar, v_bar, k_cons, v_cons = bars
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        qt = lax.axis_index("q_seq")
+        if causal:
+            qt = (n_qt - 1) - qt
+        kvh = lax.div(h, jnp.int32(rep))
+        q_cta0 = qt * (wgs * bq)
+        if causal:
+            total = cdiv(q_cta0 + wgs * bq, bkv)
+            n_full = lax.div(q_cta0, jnp.int32(bkv)) if split else jnp.int32(0)
+        else:
+            total = n_kv
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
+            q0 = q_cta0 + wg * bq
+            qsl = (b, pl.ds(q0, bq), h)
+            rsl = (b, h, pl.ds(q0, bq))
+            plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem, in_bar.at[4 * wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem, in_bar.at[4 * wg + 1])
+            plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem, in_bar.at[4 * wg + 2])
+            plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem, in_bar.at[4 * wg + 3])
+            for j in range(4):
+                plgpu.barrier_wait(in_bar.at[4 * wg + j])
+            lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            dq_acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            def step_body(t, dq_acc, masked: bool):
+                slot = rem(t, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def _s_dp(s_ref, dp_ref):
+                    # one wgmma group, one wait
+                    plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].transpose((1, 0)))
+                    return s_ref[...], dp_ref[...]
+
+                s, dp = pl.run_scoped(_s_dp, plgpu.ACC((bq, bkv), jnp.float32),
+                                      plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(v_cons.at[slot])
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, (bq, bkv), [0]))
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    p = jnp.where(rows + q0 >= cols + t * bkv, p, 0.0)
+                ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
+                dq_acc = mma_into(plgpu, dq_acc, ds.astype(dtype), k_smem.at[slot],
+                                   interpret=interpret)
+                plgpu.barrier_arrive(k_cons.at[slot])
+                return dq_acc
+
+            if causal:
+                dq_acc = lax.fori_loop(0, n_full, functools.partial(step_body, masked=False), dq_acc)
+                dq_acc = lax.fori_loop(n_full, total, functools.partial(step_body, masked=True), dq_acc)
+            else:
+                dq_acc = lax.fori_loop(0, total, functools.partial(step_body, masked=False), dq_acc)
+            q_smem[...] = (dq_acc * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[qsl])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            for i in range(stages):
+                def _load(i=i):
+                    sl = (b, pl.ds(i * bkv, bkv), kvh)
+                    plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[i], k_bar.at[i])
+                    plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[i], v_bar.at[i])
+                when(i < total, _load)
+
+            def mem_body(step, _):
+                t = step + stages
+                slot = rem(step, stages)
+                sl = (b, pl.ds(t * bkv, bkv), kvh)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
+
+            lax.fori_loop(0, total - stages, mem_body, None)
+
+            def drain(step, _):
+                slot = rem(step, stages)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+
+            lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+    tr = smem_transforms(plgpu, dtype)
+    scratch = [
+        (
+            plgpu.SMEM((wgs, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bq), jnp.float32),
+            plgpu.SMEM((wgs, bq), jnp.float32),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+        ),
+        (
+            plgpu.Barrier(num_barriers=4 * wgs),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        ),
+    ]
+    dq = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=scratch,
+        grid=(H, n_qt, B),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_arg(interpret),
+    )(q, k, v, do, lse2, delta)
+    return dq
+
+
+def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
+              config: HopperConfig | None = None, dlse=None, interpret: bool | None = None):
+    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S]."""
+    interpret = resolve_interpret(interpret)
+    D = q.shape[-1]
+    cfg = config or default_config(D)
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    if dlse is not None:
+        # d lse / d s = p, so a cotangent on lse adds p * dlse to dS: fold it into delta.
+        delta = delta - dlse.astype(jnp.float32)
+    lse2 = lse.astype(jnp.float32) * LOG2E
+    kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret)
+    atomic = atomic_dq_served(D, cfg, interpret) and (
+        cfg.bwd_dq_atomic or k.shape[1] >= ATOMIC_DQ_MIN_KV)
+    if atomic:
+        dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
+                                dq_acc_ref=dq_acc, **kw)
+        dq = (dq_acc[...] * scale).astype(q.dtype)
+        return dq, dk, dv
+    if D > 128:
+        (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
+        (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
+    else:
+        dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True, **kw)
+    dq = _flash_bwd_dq(q, k, v, do, lse2, delta, **kw)
+    return dq, dk, dv

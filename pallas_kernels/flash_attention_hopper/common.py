@@ -1,0 +1,92 @@
+"""Helpers the Hopper forward and backward kernels share: wgmma wrappers, shared-memory transforms,
+int32 arithmetic on traced or Python ints, interpret-mode switches."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax._compat import default_interpret, mosaic_gpu, pl
+
+
+def resolve_interpret(interpret):
+    return default_interpret() if interpret is None else bool(interpret)
+
+
+def interpret_arg(interpret: bool):
+    if not interpret:
+        return None
+    plgpu = mosaic_gpu()
+    return plgpu.InterpretGPUParams()
+
+
+def mma_into(plgpu, acc, a, b, *, interpret: bool, after=None):
+    """acc + a @ b on the tensor cores (wgmma).  `after` runs while the wgmma is in flight."""
+    if interpret:
+        # The CPU interpreter cannot seed an accumulator with a value, nor take the A operand
+        # from registers: emulate with a plain dot (same bf16 operands, fp32 accumulation).
+        if isinstance(a, jax.Array):
+            out = acc + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+            if after is not None:
+                after()
+            return out
+
+        def f(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            if after is not None:
+                after()
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(f, plgpu.ACC(acc.shape, jnp.float32))
+
+    def g(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        if after is not None:
+            after()
+
+    return pl.run_state(g)(plgpu.ACC.init(acc))
+
+
+def mma(plgpu, shape, a, b, *, after=None):
+    """a @ b into a fresh fp32 accumulator."""
+
+    def f(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        if after is not None:
+            after()
+        return acc_ref[...]
+
+    return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
+
+
+def smem_transforms(plgpu, dtype):
+    swizzle = 128
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def cdiv(a, b: int):
+    if isinstance(a, int):
+        return -(-a // b)
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def rem(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a % b
+    return lax.rem(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def div(a, b):
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b
+    return lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def when(cond, fn):
+    """pl.when that also accepts a Python bool."""
+    if isinstance(cond, bool):
+        if cond:
+            fn()
+        return
+    pl.when(cond)(fn)

@@ -1,0 +1,81 @@
+"""Block sizes and the choices they imply for the Hopper flash-attention kernels (no Mosaic GPU import)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+ATOMIC_DQ_MIN_KV = 2048  # bwd_dq_atomic=None: atomic dQ from this key length on
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperConfig:
+    """Block sizes.  Forward CTA = 2 * block_q query rows.  Backward CTA = bwd_wgs * block rows."""
+
+    block_q: int = 64
+    block_kv: int = 128
+    stages: int = 2
+    bwd_block_q: int = 64
+    bwd_block_kv: int = 64
+    bwd_wgs: int = 2
+    bwd_stages: int = 2
+    # The mask is applied only on blocks that cross the diagonal when True; on every block
+    # (simpler, slower) when False.  Kept for debugging.
+    split_causal: bool = True
+    # dQ accumulated inside the dK/dV kernel (FA3): the CTA's dS tile goes to shared memory and
+    # each warpgroup adds its dQ columns to a float32 buffer with TMA reduce-add: 5 matmuls per
+    # block pair instead of the dQ kernel's 7, plus a zero-fill and a conversion pass over dQ.
+    # None (auto): on when served (see atomic_dq_served) and the key sequence is >= 2048
+    # (H100: faster from 4k; at 1k the two extra passes over the fp32 buffer cost more).
+    bwd_dq_atomic: bool | None = None
+    # Forward, non-causal: a persistent grid (one CTA per SM looping over query tiles; the K/V
+    # ring runs on across tiles and the next tile's Q is loaded during this tile's epilogue).
+    # None (auto): on for non-causal calls.  Causal calls always use one CTA per query tile.
+    fwd_persistent: bool | None = None
+    fwd_ctas: int | None = None  # persistent CTAs; None: the device's SM count
+    # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
+    # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
+    # uses the mbarrier.
+    fwd_named_barrier: bool | None = None
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
+            if getattr(self, name) % 64:
+                raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 64")
+        if self.block_kv % self.block_q:
+            raise ValueError("block_kv must be a multiple of block_q")
+        if self.stages < 1 or self.bwd_stages < 1:
+            raise ValueError("stages must be >= 1")
+        if self.bwd_wgs not in (1, 2):
+            raise ValueError("bwd_wgs must be 1 or 2")
+
+
+def default_config(head_dim: int) -> HopperConfig:
+    if head_dim <= 64:
+        return HopperConfig(block_q=64, block_kv=128, stages=3)
+    if head_dim <= 128:
+        return HopperConfig(block_q=64, block_kv=128, stages=2)
+    return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
+
+
+SMEM_BYTES = 227 * 1024  # sm90 dynamic shared memory per CTA
+
+
+def persistent_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
+    """The persistent forward's shared memory (2 Q/O buffers per warpgroup + the K/V ring)."""
+    item = jnp.dtype(dtype).itemsize
+    need = (4 * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * item + 4096
+    return need <= SMEM_BYTES
+
+
+def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
+    """Whether flash_bwd accumulates dQ inside the dK/dV kernel for this config.
+
+    Needs: the GPU (the CPU interpreter has no TMA reduce-add), head_dim <= 128 (shared memory),
+    and head_dim / bwd_wgs a multiple of 64 (each warpgroup's dQ columns are whole swizzle tiles).
+    """
+    return (cfg.bwd_dq_atomic is not False and not interpret and head_dim <= 128
+            and (head_dim // cfg.bwd_wgs) % 64 == 0)

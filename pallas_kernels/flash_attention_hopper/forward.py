@@ -1,0 +1,422 @@
+"""Hopper (sm90) flash-attention forward in Pallas Mosaic GPU (FA3 layout).
+
+Each CTA owns 2 x block_q query rows; two compute warpgroups (one per block_q rows) and one memory
+warpgroup that streams K/V tiles into a `stages`-deep shared-memory ring with TMA.  The two compute
+warpgroups ping-pong on the tensor cores through a rendezvous (a hardware named barrier on the GPU),
+so one warpgroup's softmax runs while the other's QK^T / PV wgmma runs.
+  * non-causal: a persistent grid (one CTA per SM looping over query tiles; see
+    _flash_fwd_persistent) where shared memory allows;
+  * causal (top-left, Sq == Skv): one CTA per query tile, heaviest tiles first; a CTA loads only the
+    K/V blocks left of its diagonal and masks only the blocks that cross it.
+Outputs: out [B,S,H,D] (q.dtype) and lse [B,H,S] float32 (natural log).
+Mosaic GPU is imported lazily (inside functions): this module imports on any machine.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax._compat import mosaic_gpu, pl
+
+from .common import cdiv, div, interpret_arg, mma, mma_into, rem, resolve_interpret, smem_transforms, when
+from .config import LN2, LOG2E, HopperConfig, default_config, persistent_fits
+
+
+_SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
+
+
+class _Sched:
+    """The two compute warpgroups' rendezvous (the forward's ping-pong schedule).
+
+    mbarrier: one 2-arrival barrier, arrive + wait.  named: `bar.sync 4, 256` (both compute
+    warpgroups' 256 threads), a hardware barrier with no memory round trip.
+    """
+
+    def __init__(self, plgpu, bar, named: bool):
+        self.plgpu, self.bar, self.named = plgpu, bar, named
+
+    def _bar_sync(self):
+        from jax.experimental.mosaic import gpu as mgpu
+
+        @self.plgpu.inline_mgpu()
+        def _sync(_):
+            mgpu.utils.inline_ptx(f"bar.sync {_SCHED_BAR_ID}, 256;", has_side_effects=True)
+
+        _sync()
+
+    def sync(self):
+        if self.named:
+            self._bar_sync()
+        else:
+            self.plgpu.barrier_arrive(self.bar)
+            self.plgpu.barrier_wait(self.bar)
+
+    def before_pv(self, v_ready):
+        """After the softmax: V ready, and the other warpgroup done with the tensor cores."""
+        if self.named:
+            self.plgpu.barrier_wait(v_ready)
+            self._bar_sync()
+        else:
+            self.plgpu.barrier_arrive(self.bar)  # done with softmax
+            self.plgpu.barrier_wait(v_ready)
+            self.plgpu.barrier_wait(self.bar)  # tensor cores free
+
+
+def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_cons, sched,
+                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None):
+    """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
+
+    carry: (acc [bq, D] f32, m [bq] f32 (log2 units, scaled), l [bq] f32).  The QK^T wgmma is
+    followed by a rendezvous on `sched` (the other warpgroup then runs its softmax while this
+    one's wgmma runs); after the softmax a second rendezvous waits for the tensor cores.
+    mask(shape) -> bool [bq, bkv] keeps logits (causal blocks); wait_next_k runs while the PV
+    wgmma is in flight (the next K tile's barrier).
+    """
+    acc, m_i, l_i = carry
+    D = acc.shape[-1]
+
+    bq, bkv = q_smem.shape[0], k_tile.shape[0]
+    s = mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=sched.sync)
+    plgpu.barrier_arrive(k_cons)
+    if mask is not None:
+        s = jnp.where(mask(s.shape), s, -jnp.inf)
+
+    m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l_i = l_i * alpha
+    p16 = p.astype(dtype)
+
+    def end_softmax():
+        sched.before_pv(v_ready)
+
+    if D <= 128:
+        l_i = l_i + p.sum(axis=1)
+        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        end_softmax()
+    else:
+        end_softmax()
+        l_i = l_i + p.sum(axis=1)
+
+    acc = mma_into(plgpu, acc, p16, v_tile, interpret=interpret, after=wait_next_k)
+    plgpu.barrier_arrive(v_cons)
+    return acc, m_new, l_i
+
+
+def _stream_kv(plgpu, total, kv_slice, *, stages, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_cons, v_cons):
+    """The memory warpgroup: TMA K/V block g = 0 .. total-1 (gmem index kv_slice(g)) into ring slot
+    g % stages once the compute warpgroups have released it; then observe the last consumed phases, so
+    that every barrier phase is waited on before the CTA exits (the GPU interpreter checks this)."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(g, slot):
+        sl = kv_slice(g)
+        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
+
+    for i in range(stages):
+        when(i < total, functools.partial(load, jnp.int32(i), i))
+
+    def refill(step, _):
+        slot = rem(step, stages)
+        sl = kv_slice(step + stages)
+        plgpu.barrier_wait(k_cons.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
+        plgpu.barrier_wait(v_cons.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
+
+    lax.fori_loop(0, total - stages, refill, None)
+
+    def drain(step, _):
+        slot = rem(step, stages)
+        plgpu.barrier_wait(k_cons.at[slot])
+        plgpu.barrier_wait(v_cons.at[slot])
+
+    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+
+def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
+              interpret: bool):
+    """plgpu.kernel for a forward body: 2 compute warpgroups + 1 memory warpgroup.
+
+    Shared memory: Q/O tiles [2 warpgroups, *q_buffers, bq, D], the K and V rings [stages, bkv, D], lse
+    staging [2, bq].  Barriers: k/v loaded (per slot), Q loaded (per warpgroup and buffer), k/v consumed
+    (2 arrivals per slot), the ping-pong rendezvous (2 arrivals).
+    """
+    B, S, H, D = q.shape
+    dtype = q.dtype
+    tr = smem_transforms(plgpu, dtype)
+    scratch = [
+        (
+            plgpu.SMEM((2, q_buffers, bq, D) if q_buffers > 1 else (2, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.float32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=2 * q_buffers),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+        ),
+    ]
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32)),
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_arg(interpret),
+    )(q, k, v)
+
+
+def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
+              interpret: bool | None = None):
+    """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log)."""
+    plgpu = mosaic_gpu()
+    interpret = resolve_interpret(interpret)
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    cfg = config or default_config(D)
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv = cfg.block_q, cfg.block_kv
+    if S % (2 * bq) or Skv % bkv:
+        raise ValueError(f"sequence {S}/{Skv} not a multiple of {2 * bq}/{bkv}")
+    if causal and S != Skv:
+        raise ValueError("causal needs Sq == Skv")
+    if not causal and cfg.fwd_persistent is not False and persistent_fits(cfg, D, dtype):
+        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret)
+    n_kv = Skv // bkv
+    stages = max(1, min(cfg.stages, n_kv))
+    n_qt = S // (2 * bq)
+    c = float(scale) * LOG2E
+    named = cfg.fwd_named_barrier is not False and not interpret
+    split = cfg.split_causal
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
+        qo_smem2, k_smem, v_smem, lse_smem2 = smem
+        k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        qt = lax.axis_index("q_seq")
+        if causal:
+            qt = (n_qt - 1) - qt  # heaviest tiles first
+        kvh = lax.div(h, jnp.int32(rep))
+
+        sched = _Sched(plgpu, sched, named)
+        sched_sync = sched.sync
+
+        if causal:
+            cta_steps = cdiv((qt + 1) * (2 * bq), bkv)
+        else:
+            cta_steps = n_kv
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            lse_smem = lse_smem2.at[wg]
+            q0 = qt * (2 * bq) + wg * bq
+            kv_steps = cdiv(q0 + bq, bkv) if causal else n_kv
+
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            plgpu.barrier_wait(k_bar.at[0])
+            pl.when(wg == 1)(sched_sync)
+
+            def kv_body(step, carry, masked: bool):
+                slot = rem(step, stages)
+
+                def mask(shape):
+                    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    return rows + q0 >= cols + step * bkv
+
+                def wait_next_k():
+                    nxt = step + 1
+
+                    @pl.when(nxt < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[rem(nxt, stages)])
+
+                return _fwd_kv_step(
+                    plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
+                    k_cons=k_cons.at[slot], v_ready=v_bar.at[slot], v_cons=v_cons.at[slot],
+                    sched=sched, c=c, dtype=dtype, interpret=interpret,
+                    mask=mask if masked else None, wait_next_k=wait_next_k)
+
+            carry = (acc, m_i, l_i)
+            if not causal:
+                carry = lax.fori_loop(0, n_kv, functools.partial(kv_body, masked=False), carry)
+            else:
+                full = lax.div(q0, jnp.int32(bkv)) if split else jnp.int32(0)
+                carry = lax.fori_loop(0, full, functools.partial(kv_body, masked=False), carry)
+                carry = lax.fori_loop(full, kv_steps, functools.partial(kv_body, masked=True), carry)
+
+                def flush(step, _):
+                    # Keep the pipeline and the ping-pong in step when this warpgroup is done
+                    # before the other one (causal: the first warpgroup has fewer blocks).
+                    slot = rem(step, stages)
+                    plgpu.barrier_wait(k_bar.at[slot])  # observe every phase (no skipped waits)
+                    plgpu.barrier_arrive(k_cons.at[slot])
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_arrive(v_cons.at[slot])
+                    sched_sync()
+                    sched_sync()
+
+                lax.fori_loop(kv_steps, cta_steps, flush, None)
+            acc, m_i, l_i = carry
+            pl.when(wg == 0)(sched_sync)
+
+            inv = 1.0 / l_i
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = (m_i + jnp.log2(l_i)) * LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            _stream_kv(plgpu, cta_steps, lambda g: (b, pl.ds(g * bkv, bkv), kvh), stages=stages,
+                       k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
+                       k_cons=k_cons, v_cons=v_cons)
+
+    out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=1, bq=bq, bkv=bkv, stages=stages, grid=(H, n_qt, B),
+                         grid_names=("heads", "q_seq", "batch"), interpret=interpret)
+    return out, lse
+
+
+def _num_sms() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool):
+    """Non-causal forward on a persistent grid: CTA j takes query tiles j, j + n_ctas, ...
+
+    Tiles are ordered (batch, head, query tile) so CTAs running together share K/V in L2.  The
+    memory warpgroup streams K/V for all of the CTA's tiles through one ring (global step
+    counter); each compute warpgroup double-buffers its Q tile in shared memory and loads the
+    next tile's Q before this tile's epilogue (the O tile is staged in the buffer Q leaves).
+    """
+    plgpu = mosaic_gpu()
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv = cfg.block_q, cfg.block_kv
+    n_kv = Skv // bkv
+    stages = max(1, min(cfg.stages, n_kv))
+    n_qt = S // (2 * bq)
+    n_tiles = B * H * n_qt
+    n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or _num_sms()))
+    c = float(scale) * LOG2E
+    named = cfg.fwd_named_barrier is not False and not interpret
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
+        qo_smem4, k_smem, v_smem, lse_smem2 = smem
+        k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
+        cta = lax.axis_index("cta")
+        wg = lax.axis_index("wg")
+        n_my = cdiv(n_tiles - cta, n_ctas)  # >= 1: n_ctas <= n_tiles
+
+        def coords(i):
+            t = cta + i * n_ctas
+            bh = div(t, n_qt)
+            return div(bh, H), rem(bh, H), rem(t, n_qt)  # batch, head, query tile
+
+        sched = _Sched(plgpu, sched, named)
+        sched_sync = sched.sync
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            def load_q(i, buf):
+                b, h, qt = coords(i)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qt * (2 * bq) + wg * bq, bq), h],
+                                        qo_smem4.at[wg, buf], q_bar.at[2 * wg + buf])
+
+            load_q(0, 0)
+
+            def tile_body(i, _):
+                b, h, qt = coords(i)
+                buf = rem(i, 2)
+                qo_smem = qo_smem4.at[wg, buf]
+                q0 = qt * (2 * bq) + wg * bq
+                g0 = i * n_kv  # this tile's first step in the CTA's K/V ring
+                plgpu.barrier_wait(q_bar.at[2 * wg + buf])
+                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
+                                        plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
+                pl.when(wg == 1)(sched_sync)
+
+                def kv_body(step, carry):
+                    g = g0 + step
+                    slot = rem(g, stages)
+
+                    def wait_next_k():
+                        @pl.when(step + 1 < n_kv)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
+
+                    return _fwd_kv_step(
+                        plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot],
+                        v_tile=v_smem.at[slot], k_cons=k_cons.at[slot], v_ready=v_bar.at[slot],
+                        v_cons=v_cons.at[slot], sched=sched, c=c, dtype=dtype,
+                        interpret=interpret, wait_next_k=wait_next_k)
+
+                acc, m_i, l_i = lax.fori_loop(0, n_kv, kv_body, (acc, m_i, l_i))
+                pl.when(wg == 0)(sched_sync)
+                # Q of this tile is consumed.  The other buffer staged the previous tile's O,
+                # whose store was issued a whole tile ago: wait for it to be read, then load
+                # the next tile's Q there while this tile's epilogue runs.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
+                inv = 1.0 / l_i
+                acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                qo_smem[...] = acc.astype(dtype)
+                lse_smem2.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+                plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, h, pl.ds(q0, bq)])
+                return None
+
+            lax.fori_loop(0, n_my, tile_body, None)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            def kv_slice(g):  # the CTA's g-th K/V block: tile g // n_kv, block g % n_kv
+                b, h, _ = coords(div(g, n_kv))
+                return b, pl.ds(rem(g, n_kv) * bkv, bkv), lax.div(h, jnp.int32(rep))
+
+            _stream_kv(plgpu, n_my * n_kv, kv_slice, stages=stages, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem,
+                       v_smem=v_smem, k_bar=k_bar, v_bar=v_bar, k_cons=k_cons, v_cons=v_cons)
+
+    out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=2, bq=bq, bkv=bkv, stages=stages, grid=(n_ctas,),
+                         grid_names=("cta",), interpret=interpret)
+    return out, lse
