@@ -22,7 +22,8 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import cdiv, div, interpret_arg, mma, mma_into, rem, resolve_interpret, smem_transforms, when
+from .common import (cdiv, div, interpret_arg, mma, mma_into, rem, resolve_interpret, smem_transforms,
+                     stream_ring)
 from .config import ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, default_config
 
 
@@ -222,41 +223,15 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
 
-            def issue(t, slot):
+            def rows(t):  # (q / dO slice, lse / delta slice) of step t
                 hh, qb = step_coords(t)
-                qsl = (b, pl.ds(qb * bq, bq), hh)
-                rsl = (b, hh, pl.ds(qb * bq, bq))
-                plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem.at[slot], q_bar.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem.at[slot], lse_bar.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem.at[slot], do_bar.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem.at[slot], delta_bar.at[slot])
+                return (b, pl.ds(qb * bq, bq), hh), (b, hh, pl.ds(qb * bq, bq))
 
-            for i in range(stages):
-                when(i < total, functools.partial(issue, jnp.int32(i), i))
-
-            def mem_body(step, _):
-                t = step + stages
-                slot = rem(step, stages)
-                hh, qb = step_coords(t)
-                qsl = (b, pl.ds(qb * bq, bq), hh)
-                rsl = (b, hh, pl.ds(qb * bq, bq))
-                plgpu.barrier_wait(q_cons.at[slot])
-                plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem.at[slot], q_bar.at[slot])
-                plgpu.barrier_wait(lse_cons.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem.at[slot], lse_bar.at[slot])
-                plgpu.barrier_wait(do_cons.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem.at[slot], do_bar.at[slot])
-                plgpu.barrier_wait(delta_cons.at[slot])
-                plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem.at[slot], delta_bar.at[slot])
-
-            lax.fori_loop(0, total - stages, mem_body, None)
-
-            def drain(step, _):
-                slot = rem(step, stages)
-                for bar in (q_cons, lse_cons, do_cons, delta_cons):
-                    plgpu.barrier_wait(bar.at[slot])
-
-            lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+            stream_ring(plgpu, total, stages, rows,
+                        [(lambda r: q_ref.at[r[0]], q_smem, q_bar, q_cons),
+                         (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_cons),
+                         (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_cons),
+                         (lambda r: delta_ref.at[r[1]], delta_smem, delta_bar, delta_cons)])
 
     tr = smem_transforms(plgpu, dtype)
     scratch = [
@@ -387,30 +362,9 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         @pl.when(wg == wgs)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            for i in range(stages):
-                def _load(i=i):
-                    sl = (b, pl.ds(i * bkv, bkv), kvh)
-                    plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[i], k_bar.at[i])
-                    plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[i], v_bar.at[i])
-                when(i < total, _load)
-
-            def mem_body(step, _):
-                t = step + stages
-                slot = rem(step, stages)
-                sl = (b, pl.ds(t * bkv, bkv), kvh)
-                plgpu.barrier_wait(k_cons.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
-                plgpu.barrier_wait(v_cons.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
-
-            lax.fori_loop(0, total - stages, mem_body, None)
-
-            def drain(step, _):
-                slot = rem(step, stages)
-                plgpu.barrier_wait(k_cons.at[slot])
-                plgpu.barrier_wait(v_cons.at[slot])
-
-            lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+            stream_ring(plgpu, total, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
+                        [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
+                         (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
 
     tr = smem_transforms(plgpu, dtype)
     scratch = [

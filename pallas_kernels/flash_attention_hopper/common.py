@@ -2,6 +2,8 @@
 int32 arithmetic on traced or Python ints, interpret-mode switches."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -90,3 +92,37 @@ def when(cond, fn):
             fn()
         return
     pl.when(cond)(fn)
+
+
+def stream_ring(plgpu, total, stages: int, coords, streams):
+    """A memory warpgroup's loop: for g = 0 .. total-1, TMA every stream's g-th tile into ring slot
+    g % stages once the compute warpgroups have released that slot; then observe the last consumed
+    phases, so that every barrier phase is waited on before the CTA exits (the interpreter checks).
+
+    coords(g): whatever locates step g (computed once per step); streams: (view(coords) -> gmem ref
+    view, smem ring [stages, ...], loaded barriers [stages], consumed barriers [stages]) each, issued
+    in this order at every step.
+    """
+    def load(g, slot):
+        c = coords(g)
+        for view, ring, loaded, _ in streams:
+            plgpu.copy_gmem_to_smem(view(c), ring.at[slot], loaded.at[slot])
+
+    for i in range(stages):
+        when(i < total, functools.partial(load, jnp.int32(i), i))
+
+    def refill(step, _):
+        slot = rem(step, stages)
+        c = coords(step + stages)
+        for view, ring, loaded, consumed in streams:
+            plgpu.barrier_wait(consumed.at[slot])
+            plgpu.copy_gmem_to_smem(view(c), ring.at[slot], loaded.at[slot])
+
+    lax.fori_loop(0, total - stages, refill, None)
+
+    def drain(step, _):
+        slot = rem(step, stages)
+        for *_, consumed in streams:
+            plgpu.barrier_wait(consumed.at[slot])
+
+    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)

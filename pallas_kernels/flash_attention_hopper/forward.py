@@ -21,7 +21,8 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import cdiv, div, interpret_arg, mma, mma_into, rem, resolve_interpret, smem_transforms, when
+from .common import (cdiv, div, interpret_arg, mma, mma_into, rem, resolve_interpret, smem_transforms,
+                     stream_ring, when)
 from .config import LN2, LOG2E, HopperConfig, default_config, persistent_fits
 
 
@@ -105,38 +106,6 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_con
     acc = mma_into(plgpu, acc, p16, v_tile, interpret=interpret, after=wait_next_k)
     plgpu.barrier_arrive(v_cons)
     return acc, m_new, l_i
-
-
-def _stream_kv(plgpu, total, kv_slice, *, stages, k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_cons, v_cons):
-    """The memory warpgroup: TMA K/V block g = 0 .. total-1 (gmem index kv_slice(g)) into ring slot
-    g % stages once the compute warpgroups have released it; then observe the last consumed phases, so
-    that every barrier phase is waited on before the CTA exits (the GPU interpreter checks this)."""
-    plgpu.set_max_registers(40, action="decrease")
-
-    def load(g, slot):
-        sl = kv_slice(g)
-        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
-
-    for i in range(stages):
-        when(i < total, functools.partial(load, jnp.int32(i), i))
-
-    def refill(step, _):
-        slot = rem(step, stages)
-        sl = kv_slice(step + stages)
-        plgpu.barrier_wait(k_cons.at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_bar.at[slot])
-        plgpu.barrier_wait(v_cons.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_bar.at[slot])
-
-    lax.fori_loop(0, total - stages, refill, None)
-
-    def drain(step, _):
-        slot = rem(step, stages)
-        plgpu.barrier_wait(k_cons.at[slot])
-        plgpu.barrier_wait(v_cons.at[slot])
-
-    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
@@ -297,9 +266,10 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
         @pl.when(wg == 2)
         def _memory():
-            _stream_kv(plgpu, cta_steps, lambda g: (b, pl.ds(g * bkv, bkv), kvh), stages=stages,
-                       k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
-                       k_cons=k_cons, v_cons=v_cons)
+            plgpu.set_max_registers(40, action="decrease")
+            stream_ring(plgpu, cta_steps, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
+                        [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
+                         (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
 
     out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=1, bq=bq, bkv=bkv, stages=stages, grid=(H, n_qt, B),
                          grid_names=("heads", "q_seq", "batch"), interpret=interpret)
@@ -414,8 +384,10 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 b, h, _ = coords(div(g, n_kv))
                 return b, pl.ds(rem(g, n_kv) * bkv, bkv), lax.div(h, jnp.int32(rep))
 
-            _stream_kv(plgpu, n_my * n_kv, kv_slice, stages=stages, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem,
-                       v_smem=v_smem, k_bar=k_bar, v_bar=v_bar, k_cons=k_cons, v_cons=v_cons)
+            plgpu.set_max_registers(40, action="decrease")
+            stream_ring(plgpu, n_my * n_kv, stages, kv_slice,
+                        [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
+                         (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
 
     out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=2, bq=bq, bkv=bkv, stages=stages, grid=(n_ctas,),
                          grid_names=("cta",), interpret=interpret)
