@@ -14,8 +14,10 @@ the Pallas kernels are taken again where they serve).
 Rules (each a fallback to calling the op as it is, under the partitioner):
   - no mesh axis XLA partitions, no logical axis rules active, or a mesh axis that is Explicit/Manual;
   - an operand axis the op needs whole (not in `split`: a norm's hidden axis, attention's sequence,
-    any axis of a parameter) is sharded over a partitioned mesh axis (tensor parallelism, FSDP,
-    sequence parallelism);
+    any axis of a parameter) is sharded over a partitioned mesh axis (tensor or sequence parallelism);
+    except FSDP: a parameter (any operand but the first) sharded over a mesh axis that also splits the
+    operands along a `split` axis is passed whole (all-gathered before the shard_map, its cotangent
+    summed back), as FSDP gathers it for the op anyway;
   - a split axis does not divide by the product of its mesh axes' sizes, or one mesh axis would
     split two axes of one operand;
   - nothing would be split over a partitioned axis.
@@ -105,6 +107,16 @@ def plan_per_shard(args: Sequence, arg_names: Sequence[AxisNames | None], out_na
         return None, f"the mesh has non-Auto axes {kinds}"
     sizes = {a: int(s) for a, s in zip(mesh.axis_names, mesh.axis_sizes)}
     split = frozenset(n for n in split if n is not None)
+    # The mesh axes that split some operand along a `split` axis. A parameter whose whole-needed axis is
+    # sharded over one of them is the FSDP pattern (("batch", "data") and ("embed", "data")): it is passed
+    # whole, all-gathered before the shard_map as FSDP gathers it anyway, and its cotangent summed back.
+    # Sharded over any other axis (tensor or sequence parallelism), the op cannot run per shard.
+    splitting = set()
+    for a, names in zip(args, arg_names):
+        if a is not None and names and len(names) == a.ndim:
+            for name, entry in zip(names, mesh_axes_per_dim(tuple(names))):
+                if name in split:
+                    splitting |= {x for x in mesh_axes_of(entry) if x in partitioned}
     manual: set = set()
     specs = []
     for i, (a, names) in enumerate(zip(args, arg_names)):
@@ -119,7 +131,7 @@ def plan_per_shard(args: Sequence, arg_names: Sequence[AxisNames | None], out_na
             axes = mesh_axes_of(entry)
             if name not in split:
                 hit = tuple(x for x in axes if x in partitioned)
-                if hit:
+                if hit and not (i > 0 and set(hit) <= splitting):
                     return None, (f"operand {i} axis {name!r} is sharded over {hit}, and the op needs it whole")
                 entries.append(None)
                 continue

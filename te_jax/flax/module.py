@@ -21,8 +21,10 @@ shard (shard_map over the mesh axes those names map to; the parameters replicate
 kernel, which XLA's SPMD partitioner cannot split, computes only the local rows. Tensor parallelism runs
 per shard too: LayerNormDenseGeneral's kernel sharded along its feature axes (column-parallel), and
 LayerNormMLP's "mlp" axis (wi column-parallel, wo row-parallel: partial products summed over the shards,
-then wo_bias). Without the input axes, or when the hidden axis or another parameter axis is sharded (FSDP),
-the op runs under the partitioner as before (auto then takes the xla backend, see te_jax.normalization).
+then wo_bias). FSDP too: parameters sharded over the mesh axis that splits the batch are all-gathered into
+the per-shard run. Without the input axes, or when the input's hidden axis or a parameter axis is sharded
+any other way, the op runs under the partitioner as before (auto then takes the xla backend, see
+te_jax.normalization).
 The mechanism is te_jax/flax/_sharding.py's run_per_shard, which the attention modules use too.
 """
 from __future__ import annotations
