@@ -188,3 +188,13 @@ def test_persistent_forward_shared_memory_budget():
     assert persistent_fits(default_config(128), 128, jnp.bfloat16)
     assert persistent_fits(default_config(64), 64, jnp.bfloat16)
     assert not persistent_fits(default_config(256), 256, jnp.bfloat16)  # grid path serves hd256
+
+
+@pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
+                                dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto")])
+def test_config_rejects_bad_switches(kw):
+    from pallas_kernels.flash_attention_hopper.config import HopperConfig
+
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=name):
+        HopperConfig(**kw)

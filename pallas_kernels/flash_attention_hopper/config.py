@@ -51,6 +51,11 @@ class HopperConfig:
             raise ValueError("stages must be >= 1")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
+        for name in ("bwd_dq_atomic", "fwd_persistent", "fwd_named_barrier"):
+            if not isinstance(getattr(self, name), (bool, type(None))):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
+        if self.fwd_ctas is not None and (not isinstance(self.fwd_ctas, int) or self.fwd_ctas < 1):
+            raise ValueError(f"fwd_ctas={self.fwd_ctas!r}: expected None (the SM count) or an int >= 1")
 
 
 def default_config(head_dim: int) -> HopperConfig:
