@@ -22,8 +22,8 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import (cdiv, div, interpret_arg, mma, mma_into, rem, resolve_interpret, smem_transforms,
-                     stream_ring)
+from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, smem_transforms, stream_ring,
+                     warp_specialized_kernel)
 from .config import ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, default_config
 
 
@@ -256,17 +256,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         out_type.append(jax.ShapeDtypeStruct(k.shape, dtype))
     if want_dv:
         out_type.append(jax.ShapeDtypeStruct(v.shape, dtype))
-    outs = plgpu.kernel(
-        body,
-        out_type=tuple(out_type),
-        scratch_types=scratch,
-        grid=(G, n_kt, B),
-        grid_names=("kv_heads", "kv_seq", "batch"),
-        num_threads=wgs + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_arg(interpret),
-    )(q, k, v, do, lse2, delta, *((dq_acc_ref,) if want_dq else ()))
+    outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=(G, n_kt, B),
+                                   grid_names=("kv_heads", "kv_seq", "batch"), compute_wgs=wgs,
+                                   interpret=interpret)(q, k, v, do, lse2, delta,
+                                                        *((dq_acc_ref,) if want_dq else ()))
     return tuple(outs)
 
 
@@ -384,17 +377,9 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         ),
     ]
-    dq = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        scratch_types=scratch,
-        grid=(H, n_qt, B),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=wgs + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_arg(interpret),
-    )(q, k, v, do, lse2, delta)
+    dq = warp_specialized_kernel(plgpu, body, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
+                                 grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
+                                 interpret=interpret)(q, k, v, do, lse2, delta)
     return dq
 
 

@@ -126,3 +126,20 @@ def stream_ring(plgpu, total, stages: int, coords, streams):
             plgpu.barrier_wait(consumed.at[slot])
 
     lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+
+def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names, compute_wgs: int,
+                            interpret: bool):
+    """plgpu.kernel(body) with `compute_wgs` compute warpgroups and one memory warpgroup (thread axis
+    "wg", the memory warpgroup last), fast approximate exp2/log2."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=compute_wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_arg(interpret),
+    )

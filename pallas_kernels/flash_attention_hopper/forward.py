@@ -21,8 +21,8 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import (cdiv, div, interpret_arg, mma, mma_into, rem, resolve_interpret, smem_transforms,
-                     stream_ring, when)
+from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, smem_transforms, stream_ring,
+                     warp_specialized_kernel, when)
 from .config import LN2, LOG2E, HopperConfig, default_config, persistent_fits
 
 
@@ -135,17 +135,9 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
             plgpu.Barrier(num_arrivals=2),
         ),
     ]
-    return plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32)),
-        scratch_types=scratch,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret_arg(interpret),
-    )(q, k, v)
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
+                                   compute_wgs=2, interpret=interpret)(q, k, v)
 
 
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
