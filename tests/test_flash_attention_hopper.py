@@ -198,3 +198,15 @@ def test_config_rejects_bad_switches(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=name):
         HopperConfig(**kw)
+
+
+def test_describe_plan_names_each_choice():
+    d = fah.describe_plan
+    assert "persistent grid" in d(128, 4096, False, jnp.bfloat16) and "reduce-add" in d(128, 4096, False, jnp.bfloat16)
+    assert "heaviest first" in d(128, 4096, True, jnp.bfloat16)
+    assert "no shared memory for the persistent grid" in d(256, 4096, False, jnp.bfloat16)
+    assert "serves head_dim 128; this is 64" in d(64, 4096, True, jnp.bfloat16)
+    assert "keys 1024 < 2048" in d(128, 1024, False, jnp.bfloat16)
+    forced = fah.HopperConfig(bwd_dq_atomic=False, fwd_persistent=False)
+    assert d(128, 4096, False, jnp.bfloat16, forced) == (
+        "forward one CTA per query tile; backward with a separate dQ kernel (bwd_dq_atomic=False)")

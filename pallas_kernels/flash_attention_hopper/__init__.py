@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from .backward import flash_bwd
-from .config import HopperConfig, default_config
+from .config import HopperConfig, default_config, describe_plan
 from .forward import flash_fwd
 from .reference import attention_reference
 
 __all__ = [
     "HopperConfig",
     "default_config",
+    "describe_plan",
     "hopper_attention",
     "hopper_attention_bwd",
     "hopper_attention_fwd",

@@ -84,3 +84,24 @@ def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
     """
     return (cfg.bwd_dq_atomic is not False and not interpret and head_dim <= 128
             and (head_dim // cfg.bwd_wgs) % 64 == 0)
+
+
+def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperConfig | None = None) -> str:
+    """How the kernels run a call on the GPU, in words (for the backend explanation)."""
+    cfg = cfg or default_config(head_dim)
+    if causal:
+        fwd = "forward one CTA per query tile, heaviest first"
+    elif cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype):
+        fwd = "forward on a persistent grid (one CTA per SM)"
+    else:
+        fwd = "forward one CTA per query tile" + (
+            "" if cfg.fwd_persistent is False else f" (head_dim {head_dim}: no shared memory for the persistent grid)")
+    if atomic_dq_served(head_dim, cfg, interpret=False) and (cfg.bwd_dq_atomic or kv_len >= ATOMIC_DQ_MIN_KV):
+        bwd = "backward dQ accumulated in the dK/dV kernel (fp32 TMA reduce-add)"
+    elif cfg.bwd_dq_atomic is False:
+        bwd = "backward with a separate dQ kernel (bwd_dq_atomic=False)"
+    elif not atomic_dq_served(head_dim, cfg, interpret=False):
+        bwd = f"backward with a separate dQ kernel (in-kernel dQ serves head_dim 128; this is {head_dim})"
+    else:
+        bwd = f"backward with a separate dQ kernel (keys {kv_len} < {ATOMIC_DQ_MIN_KV}: faster there)"
+    return f"{fwd}; {bwd}"

@@ -52,6 +52,13 @@ def gpu_preference(call) -> tuple[tuple[str, ...], str]:
     return ("cudnn", "pallas", "xla"), why
 
 
+def _hopper_detail(call) -> str:
+    from pallas_kernels import flash_attention_hopper as fh
+
+    d = call.dims
+    return f"Hopper (Mosaic GPU) kernel: {fh.describe_plan(d.head_dim_qk, d.kv_len, call.mask.causal, call.dtype)}"
+
+
 @dataclasses.dataclass
 class BackendChoice:
     """Which backend runs a call and, for every backend, why it was or was not taken."""
@@ -117,7 +124,7 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
     if selected == "pallas":
         pb = BACKENDS["pallas"]
         hr = pb.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
-        detail = ("Hopper (Mosaic GPU) kernel" if hr is None
+        detail = (_hopper_detail(call) if hr is None
                   else f"portable Triton-lowered kernel (Hopper kernel not used: {hr})")
     choice = BackendChoice(selected, reasons, source, detail, notes=notes)
     policy.log_choice(choice)
