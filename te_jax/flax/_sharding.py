@@ -15,9 +15,9 @@ Rules (each a fallback to calling the op as it is, under the partitioner):
   - no mesh axis XLA partitions, no logical axis rules active, or a mesh axis that is Explicit/Manual;
   - an operand axis the op needs whole (not in `split`: a norm's hidden axis, attention's sequence,
     any axis of a parameter) is sharded over a partitioned mesh axis (tensor or sequence parallelism);
-    except FSDP: a parameter (any operand but the first) sharded over a mesh axis that also splits the
-    operands along a `split` axis is passed whole (all-gathered before the shard_map, its cotangent
-    summed back), as FSDP gathers it for the op anyway;
+    except FSDP: an operand the caller names a parameter (`params`), sharded over a mesh axis that also
+    splits the operands along a `split` axis, is passed whole (all-gathered before the shard_map, its
+    cotangent summed back), as FSDP gathers it for the op anyway;
   - a split axis does not divide by the product of its mesh axes' sizes, or one mesh axis would
     split two axes of one operand;
   - nothing would be split over a partitioned axis.
@@ -86,7 +86,7 @@ class ShardPlan:
 
 
 def plan_per_shard(args: Sequence, arg_names: Sequence[AxisNames | None], out_names: AxisNames,
-                   split: Collection[str]) -> tuple[ShardPlan | None, str]:
+                   split: Collection[str], params: Collection[int] = ()) -> tuple[ShardPlan | None, str]:
     """(plan, "") when the op can run per shard under the current mesh and logical axis rules,
     else (None, why not).
 
@@ -95,6 +95,7 @@ def plan_per_shard(args: Sequence, arg_names: Sequence[AxisNames | None], out_na
     out_names: logical names of the output's leading axes (every output leaf gets that spec; names
       not in `split` are left unsplit).
     split: the logical names along which the op is independent (it may run on a slice of them).
+    params: indices of the operands that are parameters (FSDP-sharded ones are gathered, see above).
     """
     partitioned = policy.partitioned_mesh_axes()
     if not partitioned:
@@ -131,7 +132,7 @@ def plan_per_shard(args: Sequence, arg_names: Sequence[AxisNames | None], out_na
             axes = mesh_axes_of(entry)
             if name not in split:
                 hit = tuple(x for x in axes if x in partitioned)
-                if hit and not (i > 0 and set(hit) <= splitting):
+                if hit and not (i in params and set(hit) <= splitting):
                     return None, (f"operand {i} axis {name!r} is sharded over {hit}, and the op needs it whole")
                 entries.append(None)
                 continue
@@ -161,14 +162,14 @@ def partitioned_axes_of(name: str) -> tuple:
 
 
 def run_per_shard(op: str, fn: Callable, args: Sequence, arg_names: Sequence[AxisNames | None],
-                  out_names: AxisNames, *, split: Collection[str]):
+                  out_names: AxisNames, *, split: Collection[str], params: Collection[int] = ()):
     """fn(*args), run per shard (shard_map) when `plan_per_shard` allows, else called as it is.
 
     fn must compute each slice of its operands along the `split` axes independently (a norm row by row,
     attention batch entry by batch entry and head by head), so that the per-shard run equals the
     global one. None operands are passed through as None. TE_JAX_DEBUG=1 logs the decision.
     """
-    plan, why = plan_per_shard(args, arg_names, out_names, split)
+    plan, why = plan_per_shard(args, arg_names, out_names, split, params)
     if plan is None:
         if policy.debug_enabled() and policy.partitioned_mesh_axes():
             policy.logger.warning("%s: not run per shard: %s", op, why)

@@ -85,9 +85,9 @@ def _per_shard(module: str, fn, x, weights, weight_axes, input_axes, out_feature
     input_axes: logical names of x's axes (None: call fn directly, as before). x is constrained to
     them; fn must act row by row on x's leading axes (norms, norm + GEMMs): it runs per shard over the
     mesh axes those leading names map to, x's last (hidden) axis whole, the weights replicated (their
-    cotangents summed over the split axes by shard_map's transpose). Falls back to fn(x, *weights)
-    when a weight or the hidden axis is sharded over a partitioned mesh axis, a leading axis does not
-    divide, or the mesh has Explicit / Manual axes (the rules of run_per_shard).
+    cotangents summed over the split axes by shard_map's transpose; FSDP-sharded weights gathered first).
+    Falls back to fn(x, *weights) when the hidden axis or a weight is otherwise sharded over a partitioned
+    mesh axis, a leading axis does not divide, or the mesh has Explicit / Manual axes (run_per_shard's rules).
     out_features: logical names of the output's trailing (feature) axes when fn computes each output
     feature independently (a column-parallel GEMM): weights sharded along them (tensor parallelism)
     are then split too, x passed whole to each feature shard (its cotangent summed over them).
@@ -102,7 +102,7 @@ def _per_shard(module: str, fn, x, weights, weight_axes, input_axes, out_feature
     out_features, out_lead = tuple(out_features), tuple(out_lead)
     split = lead + tuple(n for n in out_features + out_lead if n is not None)
     return run_per_shard(module, fn, (x, *weights), (input_axes, *weight_axes), out_lead + lead + out_features,
-                         split=split)
+                         split=split, params=range(1, 1 + len(weights)))
 
 
 class LayerNorm(nn.Module):
