@@ -391,8 +391,6 @@ def variants(budget, which="all"):
     instead of the persistent grid."""
     log("\n== variants (H=16) ==")
     res = []
-    if which == "sync":
-        return sync_variants(budget)
     if which == "fwd":
         for S in (1024, 4096, 16384):
             for causal in (False, True):
@@ -463,53 +461,7 @@ def variants(budget, which="all"):
     return res
 
 
-SYNC_VARIANTS = (dict(), dict(fwd_overlap=True), dict(named_release=True, no_auto_barriers=True),
-                 dict(fwd_overlap=True, named_release=True, no_auto_barriers=True))
 CONFIG_OVERRIDE: dict = {}  # --config-json: merged into every config the correctness sweep uses
-
-
-def sync_variants(budget, rounds=2):
-    """A/B of the rings' synchronisation (config.named_release, config.no_auto_barriers), forward
-    and forward+backward, 1k/4k/16k (16k tokens), causal and not, hd128 bf16.  Each shape compiles
-    every variant, then times them in `rounds` interleaved rounds; outputs and gradients are
-    checked against the default's."""
-    res = []
-    for S in (1024, 4096, 16384):
-        for causal in (False, True):
-            if elapsed() > budget:
-                log("  (variants stopped: time budget)")
-                return res
-            B, H, D = 16384 // S, 16, 128
-            q, k, v, do = inputs(jax.random.key(7), B, S, H, H, D, jnp.bfloat16)
-            flops = 4 * B * H * S * S * D / (2 if causal else 1)
-            fns, times = [], {}
-            for kw in SYNC_VARIANTS:
-                cfg = dataclasses.replace(default_config(D), **kw)
-                fns.append((kw, *make_ours(D ** -0.5, causal, cfg)))
-            ref_out, ref_g = fns[0][1](q, k, v), fns[0][2](q, k, v, do)
-            for kw, fwd, fb in fns:
-                tag = f"S{S} {'causal' if causal else 'full'} {kw or 'default'}"
-                try:
-                    e_out = rel(fwd(q, k, v), ref_out)
-                    e_g = max(rel(a, b) for a, b in zip(fb(q, k, v, do), ref_g))
-                    log(f"  {tag}: vs default out {e_out:.1e} grads {e_g:.1e}")
-                except Exception as e:  # noqa: BLE001
-                    log(f"  {tag}: ERROR {type(e).__name__}: {str(e)[:600]}")
-                    traceback.print_exc(file=LOG)
-                    fns = [f for f in fns if f[0] is not kw]
-            for rnd in range(rounds):
-                for kw, fwd, fb in fns:
-                    t = times.setdefault(str(kw or "default"), [])
-                    t.append((flops / bench(fwd, (q, k, v)) / 1e12,
-                              3.5 * flops / bench(fb, (q, k, v, do)) / 1e12))
-            for name, t in times.items():
-                f_ = " / ".join(f"{a:.0f}" for a, _ in t)
-                b_ = " / ".join(f"{b:.0f}" for _, b in t)
-                log(f"  S{S} {'causal' if causal else 'full'} {name}: fwd {f_}  fwd+bwd {b_}")
-                res.append(dict(tag=f"S{S} {'causal' if causal else 'full'} {name}",
-                                fwd=float(np.mean([a for a, _ in t])), fb=float(np.mean([b for _, b in t]))))
-            del q, k, v, do, ref_out, ref_g, fns
-    return res
 
 
 def best_peers(r, tk_measured):
@@ -616,7 +568,7 @@ def main():
     ap.add_argument("--only-variants", action="store_true")
     ap.add_argument("--only-correctness", action="store_true",
                     help="the correctness sweep only (stops after --budget seconds)")
-    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd", "sync"))
+    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd"))
     ap.add_argument("--skip-correctness", action="store_true",
                     help="skip the hopper_attention correctness sweep (timing rows still check outputs)")
     ap.add_argument("--atomic", action="store_true", help="also time the atomic-dQ backward")

@@ -22,12 +22,9 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, slot_releases, smem_transforms,
-                     stream_ring, warp_specialized_kernel)
+from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, smem_transforms, stream_ring,
+                     warp_specialized_kernel)
 from .config import ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, default_config
-
-
-_RELEASE_BAR_ID = 4  # the rings' named "slot consumed" barriers: 4 .. (Mosaic GPU uses 0 .. 3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -48,7 +45,6 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     stages = cfg.bwd_stages
     c = float(scale) * LOG2E
     split = cfg.split_causal
-    named_release = bool(cfg.named_release) and not interpret
 
     want_dq = dq_acc_ref is not None
     # atomic dQ: the CTA's `wgs` warpgroups share one (bq x wgs*bkv) dS tile through shared
@@ -71,9 +67,6 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             bars, ds_ready = bars[:-1], bars[-1]
         (kv_bar, q_bar, do_bar, lse_bar, delta_bar,
          q_cons, do_cons, lse_cons, delta_cons) = bars
-        q_rel, do_rel, lse_rel, delta_rel = slot_releases(
-            plgpu, (q_cons, do_cons, lse_cons, delta_cons), stages=stages, named=named_release,
-            first_id=_RELEASE_BAR_ID, compute_wgs=wgs)
         b = lax.axis_index("batch")
         g = lax.axis_index("kv_heads")
         wg = lax.axis_index("wg")
@@ -115,7 +108,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 sT = mma(plgpu, (bkv, bq), k_smem, q_smem.at[slot].transpose((1, 0)))
                 plgpu.barrier_wait(lse_bar.at[slot])
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                lse_rel.arrive(slot)
+                plgpu.barrier_arrive(lse_cons.at[slot])
                 pT = jnp.exp2(sT * c - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
@@ -141,12 +134,12 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                            interpret=interpret)
                     if want_dk:
                         dpT = mma(plgpu, (bkv, bq), v_smem, do_smem.at[slot].transpose((1, 0)))
-                do_rel.arrive(slot)
+                plgpu.barrier_arrive(do_cons.at[slot])
                 if want_dk:
                     plgpu.barrier_wait(delta_bar.at[slot])
                     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     dsT = pT * (dpT - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
-                    delta_rel.arrive(slot)
+                    plgpu.barrier_arrive(delta_cons.at[slot])
                     dsT16 = dsT.astype(dtype)
                     if want_dq and not interpret:
                         hh, _ = step_coords(t)
@@ -180,8 +173,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                            interpret=interpret)
                 else:
                     plgpu.barrier_wait(delta_bar.at[slot])
-                    delta_rel.arrive(slot)
-                q_rel.arrive(slot)
+                    plgpu.barrier_arrive(delta_cons.at[slot])
+                plgpu.barrier_arrive(q_cons.at[slot])
                 return dk_acc, dv_acc
 
             def head_body(i, carry):
@@ -235,10 +228,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 return (b, pl.ds(qb * bq, bq), hh), (b, hh, pl.ds(qb * bq, bq))
 
             stream_ring(plgpu, total, stages, rows,
-                        [(lambda r: q_ref.at[r[0]], q_smem, q_bar, q_rel),
-                         (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_rel),
-                         (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_rel),
-                         (lambda r: delta_ref.at[r[1]], delta_smem, delta_bar, delta_rel)])
+                        [(lambda r: q_ref.at[r[0]], q_smem, q_bar, q_cons),
+                         (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_cons),
+                         (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_cons),
+                         (lambda r: delta_ref.at[r[1]], delta_smem, delta_bar, delta_cons)])
 
     tr = smem_transforms(plgpu, dtype)
     scratch = [
@@ -265,7 +258,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         out_type.append(jax.ShapeDtypeStruct(v.shape, dtype))
     outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=(G, n_kt, B),
                                    grid_names=("kv_heads", "kv_seq", "batch"), compute_wgs=wgs,
-                                   interpret=interpret, no_auto_barriers=bool(cfg.no_auto_barriers))(q, k, v, do, lse2, delta,
+                                   interpret=interpret)(q, k, v, do, lse2, delta,
                                                         *((dq_acc_ref,) if want_dq else ()))
     return tuple(outs)
 
@@ -288,13 +281,10 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     stages = cfg.bwd_stages
     c = float(scale) * LOG2E
     split = cfg.split_causal
-    named_release = bool(cfg.named_release) and not interpret
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, bars):
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
         in_bar, k_bar, v_bar, k_cons, v_cons = bars
-        k_rel, v_rel = slot_releases(plgpu, (k_cons, v_cons), stages=stages, named=named_release,
-                                     first_id=_RELEASE_BAR_ID, compute_wgs=wgs)
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -340,7 +330,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
 
                 s, dp = pl.run_scoped(_s_dp, plgpu.ACC((bq, bkv), jnp.float32),
                                       plgpu.ACC((bq, bkv), jnp.float32))
-                v_rel.arrive(slot)
+                plgpu.barrier_arrive(v_cons.at[slot])
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, (bq, bkv), [0]))
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
@@ -349,7 +339,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 dq_acc = mma_into(plgpu, dq_acc, ds.astype(dtype), k_smem.at[slot],
                                    interpret=interpret)
-                k_rel.arrive(slot)
+                plgpu.barrier_arrive(k_cons.at[slot])
                 return dq_acc
 
             if causal:
@@ -366,8 +356,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
             stream_ring(plgpu, total, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
-                        [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_rel),
-                         (lambda sl: v_ref.at[sl], v_smem, v_bar, v_rel)])
+                        [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
+                         (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
 
     tr = smem_transforms(plgpu, dtype)
     scratch = [
@@ -389,7 +379,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     ]
     dq = warp_specialized_kernel(plgpu, body, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
                                  grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
-                                 interpret=interpret, no_auto_barriers=bool(cfg.no_auto_barriers))(q, k, v, do, lse2, delta)
+                                 interpret=interpret)(q, k, v, do, lse2, delta)
     return dq
 
 

@@ -94,79 +94,14 @@ def when(cond, fn):
     pl.when(cond)(fn)
 
 
-NUM_NAMED_BARRIERS = 16  # per CTA on sm90; Mosaic GPU itself uses 0 (CTA) and 1 + warpgroup
-
-
-def named_barrier(plgpu, op: str, barrier_id, num_threads: int):
-    """`bar.<op> barrier_id, num_threads` (op "sync" or "arrive"); barrier_id a Python int or a
-    traced int32 scalar."""
-    from jax.experimental.mosaic import gpu as mgpu
-
-    if isinstance(barrier_id, int):
-        @plgpu.inline_mgpu()
-        def _op(_):
-            mgpu.utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};", has_side_effects=True,
-                                  convergent=True)
-
-        _op()
-        return
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
-    def _op_dyn(_, bid):
-        mgpu.utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid.registers[()], has_side_effects=True,
-                              convergent=True)
-
-    _op_dyn(jnp.asarray(barrier_id, jnp.int32))
-
-
-class SlotRelease:
-    """A ring's "slot consumed" signal, from the compute warpgroups to the memory warpgroup.
-
-    mbarrier (`first_id` None; always in the interpreter): arrive on / wait for consumed[slot]
-    (every compute thread arrives, the memory warpgroup polls).  named: hardware barrier
-    first_id + slot; the compute threads `bar.arrive`, the memory warpgroup `bar.sync`, with
-    `threads` = all compute threads + the memory warpgroup's 128: no per-thread shared-memory
-    atomics and no polling.
-    """
-
-    def __init__(self, plgpu, consumed, first_id=None, threads: int = 0):
-        self.plgpu, self.consumed, self.first_id, self.threads = plgpu, consumed, first_id, threads
-
-    def _id(self, slot):
-        return self.first_id + slot if isinstance(slot, int) else slot + jnp.int32(self.first_id)
-
-    def arrive(self, slot):
-        if self.first_id is None:
-            self.plgpu.barrier_arrive(self.consumed.at[slot])
-        else:
-            named_barrier(self.plgpu, "arrive", self._id(slot), self.threads)
-
-    def wait(self, slot):
-        if self.first_id is None:
-            self.plgpu.barrier_wait(self.consumed.at[slot])
-        else:
-            named_barrier(self.plgpu, "sync", self._id(slot), self.threads)
-
-
-def slot_releases(plgpu, consumed_barriers, *, stages: int, named: bool, first_id: int, compute_wgs: int):
-    """One SlotRelease per ring; named barriers first_id, first_id + stages, ... when `named` and
-    they fit in the CTA's 16, else the mbarriers."""
-    if named and first_id + stages * len(consumed_barriers) <= NUM_NAMED_BARRIERS:
-        threads = 128 * (compute_wgs + 1)
-        return [SlotRelease(plgpu, bar, first_id + i * stages, threads)
-                for i, bar in enumerate(consumed_barriers)]
-    return [SlotRelease(plgpu, bar) for bar in consumed_barriers]
-
-
 def stream_ring(plgpu, total, stages: int, coords, streams):
     """A memory warpgroup's loop: for g = 0 .. total-1, TMA every stream's g-th tile into ring slot
     g % stages once the compute warpgroups have released that slot; then observe the last consumed
-    phases, so that every barrier phase is waited on before the CTA exits (the interpreter checks;
-    a named barrier must not be left with arrivals pending).
+    phases, so that every barrier phase is waited on before the CTA exits (the interpreter checks).
 
     coords(g): whatever locates step g (computed once per step); streams: (view(coords) -> gmem ref
-    view, smem ring [stages, ...], loaded barriers [stages], SlotRelease) each, issued in this order
-    at every step.
+    view, smem ring [stages, ...], loaded barriers [stages], consumed barriers [stages]) each, issued
+    in this order at every step.
     """
     def load(g, slot):
         c = coords(g)
@@ -179,32 +114,24 @@ def stream_ring(plgpu, total, stages: int, coords, streams):
     def refill(step, _):
         slot = rem(step, stages)
         c = coords(step + stages)
-        for view, ring, loaded, release in streams:
-            release.wait(slot)
+        for view, ring, loaded, consumed in streams:
+            plgpu.barrier_wait(consumed.at[slot])
             plgpu.copy_gmem_to_smem(view(c), ring.at[slot], loaded.at[slot])
 
     lax.fori_loop(0, total - stages, refill, None)
 
     def drain(step, _):
         slot = rem(step, stages)
-        for *_, release in streams:
-            release.wait(slot)
+        for *_, consumed in streams:
+            plgpu.barrier_wait(consumed.at[slot])
 
     lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
 
 
 def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names, compute_wgs: int,
-                            interpret: bool, no_auto_barriers: bool = False):
+                            interpret: bool):
     """plgpu.kernel(body) with `compute_wgs` compute warpgroups and one memory warpgroup (thread axis
-    "wg", the memory warpgroup last), fast approximate exp2/log2.
-
-    no_auto_barriers: Pallas inserts no warpgroup barrier around shared-memory stores and TMA
-    issues.  Safe for these kernels: no thread reads (ld.shared) what a thread of its warpgroup
-    writes (registers only go to shared memory for wgmma / TMA, after commit_smem), and every
-    reuse of a TMA-stored buffer follows wait_smem_to_gmem, which ends in a warpgroup barrier."""
-    params = dict(approx_math=True)
-    if no_auto_barriers:
-        params.update(unsafe_no_auto_barriers=True)
+    "wg", the memory warpgroup last), fast approximate exp2/log2."""
     return plgpu.kernel(
         body,
         out_type=out_type,
@@ -213,6 +140,6 @@ def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names,
         grid_names=grid_names,
         num_threads=compute_wgs + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(**params),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_arg(interpret),
     )

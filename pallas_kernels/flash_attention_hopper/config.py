@@ -40,18 +40,6 @@ class HopperConfig:
     # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
     # uses the mbarrier.
     fwd_named_barrier: bool | None = None
-    # Every ring's "slot consumed" signal (forward K/V; backward Q/dO/lse/delta and K/V) on a
-    # hardware named barrier (compute threads `bar.arrive`, the memory warpgroup `bar.sync`)
-    # instead of an mbarrier that every compute thread arrives on and the memory warpgroup polls.
-    # None (auto): off.  The interpreter always uses the mbarriers.
-    named_release: bool | None = None
-    # Forward: FA3's intra-warpgroup overlap on top of the ping-pong (S_j = Q K_j^T issued with
-    # O += P_{j-1} V_{j-1}; softmax_j runs while that PV wgmma is in flight).  None (auto): off.
-    # The interpreter runs the plain loop.
-    fwd_overlap: bool | None = None
-    # Pallas's automatic warpgroup barriers around shared-memory stores and TMA issues left out
-    # (CompilerParams.unsafe_no_auto_barriers; see common.warp_specialized_kernel).  None: off.
-    no_auto_barriers: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -63,8 +51,7 @@ class HopperConfig:
             raise ValueError("stages must be >= 1")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
-        for name in ("bwd_dq_atomic", "fwd_persistent", "fwd_named_barrier", "named_release",
-                     "no_auto_barriers", "fwd_overlap"):
+        for name in ("bwd_dq_atomic", "fwd_persistent", "fwd_named_barrier"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.fwd_ctas is not None and (not isinstance(self.fwd_ctas, int) or self.fwd_ctas < 1):
