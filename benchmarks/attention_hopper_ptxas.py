@@ -2,7 +2,7 @@
 what ptxas says (registers, spills, wgmma serialisation warnings) per config.
 
     MOSAIC_GPU_DUMP_TO=$OUT/dump PYTHONPATH=. python3 benchmarks/attention_hopper_ptxas.py \
-        '{}' '{"fwd_overlap": true}'
+        '{}' '{"stages": 3}'
 
 Each argument is a JSON dict of HopperConfig fields (hd128, bf16, 4k, 16 heads; causal and not).
 The dumps land in $MOSAIC_GPU_DUMP_TO (one folder per config); ptxas' own lines are printed."""
