@@ -461,6 +461,7 @@ def variants(budget, which="all"):
     return res
 
 
+TABLE_HEAD_DIM = 128  # --head-dim (the README's peer numbers stand in only for head_dim 128)
 CONFIG_OVERRIDE: dict = {}  # --config-json: merged into every config the correctness sweep uses
 
 
@@ -471,7 +472,7 @@ def best_peers(r, tk_measured):
     now.  Where it was not (not importable, or this row / this direction failed in it) the README
     numbers stand in for tokamax and the README cuDNN number counts too, as before tokamax was
     measured here."""
-    tg = TARGETS.get((r["S"], r["causal"]))
+    tg = TARGETS.get((r["S"], r["causal"])) if TABLE_HEAD_DIM == 128 else None  # README rows: hd128
     out = []
     for i, suf in enumerate(("fwd", "fb")):
         cud, tkv = r.get(f"cudnn_{suf}") or 0, r.get(f"tokamax_{suf}")
@@ -578,12 +579,17 @@ def main():
     ap.add_argument("--no-tokamax", action="store_true", help="do not try to import tokamax")
     ap.add_argument("--tokamax-impl", default="mosaic",
                     help="tokamax implementation= (default mosaic; xla for the CPU smoke run)")
+    ap.add_argument("--head-dim", type=int, default=128,
+                    help="timing table head_dim (heads = 2048 // head_dim: the same hidden size)")
+    ap.add_argument("--seqs", default="1024,4096,16384", help="timing table sequence lengths")
     ap.add_argument("--config-json", default="",
                     help='HopperConfig fields merged into every correctness-sweep config, e.g. '
                          '\'{"fwd_overlap": true}\'')
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, no GPU warm-up / correctness sweep / variants: checks plumbing")
     args = ap.parse_args()
+    global TABLE_HEAD_DIM
+    TABLE_HEAD_DIM = args.head_dim
     if args.config_json:
         CONFIG_OVERRIDE.update(json.loads(args.config_json))
         log(f"config override for the correctness sweep: {CONFIG_OVERRIDE}")
@@ -615,7 +621,8 @@ def main():
                 corr = correctness(args.quick)
             t_budget = args.budget if args.no_variants else args.budget * 0.75
             res = timing_rows(args.quick, budget=t_budget, with_atomic=args.atomic, tk=tk,
-                              tk_impl=args.tokamax_impl, peers=peers)
+                              tk_impl=args.tokamax_impl, peers=peers, H=2048 // args.head_dim,
+                              D=args.head_dim, seqs=tuple(int(x) for x in args.seqs.split(",")))
         if not args.no_variants and not args.only_correctness:
             var = variants(args.budget, args.variant_set)
     tk_measured = any(r.get("tokamax_fwd") for r in res)
@@ -635,7 +642,7 @@ def main():
                    f"(H100), and 'best peer' = max(cuDNN measured now, cuDNN and tokamax from "
                    f"shared/README).")
         hdr = (f"Hopper flash attention (Pallas Mosaic GPU), date 2026-11-22, {dev.device_kind}, "
-               f"jax {jax.__version__}. TFLOP/s: fwd 4*B*H*S^2*D (half when causal), fwd+bwd 3.5x. "
+               f"jax {jax.__version__}, head_dim {args.head_dim}, {2048 // args.head_dim} heads. TFLOP/s: fwd 4*B*H*S^2*D (half when causal), fwd+bwd 3.5x. "
                + src)
         et = error_table(res)
         ehdr = (f"Output rel-L2 vs fp32 reference (last query rows, tol {OUT_TOL:g}) / "

@@ -160,16 +160,28 @@ def test_gpu_preference_follows_measurements(fake_h100, monkeypatch):
     monkeypatch.setattr(selection.BACKENDS["pallas"], "hopper_reason", lambda call: None)
     short = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), attn_mask_type="causal")
     assert short.selected == "pallas" and "Hopper kernel measured faster" in short.reasons["cudnn"]
+    assert "head_dim 128 causal q_len <= 4096" in short.reasons["cudnn"]
     # the explanation says how the kernel runs the call: causal 1k keys -> per-tile forward, dQ kernel
     assert "one CTA per query tile" in short.detail and "separate dQ kernel (keys 1024 < 2048" in short.detail
     long = te_jax.explain_attention_backend(*_qkv(b=1, sq=8192, skv=8192, d=128), attn_mask_type="causal")
     assert long.selected == "cudnn" and "cuDNN measured as fast or faster" in long.reasons["pallas"]
-    # non-causal up to 4k (runs 4-6: the Hopper kernel beat cuDNN at 1k and 4k), cuDNN beyond
+    # non-causal up to 4k (runs 4-7: the Hopper kernel beat cuDNN at 1k and 4k), cuDNN beyond
     mid = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=128))
-    assert mid.selected == "pallas" and "non-causal q_len <= 4096" in mid.reasons["cudnn"]
+    assert mid.selected == "pallas" and "head_dim 128 non-causal q_len <= 4096" in mid.reasons["cudnn"]
     assert "persistent grid" in mid.detail and "dQ accumulated in the dK/dV kernel" in mid.detail
     longer = te_jax.explain_attention_backend(*_qkv(b=1, sq=8192, skv=8192, d=128))
     assert longer.selected == "cudnn" and "non-causal q_len > 4096" in longer.reasons["pallas"]
+    # head_dim 64 / 256 follow their own measurements (run 7): hd64 only causal up to 1k, hd256 up to 1k
+    hd64 = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64))
+    assert hd64.selected == "cudnn" and "head_dim 64 non-causal any q_len measured" in hd64.reasons["pallas"]
+    hd64c = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64), attn_mask_type="causal")
+    assert hd64c.selected == "pallas" and "head_dim 64 causal q_len <= 1024" in hd64c.reasons["cudnn"]
+    hd64c4k = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=64), attn_mask_type="causal")
+    assert hd64c4k.selected == "cudnn" and "q_len > 1024" in hd64c4k.reasons["pallas"]
+    hd256 = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=256))
+    assert hd256.selected == "pallas" and "run7_hd64_hd256" in hd256.reasons["cudnn"]
+    hd256_4k = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=256), attn_mask_type="causal")
+    assert hd256_4k.selected == "cudnn" and "head_dim 256 causal q_len > 1024" in hd256_4k.reasons["pallas"]
     monkeypatch.setattr(selection.BACKENDS["pallas"], "hopper_reason", lambda call: "GPU arch sm80 is not sm90")
     other = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), attn_mask_type="causal")
     assert other.selected == "cudnn" and "portable Pallas kernel" in other.reasons["pallas"]

@@ -27,25 +27,33 @@ FORCE_ENV = "TE_JAX_ATTN_BACKEND"
 # Automatic preference, fastest first, from forward+backward timings on the H100
 # (benchmarks/results/flash_attention_h100.md, attention_hopper_h100_run4/5/6.md).
 OTHER_PREFERENCE = ("xla", "pallas", "cudnn")
-# causal → longest q_len where the Hopper kernel beat cuDNN forward+backward in every run (runs 4-6:
-# 1k +10-24%, 4k causal +2-13%, 4k non-causal +0.4-2.4%); at 16k the two tie within the run-to-run
-# spread (0.96-1.01 of cuDNN), so cuDNN keeps it.
-HOPPER_FASTER_MAX_LEN = {False: 4096, True: 4096}
-HOPPER_RESULTS = "benchmarks/results/attention_hopper_h100_run6.md"
+# (head_dim, causal) → longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100, with
+# the measurement (0: never).  hd128: runs 4-7 (1k +1-24%, 4k causal +2-13%, 4k non-causal +0-4%; at 16k
+# a tie within the run-to-run spread).  hd64 / hd256: run 7 (attention_hopper_h100_run7_hd64_hd256.md):
+# hd64 causal 1k +8% (non-causal 1k 0.99, 4k 0.90-0.98); hd256 1k +5-6% (4k 0.88-0.97).
+HOPPER_FASTER_MAX_LEN = {(128, False): 4096, (128, True): 4096,
+                         (64, False): 0, (64, True): 1024,
+                         (256, False): 1024, (256, True): 1024}
+HOPPER_RESULTS = {128: "benchmarks/results/attention_hopper_h100_run6.md and _run7.md",
+                  64: "benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md",
+                  256: "benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md"}
 
 
 def gpu_preference(call) -> tuple[tuple[str, ...], str]:
     """Backend order on a GPU for this call, with the measurement that justifies it."""
     hopper = BACKENDS["pallas"].hopper_reason(call) is None
-    if hopper and call.dims.q_len <= HOPPER_FASTER_MAX_LEN[call.mask.causal]:
+    d, causal = call.dims.head_dim_qk, call.mask.causal
+    kind = f"head_dim {d} {'causal' if causal else 'non-causal'}"
+    limit = HOPPER_FASTER_MAX_LEN.get((d, causal), 0)
+    results = HOPPER_RESULTS.get(d, HOPPER_RESULTS[128])
+    if hopper and call.dims.q_len <= limit:
         return ("pallas", "cudnn", "xla"), (
             f"te_jax's Hopper kernel measured faster than cuDNN forward+backward on H100 for "
-            f"{'causal' if call.mask.causal else 'non-causal'} q_len <= "
-            f"{HOPPER_FASTER_MAX_LEN[call.mask.causal]} ({HOPPER_RESULTS})")
+            f"{kind} q_len <= {limit} ({results})")
     if hopper:
+        scope = f"q_len > {limit}" if limit else "any q_len measured (1k-16k)"
         why = (f"cuDNN measured as fast or faster forward+backward than te_jax's Hopper kernel on H100 for "
-               f"{'causal' if call.mask.causal else 'non-causal'} q_len > {HOPPER_FASTER_MAX_LEN[call.mask.causal]} "
-               f"({HOPPER_RESULTS})")
+               f"{kind} {scope} ({results})")
     else:
         why = ("cuDNN measured faster than the portable Pallas kernel on H100 "
                "(benchmarks/results/flash_attention_h100.md)")
