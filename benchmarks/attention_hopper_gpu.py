@@ -256,12 +256,15 @@ def correctness(quick, budget=190.0):
         (2, 2048, 8, 2, 256, True, jnp.bfloat16),
         (2, 2048, 16, 16, 128, True, jnp.float16),
         (1, 384, 4, 2, 128, True, jnp.bfloat16),
+        (1, 384, 4, 2, 64, True, jnp.bfloat16),  # hd64 with a key length that is no multiple of 256
     ]
     if quick:  # the default (dQ-kernel) path on every served kind of case, plus atomic-dQ cases
         cases = cases[:3] + cases[4:6] + cases[7:8] + cases[9:]
+    if CASES_HEAD_DIM:
+        cases = [c for c in cases if c[4] == CASES_HEAD_DIM]
     rows = []
     for i, (B, S, H, G, D, causal, dt, *extra) in enumerate(cases):
-        cfg = dataclasses.replace(default_config(D), bwd_dq_atomic=bool(extra), **CONFIG_OVERRIDE)
+        cfg = dataclasses.replace(default_config(D, S), bwd_dq_atomic=bool(extra), **CONFIG_OVERRIDE)
         name = (f"B{B} S{S} H{H} G{G} D{D} {'causal' if causal else 'full'} {jnp.dtype(dt).name}"
                 f" dQ:{'atomic' if cfg.bwd_dq_atomic else 'kernel'}")
         r = supports((B, S, H, D), (B, S, G, D), (B, S, G, D), dt, causal)
@@ -420,6 +423,8 @@ def variants(budget, which="all"):
                 log(f"  S{S} {'causal' if causal else 'full'} cuDNN fwd {flops / tf / 1e12:.0f}")
                 del q, k, v, ref
         return res
+    if which == "hd64":
+        return hd64_variants(budget)
     log("   (B=4, S=4096)")
     if which == "atomic":
         sweeps = [
@@ -461,8 +466,51 @@ def variants(budget, which="all"):
     return res
 
 
+CASES_HEAD_DIM = 0  # --cases-head-dim: the correctness sweep's cases of this head_dim only (0: all)
 TABLE_HEAD_DIM = 128  # --head-dim (the README's peer numbers stand in only for head_dim 128)
 CONFIG_OVERRIDE: dict = {}  # --config-json: merged into every config the correctness sweep uses
+
+
+HD64_VARIANTS = (dict(), dict(block_kv=256, stages=2), dict(block_kv=64, stages=4))
+
+
+def hd64_variants(budget, rounds=2):
+    """head_dim 64 tile sizes (32 heads, 16k tokens, bf16), forward and forward+backward next to cuDNN,
+    1k/4k/16k, causal and not; `rounds` interleaved rounds; outputs checked against cuDNN's."""
+    res = []
+    D, H = 64, 32
+    for S in (1024, 4096, 16384):
+        for causal in (False, True):
+            if elapsed() > budget:
+                log("  (variants stopped: time budget)")
+                return res
+            B = 16384 // S
+            q, k, v, do = inputs(jax.random.key(11), B, S, H, H, D, jnp.bfloat16)
+            flops = 4 * B * H * S * S * D / (2 if causal else 1)
+            cud, cud_fb = make_jax_nn("cudnn", D ** -0.5, causal)
+            ref = cud(q, k, v)
+            fns = [("cuDNN", cud, cud_fb)]
+            for kw in HD64_VARIANTS:
+                cfg = dataclasses.replace(default_config(D), **kw)
+                fwd, fb = make_ours(D ** -0.5, causal, cfg)
+                try:
+                    err = rel(fwd(q, k, v), ref)
+                    jax.block_until_ready(fb(q, k, v, do))
+                    log(f"  S{S} {'causal' if causal else 'full'} {kw or 'default'}: rel vs cudnn {err:.1e}")
+                    fns.append((str(kw or "default"), fwd, fb))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  S{S} {kw}: ERROR {type(e).__name__}: {str(e)[:400]}")
+            times = {}
+            for _ in range(rounds):
+                for name, fwd, fb in fns:
+                    times.setdefault(name, []).append(
+                        (flops / bench(fwd, (q, k, v)) / 1e12, 3.5 * flops / bench(fb, (q, k, v, do)) / 1e12))
+            for name, t in times.items():
+                log(f"  S{S} {'causal' if causal else 'full'} {name}: fwd "
+                    + " / ".join(f"{a:.0f}" for a, _ in t) + "  fwd+bwd " + " / ".join(f"{b:.0f}" for _, b in t))
+                res.append(dict(tag=f"hd64 S{S} {'causal' if causal else 'full'} {name}",
+                                fwd=float(np.mean([a for a, _ in t])), fb=float(np.mean([b for _, b in t]))))
+    return res
 
 
 def best_peers(r, tk_measured):
@@ -569,7 +617,7 @@ def main():
     ap.add_argument("--only-variants", action="store_true")
     ap.add_argument("--only-correctness", action="store_true",
                     help="the correctness sweep only (stops after --budget seconds)")
-    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd"))
+    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd", "hd64"))
     ap.add_argument("--skip-correctness", action="store_true",
                     help="skip the hopper_attention correctness sweep (timing rows still check outputs)")
     ap.add_argument("--atomic", action="store_true", help="also time the atomic-dQ backward")
@@ -582,14 +630,16 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128,
                     help="timing table head_dim (heads = 2048 // head_dim: the same hidden size)")
     ap.add_argument("--seqs", default="1024,4096,16384", help="timing table sequence lengths")
+    ap.add_argument("--cases-head-dim", type=int, default=0,
+                    help="correctness sweep: only the cases of this head_dim (default: all)")
     ap.add_argument("--config-json", default="",
                     help='HopperConfig fields merged into every correctness-sweep config, e.g. '
                          '\'{"fwd_overlap": true}\'')
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, no GPU warm-up / correctness sweep / variants: checks plumbing")
     args = ap.parse_args()
-    global TABLE_HEAD_DIM
-    TABLE_HEAD_DIM = args.head_dim
+    global TABLE_HEAD_DIM, CASES_HEAD_DIM
+    TABLE_HEAD_DIM, CASES_HEAD_DIM = args.head_dim, args.cases_head_dim
     if args.config_json:
         CONFIG_OVERRIDE.update(json.loads(args.config_json))
         log(f"config override for the correctness sweep: {CONFIG_OVERRIDE}")

@@ -171,9 +171,14 @@ def test_gpu_preference_follows_measurements(fake_h100, monkeypatch):
     assert "persistent grid" in mid.detail and "dQ accumulated in the dK/dV kernel" in mid.detail
     longer = te_jax.explain_attention_backend(*_qkv(b=1, sq=8192, skv=8192, d=128))
     assert longer.selected == "cudnn" and "non-causal q_len > 4096" in longer.reasons["pallas"]
-    # head_dim 64 / 256 follow their own measurements (run 7): hd64 only causal up to 1k, hd256 up to 1k
+    # head_dim 64 / 256 follow their own measurements (run 7): the Hopper kernel up to 1k, cuDNN beyond
     hd64 = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64))
-    assert hd64.selected == "cudnn" and "head_dim 64 non-causal any q_len measured" in hd64.reasons["pallas"]
+    assert hd64.selected == "pallas" and "head_dim 64 non-causal q_len <= 1024" in hd64.reasons["cudnn"]
+    hd64_4k = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=64))
+    assert hd64_4k.selected == "cudnn" and "head_dim 64 non-causal q_len > 1024" in hd64_4k.reasons["pallas"]
+    monkeypatch.setitem(selection.HOPPER_FASTER_MAX_LEN, (64, False), 0)  # a (head_dim, mask) never faster
+    never = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64))
+    assert never.selected == "cudnn" and "head_dim 64 non-causal any q_len measured" in never.reasons["pallas"]
     hd64c = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64), attn_mask_type="causal")
     assert hd64c.selected == "pallas" and "head_dim 64 causal q_len <= 1024" in hd64c.reasons["cudnn"]
     hd64c4k = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=64), attn_mask_type="causal")

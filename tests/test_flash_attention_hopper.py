@@ -112,7 +112,7 @@ needs_kernel = pytest.mark.skipif(
 @needs_kernel
 @pytest.mark.parametrize(
     "S,H,G,D,causal",
-    [(256, 2, 2, 64, False), (256, 2, 1, 64, True), (512, 2, 2, 128, True), (256, 2, 1, 256, True)],
+    [(512, 2, 2, 64, False), (384, 2, 1, 64, True), (512, 2, 2, 128, True), (256, 2, 1, 256, True)],
 )
 def test_forward_and_grads(S, H, G, D, causal):
     interpret = _mode()
@@ -187,7 +187,18 @@ def test_persistent_forward_shared_memory_budget():
 
     assert persistent_fits(default_config(128), 128, jnp.bfloat16)
     assert persistent_fits(default_config(64), 64, jnp.bfloat16)
+    assert persistent_fits(default_config(64, 384), 64, jnp.bfloat16)
     assert not persistent_fits(default_config(256), 256, jnp.bfloat16)  # grid path serves hd256
+
+
+def test_hd64_default_tiles_follow_the_key_length():
+    """hd64 takes 256-key tiles where the key length allows, 128-key tiles (3 stages) otherwise."""
+    from pallas_kernels.flash_attention_hopper.config import default_config
+
+    assert default_config(64, 4096).block_kv == 256
+    fallback = default_config(64, 384)
+    assert fallback.block_kv == 128 and fallback.stages == 3 and 384 % fallback.block_kv == 0
+    assert default_config(128, 384) == default_config(128)
 
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
