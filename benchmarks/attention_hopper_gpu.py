@@ -264,7 +264,7 @@ def correctness(quick, budget=190.0):
         cases = [c for c in cases if c[4] == CASES_HEAD_DIM]
     rows = []
     for i, (B, S, H, G, D, causal, dt, *extra) in enumerate(cases):
-        cfg = dataclasses.replace(default_config(D, S), bwd_dq_atomic=bool(extra), **CONFIG_OVERRIDE)
+        cfg = dataclasses.replace(default_config(D, S, causal), bwd_dq_atomic=bool(extra), **CONFIG_OVERRIDE)
         name = (f"B{B} S{S} H{H} G{G} D{D} {'causal' if causal else 'full'} {jnp.dtype(dt).name}"
                 f" dQ:{'atomic' if cfg.bwd_dq_atomic else 'kernel'}")
         r = supports((B, S, H, D), (B, S, G, D), (B, S, G, D), dt, causal)

@@ -192,13 +192,17 @@ def test_persistent_forward_shared_memory_budget():
 
 
 def test_hd64_default_tiles_follow_the_key_length():
-    """hd64 takes 256-key tiles where the key length allows, 128-key tiles (3 stages) otherwise."""
+    """hd64 takes 256-key tiles where the key length allows (causal: from 4k keys), 128-key tiles
+    (3 stages) otherwise."""
     from pallas_kernels.flash_attention_hopper.config import default_config
 
     assert default_config(64, 4096).block_kv == 256
+    assert default_config(64, 1024).block_kv == 256
+    assert default_config(64, 4096, causal=True).block_kv == 256
+    assert default_config(64, 1024, causal=True).block_kv == 128  # half of each diagonal block masked
     fallback = default_config(64, 384)
     assert fallback.block_kv == 128 and fallback.stages == 3 and 384 % fallback.block_kv == 0
-    assert default_config(128, 384) == default_config(128)
+    assert default_config(128, 384, causal=True) == default_config(128)
 
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
