@@ -10,6 +10,11 @@ Pallas kernel, each peer's output checked against an fp32 reference on the last 
 its gradients against cuDNN's; (3) tuning variants.  Prints a table (also written to
 $OUT/attention_hopper_table.md) and a PNG plot.
 
+Other head sizes: `--head-dim 64` (or 256) times the table with 2048 // head_dim heads (README peer
+numbers are not used then); `--seqs 1024,4096` picks the rows; `--cases-head-dim 64` restricts the
+correctness sweep; `--variant-set hd64` A/Bs hd64 tile sizes next to cuDNN; `--config-json '{...}'`
+merges HopperConfig fields into every correctness case.
+
 tokamax (peer, optional, never a dependency of te_jax): `tokamax.dot_product_attention(...,
 implementation="mosaic")` needs jax >= 0.11.1 and Python >= 3.12, so it only runs on the GPU
 machine, where it travels as wheels in the ignored folder `.whl/`:
