@@ -430,6 +430,8 @@ def variants(budget, which="all"):
         return res
     if which == "hd64":
         return hd64_variants(budget)
+    if which == "hd64bwd":
+        return hd64_variants(budget, configs=HD64_BWD_VARIANTS, time_fwd=False)
     log("   (B=4, S=4096)")
     if which == "atomic":
         sweeps = [
@@ -477,11 +479,14 @@ CONFIG_OVERRIDE: dict = {}  # --config-json: merged into every config the correc
 
 
 HD64_VARIANTS = (dict(), dict(block_kv=256, stages=2), dict(block_kv=64, stages=4))
+HD64_BWD_VARIANTS = (dict(), dict(bwd_wgs=1, bwd_dq_atomic=True), dict(bwd_block_kv=128),
+                     dict(bwd_block_kv=128, bwd_wgs=1, bwd_dq_atomic=True), dict(bwd_block_q=128))
 
 
-def hd64_variants(budget, rounds=2):
-    """head_dim 64 tile sizes (32 heads, 16k tokens, bf16), forward and forward+backward next to cuDNN,
-    1k/4k/16k, causal and not; `rounds` interleaved rounds; outputs checked against cuDNN's."""
+def hd64_variants(budget, rounds=2, configs=HD64_VARIANTS, time_fwd=True):
+    """head_dim 64 configs (32 heads, 16k tokens, bf16) over the shape's default config, forward and
+    forward+backward next to cuDNN, 1k/4k/16k, causal and not; `rounds` interleaved rounds; outputs
+    and gradients checked against cuDNN's."""
     res = []
     D, H = 64, 32
     for S in (1024, 4096, 16384):
@@ -495,13 +500,15 @@ def hd64_variants(budget, rounds=2):
             cud, cud_fb = make_jax_nn("cudnn", D ** -0.5, causal)
             ref = cud(q, k, v)
             fns = [("cuDNN", cud, cud_fb)]
-            for kw in HD64_VARIANTS:
-                cfg = dataclasses.replace(default_config(D), **kw)
+            ref_g = cud_fb(q, k, v, do)
+            for kw in configs:
+                cfg = dataclasses.replace(default_config(D, S, causal), **kw)
                 fwd, fb = make_ours(D ** -0.5, causal, cfg)
                 try:
                     err = rel(fwd(q, k, v), ref)
-                    jax.block_until_ready(fb(q, k, v, do))
-                    log(f"  S{S} {'causal' if causal else 'full'} {kw or 'default'}: rel vs cudnn {err:.1e}")
+                    gerr = max(rel(a, b) for a, b in zip(fb(q, k, v, do), ref_g))
+                    log(f"  S{S} {'causal' if causal else 'full'} {kw or 'default'}: rel vs cudnn {err:.1e}, "
+                        f"grads {gerr:.1e}")
                     fns.append((str(kw or "default"), fwd, fb))
                 except Exception as e:  # noqa: BLE001
                     log(f"  S{S} {kw}: ERROR {type(e).__name__}: {str(e)[:400]}")
@@ -509,7 +516,8 @@ def hd64_variants(budget, rounds=2):
             for _ in range(rounds):
                 for name, fwd, fb in fns:
                     times.setdefault(name, []).append(
-                        (flops / bench(fwd, (q, k, v)) / 1e12, 3.5 * flops / bench(fb, (q, k, v, do)) / 1e12))
+                        (flops / bench(fwd, (q, k, v)) / 1e12 if time_fwd else 0.0,
+                         3.5 * flops / bench(fb, (q, k, v, do)) / 1e12))
             for name, t in times.items():
                 log(f"  S{S} {'causal' if causal else 'full'} {name}: fwd "
                     + " / ".join(f"{a:.0f}" for a, _ in t) + "  fwd+bwd " + " / ".join(f"{b:.0f}" for _, b in t))
@@ -622,7 +630,7 @@ def main():
     ap.add_argument("--only-variants", action="store_true")
     ap.add_argument("--only-correctness", action="store_true",
                     help="the correctness sweep only (stops after --budget seconds)")
-    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd", "hd64"))
+    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd", "hd64", "hd64bwd"))
     ap.add_argument("--skip-correctness", action="store_true",
                     help="skip the hopper_attention correctness sweep (timing rows still check outputs)")
     ap.add_argument("--atomic", action="store_true", help="also time the atomic-dQ backward")

@@ -192,8 +192,8 @@ def test_persistent_forward_shared_memory_budget():
 
 
 def test_hd64_default_tiles_follow_the_key_length():
-    """hd64 takes 256-key tiles where the key length allows (causal: from 4k keys), 128-key tiles
-    (3 stages) otherwise."""
+    """hd64 takes 256-key forward tiles where the key length allows (causal: from 4k keys), 128-key
+    tiles (3 stages) otherwise; 128-row backward query blocks where the query length allows."""
     from pallas_kernels.flash_attention_hopper.config import default_config
 
     assert default_config(64, 4096).block_kv == 256
@@ -203,6 +203,11 @@ def test_hd64_default_tiles_follow_the_key_length():
     fallback = default_config(64, 384)
     assert fallback.block_kv == 128 and fallback.stages == 3 and 384 % fallback.block_kv == 0
     assert default_config(128, 384, causal=True) == default_config(128)
+    # backward: 128-row query blocks where the query length is a multiple of 256 (the dQ CTA's rows)
+    assert default_config(64, 4096).bwd_block_q == 128
+    assert default_config(64, 1024, causal=True).bwd_block_q == 128
+    assert default_config(64, 384).bwd_block_q == 64
+    assert default_config(64, 4096, q_len=384).bwd_block_q == 64
 
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),

@@ -388,7 +388,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S]."""
     interpret = resolve_interpret(interpret)
     D = q.shape[-1]
-    cfg = config or default_config(D, k.shape[1], causal)
+    cfg = config or default_config(D, k.shape[1], causal, q.shape[1])
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     if dlse is not None:
         # d lse / d s = p, so a cotangent on lse adds p * dlse to dS: fold it into delta.

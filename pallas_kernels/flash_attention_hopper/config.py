@@ -58,18 +58,23 @@ class HopperConfig:
             raise ValueError(f"fwd_ctas={self.fwd_ctas!r}: expected None (the SM count) or an int >= 1")
 
 
-def default_config(head_dim: int, kv_len: int | None = None, causal: bool = False) -> HopperConfig:
-    """The tuned config for a head_dim, a key length and the mask.
+def default_config(head_dim: int, kv_len: int | None = None, causal: bool = False,
+                   q_len: int | None = None) -> HopperConfig:
+    """The tuned config for a head_dim, the key / query lengths and the mask.
 
-    hd64 (run 7, attention_hopper_h100_run7_hd64_hd256.md): 256-key forward tiles beat 128 keys x 3
-    stages by +8-15% at 4k/16k non-causal and +6% at 1k, and by +2-6% causal from 4k.  Causal 1k
-    loses 5-7% with them: half of each diagonal block is masked.  They also need kv_len % 256 == 0.
+    hd64 (run 7, attention_hopper_h100_run7_hd64_hd256.md):
+    * forward: 256-key tiles beat 128 keys x 3 stages by +8-15% at 4k/16k non-causal and +6% at 1k,
+      and by +2-6% causal from 4k.  Causal 1k loses 5-7% with them: half of each diagonal block is
+      masked.  They need kv_len % 256 == 0.
+    * backward: 128-row query blocks give +1-9% fwd+bwd at 1k-16k.  They need q_len % 256 == 0
+      (the dQ kernel's CTA takes 2 x 128 rows).
     """
     if head_dim <= 64:
         wide = kv_len is None or (kv_len % 256 == 0 and not (causal and kv_len < 4096))
+        rows = 128 if (q_len if q_len is not None else kv_len or 0) % 256 == 0 else 64
         if wide:
-            return HopperConfig(block_q=64, block_kv=256, stages=2)
-        return HopperConfig(block_q=64, block_kv=128, stages=3)
+            return HopperConfig(block_q=64, block_kv=256, stages=2, bwd_block_q=rows)
+        return HopperConfig(block_q=64, block_kv=128, stages=3, bwd_block_q=rows)
     if head_dim <= 128:
         return HopperConfig(block_q=64, block_kv=128, stages=2)
     return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)

@@ -147,7 +147,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     interpret = resolve_interpret(interpret)
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, k.shape[1], causal)
+    cfg = config or default_config(D, k.shape[1], causal, q.shape[1])
     rep = H // G
     dtype = q.dtype
     bq, bkv = cfg.block_q, cfg.block_kv
