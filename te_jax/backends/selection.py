@@ -30,7 +30,7 @@ OTHER_PREFERENCE = ("xla", "pallas", "cudnn")
 # (head_dim, causal) → longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100, with
 # the measurement (0: never).  hd128: runs 4-7 (1k +1-24%, 4k causal +2-13%, 4k non-causal +0-4%; at 16k
 # a tie within the run-to-run spread).  hd64 / hd256: run 7 (attention_hopper_h100_run7_hd64_hd256.md):
-# hd64 1k +4-10% non-causal, +7-11% causal (4k 0.91-0.97, 16k 0.89-0.90);
+# hd64 1k +4-15% (4k 0.91-1.0, 16k 0.89-0.97: cuDNN keeps those);
 # hd256 1k +5-6% (4k 0.88-0.97).
 HOPPER_FASTER_MAX_LEN = {(128, False): 4096, (128, True): 4096,
                          (64, False): 1024, (64, True): 1024,
