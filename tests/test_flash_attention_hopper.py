@@ -230,3 +230,16 @@ def test_describe_plan_names_each_choice():
     forced = fah.HopperConfig(bwd_dq_atomic=False, fwd_persistent=False)
     assert d(128, 4096, False, jnp.bfloat16, forced) == (
         "forward one CTA per query tile; backward with a separate dQ kernel (bwd_dq_atomic=False)")
+
+
+@pytest.mark.parametrize("kw,field", [(dict(block_kv=256), "kv_len=384 is not a multiple of block_kv = 256"),
+                                      (dict(bwd_block_q=128), "q_len=384 is not a multiple of bwd_wgs x bwd_block_q = 256")])
+def test_config_blocks_that_do_not_divide_the_lengths_are_a_clear_error(kw, field):
+    """An explicit config whose blocks do not divide the sequence is refused before any kernel runs,
+    naming the field, the length and the fix (the forward and the backward blocks alike)."""
+    from pallas_kernels.flash_attention_hopper.config import HopperConfig
+
+    q = jnp.ones((1, 384, 2, 64), BF)
+    with pytest.raises(ValueError, match=field) as err:
+        hopper_attention(q, q, q, scale=0.125, config=HopperConfig(**kw))
+    assert "config=None" in str(err.value)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .backward import flash_bwd
-from .config import HopperConfig, default_config, describe_plan
+from .config import HopperConfig, check_lengths, default_config, describe_plan
 from .forward import flash_fwd
 from .reference import attention_reference
 
@@ -134,4 +134,6 @@ def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None
                      interpret: bool | None = None):
     """Flash attention on Hopper: (out, lse).  Differentiable (custom_vjp) in q, k, v."""
     _check(q, k, v, causal)
+    if config is not None:  # the backward's blocks too: fail before the forward runs
+        check_lengths(config, q.shape[1], k.shape[1])
     return _attention(q, k, v, float(scale), bool(causal), config, interpret)

@@ -24,7 +24,7 @@ from te_jax._compat import mosaic_gpu, pl
 
 from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, smem_transforms, stream_ring,
                      warp_specialized_kernel)
-from .config import ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, default_config
+from .config import ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, check_lengths, default_config
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,6 +389,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     interpret = resolve_interpret(interpret)
     D = q.shape[-1]
     cfg = config or default_config(D, k.shape[1], causal, q.shape[1])
+    check_lengths(cfg, q.shape[1], k.shape[1], forward=False)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     if dlse is not None:
         # d lse / d s = p, so a cotangent on lse adds p * dlse to dS: fold it into delta.

@@ -80,6 +80,22 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
     return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
 
 
+def check_lengths(cfg: HopperConfig, q_len: int, kv_len: int, *, forward: bool = True,
+                  backward: bool = True) -> None:
+    """ValueError naming the config field when a sequence length is no multiple of its block."""
+    rules = []
+    if forward:
+        rules += [("q_len", q_len, 2 * cfg.block_q, "2 x block_q"), ("kv_len", kv_len, cfg.block_kv, "block_kv")]
+    if backward:
+        rules += [("q_len", q_len, cfg.bwd_wgs * cfg.bwd_block_q, "bwd_wgs x bwd_block_q"),
+                  ("kv_len", kv_len, cfg.bwd_wgs * cfg.bwd_block_kv, "bwd_wgs x bwd_block_kv")]
+    for name, n, m, what in rules:
+        if n % m:
+            raise ValueError(
+                f"HopperConfig: {name}={n} is not a multiple of {what} = {m} ({cfg}). Fix: pass config=None "
+                f"(the default picks block sizes for the lengths) or blocks that divide {name}.")
+
+
 SMEM_BYTES = 227 * 1024  # sm90 dynamic shared memory per CTA
 
 

@@ -23,7 +23,7 @@ from te_jax._compat import mosaic_gpu, pl
 
 from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, smem_transforms, stream_ring,
                      warp_specialized_kernel, when)
-from .config import LN2, LOG2E, HopperConfig, default_config, persistent_fits
+from .config import LN2, LOG2E, HopperConfig, check_lengths, default_config, persistent_fits
 
 
 _SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
@@ -151,8 +151,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     rep = H // G
     dtype = q.dtype
     bq, bkv = cfg.block_q, cfg.block_kv
-    if S % (2 * bq) or Skv % bkv:
-        raise ValueError(f"sequence {S}/{Skv} not a multiple of {2 * bq}/{bkv}")
+    check_lengths(cfg, S, Skv, backward=False)
     if causal and S != Skv:
         raise ValueError("causal needs Sq == Skv")
     if not causal and cfg.fwd_persistent is not False and persistent_fits(cfg, D, dtype):
