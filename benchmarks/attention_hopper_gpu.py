@@ -665,7 +665,7 @@ def main():
     log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
         f"compute capability {getattr(dev, 'compute_capability', '?')}")
     log(f"supports(hd128 4k causal bf16): {supports((4, 4096, 16, 128), (4, 4096, 16, 128), (4, 4096, 16, 128), jnp.bfloat16, True)}")
-    log(f"default configs: " + ", ".join(f"D{d}: {dataclasses.asdict(default_config(d))}"
+    log("default configs: " + ", ".join(f"D{d}: {dataclasses.asdict(default_config(d))}"
                                          for d in (64, 128, 256)))
     tk, tk_info = None, "tokamax not tried (--no-tokamax or not in --peers)"
     if "tokamax" in peers and not args.no_tokamax:

@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import sys
-import time
 import traceback
 
 DATE = "2026-11-22"

@@ -341,7 +341,7 @@ def main():
         log(f"[time] timing {time.time()-t1:.0f}s")
 
     # ---------------------------------------------------------------- summary
-    out = [f"# Flash attention (portable Pallas/Triton) on GPU", "", header, ""]
+    out = ["# Flash attention (portable Pallas/Triton) on GPU", "", header, ""]
     if corr:
         out += ["## Correctness (bf16, rel. L2 error vs fp32 reference; grads with dlse != 0)", "",
                 "| case | out | lse | dq | dk | dv | ok |", "|---|---|---|---|---|---|---|"]

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import os
 import re
-import time
 
 import jax
 import jax.numpy as jnp

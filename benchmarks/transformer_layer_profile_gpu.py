@@ -48,7 +48,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import tarfile
 import tempfile
 import time
@@ -56,7 +55,6 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from te_jax import layouts, masks
