@@ -38,8 +38,6 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     rep = H // G
     dtype = q.dtype
     bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
-    if S % bq or Skv % (wgs * bkv):
-        raise ValueError("sequence not a multiple of the backward blocks")
     nq = S // bq
     n_kt = Skv // (wgs * bkv)
     stages = cfg.bwd_stages
@@ -274,8 +272,6 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     rep = H // G
     dtype = q.dtype
     bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
-    if S % (wgs * bq) or Skv % bkv:
-        raise ValueError("sequence not a multiple of the backward blocks")
     n_qt = S // (wgs * bq)
     n_kv = Skv // bkv
     stages = cfg.bwd_stages
