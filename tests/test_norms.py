@@ -134,6 +134,17 @@ def test_auto_on_cpu_is_xla_and_explained():
     assert "interpret mode" in str(e)
 
 
+def test_auto_on_gpu_takes_the_measured_faster_backend_and_cites_it(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # selection only: nothing runs
+    x = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
+    ln = N.explain_norm_backend(x, jnp.ones(64), jnp.zeros(64))
+    assert ln.selected == "pallas"
+    assert "fwd+bwd 2.12 vs 1.04" in str(ln) and N.GPU_EVIDENCE_FILE in str(ln)
+    rms = N.explain_norm_backend(x, jnp.ones(64), layernorm_type="rmsnorm")
+    assert rms.selected == "xla" and rms.reasons["pallas"] is None
+    assert "fwd+bwd 2.23 vs 2.30" in str(rms) and N.GPU_EVIDENCE_FILE in str(rms)
+
+
 def test_env_force_and_disable(monkeypatch, caplog):
     x, g, b = jnp.ones((2, 8)), jnp.ones((8,)), jnp.zeros((8,))
     monkeypatch.setenv("TE_JAX_NORM_BACKEND", "pallas")
