@@ -27,6 +27,10 @@ import timing  # benchmarks/timing.py
 SMALL = os.environ.get("BENCH_SMALL") == "1"
 ROUNDS = 1 if SMALL else int(os.environ.get("ROUNDS", "3"))
 SHAPES = [(64, 768)] if SMALL else [(8192, 768), (32768, 5120), (32768, 8192)]
+if os.environ.get("SHAPES"):  # e.g. SHAPES=32768x5120,16384x12288
+    SHAPES = [tuple(int(v) for v in shape.split("x")) for shape in os.environ["SHAPES"].split(",")]
+OPS = os.environ.get("OPS", "layernorm,rmsnorm").split(",")
+DIRS = os.environ.get("DIRS", "fwd,f+b").split(",")
 FWD = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 8), (4, 16), (8, 8), (8, 16)]
 BWD = [(1, 8, 528, 1), (1, 16, 528, 1), (1, 8, 264, 1), (1, 16, 264, 1), (1, 8, 1056, 1), (2, 16, 528, 1),
        (1, 8, 528, 2), (1, 16, 528, 2), (4, 8, 528, 1), (4, 16, 264, 1)]
@@ -76,9 +80,11 @@ def main():
         dy = jax.random.normal(k[3], (m, d)).astype(jnp.bfloat16)
         args = (x, g, b, dy)
         pass_bytes = x.size * x.dtype.itemsize
-        for op in ("layernorm", "rmsnorm"):
+        for op in OPS:
             fns = {}
             for name, (f, passes) in fns_for(op, d).items():
+                if name.split(" ")[0] not in DIRS:
+                    continue
                 try:
                     out = f(*args)
                 except Exception as e:  # noqa: BLE001  (a config the compiler refuses: say so, go on)
@@ -100,7 +106,7 @@ def main():
                         t = timing.measure(f, args, samples=3)[0]
                     res[name].append(passes * pass_bytes / t / 1e12)
             med = {name: statistics.median(v) for name, v in res.items()}
-            for dirn in ("fwd", "f+b"):
+            for dirn in DIRS:
                 cand = {n: v for n, v in med.items() if n.startswith(dirn) and "xla" not in n}
                 best = max(cand, key=cand.get)
                 print(f"{m}x{d} {op} {dirn}: xla {med[dirn + ' xla']:.2f}  default {med[dirn + ' default']:.2f}  "
