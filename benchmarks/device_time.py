@@ -3,7 +3,8 @@
 - `profiled(fn, args, calls)`: runs `calls` calls under `jax.profiler.trace`, reads the XSpace back with
   `jax.profiler.ProfileData`, and returns per call: kernel time (the sum of the GPU events' durations, as a
   profiler's kernel table shows; memsets count too), span (first event start to last event end: gaps
-  between kernels included) and the events' names and lines, so a log can be checked.
+  between kernels included), the events' names (count per call) and durations (seconds per call, per
+  name) and the trace lines, so a log can be checked.
 - `looped(step, x, iters)`: one jitted `lax.fori_loop` that applies `step` to its own output `iters`
   times, host-timed around the whole executable.  Only for elementwise steps: for the norms, XLA adds
   work inside the loop body (1.3-1.4 TB/s against 2.5-2.9 by the other clocks, run of 2026-11-23).
@@ -62,10 +63,14 @@ def profiled(fn, args, *, calls=20, warmup=3):
     kernel_ns = sum(end - start for start, end, _ in events)
     span_ns = max(end for _, end, _ in events) - min(start for start, _, _ in events)
     names = collections.Counter(name[:60] for _, _, name in events)
+    durations = collections.Counter()
+    for start, end, name in events:
+        durations[name[:60]] += (end - start) * 1e-9 / calls
     return dict(kernel_s=kernel_ns * 1e-9 / calls, span_s=span_ns * 1e-9 / calls,
                 kernels_per_call=len(events) / calls,
                 lines=[(name, len(evs)) for name, evs in lines],
-                names={n: c / calls for n, c in names.most_common(8)})
+                names={n: c / calls for n, c in names.most_common(8)},
+                durations=dict(durations.most_common(8)))
 
 
 def looped(step, x, *, iters=50, samples=7):

@@ -254,10 +254,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         out_type.append(jax.ShapeDtypeStruct(k.shape, dtype))
     if want_dv:
         out_type.append(jax.ShapeDtypeStruct(v.shape, dtype))
+    outputs = ("dk" if want_dk else "") + ("dv" if want_dv else "") + ("dq" if want_dq else "")
     outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=(G, n_kt, B),
                                    grid_names=("kv_heads", "kv_seq", "batch"), compute_wgs=wgs,
-                                   interpret=interpret)(q, k, v, do, lse2, delta,
-                                                        *((dq_acc_ref,) if want_dq else ()))
+                                   interpret=interpret, name=f"te_jax_attn_bwd_{outputs}")(
+        q, k, v, do, lse2, delta, *((dq_acc_ref,) if want_dq else ()))
     return tuple(outs)
 
 
@@ -375,7 +376,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     ]
     dq = warp_specialized_kernel(plgpu, body, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
                                  grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
-                                 interpret=interpret)(q, k, v, do, lse2, delta)
+                                 interpret=interpret, name="te_jax_attn_bwd_dq")(q, k, v, do, lse2, delta)
     return dq
 
 

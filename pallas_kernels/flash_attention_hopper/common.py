@@ -129,9 +129,11 @@ def stream_ring(plgpu, total, stages: int, coords, streams):
 
 
 def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names, compute_wgs: int,
-                            interpret: bool):
+                            interpret: bool, name: str):
     """plgpu.kernel(body) with `compute_wgs` compute warpgroups and one memory warpgroup (thread axis
-    "wg", the memory warpgroup last), fast approximate exp2/log2."""
+    "wg", the memory warpgroup last), fast approximate exp2/log2.  `name` names the GPU kernel (Mosaic GPU
+    takes it from the body's __name__), so profiles tell the forward and backward kernels apart."""
+    body.__name__ = name
     return plgpu.kernel(
         body,
         out_type=out_type,

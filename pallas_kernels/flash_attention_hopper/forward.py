@@ -109,7 +109,7 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_con
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
-              interpret: bool):
+              interpret: bool, name: str):
     """plgpu.kernel for a forward body: 2 compute warpgroups + 1 memory warpgroup.
 
     Shared memory: Q/O tiles [2 warpgroups, *q_buffers, bq, D], the K and V rings [stages, bkv, D], lse
@@ -137,7 +137,7 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
     ]
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
-                                   compute_wgs=2, interpret=interpret)(q, k, v)
+                                   compute_wgs=2, interpret=interpret, name=name)(q, k, v)
 
 
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
@@ -263,7 +263,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                          (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
 
     out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=1, bq=bq, bkv=bkv, stages=stages, grid=(H, n_qt, B),
-                         grid_names=("heads", "q_seq", "batch"), interpret=interpret)
+                         grid_names=("heads", "q_seq", "batch"), interpret=interpret,
+                         name="te_jax_attn_fwd_causal" if causal else "te_jax_attn_fwd")
     return out, lse
 
 
@@ -381,5 +382,5 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                          (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
 
     out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=2, bq=bq, bkv=bkv, stages=stages, grid=(n_ctas,),
-                         grid_names=("cta",), interpret=interpret)
+                         grid_names=("cta",), interpret=interpret, name="te_jax_attn_fwd_persistent")
     return out, lse
