@@ -30,6 +30,8 @@ CONFIGS = {
     "dQ kernel (no atomic dQ)": HopperConfig(bwd_dq_atomic=False),
     "mask every block (split_causal=False)": HopperConfig(split_causal=False),
     "bwd_stages=3": HopperConfig(bwd_stages=3),
+    "reverse causal walk (bwd_causal_reverse=True)": HopperConfig(bwd_causal_reverse=True),
+    "reverse causal walk, dQ kernel": HopperConfig(bwd_causal_reverse=True, bwd_dq_atomic=False),
 }
 
 
@@ -49,18 +51,24 @@ def kernel_share(kname):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--configs", default="", help="comma-separated substrings: time only the configs that match")
     args = ap.parse_args()
+    wanted = [w for w in args.configs.split(",") if w]
     ahg.gpu_warmup()
     scale = D ** -0.5
     print(f"# Hopper backward breakdown, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"{datetime.date.today()}; bf16 H={H} D={D} B*S={TOKENS}; kernel time, median of {args.rounds} rounds",
           flush=True)
     for S, causal in ((16384, True), (16384, False), (4096, True), (4096, False)):
+        if args.causal_only and not causal:
+            continue
         B = TOKENS // S
         q, k, v, do = ahg.inputs(jax.random.key(S * 3 + causal), B, S, H, H, D, jnp.bfloat16)
         fwd_flops = 4 * B * H * S * S * D / (2 if causal else 1)
         impls = {name: ahg.make_ours(scale, causal, cfg)[1] for name, cfg in CONFIGS.items()
-                 if causal or "causal" not in name}
+                 if (causal or "causal" not in name)
+                 and (name == "default" or not wanted or any(w in name for w in wanted))}
         impls["cuDNN"] = ahg.make_jax_nn("cudnn", scale, causal)[1]
         base = impls["default"](q, k, v, do)
         for name, fb in impls.items():

@@ -139,6 +139,30 @@ def test_forward_and_grads(S, H, G, D, causal):
         assert _rel(g, rg) < 2e-2
 
 
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("split", [True, False])
+def test_causal_backward_reverse_walk(split):
+    """The dK/dV kernel walking query blocks from the last one down to the diagonal (GQA: two heads per
+    K/V head, so the walk restarts per head), against the fp32 reference."""
+    from pallas_kernels.flash_attention_hopper.config import default_config
+
+    interpret = _mode()
+    B, S, H, G, D = 1, 384, 2, 1, 64
+    ks = jax.random.split(jax.random.key(7 + split), 4)
+    q, k, v, do = (jax.random.normal(kk, (B, S, n, D), BF) for kk, n in zip(ks, (H, G, G, H)))
+    cfg = dataclasses.replace(default_config(D, S, True, S), bwd_causal_reverse=True, split_causal=split)
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=True, config=cfg,
+                                         interpret=interpret)[0]
+    out, vjp = jax.vjp(f, q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: attention_reference(q, k, v, scale=D ** -0.5, causal=True)[0]
+    rout, rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    assert _rel(out, rout) < 1e-2
+    for g, rg in zip(vjp(do), rvjp(f32(do))):
+        assert _rel(g, rg) < 2e-2
+
+
 def test_atomic_dq_policy():
     """Where the backward accumulates dQ inside the dK/dV kernel (GPU-only: TMA reduce-add)."""
     from pallas_kernels.flash_attention_hopper.config import (
@@ -211,7 +235,7 @@ def test_hd64_default_tiles_follow_the_key_length():
 
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
-                                dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto")])
+                                dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto")])
 def test_config_rejects_bad_switches(kw):
     from pallas_kernels.flash_attention_hopper.config import HopperConfig
 

@@ -43,6 +43,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     stages = cfg.bwd_stages
     c = float(scale) * LOG2E
     split = cfg.split_causal
+    reverse = causal and cfg.bwd_causal_reverse is True
 
     want_dq = dq_acc_ref is not None
     # atomic dQ: the CTA's `wgs` warpgroups share one (bq x wgs*bkv) dS tile through shared
@@ -81,7 +82,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
         def step_coords(t):
             hh = g * rep + div(t, n_steps_h)
-            qb = q_lo + rem(t, n_steps_h)
+            qb = (nq - 1) - rem(t, n_steps_h) if reverse else q_lo + rem(t, n_steps_h)
             return hh, qb
 
         def _compute(wq):
@@ -177,7 +178,16 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
             def head_body(i, carry):
                 base = i * n_steps_h
-                if causal:
+                if reverse:  # from the last query block down; the diagonal blocks come last
+                    def ubody(j, carry):
+                        return step_body(base + j, (nq - 1) - j, carry, masked=False)
+
+                    def mbody(j, carry):
+                        return step_body(base + j, (nq - 1) - j, carry, masked=True)
+
+                    carry = lax.fori_loop(0, n_steps_h - n_mask, ubody, carry)
+                    carry = lax.fori_loop(n_steps_h - n_mask, n_steps_h, mbody, carry)
+                elif causal:
                     def mbody(j, carry):
                         return step_body(base + j, q_lo + j, carry, masked=True)
 

@@ -31,6 +31,10 @@ class HopperConfig:
     # None (auto): on when served (see atomic_dq_served) and the key sequence is >= 2048
     # (H100: faster from 4k; at 1k the two extra passes over the fp32 buffer cost more).
     bwd_dq_atomic: bool | None = None
+    # Causal dK/dV kernel: walk each CTA's query blocks from the last one down to the diagonal
+    # (True), so the CTAs resident together read the same Q/dO blocks at the same time, as in the
+    # non-causal walk; or from the diagonal up (False).  None (auto): see backward.py.
+    bwd_causal_reverse: bool | None = None
     # Forward, non-causal: a persistent grid (one CTA per SM looping over query tiles; the K/V
     # ring runs on across tiles and the next tile's Q is loaded during this tile's epilogue).
     # None (auto): on for non-causal calls.  Causal calls always use one CTA per query tile.
@@ -51,7 +55,7 @@ class HopperConfig:
             raise ValueError("stages must be >= 1")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
-        for name in ("bwd_dq_atomic", "fwd_persistent", "fwd_named_barrier"):
+        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_named_barrier"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.fwd_ctas is not None and (not isinstance(self.fwd_ctas, int) or self.fwd_ctas < 1):
