@@ -141,17 +141,18 @@ def test_forward_and_grads(S, H, G, D, causal):
 
 @pytest.mark.slow
 @needs_kernel
-@pytest.mark.parametrize("split", [True, False])
-def test_causal_backward_reverse_walk(split):
-    """The dK/dV kernel walking query blocks from the last one down to the diagonal (GQA: two heads per
-    K/V head, so the walk restarts per head), against the fp32 reference."""
+@pytest.mark.parametrize("split,reverse", [(True, False), (False, True)])
+def test_causal_backward_walk_directions(split, reverse):
+    """The dK/dV kernel's two causal walks (the default, from the last query block down to the diagonal,
+    is covered by test_forward_and_grads; here the other one, and reverse with every block masked), with
+    GQA: two heads per K/V head, so the walk restarts per head.  Against the fp32 reference."""
     from pallas_kernels.flash_attention_hopper.config import default_config
 
     interpret = _mode()
     B, S, H, G, D = 1, 384, 2, 1, 64
-    ks = jax.random.split(jax.random.key(7 + split), 4)
+    ks = jax.random.split(jax.random.key(7 + split + 2 * reverse), 4)
     q, k, v, do = (jax.random.normal(kk, (B, S, n, D), BF) for kk, n in zip(ks, (H, G, G, H)))
-    cfg = dataclasses.replace(default_config(D, S, True, S), bwd_causal_reverse=True, split_causal=split)
+    cfg = dataclasses.replace(default_config(D, S, True, S), bwd_causal_reverse=reverse, split_causal=split)
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=True, config=cfg,
                                          interpret=interpret)[0]
     out, vjp = jax.vjp(f, q, k, v)
@@ -248,6 +249,9 @@ def test_describe_plan_names_each_choice():
     d = fah.describe_plan
     assert "persistent grid" in d(128, 4096, False, jnp.bfloat16) and "reduce-add" in d(128, 4096, False, jnp.bfloat16)
     assert "heaviest first" in d(128, 4096, True, jnp.bfloat16)
+    assert "from the last one down to the diagonal" in d(128, 4096, True, jnp.bfloat16)
+    assert "from the diagonal up" in d(128, 4096, True, jnp.bfloat16, fah.HopperConfig(bwd_causal_reverse=False))
+    assert "walks" not in d(128, 4096, False, jnp.bfloat16)
     assert "no shared memory for the persistent grid" in d(256, 4096, False, jnp.bfloat16)
     assert "serves head_dim 128; this is 64" in d(64, 4096, True, jnp.bfloat16)
     assert "keys 1024 < 2048" in d(128, 1024, False, jnp.bfloat16)

@@ -43,7 +43,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     stages = cfg.bwd_stages
     c = float(scale) * LOG2E
     split = cfg.split_causal
-    reverse = causal and cfg.bwd_causal_reverse is True
+    reverse = causal and cfg.bwd_causal_reverse is not False  # None (auto) = reverse
 
     want_dq = dq_acc_ref is not None
     # atomic dQ: the CTA's `wgs` warpgroups share one (bq x wgs*bkv) dS tile through shared
