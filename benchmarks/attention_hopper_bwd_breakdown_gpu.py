@@ -3,7 +3,8 @@
     PYTHONPATH=.:benchmarks python3 benchmarks/attention_hopper_bwd_breakdown_gpu.py [--rounds 3]
 
 Run 8 found the causal backward at 16k running at ~0.92 of cuDNN's while the non-causal one ties. Here, at
-16k tokens, 16 heads, head_dim 128, bf16, for seq 16k and 4k, causal and not: forward+backward of the Hopper
+16k tokens, head_dim --head-dim (128; heads = 2048 // head_dim), bf16, for seq 16k and 4k, causal and not
+(--causal-only: causal only), forward+backward of the Hopper
 kernel (defaults and the configs in CONFIGS) and of cuDNN, each timed by kernel time from a profiler trace,
 with each GPU kernel's time per call (the te_jax kernels are named te_jax_attn_*). Gradients of every config are
 checked against the default's first. Median over `rounds` interleaved rounds.
@@ -13,6 +14,7 @@ when causal); dK+dV+dQ in one kernel 2.5x that, dK+dV 2x, the dQ kernel 1.5x.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
@@ -22,17 +24,23 @@ import jax.numpy as jnp
 
 import attention_hopper_gpu as ahg  # benchmarks/attention_hopper_gpu.py: makers, inputs, rel
 import device_time  # benchmarks/device_time.py
-from pallas_kernels.flash_attention_hopper import HopperConfig
+from pallas_kernels.flash_attention_hopper import HopperConfig, default_config
 
-TOKENS, H, D = 16384, 16, 128
+TOKENS = 16384
 CONFIGS = {
     "default": None,
     "dQ kernel (no atomic dQ)": HopperConfig(bwd_dq_atomic=False),
     "mask every block (split_causal=False)": HopperConfig(split_causal=False),
     "bwd_stages=3": HopperConfig(bwd_stages=3),
-    "reverse causal walk (bwd_causal_reverse=True)": HopperConfig(bwd_causal_reverse=True),
-    "reverse causal walk, dQ kernel": HopperConfig(bwd_causal_reverse=True, bwd_dq_atomic=False),
+    "forward causal walk (bwd_causal_reverse=False)": HopperConfig(bwd_causal_reverse=False),
+    "forward causal walk, dQ kernel": HopperConfig(bwd_causal_reverse=False, bwd_dq_atomic=False),
 }
+
+
+def changed(cfg):
+    """The fields of cfg that differ from HopperConfig() (applied on top of the head_dim's default config)."""
+    base = HopperConfig()
+    return {f: v for f, v in cfg.__dict__.items() if getattr(base, f) != v}
 
 
 def kernel_share(kname):
@@ -52,9 +60,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=128, help="heads = 2048 // head_dim (the same hidden size)")
     ap.add_argument("--configs", default="", help="comma-separated substrings: time only the configs that match")
     args = ap.parse_args()
     wanted = [w for w in args.configs.split(",") if w]
+    D = args.head_dim
+    H = 2048 // D
     ahg.gpu_warmup()
     scale = D ** -0.5
     print(f"# Hopper backward breakdown, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
@@ -66,7 +77,9 @@ def main():
         B = TOKENS // S
         q, k, v, do = ahg.inputs(jax.random.key(S * 3 + causal), B, S, H, H, D, jnp.bfloat16)
         fwd_flops = 4 * B * H * S * S * D / (2 if causal else 1)
-        impls = {name: ahg.make_ours(scale, causal, cfg)[1] for name, cfg in CONFIGS.items()
+        configs = {name: None if cfg is None else dataclasses.replace(default_config(D, S, causal, S), **changed(cfg))
+                   for name, cfg in CONFIGS.items()}
+        impls = {name: ahg.make_ours(scale, causal, cfg)[1] for name, cfg in configs.items()
                  if (causal or "causal" not in name)
                  and (name == "default" or not wanted or any(w in name for w in wanted))}
         impls["cuDNN"] = ahg.make_jax_nn("cudnn", scale, causal)[1]
