@@ -80,10 +80,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             n_mask = (cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
         total = rep * n_steps_h
 
+        def query_block(j):  # the j-th query block of a head's walk
+            return (nq - 1) - j if reverse else q_lo + j
+
         def step_coords(t):
-            hh = g * rep + div(t, n_steps_h)
-            qb = (nq - 1) - rem(t, n_steps_h) if reverse else q_lo + rem(t, n_steps_h)
-            return hh, qb
+            return g * rep + div(t, n_steps_h), query_block(rem(t, n_steps_h))
 
         def _compute(wq):
             # wq: this warpgroup's index as a Python int when dQ is accumulated here (its dQ
@@ -178,30 +179,20 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
             def head_body(i, carry):
                 base = i * n_steps_h
-                if reverse:  # from the last query block down; the diagonal blocks come last
-                    def ubody(j, carry):
-                        return step_body(base + j, (nq - 1) - j, carry, masked=False)
 
-                    def mbody(j, carry):
-                        return step_body(base + j, (nq - 1) - j, carry, masked=True)
+                def walk(lo, hi, carry, masked):
+                    def body(j, carry):
+                        return step_body(base + j, query_block(j), carry, masked=masked)
 
-                    carry = lax.fori_loop(0, n_steps_h - n_mask, ubody, carry)
-                    carry = lax.fori_loop(n_steps_h - n_mask, n_steps_h, mbody, carry)
-                elif causal:
-                    def mbody(j, carry):
-                        return step_body(base + j, q_lo + j, carry, masked=True)
+                    return lax.fori_loop(lo, hi, body, carry)
 
-                    def ubody(j, carry):
-                        return step_body(base + j, q_lo + j, carry, masked=False)
-
-                    carry = lax.fori_loop(0, n_mask, mbody, carry)
-                    carry = lax.fori_loop(n_mask, n_steps_h, ubody, carry)
-                else:
-                    def ubody(j, carry):
-                        return step_body(base + j, j, carry, masked=False)
-
-                    carry = lax.fori_loop(0, n_steps_h, ubody, carry)
-                return carry
+                if reverse:  # from the last query block down: the diagonal blocks come last
+                    carry = walk(0, n_steps_h - n_mask, carry, masked=False)
+                    return walk(n_steps_h - n_mask, n_steps_h, carry, masked=True)
+                if causal:
+                    carry = walk(0, n_mask, carry, masked=True)
+                    return walk(n_mask, n_steps_h, carry, masked=False)
+                return walk(0, n_steps_h, carry, masked=False)
 
             dk_acc, dv_acc = lax.fori_loop(0, rep, head_body, (dk_acc, dv_acc))
             if want_dq and not interpret:
