@@ -23,6 +23,7 @@ from pallas_kernels.norms import reference as nref
 
 import device_time  # benchmarks/device_time.py
 import timing  # benchmarks/timing.py
+from norm_inputs import norm_inputs  # benchmarks/norm_inputs.py
 
 SMALL = os.environ.get("BENCH_SMALL") == "1"
 ROUNDS = 1 if SMALL else int(os.environ.get("ROUNDS", "3"))
@@ -73,11 +74,7 @@ def main():
     print(f"# Norm launch sweep, {jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; "
           f"bf16 x; TB/s by {'kernel time' if on_gpu else 'host clock'}, median of {ROUNDS} rounds", flush=True)
     for m, d in SHAPES:
-        k = jax.random.split(jax.random.key(m * 7 + d), 4)
-        x = jax.random.normal(k[0], (m, d)).astype(jnp.bfloat16)
-        g = 1 + 0.1 * jax.random.normal(k[1], (d,))
-        b = 0.1 * jax.random.normal(k[2], (d,))
-        dy = jax.random.normal(k[3], (m, d)).astype(jnp.bfloat16)
+        x, g, b, dy = norm_inputs(m, d, seed=m * 7 + d)
         args = (x, g, b, dy)
         pass_bytes = x.size * x.dtype.itemsize
         for op in OPS:

@@ -32,6 +32,7 @@ from pallas_kernels.norms import reference as nref
 
 import device_time  # benchmarks/device_time.py
 import timing  # benchmarks/timing.py
+from norm_inputs import norm_inputs  # benchmarks/norm_inputs.py
 
 SMALL = os.environ.get("BENCH_SMALL") == "1"
 ROUNDS = 1 if SMALL else int(os.environ.get("ROUNDS", "5"))
@@ -47,11 +48,7 @@ def fwd_bwd(f, nargs):
 
 def main():
     m, d = (64, 512) if SMALL else (32768, 4096)
-    k = jax.random.split(jax.random.key(1), 4)
-    x = jax.random.normal(k[0], (m, d)).astype(jnp.bfloat16)
-    g = 1 + 0.1 * jax.random.normal(k[1], (d,))
-    b = 0.1 * jax.random.normal(k[2], (d,))
-    dy = jax.random.normal(k[3], (m, d)).astype(jnp.bfloat16)
+    x, g, b, dy = norm_inputs(m, d, seed=1)
     pass_bytes = x.size * x.dtype.itemsize
     on_gpu = jax.default_backend() == "gpu"
 

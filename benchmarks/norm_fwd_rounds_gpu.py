@@ -21,6 +21,7 @@ from pallas_kernels.norms import norm as pnorm
 from pallas_kernels.norms import reference as nref
 
 import timing  # benchmarks/timing.py
+from norm_inputs import norm_inputs  # benchmarks/norm_inputs.py
 
 SMALL = os.environ.get("BENCH_SMALL") == "1"
 ROUNDS = 2 if SMALL else int(os.environ.get("ROUNDS", "7"))
@@ -30,10 +31,7 @@ INNER = 1 if SMALL else 10
 
 def main():
     m, d = (64, 512) if SMALL else (32768, 4096)
-    k = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(k[0], (m, d)).astype(jnp.bfloat16)
-    g = 1 + 0.1 * jax.random.normal(k[1], (d,))
-    b = 0.1 * jax.random.normal(k[2], (d,))
+    x, g, b, _ = norm_inputs(m, d, seed=0)
     nbytes = 2 * x.size * x.dtype.itemsize
 
     ln = lambda cfg: jax.jit(lambda x, g, b: pnorm.layernorm(x, g, b, config=cfg))  # noqa: E731
