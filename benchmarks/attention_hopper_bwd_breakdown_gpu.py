@@ -34,6 +34,9 @@ CONFIGS = {
     "bwd_stages=3": HopperConfig(bwd_stages=3),
     "forward causal walk (bwd_causal_reverse=False)": HopperConfig(bwd_causal_reverse=False),
     "forward causal walk, dQ kernel": HopperConfig(bwd_causal_reverse=False, bwd_dq_atomic=False),
+    "mbarrier release, 4-warp producer (bwd)": HopperConfig(bwd_named_release=False, bwd_producer_warp=False),
+    "mbarrier release, 4-warp producer (fwd and bwd)": HopperConfig(
+        bwd_named_release=False, bwd_producer_warp=False, fwd_named_release=False, fwd_producer_warp=False),
 }
 
 

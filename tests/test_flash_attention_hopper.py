@@ -180,6 +180,48 @@ def test_gpu_kernels_carry_their_names():
     assert {"te_jax_attn_fwd_causal", "te_jax_attn_bwd_dkdv", "te_jax_attn_bwd_dq"} <= names, names
 
 
+@pytest.mark.skipif(not _has_interpreter(), reason="cross-lowering for CUDA on a CPU needs jax>=0.11 (CI runs 0.10.2)")
+@pytest.mark.parametrize("on", [True, False])
+def test_ring_hand_back_lowers_for_cuda(on):
+    """The GPU path hands ring slots back through named barriers (`bar.arrive`) fed by a single producer warp,
+    forward and backward; switched off, no kernel arrives on a named barrier.  Lowered for CUDA (the CPU
+    interpreter has no inline PTX; the GPU check is benchmarks/attention_hopper_gpu.py --only-correctness)."""
+    q = jax.ShapeDtypeStruct((1, 2048, 2, 128), BF)
+    cfg = dataclasses.replace(fah.default_config(128, 2048, True, 2048), fwd_named_release=on, fwd_producer_warp=on,
+                              bwd_named_release=on, bwd_producer_warp=on)
+
+    def fwd_bwd(q, k, v, do):
+        f = lambda q, k, v: hopper_attention(q, k, v, scale=0.125, causal=True, config=cfg, interpret=False)[0]
+        return jax.vjp(f, q, k, v)[1](do)
+
+    text = jax.jit(fwd_bwd).trace(q, q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("bar.arrive" in text) == on
+
+
+def test_ring_choices_and_named_barrier_budget():
+    """Named-barrier hand-back and the single producer warp are GPU-only, on by default; a ring needing more
+    than the 16 hardware barriers keeps its mbarriers."""
+    from pallas_kernels.flash_attention_hopper.common import RING_BAR_ID, MbarrierSlots, NamedSlots, ring_slots
+    from pallas_kernels.flash_attention_hopper.config import HopperConfig, ring_choices
+
+    auto = HopperConfig()
+    assert ring_choices(auto, interpret=False, backward=False) == (True, True)
+    assert ring_choices(auto, interpret=False, backward=True) == (True, True)
+    assert ring_choices(auto, interpret=True, backward=True) == (False, False)
+    off = HopperConfig(fwd_named_release=False, bwd_producer_warp=False)
+    assert ring_choices(off, interpret=False, backward=False) == (False, True)
+    assert ring_choices(off, interpret=False, backward=True) == (True, False)
+    four_rings = [object()] * 4
+    assert all(isinstance(r, NamedSlots) for r in ring_slots(None, four_rings, 2, named=True, producer_warp=True,
+                                                             compute_wgs=2))
+    assert RING_BAR_ID + 4 * 3 > 16  # four rings of 3 stages do not fit: mbarriers
+    assert all(isinstance(r, MbarrierSlots) for r in ring_slots(None, four_rings, 3, named=True, producer_warp=True,
+                                                                compute_wgs=2))
+    threads = ring_slots(None, four_rings[:2], 2, named=True, producer_warp=False, compute_wgs=2)[0].num_threads
+    assert threads == 2 * 128 + 128  # two compute warpgroups + the four-warp producer
+    assert ring_slots(None, four_rings[:2], 2, named=True, producer_warp=True, compute_wgs=1)[1].first == RING_BAR_ID + 2
+
+
 def test_atomic_dq_policy():
     """Where the backward accumulates dQ inside the dK/dV kernel (GPU-only: TMA reduce-add)."""
     from pallas_kernels.flash_attention_hopper.config import (
@@ -252,7 +294,9 @@ def test_hd64_default_tiles_follow_the_key_length():
 
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
-                                dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto")])
+                                dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto"),
+                                dict(fwd_named_release=1), dict(fwd_producer_warp="on"), dict(fwd_handoff=0),
+                                dict(bwd_named_release="x"), dict(bwd_producer_warp=2)])
 def test_config_rejects_bad_switches(kw):
     from pallas_kernels.flash_attention_hopper.config import HopperConfig
 

@@ -22,9 +22,10 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, smem_transforms, stream_ring,
-                     warp_specialized_kernel)
-from .config import ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, check_lengths, default_config
+from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
+                     stream_ring, warp_specialized_kernel)
+from .config import (ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, check_lengths, default_config,
+                     ring_choices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -44,6 +45,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     c = float(scale) * LOG2E
     split = cfg.split_causal
     reverse = causal and cfg.bwd_causal_reverse is not False  # None (auto) = reverse
+    named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
 
     want_dq = dq_acc_ref is not None
     # atomic dQ: the CTA's `wgs` warpgroups share one (bq x wgs*bkv) dS tile through shared
@@ -66,6 +68,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             bars, ds_ready = bars[:-1], bars[-1]
         (kv_bar, q_bar, do_bar, lse_bar, delta_bar,
          q_cons, do_cons, lse_cons, delta_cons) = bars
+        q_cons, do_cons, lse_cons, delta_cons = ring_slots(
+            plgpu, (q_cons, do_cons, lse_cons, delta_cons), stages, named=named_release,
+            producer_warp=producer_warp, compute_wgs=wgs)
         b = lax.axis_index("batch")
         g = lax.axis_index("kv_heads")
         wg = lax.axis_index("wg")
@@ -95,6 +100,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             sl = (b, pl.ds(kv0, bkv), g)
             plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, kv_bar.at[2 * wg])
             plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, kv_bar.at[2 * wg + 1])
+            for ring in (q_cons, do_cons, lse_cons, delta_cons):
+                ring.prime()
             plgpu.barrier_wait(kv_bar.at[2 * wg])
             plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
             zero = plgpu.layout_cast(jnp.full((bkv, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -108,7 +115,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 sT = mma(plgpu, (bkv, bq), k_smem, q_smem.at[slot].transpose((1, 0)))
                 plgpu.barrier_wait(lse_bar.at[slot])
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                plgpu.barrier_arrive(lse_cons.at[slot])
+                lse_cons.release(slot)
                 pT = jnp.exp2(sT * c - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
@@ -134,12 +141,12 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                            interpret=interpret)
                     if want_dk:
                         dpT = mma(plgpu, (bkv, bq), v_smem, do_smem.at[slot].transpose((1, 0)))
-                plgpu.barrier_arrive(do_cons.at[slot])
+                do_cons.release(slot)
                 if want_dk:
                     plgpu.barrier_wait(delta_bar.at[slot])
                     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     dsT = pT * (dpT - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
-                    plgpu.barrier_arrive(delta_cons.at[slot])
+                    delta_cons.release(slot)
                     dsT16 = dsT.astype(dtype)
                     if want_dq and not interpret:
                         hh, _ = step_coords(t)
@@ -173,8 +180,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                            interpret=interpret)
                 else:
                     plgpu.barrier_wait(delta_bar.at[slot])
-                    plgpu.barrier_arrive(delta_cons.at[slot])
-                plgpu.barrier_arrive(q_cons.at[slot])
+                    delta_cons.release(slot)
+                q_cons.release(slot)
                 return dk_acc, dv_acc
 
             def head_body(i, carry):
@@ -226,11 +233,12 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 hh, qb = step_coords(t)
                 return (b, pl.ds(qb * bq, bq), hh), (b, hh, pl.ds(qb * bq, bq))
 
-            stream_ring(plgpu, total, stages, rows,
-                        [(lambda r: q_ref.at[r[0]], q_smem, q_bar, q_cons),
-                         (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_cons),
-                         (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_cons),
-                         (lambda r: delta_ref.at[r[1]], delta_smem, delta_bar, delta_cons)])
+            run_producer(plgpu, lambda: stream_ring(
+                plgpu, total, stages, rows,
+                [(lambda r: q_ref.at[r[0]], q_smem, q_bar, q_cons),
+                 (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_cons),
+                 (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_cons),
+                 (lambda r: delta_ref.at[r[1]], delta_smem, delta_bar, delta_cons)]), single_warp=producer_warp)
 
     tr = smem_transforms(plgpu, dtype)
     scratch = [
@@ -258,7 +266,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     outputs = ("dk" if want_dk else "") + ("dv" if want_dv else "") + ("dq" if want_dq else "")
     outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=(G, n_kt, B),
                                    grid_names=("kv_heads", "kv_seq", "batch"), compute_wgs=wgs,
-                                   interpret=interpret, name=f"te_jax_attn_bwd_{outputs}")(
+                                   interpret=interpret, name=f"te_jax_attn_bwd_{outputs}",
+                                   no_auto_barriers=producer_warp)(
         q, k, v, do, lse2, delta, *((dq_acc_ref,) if want_dq else ()))
     return tuple(outs)
 
@@ -279,10 +288,13 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     stages = cfg.bwd_stages
     c = float(scale) * LOG2E
     split = cfg.split_causal
+    named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, bars):
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
         in_bar, k_bar, v_bar, k_cons, v_cons = bars
+        k_cons, v_cons = ring_slots(plgpu, (k_cons, v_cons), stages, named=named_release,
+                                    producer_warp=producer_warp, compute_wgs=wgs)
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -309,6 +321,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem, in_bar.at[4 * wg + 1])
             plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem, in_bar.at[4 * wg + 2])
             plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem, in_bar.at[4 * wg + 3])
+            k_cons.prime()
+            v_cons.prime()
             for j in range(4):
                 plgpu.barrier_wait(in_bar.at[4 * wg + j])
             lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
@@ -328,7 +342,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
 
                 s, dp = pl.run_scoped(_s_dp, plgpu.ACC((bq, bkv), jnp.float32),
                                       plgpu.ACC((bq, bkv), jnp.float32))
-                plgpu.barrier_arrive(v_cons.at[slot])
+                v_cons.release(slot)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, (bq, bkv), [0]))
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
@@ -337,7 +351,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 dq_acc = mma_into(plgpu, dq_acc, ds.astype(dtype), k_smem.at[slot],
                                    interpret=interpret)
-                plgpu.barrier_arrive(k_cons.at[slot])
+                k_cons.release(slot)
                 return dq_acc
 
             if causal:
@@ -353,9 +367,10 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         @pl.when(wg == wgs)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            stream_ring(plgpu, total, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
-                        [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
-                         (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
+            run_producer(plgpu, lambda: stream_ring(
+                plgpu, total, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
+                [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
+                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)]), single_warp=producer_warp)
 
     tr = smem_transforms(plgpu, dtype)
     scratch = [
@@ -377,7 +392,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     ]
     dq = warp_specialized_kernel(plgpu, body, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
                                  grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
-                                 interpret=interpret, name="te_jax_attn_bwd_dq")(q, k, v, do, lse2, delta)
+                                 interpret=interpret, name="te_jax_attn_bwd_dq",
+                                 no_auto_barriers=producer_warp)(q, k, v, do, lse2, delta)
     return dq
 
 

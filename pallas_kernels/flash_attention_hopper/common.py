@@ -94,45 +94,141 @@ def when(cond, fn):
     pl.when(cond)(fn)
 
 
+def named_barrier(plgpu, op: str, barrier_id, num_threads: int):
+    """PTX `bar.<op> barrier_id, num_threads` (op "arrive" or "sync"): a hardware named barrier.  barrier_id may
+    be traced.  GPU only (inline PTX; the interpreter has none).  Mosaic GPU itself uses ids 0 and 1 + warpgroup."""
+    from jax.experimental.mosaic import gpu as mgpu
+
+    if isinstance(barrier_id, int):
+        @plgpu.inline_mgpu()
+        def _op(_):
+            mgpu.utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};", has_side_effects=True)
+
+        _op()
+    else:
+        @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+        def _op_traced(_, bid):
+            mgpu.utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid.registers[()], has_side_effects=True)
+
+        _op_traced(jnp.asarray(barrier_id, jnp.int32))
+
+
+class NamedSlots:
+    """Ring slots handed back to the producer through hardware named barriers (ids first .. first + stages - 1)
+    instead of "consumed" mbarriers: consumers `bar.arrive`, the producer `bar.sync` (a hardware wait, no polling).
+    num_threads = the consumers' threads + the producer's.  The consumers `prime()` every slot once before their
+    first release (the producer syncs before every load, the first `stages` included)."""
+
+    def __init__(self, plgpu, first: int, stages: int, num_threads: int):
+        if first + stages > 16:
+            raise ValueError(f"named barriers {first}..{first + stages - 1}: sm90 has 16")
+        self.plgpu, self.first, self.stages, self.num_threads = plgpu, first, stages, num_threads
+
+    def release(self, slot):
+        named_barrier(self.plgpu, "arrive", self.first + slot, self.num_threads)
+
+    def wait(self, slot):
+        named_barrier(self.plgpu, "sync", self.first + slot, self.num_threads)
+
+    def prime(self):
+        for s in range(self.stages):
+            named_barrier(self.plgpu, "arrive", self.first + s, self.num_threads)
+
+
+class MbarrierSlots:
+    """Ring slots handed back through "consumed" mbarriers (one per slot; arrivals = consumer warpgroups)."""
+
+    def __init__(self, plgpu, bars):
+        self.plgpu, self.bars = plgpu, bars
+
+    def release(self, slot):
+        self.plgpu.barrier_arrive(self.bars.at[slot])
+
+    def wait(self, slot):
+        self.plgpu.barrier_wait(self.bars.at[slot])
+
+    def prime(self):
+        pass
+
+
+RING_BAR_ID = 6  # named-barrier ring slots start here (Mosaic GPU uses 0 and 1 + warpgroup; the forward 4 and 5)
+
+
+def ring_slots(plgpu, consumed, stages: int, *, named: bool, producer_warp: bool, compute_wgs: int):
+    """The slot hand-back of each ring (one "consumed" Barrier ref [stages] per ring): NamedSlots (ids from
+    RING_BAR_ID, `stages` per ring) when `named` and the 16 hardware barriers suffice, else MbarrierSlots."""
+    if not named or RING_BAR_ID + len(consumed) * stages > 16:
+        return [MbarrierSlots(plgpu, bars) for bars in consumed]
+    n = 128 * compute_wgs + (32 if producer_warp else 128)
+    return [NamedSlots(plgpu, RING_BAR_ID + i * stages, stages, n) for i in range(len(consumed))]
+
+
 def stream_ring(plgpu, total, stages: int, coords, streams):
     """A memory warpgroup's loop: for g = 0 .. total-1, TMA every stream's g-th tile into ring slot
-    g % stages once the compute warpgroups have released that slot; then observe the last consumed
-    phases, so that every barrier phase is waited on before the CTA exits (the interpreter checks).
+    g % stages once the compute warpgroups have released that slot; then, for mbarrier slots, observe the
+    last consumed phases, so that every barrier phase is waited on before the CTA exits (the interpreter
+    checks).
 
     coords(g): whatever locates step g (computed once per step); streams: (view(coords) -> gmem ref
-    view, smem ring [stages, ...], loaded barriers [stages], consumed barriers [stages]) each, issued
-    in this order at every step.
+    view, smem ring [stages, ...], loaded barriers [stages], consumed: a Barrier ref [stages] or a
+    NamedSlots / MbarrierSlots) each, issued in this order at every step.
     """
-    def load(g, slot):
+    def slots(consumed):
+        return consumed if isinstance(consumed, (NamedSlots, MbarrierSlots)) else MbarrierSlots(plgpu, consumed)
+
+    streams = [(view, ring, loaded, slots(consumed)) for view, ring, loaded, consumed in streams]
+    named = [isinstance(st[3], NamedSlots) for st in streams]
+
+    def load(g, slot, wait_named):
         c = coords(g)
-        for view, ring, loaded, _ in streams:
+        for view, ring, loaded, consumed in streams:
+            if wait_named and isinstance(consumed, NamedSlots):
+                consumed.wait(slot)
             plgpu.copy_gmem_to_smem(view(c), ring.at[slot], loaded.at[slot])
 
     for i in range(stages):
-        when(i < total, functools.partial(load, jnp.int32(i), i))
+        when(i < total, functools.partial(load, jnp.int32(i), i, True))
 
     def refill(step, _):
         slot = rem(step, stages)
         c = coords(step + stages)
         for view, ring, loaded, consumed in streams:
-            plgpu.barrier_wait(consumed.at[slot])
+            consumed.wait(slot)
             plgpu.copy_gmem_to_smem(view(c), ring.at[slot], loaded.at[slot])
 
     lax.fori_loop(0, total - stages, refill, None)
 
-    def drain(step, _):
-        slot = rem(step, stages)
-        for *_, consumed in streams:
-            plgpu.barrier_wait(consumed.at[slot])
+    if not all(named):
+        def drain(step, _):
+            slot = rem(step, stages)
+            for *_, consumed in streams:
+                if not isinstance(consumed, NamedSlots):
+                    consumed.wait(slot)
 
-    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+        lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+
+def run_producer(plgpu, fn, *, single_warp: bool):
+    """The memory warpgroup runs fn on all four warps (TMA issued by one elected thread, waits by all), or, with
+    single_warp, on warp 0 alone while warps 1-3 go idle: three fewer warps polling barriers beside the compute
+    warps on their schedulers.  single_warp needs the kernel compiled without automatic warpgroup barriers."""
+    if not single_warp:
+        fn()
+        return
+
+    def per_warp(warp):
+        pl.when(warp == 0)(fn)
+
+    plgpu.warp_map(per_warp)
 
 
 def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names, compute_wgs: int,
-                            interpret: bool, name: str):
+                            interpret: bool, name: str, no_auto_barriers: bool = False):
     """plgpu.kernel(body) with `compute_wgs` compute warpgroups and one memory warpgroup (thread axis
     "wg", the memory warpgroup last), fast approximate exp2/log2.  `name` names the GPU kernel (Mosaic GPU
-    takes it from the body's __name__), so profiles tell the forward and backward kernels apart."""
+    takes it from the body's __name__), so profiles tell the forward and backward kernels apart.  no_auto_barriers:
+    Mosaic GPU inserts no warpgroup barriers around loads and stores (needed by a single-warp producer; safe
+    here: no thread reads and writes one shared-memory region, and nothing is read back after commit_smem)."""
     body.__name__ = name
     return plgpu.kernel(
         body,
@@ -142,6 +238,7 @@ def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names,
         grid_names=grid_names,
         num_threads=compute_wgs + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **(
+            {"unsafe_no_auto_barriers": True} if no_auto_barriers else {})),
         interpret=interpret_arg(interpret),
     )

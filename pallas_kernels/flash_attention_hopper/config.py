@@ -46,6 +46,19 @@ class HopperConfig:
     # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
     # uses the mbarrier.
     fwd_named_barrier: bool | None = None
+    # The forward's K/V ring slots handed back to the producer through hardware named barriers (consumers
+    # `bar.arrive`, the producer `bar.sync`) instead of "consumed" mbarriers that the producer polls.  GPU only.
+    fwd_named_release: bool | None = None
+    # The forward's producer is warp 0 of the memory warpgroup alone (warps 1-3 idle) instead of all four warps
+    # polling the ring's barriers beside the compute warps on their schedulers.  GPU only.
+    fwd_producer_warp: bool | None = None
+    # The same two choices for the backward kernels (dK/dV with its Q, lse, dO and delta rings; dQ with K and V).
+    bwd_named_release: bool | None = None
+    bwd_producer_warp: bool | None = None
+    # The forward's ping-pong as a hand-off (FA3, tokamax): each compute warpgroup waits on its own named barrier
+    # before PV and signals the other's after issuing QK^T, instead of both meeting twice per step.  Needs the
+    # named-barrier schedule (fwd_named_barrier, GPU).
+    fwd_handoff: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -57,7 +70,8 @@ class HopperConfig:
             raise ValueError("stages must be >= 1")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
-        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_named_barrier"):
+        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_named_barrier", "fwd_named_release",
+                     "fwd_producer_warp", "fwd_handoff", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.fwd_ctas is not None and (not isinstance(self.fwd_ctas, int) or self.fwd_ctas < 1):
@@ -84,6 +98,16 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
     if head_dim <= 128:
         return HopperConfig(block_q=64, block_kv=128, stages=2)
     return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
+
+
+def ring_choices(cfg: HopperConfig, interpret: bool, *, backward: bool) -> tuple[bool, bool]:
+    """(named_release, producer_warp) for the forward or backward kernels: GPU only (inline PTX, warp-level
+    code: the interpreter keeps mbarriers and a four-warp producer); None (auto) = on."""
+    if interpret:
+        return False, False
+    if backward:
+        return cfg.bwd_named_release is not False, cfg.bwd_producer_warp is not False
+    return cfg.fwd_named_release is not False, cfg.fwd_producer_warp is not False
 
 
 def check_lengths(cfg: HopperConfig, q_len: int, kv_len: int, *, forward: bool = True,

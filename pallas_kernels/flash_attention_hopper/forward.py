@@ -21,52 +21,72 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, smem_transforms, stream_ring,
-                     warp_specialized_kernel, when)
-from .config import LN2, LOG2E, HopperConfig, check_lengths, default_config, persistent_fits
+from .common import (cdiv, div, mma, mma_into, named_barrier, rem, resolve_interpret, ring_slots, run_producer,
+                     smem_transforms, stream_ring, warp_specialized_kernel, when)
+from .config import LN2, LOG2E, HopperConfig, check_lengths, default_config, persistent_fits, ring_choices
 
 
-_SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
+_SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup; the schedule takes 4 and 5
 
 
 class _Sched:
-    """The two compute warpgroups' rendezvous (the forward's ping-pong schedule).
+    """The two compute warpgroups' ping-pong on the tensor cores (the forward's schedule).
 
-    mbarrier: one 2-arrival barrier, arrive + wait.  named: `bar.sync 4, 256` (both compute
-    warpgroups' 256 threads), a hardware barrier with no memory round trip.
+    Each step of a warpgroup: QK^T wgmma, `after_qk`, softmax, `before_pv`, PV wgmma.  Warpgroup 1 calls `start`
+    before its first step, warpgroup 0 `finish` after its last.
+    * rendezvous (mbarrier: one 2-arrival barrier; named: `bar.sync 4, 256`): both warpgroups meet after issuing
+      QK^T and again before PV, so one's softmax runs while the other's wgmmas do.
+    * hand-off (fwd_handoff, named barriers only; FA3 and tokamax): warpgroup w waits only on its own barrier
+      4 + w before PV, and after issuing QK^T signals the other's (`bar.arrive`), so the tensor cores take one
+      warpgroup's PV and next QK^T back to back, then the other's.
     """
 
-    def __init__(self, plgpu, bar, named: bool):
-        self.plgpu, self.bar, self.named = plgpu, bar, named
+    def __init__(self, plgpu, bar, wg, named: bool, handoff: bool):
+        self.plgpu, self.bar, self.wg, self.named, self.handoff = plgpu, bar, wg, named, handoff and named
 
-    def _bar_sync(self):
-        from jax.experimental.mosaic import gpu as mgpu
+    def _bar(self, op, bid):
+        named_barrier(self.plgpu, op, bid, 256)
 
-        @self.plgpu.inline_mgpu()
-        def _sync(_):
-            mgpu.utils.inline_ptx(f"bar.sync {_SCHED_BAR_ID}, 256;", has_side_effects=True)
-
-        _sync()
-
-    def sync(self):
+    def _meet(self):
         if self.named:
-            self._bar_sync()
+            self._bar("sync", _SCHED_BAR_ID)
         else:
             self.plgpu.barrier_arrive(self.bar)
             self.plgpu.barrier_wait(self.bar)
 
+    def start(self):
+        self._bar("sync", _SCHED_BAR_ID + 1) if self.handoff else self._meet()
+
+    def after_qk(self):
+        self._bar("arrive", _SCHED_BAR_ID + 1 - self.wg) if self.handoff else self._meet()
+
     def before_pv(self, v_ready):
         """After the softmax: V ready, and the other warpgroup done with the tensor cores."""
-        if self.named:
+        if self.handoff:
             self.plgpu.barrier_wait(v_ready)
-            self._bar_sync()
+            self._bar("sync", _SCHED_BAR_ID + self.wg)
+        elif self.named:
+            self.plgpu.barrier_wait(v_ready)
+            self._bar("sync", _SCHED_BAR_ID)
         else:
             self.plgpu.barrier_arrive(self.bar)  # done with softmax
             self.plgpu.barrier_wait(v_ready)
             self.plgpu.barrier_wait(self.bar)  # tensor cores free
 
+    def finish(self):
+        self._bar("arrive", _SCHED_BAR_ID + 1) if self.handoff else self._meet()
 
-def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_cons, sched,
+    def flush_step(self):
+        """A step's two schedule points with no work (a warpgroup done before the other, causal)."""
+        if self.handoff:
+            self.after_qk()
+            self._bar("sync", _SCHED_BAR_ID + self.wg)
+        else:
+            self._meet()
+            self._meet()
+
+
+def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_release, sched,
                  c: float, dtype, interpret: bool, mask=None, wait_next_k=None):
     """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
 
@@ -74,14 +94,14 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_con
     followed by a rendezvous on `sched` (the other warpgroup then runs its softmax while this
     one's wgmma runs); after the softmax a second rendezvous waits for the tensor cores.
     mask(shape) -> bool [bq, bkv] keeps logits (causal blocks); wait_next_k runs while the PV
-    wgmma is in flight (the next K tile's barrier).
+    wgmma is in flight (the next K tile's barrier).  k_release / v_release hand the K / V slot back.
     """
     acc, m_i, l_i = carry
     D = acc.shape[-1]
 
     bq, bkv = q_smem.shape[0], k_tile.shape[0]
-    s = mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=sched.sync)
-    plgpu.barrier_arrive(k_cons)
+    s = mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=sched.after_qk)
+    k_release()
     if mask is not None:
         s = jnp.where(mask(s.shape), s, -jnp.inf)
 
@@ -104,12 +124,12 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_cons, v_ready, v_con
         l_i = l_i + p.sum(axis=1)
 
     acc = mma_into(plgpu, acc, p16, v_tile, interpret=interpret, after=wait_next_k)
-    plgpu.barrier_arrive(v_cons)
+    v_release()
     return acc, m_new, l_i
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
-              interpret: bool, name: str):
+              interpret: bool, name: str, producer_warp: bool):
     """plgpu.kernel for a forward body: 2 compute warpgroups + 1 memory warpgroup.
 
     Shared memory: Q/O tiles [2 warpgroups, *q_buffers, bq, D], the K and V rings [stages, bkv, D], lse
@@ -137,7 +157,8 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
     ]
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
-                                   compute_wgs=2, interpret=interpret, name=name)(q, k, v)
+                                   compute_wgs=2, interpret=interpret, name=name,
+                                   no_auto_barriers=producer_warp)(q, k, v)
 
 
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
@@ -161,11 +182,15 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     n_qt = S // (2 * bq)
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
+    named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
+    handoff = bool(cfg.fwd_handoff)
     split = cfg.split_causal
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
         qo_smem2, k_smem, v_smem, lse_smem2 = smem
         k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
+        k_slots, v_slots = ring_slots(plgpu, (k_cons, v_cons), stages, named=named_release,
+                                      producer_warp=producer_warp, compute_wgs=2)
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -174,8 +199,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             qt = (n_qt - 1) - qt  # heaviest tiles first
         kvh = lax.div(h, jnp.int32(rep))
 
-        sched = _Sched(plgpu, sched, named)
-        sched_sync = sched.sync
+        sched = _Sched(plgpu, sched, wg, named, handoff)
 
         if causal:
             cta_steps = cdiv((qt + 1) * (2 * bq), bkv)
@@ -191,6 +215,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             kv_steps = cdiv(q0 + bq, bkv) if causal else n_kv
 
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
+            k_slots.prime()
+            v_slots.prime()
             plgpu.barrier_wait(q_bar.at[wg])
 
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
@@ -200,7 +226,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             plgpu.barrier_wait(k_bar.at[0])
-            pl.when(wg == 1)(sched_sync)
+            pl.when(wg == 1)(sched.start)
 
             def kv_body(step, carry, masked: bool):
                 slot = rem(step, stages)
@@ -219,7 +245,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
                 return _fwd_kv_step(
                     plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
-                    k_cons=k_cons.at[slot], v_ready=v_bar.at[slot], v_cons=v_cons.at[slot],
+                    k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
+                    v_release=lambda: v_slots.release(slot),
                     sched=sched, c=c, dtype=dtype, interpret=interpret,
                     mask=mask if masked else None, wait_next_k=wait_next_k)
 
@@ -236,15 +263,14 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                     # before the other one (causal: the first warpgroup has fewer blocks).
                     slot = rem(step, stages)
                     plgpu.barrier_wait(k_bar.at[slot])  # observe every phase (no skipped waits)
-                    plgpu.barrier_arrive(k_cons.at[slot])
+                    k_slots.release(slot)
                     plgpu.barrier_wait(v_bar.at[slot])
-                    plgpu.barrier_arrive(v_cons.at[slot])
-                    sched_sync()
-                    sched_sync()
+                    v_slots.release(slot)
+                    sched.flush_step()
 
                 lax.fori_loop(kv_steps, cta_steps, flush, None)
             acc, m_i, l_i = carry
-            pl.when(wg == 0)(sched_sync)
+            pl.when(wg == 0)(sched.finish)
 
             inv = 1.0 / l_i
             acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -258,13 +284,14 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-            stream_ring(plgpu, cta_steps, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
-                        [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
-                         (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
+            run_producer(plgpu, lambda: stream_ring(
+                plgpu, cta_steps, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
+                [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_slots),
+                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots)]), single_warp=producer_warp)
 
     out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=1, bq=bq, bkv=bkv, stages=stages, grid=(H, n_qt, B),
                          grid_names=("heads", "q_seq", "batch"), interpret=interpret,
-                         name="te_jax_attn_fwd_causal" if causal else "te_jax_attn_fwd")
+                         name="te_jax_attn_fwd_causal" if causal else "te_jax_attn_fwd", producer_warp=producer_warp)
     return out, lse
 
 
@@ -294,10 +321,14 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or _num_sms()))
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
+    named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
+    handoff = bool(cfg.fwd_handoff)
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
         qo_smem4, k_smem, v_smem, lse_smem2 = smem
         k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
+        k_slots, v_slots = ring_slots(plgpu, (k_cons, v_cons), stages, named=named_release,
+                                      producer_warp=producer_warp, compute_wgs=2)
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
         n_my = cdiv(n_tiles - cta, n_ctas)  # >= 1: n_ctas <= n_tiles
@@ -307,8 +338,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             bh = div(t, n_qt)
             return div(bh, H), rem(bh, H), rem(t, n_qt)  # batch, head, query tile
 
-        sched = _Sched(plgpu, sched, named)
-        sched_sync = sched.sync
+        sched = _Sched(plgpu, sched, wg, named, handoff)
 
         @pl.when(wg < 2)
         def _compute():
@@ -320,6 +350,8 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                                         qo_smem4.at[wg, buf], q_bar.at[2 * wg + buf])
 
             load_q(0, 0)
+            k_slots.prime()
+            v_slots.prime()
 
             def tile_body(i, _):
                 b, h, qt = coords(i)
@@ -334,7 +366,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                                         plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
-                pl.when(wg == 1)(sched_sync)
+                pl.when(wg == 1)(sched.start)
 
                 def kv_body(step, carry):
                     g = g0 + step
@@ -347,12 +379,12 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
 
                     return _fwd_kv_step(
                         plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot],
-                        v_tile=v_smem.at[slot], k_cons=k_cons.at[slot], v_ready=v_bar.at[slot],
-                        v_cons=v_cons.at[slot], sched=sched, c=c, dtype=dtype,
+                        v_tile=v_smem.at[slot], k_release=lambda: k_slots.release(slot),
+                        v_ready=v_bar.at[slot], v_release=lambda: v_slots.release(slot), sched=sched, c=c, dtype=dtype,
                         interpret=interpret, wait_next_k=wait_next_k)
 
                 acc, m_i, l_i = lax.fori_loop(0, n_kv, kv_body, (acc, m_i, l_i))
-                pl.when(wg == 0)(sched_sync)
+                pl.when(wg == 0)(sched.finish)
                 # Q of this tile is consumed.  The other buffer staged the previous tile's O,
                 # whose store was issued a whole tile ago: wait for it to be read, then load
                 # the next tile's Q there while this tile's epilogue runs.
@@ -377,10 +409,12 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 return b, pl.ds(rem(g, n_kv) * bkv, bkv), lax.div(h, jnp.int32(rep))
 
             plgpu.set_max_registers(40, action="decrease")
-            stream_ring(plgpu, n_my * n_kv, stages, kv_slice,
-                        [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
-                         (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)])
+            run_producer(plgpu, lambda: stream_ring(
+                plgpu, n_my * n_kv, stages, kv_slice,
+                [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_slots),
+                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots)]), single_warp=producer_warp)
 
     out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=2, bq=bq, bkv=bkv, stages=stages, grid=(n_ctas,),
-                         grid_names=("cta",), interpret=interpret, name="te_jax_attn_fwd_persistent")
+                         grid_names=("cta",), interpret=interpret, name="te_jax_attn_fwd_persistent",
+                         producer_warp=producer_warp)
     return out, lse
