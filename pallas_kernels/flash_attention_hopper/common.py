@@ -119,6 +119,8 @@ class NamedSlots:
     num_threads = the consumers' threads + the producer's.  The consumers `prime()` every slot once before their
     first release (the producer syncs before every load, the first `stages` included)."""
 
+    primed = True  # the producer waits before every load; nothing to observe at the end
+
     def __init__(self, plgpu, first: int, stages: int, num_threads: int):
         if first + stages > 16:
             raise ValueError(f"named barriers {first}..{first + stages - 1}: sm90 has 16")
@@ -137,6 +139,8 @@ class NamedSlots:
 
 class MbarrierSlots:
     """Ring slots handed back through "consumed" mbarriers (one per slot; arrivals = consumer warpgroups)."""
+
+    primed = False  # the first `stages` loads need no wait; the last phases are observed at the end
 
     def __init__(self, plgpu, bars):
         self.plgpu, self.bars = plgpu, bars
@@ -170,40 +174,33 @@ def stream_ring(plgpu, total, stages: int, coords, streams):
     checks).
 
     coords(g): whatever locates step g (computed once per step); streams: (view(coords) -> gmem ref
-    view, smem ring [stages, ...], loaded barriers [stages], consumed: a Barrier ref [stages] or a
-    NamedSlots / MbarrierSlots) each, issued in this order at every step.
+    view, smem ring [stages, ...], loaded barriers [stages], slot hand-back: NamedSlots or MbarrierSlots)
+    each, issued in this order at every step.
     """
-    def slots(consumed):
-        return consumed if isinstance(consumed, (NamedSlots, MbarrierSlots)) else MbarrierSlots(plgpu, consumed)
-
-    streams = [(view, ring, loaded, slots(consumed)) for view, ring, loaded, consumed in streams]
-    named = [isinstance(st[3], NamedSlots) for st in streams]
-
-    def load(g, slot, wait_named):
+    def load(g, slot):
         c = coords(g)
-        for view, ring, loaded, consumed in streams:
-            if wait_named and isinstance(consumed, NamedSlots):
-                consumed.wait(slot)
+        for view, ring, loaded, slots in streams:
+            if slots.primed:
+                slots.wait(slot)
             plgpu.copy_gmem_to_smem(view(c), ring.at[slot], loaded.at[slot])
 
     for i in range(stages):
-        when(i < total, functools.partial(load, jnp.int32(i), i, True))
+        when(i < total, functools.partial(load, jnp.int32(i), i))
 
     def refill(step, _):
         slot = rem(step, stages)
         c = coords(step + stages)
-        for view, ring, loaded, consumed in streams:
-            consumed.wait(slot)
+        for view, ring, loaded, slots in streams:
+            slots.wait(slot)
             plgpu.copy_gmem_to_smem(view(c), ring.at[slot], loaded.at[slot])
 
     lax.fori_loop(0, total - stages, refill, None)
 
-    if not all(named):
+    if not all(slots.primed for *_, slots in streams):
         def drain(step, _):
-            slot = rem(step, stages)
-            for *_, consumed in streams:
-                if not isinstance(consumed, NamedSlots):
-                    consumed.wait(slot)
+            for *_, slots in streams:
+                if not slots.primed:
+                    slots.wait(rem(step, stages))
 
         lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
 
