@@ -155,7 +155,7 @@ class MbarrierSlots:
         pass
 
 
-RING_BAR_ID = 6  # named-barrier ring slots start here (Mosaic GPU uses 0 and 1 + warpgroup; the forward 4 and 5)
+RING_BAR_ID = 6  # named-barrier ring slots start here (Mosaic GPU uses 0 and 1 + warpgroup; the forward's schedule 4)
 
 
 def ring_slots(plgpu, consumed, stages: int, *, named: bool, producer_warp: bool, compute_wgs: int):

@@ -55,10 +55,6 @@ class HopperConfig:
     # The same two choices for the backward kernels (dK/dV with its Q, lse, dO and delta rings; dQ with K and V).
     bwd_named_release: bool | None = None
     bwd_producer_warp: bool | None = None
-    # The forward's ping-pong as a hand-off (FA3, tokamax): each compute warpgroup waits on its own named barrier
-    # before PV and signals the other's after issuing QK^T, instead of both meeting twice per step.  Needs the
-    # named-barrier schedule (fwd_named_barrier, GPU).
-    fwd_handoff: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -71,7 +67,7 @@ class HopperConfig:
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_named_barrier", "fwd_named_release",
-                     "fwd_producer_warp", "fwd_handoff", "bwd_named_release", "bwd_producer_warp"):
+                     "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.fwd_ctas is not None and (not isinstance(self.fwd_ctas, int) or self.fwd_ctas < 1):

@@ -26,64 +26,44 @@ from .common import (cdiv, div, mma, mma_into, named_barrier, rem, resolve_inter
 from .config import LN2, LOG2E, HopperConfig, check_lengths, default_config, persistent_fits, ring_choices
 
 
-_SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup; the schedule takes 4 and 5
+_SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
 
 
 class _Sched:
     """The two compute warpgroups' ping-pong on the tensor cores (the forward's schedule).
 
     Each step of a warpgroup: QK^T wgmma, `after_qk`, softmax, `before_pv`, PV wgmma.  Warpgroup 1 calls `start`
-    before its first step, warpgroup 0 `finish` after its last.
-    * rendezvous (mbarrier: one 2-arrival barrier; named: `bar.sync 4, 256`): both warpgroups meet after issuing
-      QK^T and again before PV, so one's softmax runs while the other's wgmmas do.
-    * hand-off (fwd_handoff, named barriers only; FA3 and tokamax): warpgroup w waits only on its own barrier
-      4 + w before PV, and after issuing QK^T signals the other's (`bar.arrive`), so the tensor cores take one
-      warpgroup's PV and next QK^T back to back, then the other's.
+    before its first step, warpgroup 0 `finish` after its last.  Both warpgroups meet after issuing QK^T and again
+    before PV (mbarrier: one 2-arrival barrier; named: `bar.sync 4, 256`), so one's softmax runs while the other's
+    wgmmas do.  (FA3's hand-off, each warpgroup waiting on its own barrier, measured no faster: run 9.)
     """
 
-    def __init__(self, plgpu, bar, wg, named: bool, handoff: bool):
-        self.plgpu, self.bar, self.wg, self.named, self.handoff = plgpu, bar, wg, named, handoff and named
-
-    def _bar(self, op, bid):
-        named_barrier(self.plgpu, op, bid, 256)
+    def __init__(self, plgpu, bar, named: bool):
+        self.plgpu, self.bar, self.named = plgpu, bar, named
 
     def _meet(self):
         if self.named:
-            self._bar("sync", _SCHED_BAR_ID)
+            named_barrier(self.plgpu, "sync", _SCHED_BAR_ID, 256)
         else:
             self.plgpu.barrier_arrive(self.bar)
             self.plgpu.barrier_wait(self.bar)
 
-    def start(self):
-        self._bar("sync", _SCHED_BAR_ID + 1) if self.handoff else self._meet()
-
-    def after_qk(self):
-        self._bar("arrive", _SCHED_BAR_ID + 1 - self.wg) if self.handoff else self._meet()
+    start = after_qk = finish = _meet
 
     def before_pv(self, v_ready):
         """After the softmax: V ready, and the other warpgroup done with the tensor cores."""
-        if self.handoff:
+        if self.named:
             self.plgpu.barrier_wait(v_ready)
-            self._bar("sync", _SCHED_BAR_ID + self.wg)
-        elif self.named:
-            self.plgpu.barrier_wait(v_ready)
-            self._bar("sync", _SCHED_BAR_ID)
+            self._meet()
         else:
             self.plgpu.barrier_arrive(self.bar)  # done with softmax
             self.plgpu.barrier_wait(v_ready)
             self.plgpu.barrier_wait(self.bar)  # tensor cores free
 
-    def finish(self):
-        self._bar("arrive", _SCHED_BAR_ID + 1) if self.handoff else self._meet()
-
     def flush_step(self):
         """A step's two schedule points with no work (a warpgroup done before the other, causal)."""
-        if self.handoff:
-            self.after_qk()
-            self._bar("sync", _SCHED_BAR_ID + self.wg)
-        else:
-            self._meet()
-            self._meet()
+        self._meet()
+        self._meet()
 
 
 def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_release, sched,
@@ -183,7 +163,6 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
-    handoff = bool(cfg.fwd_handoff)
     split = cfg.split_causal
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
@@ -199,7 +178,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             qt = (n_qt - 1) - qt  # heaviest tiles first
         kvh = lax.div(h, jnp.int32(rep))
 
-        sched = _Sched(plgpu, sched, wg, named, handoff)
+        sched = _Sched(plgpu, sched, named)
 
         if causal:
             cta_steps = cdiv((qt + 1) * (2 * bq), bkv)
@@ -322,7 +301,6 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
-    handoff = bool(cfg.fwd_handoff)
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
         qo_smem4, k_smem, v_smem, lse_smem2 = smem
@@ -338,7 +316,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             bh = div(t, n_qt)
             return div(bh, H), rem(bh, H), rem(t, n_qt)  # batch, head, query tile
 
-        sched = _Sched(plgpu, sched, wg, named, handoff)
+        sched = _Sched(plgpu, sched, named)
 
         @pl.when(wg < 2)
         def _compute():
