@@ -1,7 +1,7 @@
 """A/B of Hopper forward configs on issue #7's hd128 rows, by GPU kernel time, in interleaved rounds.
 
     bash benchmarks/install_peers.sh; export PYTHONPATH=.:benchmarks:/tmp/site   # carry [".whl"]
-    python3 benchmarks/attention_hopper_fwd_ab_gpu.py [--rounds 4] [--rows 1024:1,4096:0] [--configs warp,named]
+    python3 benchmarks/attention_hopper_fwd_ab_gpu.py [--rounds 4] [--rows 1024:1,4096:0] [--configs mbarrier]
 
 Each config (CONFIGS, applied on top of the row's default config) is checked against the default's output
 first (bf16: the same up to rounding), then every config and the peers (cuDNN via jax.nn.dot_product_attention,
