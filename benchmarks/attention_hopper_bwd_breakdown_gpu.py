@@ -32,6 +32,7 @@ CONFIGS = {
     "dQ kernel (no atomic dQ)": HopperConfig(bwd_dq_atomic=False),
     "mask every block (split_causal=False)": HopperConfig(split_causal=False),
     "bwd_stages=3": HopperConfig(bwd_stages=3),
+    "light key tiles first (the launch order before run 10)": HopperConfig(bwd_dkv_light_first=True),
     "forward causal walk (bwd_causal_reverse=False)": HopperConfig(bwd_causal_reverse=False),
     "forward causal walk, dQ kernel": HopperConfig(bwd_causal_reverse=False, bwd_dq_atomic=False),
     "mbarrier release, 4-warp producer (bwd)": HopperConfig(bwd_named_release=False, bwd_producer_warp=False),
@@ -65,6 +66,7 @@ def main():
     ap.add_argument("--causal-only", action="store_true")
     ap.add_argument("--head-dim", type=int, default=128, help="heads = 2048 // head_dim (the same hidden size)")
     ap.add_argument("--configs", default="", help="comma-separated substrings: time only the configs that match")
+    ap.add_argument("--seqs", default="16384,4096", help="comma-separated sequence lengths")
     args = ap.parse_args()
     wanted = [w for w in args.configs.split(",") if w]
     D = args.head_dim
@@ -74,7 +76,7 @@ def main():
     print(f"# Hopper backward breakdown, {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"{datetime.date.today()}; bf16 H={H} D={D} B*S={TOKENS}; kernel time, median of {args.rounds} rounds",
           flush=True)
-    for S, causal in ((16384, True), (16384, False), (4096, True), (4096, False)):
+    for S, causal in [(int(s), c) for s in args.seqs.split(",") for c in (True, False)]:
         if args.causal_only and not causal:
             continue
         B = TOKENS // S
