@@ -32,7 +32,6 @@ CONFIGS = {
     "dQ kernel (no atomic dQ)": HopperConfig(bwd_dq_atomic=False),
     "mask every block (split_causal=False)": HopperConfig(split_causal=False),
     "bwd_stages=3": HopperConfig(bwd_stages=3),
-    "light key tiles first (the launch order before run 10)": HopperConfig(bwd_dkv_light_first=True),
     "forward causal walk (bwd_causal_reverse=False)": HopperConfig(bwd_causal_reverse=False),
     "forward causal walk, dQ kernel": HopperConfig(bwd_causal_reverse=False, bwd_dq_atomic=False),
     "mbarrier release, 4-warp producer (bwd)": HopperConfig(bwd_named_release=False, bwd_producer_warp=False),

@@ -75,12 +75,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         g = lax.axis_index("kv_heads")
         wg = lax.axis_index("wg")
         kt = lax.axis_index("kv_seq")
-        # The GPU launches CTAs in grid order (kv_seq ascending within a head).  Causal: key tile 0 sees
-        # every query and is the heaviest, so ascending order already starts the heaviest tiles first
-        # and leaves the light ones for the tail.  (Reversed, the light tiles went first and the
-        # heaviest tile of the last head ran alone at the end: 7% of the SM time idle at 16k.)
-        if causal and cfg.bwd_dkv_light_first:
-            kt = (n_kt - 1) - kt
+        # No reversal here (unlike the forward and dQ kernels): the GPU launches CTAs in grid order (kv_seq
+        # ascending within a head), and causal key tile 0 sees every query, so ascending order already starts
+        # the heaviest tiles first and leaves the light ones for the tail.  Reversed (before run 10), the
+        # heaviest tile of the last head ran alone at the end: 7% of the SM time idle at 16k causal.
         kv_cta0 = kt * (wgs * bkv)
         q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
         n_steps_h = nq - q_lo  # query blocks per query head

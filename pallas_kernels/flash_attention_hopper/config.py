@@ -55,9 +55,6 @@ class HopperConfig:
     # The same two choices for the backward kernels (dK/dV with its Q, lse, dO and delta rings; dQ with K and V).
     bwd_named_release: bool | None = None
     bwd_producer_warp: bool | None = None
-    # Causal dK/dV kernel: launch the light key tiles (few queries) first.  The old order, kept only to
-    # measure it against the default (heaviest first).
-    bwd_dkv_light_first: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -73,8 +70,6 @@ class HopperConfig:
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
-        if not isinstance(self.bwd_dkv_light_first, bool):
-            raise ValueError(f"bwd_dkv_light_first={self.bwd_dkv_light_first!r}: expected True or False")
         if self.fwd_ctas is not None and (not isinstance(self.fwd_ctas, int) or self.fwd_ctas < 1):
             raise ValueError(f"fwd_ctas={self.fwd_ctas!r}: expected None (the SM count) or an int >= 1")
 
