@@ -30,6 +30,7 @@ TOKENS = 16384
 CONFIGS = {
     "default": None,
     "dQ kernel (no atomic dQ)": HopperConfig(bwd_dq_atomic=False),
+    "atomic dQ (bwd_dq_atomic=True)": HopperConfig(bwd_dq_atomic=True),
     "mask every block (split_causal=False)": HopperConfig(split_causal=False),
     "bwd_stages=3": HopperConfig(bwd_stages=3),
     "forward causal walk (bwd_causal_reverse=False)": HopperConfig(bwd_causal_reverse=False),

@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import timing  # noqa: E402  (benchmarks/timing.py)
 from pallas_kernels.flash_attention_hopper import (  # noqa: E402
     HopperConfig, attention_reference, default_config, hopper_attention, supports)
+from pallas_kernels.flash_attention_hopper.config import atomic_dq_chosen  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/attention_hopper_out")
 os.makedirs(OUT, exist_ok=True)
@@ -251,6 +252,7 @@ def correctness(quick, budget=190.0):
         (4, 4096, 16, 16, 128, True, jnp.bfloat16, AT),
         (2, 2048, 16, 4, 128, True, jnp.bfloat16, AT),
         (2, 2048, 16, 2, 64, True, jnp.bfloat16, AT),
+        (2, 2048, 16, 16, 64, False, jnp.bfloat16, AT),
         (4, 4096, 16, 16, 128, False, jnp.bfloat16),
         (4, 4096, 16, 16, 128, True, jnp.bfloat16),
         (16, 1024, 16, 16, 128, True, jnp.bfloat16),
@@ -264,14 +266,14 @@ def correctness(quick, budget=190.0):
         (1, 384, 4, 2, 64, True, jnp.bfloat16),  # hd64 with a key length that is no multiple of 256
     ]
     if quick:  # the default (dQ-kernel) path on every served kind of case, plus atomic-dQ cases
-        cases = cases[:3] + cases[4:6] + cases[7:8] + cases[9:]
+        cases = cases[:5] + cases[5:7] + cases[8:9] + cases[10:]
     if CASES_HEAD_DIM:
         cases = [c for c in cases if c[4] == CASES_HEAD_DIM]
     rows = []
     for i, (B, S, H, G, D, causal, dt, *extra) in enumerate(cases):
         cfg = dataclasses.replace(default_config(D, S, causal), bwd_dq_atomic=bool(extra), **CONFIG_OVERRIDE)
         name = (f"B{B} S{S} H{H} G{G} D{D} {'causal' if causal else 'full'} {jnp.dtype(dt).name}"
-                f" dQ:{'atomic' if cfg.bwd_dq_atomic else 'kernel'}")
+                f" dQ:{'atomic' if atomic_dq_chosen(D, S, cfg, interpret=False) else 'kernel'}")
         r = supports((B, S, H, D), (B, S, G, D), (B, S, G, D), dt, causal)
         if r is not None:
             log(f"  {name}: not served ({r})")

@@ -48,7 +48,8 @@ def _gpu_kernel_events(xspace_dir):
 
 
 def profiled(fn, args, *, calls=20, warmup=3):
-    """dict(kernel_s, span_s, kernels_per_call, lines) per call of fn(*args), from the profiler's GPU events."""
+    """dict(kernel_s, span_s, kernels_per_call, lines, names, durations, events) per call of fn(*args), from the
+    profiler's GPU events (events: every (start_ns, end_ns, name) of the traced calls, by start)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
@@ -70,7 +71,8 @@ def profiled(fn, args, *, calls=20, warmup=3):
                 kernels_per_call=len(events) / calls,
                 lines=[(name, len(evs)) for name, evs in lines],
                 names={n: c / calls for n, c in names.most_common(8)},
-                durations=dict(durations.most_common(8)))
+                durations=dict(durations.most_common(8)),
+                events=sorted(events))
 
 
 def looped(step, x, *, iters=50, samples=7):

@@ -225,13 +225,17 @@ def test_ring_choices_and_named_barrier_budget():
 def test_atomic_dq_policy():
     """Where the backward accumulates dQ inside the dK/dV kernel (GPU-only: TMA reduce-add)."""
     from pallas_kernels.flash_attention_hopper.config import (
-        ATOMIC_DQ_MIN_KV, HopperConfig, atomic_dq_served, default_config)
+        ATOMIC_DQ_MIN_KV, HopperConfig, atomic_dq_served, default_config, dq_split)
 
     auto = default_config(128)
     assert auto.bwd_dq_atomic is None  # auto: by key length
     assert atomic_dq_served(128, auto, interpret=False)
     assert not atomic_dq_served(128, auto, interpret=True)  # the interpreter has no TMA reduce
-    assert not atomic_dq_served(64, auto, interpret=False)  # 32 dQ columns per warpgroup
+    assert not atomic_dq_served(64, auto, interpret=False)  # 32 dQ columns or rows per warpgroup
+    assert dq_split(128, auto) == "cols" and dq_split(64, auto) is None
+    hd64 = default_config(64, 4096, True, 4096)  # 128-row query blocks: each warpgroup adds 64 whole rows
+    assert dq_split(64, hd64) == "rows" and atomic_dq_served(64, hd64, interpret=False)
+    assert dq_split(64, default_config(64, 384, True, 384)) is None  # 64-row query blocks (384 % 256 != 0)
     assert not atomic_dq_served(256, default_config(256), interpret=False)  # shared memory
     assert not atomic_dq_served(128, HopperConfig(bwd_dq_atomic=False), interpret=False)
     assert atomic_dq_served(128, HopperConfig(bwd_dq_atomic=True), interpret=False)
@@ -313,7 +317,9 @@ def test_describe_plan_names_each_choice():
     assert "from the diagonal up" in d(128, 4096, True, jnp.bfloat16, fah.HopperConfig(bwd_causal_reverse=False))
     assert "walks" not in d(128, 4096, False, jnp.bfloat16)
     assert "no shared memory for the persistent grid" in d(256, 4096, False, jnp.bfloat16)
-    assert "serves head_dim 128; this is 64" in d(64, 4096, True, jnp.bfloat16)
+    assert "not the default for head_dim 64" in d(64, 4096, True, jnp.bfloat16)
+    assert "head_dim 64, bwd_block_q 64, bwd_wgs 2" in d(64, 384, True, jnp.bfloat16)  # 32-column shares
+    assert "head_dim 256" in d(256, 4096, True, jnp.bfloat16).split("backward with")[-1]
     assert "keys 1024 < 2048" in d(128, 1024, False, jnp.bfloat16)
     forced = fah.HopperConfig(bwd_dq_atomic=False, fwd_persistent=False)
     assert d(128, 4096, False, jnp.bfloat16, forced) == (

@@ -6,7 +6,8 @@
     not fit in one warpgroup's registers).
   * dQ, either (bwd_dq_atomic; auto = atomic for head_dim 128 from 2k keys):
     - atomic: inside the dK/dV kernel.  The CTA's dS tile goes to shared memory; warpgroup w computes
-      dQ[:, w*D/2:(w+1)*D/2] over all of the CTA's keys and adds it to an fp32 buffer with a TMA
+      its share of the step's dQ block over all of the CTA's keys (hd128: columns w*D/2:(w+1)*D/2;
+      hd64 with 128-row query blocks: rows w*64:(w+1)*64) and adds it to an fp32 buffer with a TMA
       reduce-add (5 matmuls per block pair);
     - a separate dQ kernel: a CTA owns `wgs` x block_q query rows and loops over K/V blocks
       (recomputes S and dP: 7 matmuls per block pair, no fp32 buffer).
@@ -24,8 +25,7 @@ from te_jax._compat import mosaic_gpu, pl
 
 from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel)
-from .config import (ATOMIC_DQ_MIN_KV, LOG2E, HopperConfig, atomic_dq_served, check_lengths, default_config,
-                     ring_choices)
+from .config import LOG2E, HopperConfig, atomic_dq_chosen, check_lengths, default_config, dq_split, ring_choices
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,11 +49,16 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
     want_dq = dq_acc_ref is not None
     # atomic dQ: the CTA's `wgs` warpgroups share one (bq x wgs*bkv) dS tile through shared
-    # memory; warpgroup w computes dQ columns [w*dqw, (w+1)*dqw) over all of the CTA's keys, so
-    # each query block gets ONE fp32 reduce-add of bq x D per CTA step (not one per warpgroup).
-    dqw = D // wgs
+    # memory; warpgroup w computes its share of the step's (bq x D) dQ block over all of the CTA's
+    # keys: columns [w*D/wgs, ...) of every row (dq_split "cols", hd128) or rows [w*bq/wgs, ...) of
+    # every column ("rows", hd64 with 128-row query blocks).  So each query block gets ONE fp32
+    # reduce-add of bq x D per CTA step (not one per warpgroup).
+    dq_by = dq_split(D, cfg) if want_dq else None
+    dq_rows, dq_cols = (bq // wgs, D) if dq_by == "rows" else (bq, D // wgs)
     if want_dq and not want_dk:
         raise ValueError("atomic dQ rides on the dK pass")
+    if want_dq and dq_by is None:
+        raise ValueError(f"atomic dQ: no 64-wide share per warpgroup for head_dim {D}, {cfg}")
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if want_dq:
@@ -94,8 +99,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             return g * rep + div(t, n_steps_h), query_block(rem(t, n_steps_h))
 
         def _compute(wq):
-            # wq: this warpgroup's index as a Python int when dQ is accumulated here (its dQ
-            # columns are a static slice of the swizzled K tile); refs are indexed with `wg`.
+            # wq: this warpgroup's index as a Python int when dQ is accumulated here (its dQ share
+            # is a static slice of the swizzled K or dS tiles); refs are indexed with `wg`.
             plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             kv0 = kv_cta0 + wg * bkv
@@ -156,16 +161,21 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                         ds_smem3.at[buf, wg][...] = dsT16
                         plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
                         plgpu.barrier_arrive(ds_ready.at[buf])
-                        zq = plgpu.layout_cast(jnp.full((bq, dqw), 0.0, jnp.float32),
+                        zq = plgpu.layout_cast(jnp.full((dq_rows, dq_cols), 0.0, jnp.float32),
                                                plgpu.Layout.WGMMA)
 
                         def _dk_dq(refs):
                             dk_r, dq_r = refs
                             plgpu.wgmma(dk_r, dsT16, q_smem.at[slot])
                             plgpu.barrier_wait(ds_ready.at[buf])  # every warpgroup's dS stored
-                            for w in range(wgs):
-                                plgpu.wgmma(dq_r, ds_smem3.at[buf, w].transpose((1, 0)),
-                                            k_smem2.at[w, :, pl.ds(wq * dqw, dqw)])
+                            for w in range(wgs):  # dQ share += dS[rows, keys of w] @ K_w[:, cols]
+                                if dq_by == "rows":
+                                    a = ds_smem3.at[buf, w, :, pl.ds(wq * dq_rows, dq_rows)]
+                                    kb = k_smem2.at[w]
+                                else:
+                                    a = ds_smem3.at[buf, w]
+                                    kb = k_smem2.at[w, :, pl.ds(wq * dq_cols, dq_cols)]
+                                plgpu.wgmma(dq_r, a.transpose((1, 0)), kb)
 
                         dk_acc, dq_part = pl.run_state(_dk_dq)((plgpu.ACC.init(dk_acc),
                                                                 plgpu.ACC.init(zq)))
@@ -173,9 +183,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         dq_smem2.at[wg][...] = dq_part
                         plgpu.commit_smem()
+                        r0, c0 = (wq * dq_rows, 0) if dq_by == "rows" else (0, wq * dq_cols)
                         plgpu.copy_smem_to_gmem(
                             dq_smem2.at[wg],
-                            dq_ref.at[b, pl.ds(qb * bq, bq), hh, pl.ds(wq * dqw, dqw)],
+                            dq_ref.at[b, pl.ds(qb * bq + r0, dq_rows), hh, pl.ds(c0, dq_cols)],
                             reduction_op="add")
                     else:
                         dk_acc = mma_into(plgpu, dk_acc, dsT16, q_smem.at[slot],
@@ -253,7 +264,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             plgpu.SMEM((stages, bq), jnp.float32),
         ) + ((
             plgpu.SMEM((2, wgs, bkv, bq), dtype, transforms=tr),
-            plgpu.SMEM((wgs, bq, dqw), jnp.float32),
+            plgpu.SMEM((wgs, dq_rows, dq_cols), jnp.float32),
         ) if want_dq else ()),
         (plgpu.Barrier(num_barriers=2 * wgs),)
         + (plgpu.Barrier(num_barriers=stages),) * 4
@@ -412,9 +423,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         delta = delta - dlse.astype(jnp.float32)
     lse2 = lse.astype(jnp.float32) * LOG2E
     kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret)
-    atomic = atomic_dq_served(D, cfg, interpret) and (
-        cfg.bwd_dq_atomic or k.shape[1] >= ATOMIC_DQ_MIN_KV)
-    if atomic:
+    if atomic_dq_chosen(D, k.shape[1], cfg, interpret):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)

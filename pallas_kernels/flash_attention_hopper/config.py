@@ -8,7 +8,9 @@ import jax.numpy as jnp
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-ATOMIC_DQ_MIN_KV = 2048  # bwd_dq_atomic=None: atomic dQ from this key length on
+ATOMIC_DQ_MIN_KV = 2048  # bwd_dq_atomic=None, head_dim 128: atomic dQ from this key length on
+# head_dim -> key length from which bwd_dq_atomic=None takes the in-kernel dQ (absent: the dQ kernel).
+ATOMIC_DQ_AUTO_MIN_KV = {128: ATOMIC_DQ_MIN_KV}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +134,41 @@ def persistent_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
     return need <= SMEM_BYTES
 
 
+def dq_split(head_dim: int, cfg: HopperConfig) -> str | None:
+    """How the CTA's warpgroups share the in-kernel dQ block (bwd_block_q x head_dim) of a step: "cols" (warpgroup
+    w adds dQ columns [w*D/wgs, (w+1)*D/wgs) of every row), "rows" (rows [w*bq/wgs, ...) of every column), or None.
+    Each share must be whole 64-wide tiles: a warpgroup's wgmma takes 64 rows, and a column slice of a swizzled
+    shared-memory tile must be whole 128-byte swizzle rows.  hd128: cols; hd64 with 128-row query blocks: rows."""
+    if head_dim % 64:
+        return None
+    if (head_dim // cfg.bwd_wgs) % 64 == 0:
+        return "cols"
+    if (cfg.bwd_block_q // cfg.bwd_wgs) % 64 == 0:
+        return "rows"
+    return None
+
+
 def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
-    """Whether flash_bwd accumulates dQ inside the dK/dV kernel for this config.
+    """Whether flash_bwd can accumulate dQ inside the dK/dV kernel for this config.
 
     Needs: the GPU (the CPU interpreter has no TMA reduce-add), head_dim <= 128 (shared memory),
-    and head_dim / bwd_wgs a multiple of 64 (each warpgroup's dQ columns are whole swizzle tiles).
+    and a dq_split (each warpgroup's share of dQ is whole 64-wide tiles).
     """
     return (cfg.bwd_dq_atomic is not False and not interpret and head_dim <= 128
-            and (head_dim // cfg.bwd_wgs) % 64 == 0)
+            and dq_split(head_dim, cfg) is not None)
+
+
+def atomic_dq_auto_min_kv(head_dim: int) -> int | None:
+    """bwd_dq_atomic=None: the key length from which the in-kernel dQ is taken, or None (never by default)."""
+    return ATOMIC_DQ_AUTO_MIN_KV.get(head_dim)
+
+
+def atomic_dq_chosen(head_dim: int, kv_len: int, cfg: HopperConfig, interpret: bool) -> bool:
+    """Whether flash_bwd accumulates dQ inside the dK/dV kernel for this call (forced by the config, or auto)."""
+    if not atomic_dq_served(head_dim, cfg, interpret):
+        return False
+    min_kv = atomic_dq_auto_min_kv(head_dim)
+    return bool(cfg.bwd_dq_atomic) or (min_kv is not None and kv_len >= min_kv)
 
 
 def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperConfig | None = None) -> str:
@@ -156,12 +185,16 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
         fwd += ("; backward walks each key tile's query blocks from the diagonal up (bwd_causal_reverse=False)"
                 if cfg.bwd_causal_reverse is False else
                 "; backward walks each key tile's query blocks from the last one down to the diagonal")
-    if atomic_dq_served(head_dim, cfg, interpret=False) and (cfg.bwd_dq_atomic or kv_len >= ATOMIC_DQ_MIN_KV):
+    min_kv = atomic_dq_auto_min_kv(head_dim)
+    if atomic_dq_chosen(head_dim, kv_len, cfg, interpret=False):
         bwd = "backward dQ accumulated in the dK/dV kernel (fp32 TMA reduce-add)"
     elif cfg.bwd_dq_atomic is False:
         bwd = "backward with a separate dQ kernel (bwd_dq_atomic=False)"
     elif not atomic_dq_served(head_dim, cfg, interpret=False):
-        bwd = f"backward with a separate dQ kernel (in-kernel dQ serves head_dim 128; this is {head_dim})"
+        bwd = (f"backward with a separate dQ kernel (the in-kernel dQ needs head_dim <= 128 and whole 64-wide "
+               f"shares per warpgroup; head_dim {head_dim}, bwd_block_q {cfg.bwd_block_q}, bwd_wgs {cfg.bwd_wgs})")
+    elif min_kv is None:
+        bwd = f"backward with a separate dQ kernel (the in-kernel dQ is not the default for head_dim {head_dim})"
     else:
-        bwd = f"backward with a separate dQ kernel (keys {kv_len} < {ATOMIC_DQ_MIN_KV}: faster there)"
+        bwd = f"backward with a separate dQ kernel (keys {kv_len} < {min_kv}: faster there)"
     return f"{fwd}; {bwd}"
