@@ -1,4 +1,5 @@
 """The hd128 attention table (issue #7's six rows) in interleaved rounds, host clock and kernel time side by side.
+(--head-dim 64 / 256: the same rows at that head_dim, with 2048 // head_dim heads.)
 
     bash benchmarks/install_peers.sh; export PYTHONPATH=.:benchmarks:/tmp/site   # carry [".whl"]
     python3 benchmarks/attention_hopper_rounds_gpu.py [--rounds 3]
@@ -28,13 +29,16 @@ import timing  # benchmarks/timing.py
 
 CLOCKS = ("host", "kernel", "span")
 ROWS = [(1024, False), (1024, True), (4096, False), (4096, True), (16384, False), (16384, True)]
-TOKENS, H, D = 16384, 16, 128
+TOKENS = 16384
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=128, help="heads = 2048 // head_dim (the same hidden size)")
     args = ap.parse_args()
+    D = args.head_dim
+    H = 2048 // D
     tk, tk_info = ahg.import_tokamax("mosaic")
     print(tk_info, flush=True)
     ahg.gpu_warmup()
@@ -71,7 +75,7 @@ def main():
                                          for d in ("fwd", "fwd+bwd") for c in CLOCKS), flush=True)
         table.append((S, causal, list(impls), med))
 
-    print(f"\n# Hopper attention hd128, {jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; "
+    print(f"\n# Hopper attention hd{D}, {jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; "
           f"bf16, H={H}, B*S={TOKENS}; median of {args.rounds} interleaved rounds; TFLOP/s; ratio = te_jax / best peer\n")
     for clock in CLOCKS:
         print(f"\n## clock: {clock}\n")

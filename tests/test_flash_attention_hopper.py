@@ -225,7 +225,7 @@ def test_ring_choices_and_named_barrier_budget():
 def test_atomic_dq_policy():
     """Where the backward accumulates dQ inside the dK/dV kernel (GPU-only: TMA reduce-add)."""
     from pallas_kernels.flash_attention_hopper.config import (
-        ATOMIC_DQ_MIN_KV, HopperConfig, atomic_dq_served, default_config, dq_split)
+        ATOMIC_DQ_MIN_KV, HopperConfig, atomic_dq_chosen, atomic_dq_served, default_config, dq_split)
 
     auto = default_config(128)
     assert auto.bwd_dq_atomic is None  # auto: by key length
@@ -240,6 +240,9 @@ def test_atomic_dq_policy():
     assert not atomic_dq_served(128, HopperConfig(bwd_dq_atomic=False), interpret=False)
     assert atomic_dq_served(128, HopperConfig(bwd_dq_atomic=True), interpret=False)
     assert ATOMIC_DQ_MIN_KV == 2048
+    assert atomic_dq_chosen(64, 2048, hd64, interpret=False) and not atomic_dq_chosen(64, 1024, hd64, interpret=False)
+    assert atomic_dq_chosen(64, 1024, dataclasses.replace(hd64, bwd_dq_atomic=True), interpret=False)
+    assert not atomic_dq_chosen(64, 4096, hd64, interpret=True)
 
 
 @pytest.mark.slow
@@ -309,7 +312,7 @@ def test_config_rejects_bad_switches(kw):
         HopperConfig(**kw)
 
 
-def test_describe_plan_names_each_choice():
+def test_describe_plan_names_each_choice(monkeypatch):
     d = fah.describe_plan
     assert "persistent grid" in d(128, 4096, False, jnp.bfloat16) and "reduce-add" in d(128, 4096, False, jnp.bfloat16)
     assert "heaviest first" in d(128, 4096, True, jnp.bfloat16)
@@ -317,10 +320,15 @@ def test_describe_plan_names_each_choice():
     assert "from the diagonal up" in d(128, 4096, True, jnp.bfloat16, fah.HopperConfig(bwd_causal_reverse=False))
     assert "walks" not in d(128, 4096, False, jnp.bfloat16)
     assert "no shared memory for the persistent grid" in d(256, 4096, False, jnp.bfloat16)
-    assert "not the default for head_dim 64" in d(64, 4096, True, jnp.bfloat16)
+    assert "reduce-add" in d(64, 4096, True, jnp.bfloat16)  # hd64, 128-row query blocks: in-kernel dQ from 2k keys
+    assert "keys 1024 < 2048" in d(64, 1024, False, jnp.bfloat16)
     assert "head_dim 64, bwd_block_q 64, bwd_wgs 2" in d(64, 384, True, jnp.bfloat16)  # 32-column shares
     assert "head_dim 256" in d(256, 4096, True, jnp.bfloat16).split("backward with")[-1]
     assert "keys 1024 < 2048" in d(128, 1024, False, jnp.bfloat16)
+    from pallas_kernels.flash_attention_hopper import config
+
+    monkeypatch.delitem(config.ATOMIC_DQ_AUTO_MIN_KV, 64)  # a head_dim served but never auto
+    assert "not the default for head_dim 64" in d(64, 4096, True, jnp.bfloat16)
     forced = fah.HopperConfig(bwd_dq_atomic=False, fwd_persistent=False)
     assert d(128, 4096, False, jnp.bfloat16, forced) == (
         "forward one CTA per query tile; backward with a separate dQ kernel (bwd_dq_atomic=False)")
