@@ -160,29 +160,33 @@ def test_gpu_preference_follows_measurements(fake_h100, monkeypatch):
     monkeypatch.setattr(selection.BACKENDS["pallas"], "hopper_reason", lambda call: None)
     short = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), attn_mask_type="causal")
     assert short.selected == "pallas" and "Hopper kernel measured faster" in short.reasons["cudnn"]
-    assert "head_dim 128 causal q_len <= 4096" in short.reasons["cudnn"]
+    assert "head_dim 128 causal q_len <= 16384" in short.reasons["cudnn"]
     # the explanation says how the kernel runs the call: causal 1k keys -> per-tile forward, dQ kernel
     assert "one CTA per query tile" in short.detail and "separate dQ kernel (keys 1024 < 2048" in short.detail
     long = te_jax.explain_attention_backend(*_qkv(b=1, sq=8192, skv=8192, d=128), attn_mask_type="causal")
-    assert long.selected == "cudnn" and "cuDNN measured as fast or faster" in long.reasons["pallas"]
+    assert long.selected == "pallas" and "head_dim 128 causal q_len <= 16384" in long.reasons["cudnn"]
+    longest = te_jax.explain_attention_backend(*_qkv(b=1, sq=32768, skv=32768, d=128), attn_mask_type="causal")
+    assert longest.selected == "cudnn" and "cuDNN measured as fast or faster" in longest.reasons["pallas"]
     # non-causal up to 4k (runs 4-7: the Hopper kernel beat cuDNN at 1k and 4k), cuDNN beyond
     mid = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=128))
     assert mid.selected == "pallas" and "head_dim 128 non-causal q_len <= 4096" in mid.reasons["cudnn"]
     assert "persistent grid" in mid.detail and "dQ accumulated in the dK/dV kernel" in mid.detail
     longer = te_jax.explain_attention_backend(*_qkv(b=1, sq=8192, skv=8192, d=128))
     assert longer.selected == "cudnn" and "non-causal q_len > 4096" in longer.reasons["pallas"]
-    # head_dim 64 / 256 follow their own measurements (run 7): the Hopper kernel up to 1k, cuDNN beyond
-    hd64 = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64))
-    assert hd64.selected == "pallas" and "head_dim 64 non-causal q_len <= 1024" in hd64.reasons["cudnn"]
-    hd64_4k = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=64))
-    assert hd64_4k.selected == "cudnn" and "head_dim 64 non-causal q_len > 1024" in hd64_4k.reasons["pallas"]
+    # head_dim 64 / 256 follow their own measurements: hd64 (run 10) up to 16k, hd256 (run 7) up to 1k
+    hd64 = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=64))
+    assert hd64.selected == "pallas" and "head_dim 64 non-causal q_len <= 16384" in hd64.reasons["cudnn"]
+    assert "_run10.md" in hd64.reasons["cudnn"] and "dQ accumulated in the dK/dV kernel" in hd64.detail
+    hd64_32k = te_jax.explain_attention_backend(*_qkv(b=1, sq=32768, skv=32768, d=64))
+    assert hd64_32k.selected == "cudnn" and "head_dim 64 non-causal q_len > 16384" in hd64_32k.reasons["pallas"]
     monkeypatch.setitem(selection.HOPPER_FASTER_MAX_LEN, (64, False), 0)  # a (head_dim, mask) never faster
     never = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64))
     assert never.selected == "cudnn" and "head_dim 64 non-causal any q_len measured" in never.reasons["pallas"]
     hd64c = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64), attn_mask_type="causal")
-    assert hd64c.selected == "pallas" and "head_dim 64 causal q_len <= 1024" in hd64c.reasons["cudnn"]
-    hd64c4k = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=64), attn_mask_type="causal")
-    assert hd64c4k.selected == "cudnn" and "q_len > 1024" in hd64c4k.reasons["pallas"]
+    assert hd64c.selected == "pallas" and "head_dim 64 causal q_len <= 16384" in hd64c.reasons["cudnn"]
+    assert "separate dQ kernel (keys 1024 < 2048" in hd64c.detail
+    hd64c32k = te_jax.explain_attention_backend(*_qkv(b=1, sq=32768, skv=32768, d=64), attn_mask_type="causal")
+    assert hd64c32k.selected == "cudnn" and "q_len > 16384" in hd64c32k.reasons["pallas"]
     hd256 = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=256))
     assert hd256.selected == "pallas" and "run7_hd64_hd256" in hd256.reasons["cudnn"]
     hd256_4k = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=256), attn_mask_type="causal")

@@ -28,16 +28,17 @@ FORCE_ENV = "TE_JAX_ATTN_BACKEND"
 # (benchmarks/results/flash_attention_h100.md, attention_hopper_h100_run4/5/6.md).
 OTHER_PREFERENCE = ("xla", "pallas", "cudnn")
 # (head_dim, causal) → longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100, with
-# the measurement (0: never).  hd128: runs 4-9 (1k +1-24%, 4k causal +2-13%, 4k non-causal +0-4%; at 16k
-# a tie within the run-to-run spread: run 9, 5 rounds, 16k causal 1.01 by the host clock, 0.98 by kernel
-# time, non-causal 1.01 / 1.00).  hd64 / hd256: run 7 (attention_hopper_h100_run7_hd64_hd256.md):
-# hd64 1k +4-15% (4k 0.91-1.0, 16k 0.89-0.97: cuDNN keeps those);
-# hd256 1k +5-6% (4k 0.88-0.97).
-HOPPER_FASTER_MAX_LEN = {(128, False): 4096, (128, True): 4096,
-                         (64, False): 1024, (64, True): 1024,
+# the measurement (0: never).
+# hd128: runs 4-10.  1k +1-24%, 4k +1-7%.  16k causal: run 10 (the dK/dV launch order fixed) 1.02 by kernel
+# time, 1.05 by the host clock (attention_hopper_h100_run10.md).  16k non-causal: a tie (1.02 kernel,
+# 0.98 host), so cuDNN keeps it.
+# hd64: run 10 (in-kernel dQ): fwd+bwd 1.01-1.14 on every row 1k-16k by both clocks.
+# hd256: run 7 (attention_hopper_h100_run7_hd64_hd256.md): 1k +5-6% (4k 0.88-0.97).
+HOPPER_FASTER_MAX_LEN = {(128, False): 4096, (128, True): 16384,
+                         (64, False): 16384, (64, True): 16384,
                          (256, False): 1024, (256, True): 1024}
-HOPPER_RESULTS = {128: "benchmarks/results/attention_hopper_h100_run8.md and _run9.md",
-                  64: "benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md",
+HOPPER_RESULTS = {128: "benchmarks/results/attention_hopper_h100_run9.md and attention_hopper_h100_run10.md",
+                  64: "benchmarks/results/attention_hopper_h100_run10.md",
                   256: "benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md"}
 
 
