@@ -269,6 +269,7 @@ def correctness(quick, budget=190.0):
         cases = cases[:5] + cases[5:7] + cases[8:9] + cases[10:]
     if CASES_HEAD_DIM:
         cases = [c for c in cases if c[4] == CASES_HEAD_DIM]
+    cases = cases[CASES_FROM:]
     rows = []
     for i, (B, S, H, G, D, causal, dt, *extra) in enumerate(cases):
         cfg = dataclasses.replace(default_config(D, S, causal), bwd_dq_atomic=bool(extra), **CONFIG_OVERRIDE)
@@ -476,6 +477,7 @@ def variants(budget, which="all"):
 
 
 CASES_HEAD_DIM = 0  # --cases-head-dim: the correctness sweep's cases of this head_dim only (0: all)
+CASES_FROM = 0  # --cases-from: skip the sweep's first cases (after the filters above)
 TABLE_HEAD_DIM = 128  # --head-dim (the README's peer numbers stand in only for head_dim 128)
 CONFIG_OVERRIDE: dict = {}  # --config-json: merged into every config the correctness sweep uses
 
@@ -645,6 +647,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128,
                     help="timing table head_dim (heads = 2048 // head_dim: the same hidden size)")
     ap.add_argument("--seqs", default="1024,4096,16384", help="timing table sequence lengths")
+    ap.add_argument("--cases-from", type=int, default=0, help="correctness: skip the first N cases")
     ap.add_argument("--cases-head-dim", type=int, default=0,
                     help="correctness sweep: only the cases of this head_dim (default: all)")
     ap.add_argument("--config-json", default="",
@@ -653,8 +656,8 @@ def main():
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, no GPU warm-up / correctness sweep / variants: checks plumbing")
     args = ap.parse_args()
-    global TABLE_HEAD_DIM, CASES_HEAD_DIM
-    TABLE_HEAD_DIM, CASES_HEAD_DIM = args.head_dim, args.cases_head_dim
+    global TABLE_HEAD_DIM, CASES_HEAD_DIM, CASES_FROM
+    TABLE_HEAD_DIM, CASES_HEAD_DIM, CASES_FROM = args.head_dim, args.cases_head_dim, args.cases_from
     if args.config_json:
         CONFIG_OVERRIDE.update(json.loads(args.config_json))
         log(f"config override for the correctness sweep: {CONFIG_OVERRIDE}")

@@ -303,7 +303,8 @@ def test_hd64_default_tiles_follow_the_key_length():
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
                                 dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto"),
                                 dict(fwd_named_release=1), dict(fwd_producer_warp="on"),
-                                dict(bwd_named_release="x"), dict(bwd_producer_warp=2)])
+                                dict(bwd_named_release="x"), dict(bwd_producer_warp=2),
+                                dict(bwd_compute_registers=248), dict(bwd_compute_registers=236)])
 def test_config_rejects_bad_switches(kw):
     from pallas_kernels.flash_attention_hopper.config import HopperConfig
 

@@ -25,7 +25,8 @@ from te_jax._compat import mosaic_gpu, pl
 
 from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel)
-from .config import LOG2E, HopperConfig, atomic_dq_chosen, check_lengths, default_config, dq_split, ring_choices
+from .config import (LOG2E, HopperConfig, atomic_dq_chosen, bwd_registers, check_lengths, default_config, dq_split,
+                     ring_choices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -46,6 +47,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     split = cfg.split_causal
     reverse = causal and cfg.bwd_causal_reverse is not False  # None (auto) = reverse
     named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
+    regs, producer_regs = bwd_registers(cfg)
 
     want_dq = dq_acc_ref is not None
     # atomic dQ: the CTA's `wgs` warpgroups share one (bq x wgs*bkv) dS tile through shared
@@ -101,7 +103,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         def _compute(wq):
             # wq: this warpgroup's index as a Python int when dQ is accumulated here (its dQ share
             # is a static slice of the swizzled K or dS tiles); refs are indexed with `wg`.
-            plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+            plgpu.set_max_registers(regs, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             kv0 = kv_cta0 + wg * bkv
             sl = (b, pl.ds(kv0, bkv), g)
@@ -240,7 +242,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
         @pl.when(wg == wgs)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(producer_regs, action="decrease")
 
             def rows(t):  # (q / dO slice, lse / delta slice) of step t
                 hh, qb = step_coords(t)
@@ -302,6 +304,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     c = float(scale) * LOG2E
     split = cfg.split_causal
     named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
+    regs, producer_regs = bwd_registers(cfg)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, bars):
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
@@ -324,7 +327,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
 
         @pl.when(wg < wgs)
         def _compute():
-            plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+            plgpu.set_max_registers(regs, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
             q0 = q_cta0 + wg * bq
@@ -379,7 +382,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
 
         @pl.when(wg == wgs)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(producer_regs, action="decrease")
             run_producer(plgpu, lambda: stream_ring(
                 plgpu, total, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
                 [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),

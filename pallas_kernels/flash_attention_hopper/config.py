@@ -59,6 +59,9 @@ class HopperConfig:
     # The same two choices for the backward kernels (dK/dV with its Q, lse, dO and delta rings; dQ with K and V).
     bwd_named_release: bool | None = None
     bwd_producer_warp: bool | None = None
+    # Registers per thread of the backward's compute warpgroups (setmaxnreg); the memory warpgroup gets what is
+    # left of the CTA's 168 x 384.  None: 232 with two compute warpgroups (producer 40), 240 with one.
+    bwd_compute_registers: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -74,6 +77,12 @@ class HopperConfig:
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
+        if self.bwd_compute_registers is not None:
+            r = self.bwd_compute_registers
+            if not isinstance(r, int) or r % 8 or not 24 <= r <= 256 or bwd_registers(self)[1] < 24:
+                raise ValueError(f"bwd_compute_registers={r!r}: expected None or a multiple of 8 in [24, 256] that "
+                                 f"leaves the memory warpgroup >= 24 ({REGISTERS_PER_CTA} per CTA; 240 is the most "
+                                 f"with bwd_wgs=2)")
         if self.fwd_ctas is not None and (not isinstance(self.fwd_ctas, int) or self.fwd_ctas < 1):
             raise ValueError(f"fwd_ctas={self.fwd_ctas!r}: expected None (the SM count) or an int >= 1")
 
@@ -98,6 +107,16 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
     if head_dim <= 128:
         return HopperConfig(block_q=64, block_kv=128, stages=2)
     return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
+
+
+REGISTERS_PER_CTA = 168 * 384  # what ptxas allocates to a 3-warpgroup CTA (168 per thread)
+
+
+def bwd_registers(cfg: HopperConfig) -> tuple[int, int]:
+    """(compute, memory) warpgroup registers per thread for the backward kernels (multiples of 8; memory <= 40)."""
+    regs = cfg.bwd_compute_registers or (232 if cfg.bwd_wgs == 2 else 240)
+    left = (REGISTERS_PER_CTA - cfg.bwd_wgs * 128 * regs) // 128
+    return regs, min(40, left - left % 8)
 
 
 def ring_choices(cfg: HopperConfig, interpret: bool, *, backward: bool) -> tuple[bool, bool]:
