@@ -346,3 +346,15 @@ def test_config_blocks_that_do_not_divide_the_lengths_are_a_clear_error(kw, fiel
     with pytest.raises(ValueError, match=field) as err:
         hopper_attention(q, q, q, scale=0.125, config=HopperConfig(**kw))
     assert "config=None" in str(err.value)
+
+
+def test_backward_register_split():
+    """setmaxnreg of the backward: the compute and memory warpgroups share the CTA's 168 x 384 registers."""
+    from pallas_kernels.flash_attention_hopper.config import REGISTERS_PER_CTA, HopperConfig, bwd_registers, default_config
+
+    assert bwd_registers(default_config(128)) == (240, 24)  # hd128 (run 10)
+    assert bwd_registers(default_config(64)) == (232, 40)
+    assert bwd_registers(default_config(256)) == (240, 40)  # one compute warpgroup
+    for cfg in (default_config(128), default_config(64), HopperConfig(bwd_compute_registers=232)):
+        regs, producer = bwd_registers(cfg)
+        assert cfg.bwd_wgs * 128 * regs + 128 * producer <= REGISTERS_PER_CTA and producer >= 24
