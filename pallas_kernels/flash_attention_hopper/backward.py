@@ -4,7 +4,7 @@
     GQA group and every query block (causal: only those at or below the diagonal), accumulating dK and
     dV in registers.  For head_dim 256 dK and dV run as two launches (two 64x256 fp32 accumulators do
     not fit in one warpgroup's registers).
-  * dQ, either (bwd_dq_atomic; auto = atomic for head_dim 128 from 2k keys):
+  * dQ, either (bwd_dq_atomic; auto = atomic for head_dim 64 and 128 from 2k keys):
     - atomic: inside the dK/dV kernel.  The CTA's dS tile goes to shared memory; warpgroup w computes
       its share of the step's dQ block over all of the CTA's keys (hd128: columns w*D/2:(w+1)*D/2;
       hd64 with 128-row query blocks: rows w*64:(w+1)*64) and adds it to an fp32 buffer with a TMA
