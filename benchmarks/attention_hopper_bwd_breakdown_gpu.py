@@ -33,6 +33,7 @@ CONFIGS = {
     "atomic dQ (bwd_dq_atomic=True)": HopperConfig(bwd_dq_atomic=True),
     "232 / 40 registers (bwd_compute_registers=232; hd128's default before run 10)": HopperConfig(
         bwd_compute_registers=232),
+    "240 / 24 registers (bwd_compute_registers=240; hd128's default)": HopperConfig(bwd_compute_registers=240),
     "mask every block (split_causal=False)": HopperConfig(split_causal=False),
     "bwd_stages=3": HopperConfig(bwd_stages=3),
     "forward causal walk (bwd_causal_reverse=False)": HopperConfig(bwd_causal_reverse=False),
