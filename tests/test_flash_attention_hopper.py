@@ -353,7 +353,8 @@ def test_backward_register_split():
     from pallas_kernels.flash_attention_hopper.config import REGISTERS_PER_CTA, HopperConfig, bwd_registers, default_config
 
     assert bwd_registers(default_config(128)) == (240, 24)  # hd128 (run 10)
-    assert bwd_registers(default_config(64)) == (232, 40)
+    assert bwd_registers(default_config(64)) == (240, 24) == bwd_registers(default_config(64, 1024, True, 1024))
+    assert bwd_registers(HopperConfig()) == (232, 40)  # a config without the field
     assert bwd_registers(default_config(256)) == (240, 40)  # one compute warpgroup
     for cfg in (default_config(128), default_config(64), HopperConfig(bwd_compute_registers=232)):
         regs, producer = bwd_registers(cfg)
