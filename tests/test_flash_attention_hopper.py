@@ -225,7 +225,7 @@ def test_ring_choices_and_named_barrier_budget():
 def test_atomic_dq_policy():
     """Where the backward accumulates dQ inside the dK/dV kernel (GPU-only: TMA reduce-add)."""
     from pallas_kernels.flash_attention_hopper.config import (
-        ATOMIC_DQ_MIN_KV, HopperConfig, atomic_dq_chosen, atomic_dq_served, default_config, dq_split)
+        ATOMIC_DQ_AUTO_MIN_KV, HopperConfig, atomic_dq_chosen, atomic_dq_served, default_config, dq_split)
 
     auto = default_config(128)
     assert auto.bwd_dq_atomic is None  # auto: by key length
@@ -239,7 +239,7 @@ def test_atomic_dq_policy():
     assert not atomic_dq_served(256, default_config(256), interpret=False)  # shared memory
     assert not atomic_dq_served(128, HopperConfig(bwd_dq_atomic=False), interpret=False)
     assert atomic_dq_served(128, HopperConfig(bwd_dq_atomic=True), interpret=False)
-    assert ATOMIC_DQ_MIN_KV == 2048
+    assert ATOMIC_DQ_AUTO_MIN_KV == {128: 2048, 64: 2048}
     assert atomic_dq_chosen(64, 2048, hd64, interpret=False) and not atomic_dq_chosen(64, 1024, hd64, interpret=False)
     assert atomic_dq_chosen(64, 1024, dataclasses.replace(hd64, bwd_dq_atomic=True), interpret=False)
     assert not atomic_dq_chosen(64, 4096, hd64, interpret=True)

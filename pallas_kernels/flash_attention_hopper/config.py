@@ -8,11 +8,11 @@ import jax.numpy as jnp
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-ATOMIC_DQ_MIN_KV = 2048  # bwd_dq_atomic=None, head_dim 128: atomic dQ from this key length on
 # head_dim -> key length from which bwd_dq_atomic=None takes the in-kernel dQ (absent: the dQ kernel).
+# hd128 (runs 2-8): faster from 4k; at 1k the zero-fill and the fp32 -> bf16 pass cost more.
 # hd64 (run 10, attention_hopper_h100_run10_hd64_atomic_dq_log.txt, kernel time fwd+bwd): +7% / +11-13% at 4k-16k
 # causal / non-causal; at 1k +4.5% non-causal but -2.5% causal.
-ATOMIC_DQ_AUTO_MIN_KV = {128: ATOMIC_DQ_MIN_KV, 64: 2048}
+ATOMIC_DQ_AUTO_MIN_KV = {128: 2048, 64: 2048}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,16 +184,11 @@ def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
             and dq_split(head_dim, cfg) is not None)
 
 
-def atomic_dq_auto_min_kv(head_dim: int) -> int | None:
-    """bwd_dq_atomic=None: the key length from which the in-kernel dQ is taken, or None (never by default)."""
-    return ATOMIC_DQ_AUTO_MIN_KV.get(head_dim)
-
-
 def atomic_dq_chosen(head_dim: int, kv_len: int, cfg: HopperConfig, interpret: bool) -> bool:
     """Whether flash_bwd accumulates dQ inside the dK/dV kernel for this call (forced by the config, or auto)."""
     if not atomic_dq_served(head_dim, cfg, interpret):
         return False
-    min_kv = atomic_dq_auto_min_kv(head_dim)
+    min_kv = ATOMIC_DQ_AUTO_MIN_KV.get(head_dim)
     return bool(cfg.bwd_dq_atomic) or (min_kv is not None and kv_len >= min_kv)
 
 
@@ -211,7 +206,7 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
         fwd += ("; backward walks each key tile's query blocks from the diagonal up (bwd_causal_reverse=False)"
                 if cfg.bwd_causal_reverse is False else
                 "; backward walks each key tile's query blocks from the last one down to the diagonal")
-    min_kv = atomic_dq_auto_min_kv(head_dim)
+    min_kv = ATOMIC_DQ_AUTO_MIN_KV.get(head_dim)
     if atomic_dq_chosen(head_dim, kv_len, cfg, interpret=False):
         bwd = "backward dQ accumulated in the dK/dV kernel (fp32 TMA reduce-add)"
     elif cfg.bwd_dq_atomic is False:
