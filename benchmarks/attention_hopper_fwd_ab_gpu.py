@@ -29,6 +29,7 @@ ROWS = [(1024, False), (1024, True), (4096, False), (4096, True), (16384, False)
 CONFIGS = {
     "default": {},
     "mbarrier release, 4-warp producer": {"fwd_named_release": False, "fwd_producer_warp": False},
+    "whole-tile tail": {"fwd_split_tail": False},  # the persistent forward's last round by whole tiles (no stream-K)
 }
 
 

@@ -244,6 +244,15 @@ def reference_tail(q, k, v, scale, causal, n):
 
 
 # ------------------------------------------------------------------------------------------
+def worst_tile_rel(out, ref, rows=128):
+    """The largest rel. L2 error of one (batch, 128-row query tile, head) block of out [B,S,H,D]: a wrong tile
+    (e.g. a badly merged stream-K piece) that the whole array's rel. L2 would dilute."""
+    B, S, H, D = out.shape
+    d = (out.astype(jnp.float32) - ref).reshape(B, S // rows, rows, H, D)
+    r = ref.reshape(B, S // rows, rows, H, D)
+    return float(jnp.max(jnp.sqrt(jnp.sum(d * d, axis=(2, 4)) / jnp.sum(r * r, axis=(2, 4)))))
+
+
 def correctness(quick, budget=190.0):
     log("\n== correctness vs fp32 plain-jnp reference (rel L2) ==")
     AT = "atomic"
@@ -289,8 +298,8 @@ def correctness(quick, budget=190.0):
             f32 = lambda x: x.astype(jnp.float32)
             (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
             rdq, rdk, rdv = rvjp((f32(do), jnp.zeros_like(rlse)))
-            errs = dict(out=rel(out, rout), lse=rel(lse, rlse), dq=rel(dq, rdq), dk=rel(dk, rdk),
-                        dv=rel(dv, rdv))
+            errs = dict(out=rel(out, rout), out_tile=worst_tile_rel(out, rout), lse=rel(lse, rlse), dq=rel(dq, rdq),
+                        dk=rel(dk, rdk), dv=rel(dv, rdv))
             # an lse cotangent too (the ring-attention merge path)
             dl = jax.random.normal(jax.random.key(7), lse.shape, jnp.float32)
             g1 = vjp((do, dl))

@@ -46,6 +46,11 @@ class HopperConfig:
     # None (auto): on for non-causal calls.  Causal calls always use one CTA per query tile.
     fwd_persistent: bool | None = None
     fwd_ctas: int | None = None  # persistent CTAs; None: the device's SM count
+    # The persistent forward's last round shared out by K/V steps instead of whole tiles (stream-K, see
+    # TailSplit): when the query tiles are no multiple of the CTAs, the last round leaves SMs idle (2048 tiles on
+    # 132 SMs: 16 rounds for 15.5 rounds of work).  Tiles cut between two CTAs are merged by their lse after the
+    # kernel.  None (auto): on where it applies (tail_split is not None).
+    fwd_split_tail: bool | None = None
     # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
     # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
     # uses the mbarrier.
@@ -74,7 +79,8 @@ class HopperConfig:
             raise ValueError("stages must be >= 1")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
-        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_named_barrier", "fwd_named_release",
+        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_split_tail", "fwd_named_barrier",
+                     "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
@@ -158,6 +164,55 @@ def persistent_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
     item = jnp.dtype(dtype).itemsize
     need = (4 * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * item + 4096
     return need <= SMEM_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class TailSplit:
+    """The persistent forward's work with a stream-K tail (all static).
+
+    Tiles [0, first_tile) go round-robin, whole: CTA c takes tiles c, c + n_ctas, ... (dp_rounds of them).  The
+    rest, `units` = (n_tiles - first_tile) * n_kv K/V steps in tile-major order, is cut into n_ctas contiguous
+    runs: CTA c takes steps [start(c), start(c + 1)).  Every run is at least n_kv steps long, so a tile is cut at
+    most once, between CTA c - 1 (its last piece: slot 1) and CTA c (its first piece: slot 0).
+    """
+
+    n_tiles: int
+    n_kv: int
+    n_ctas: int
+    dp_rounds: int
+    first_tile: int
+    units: int
+
+    def start(self, cta: int) -> int:
+        """First tail step of `cta` (the in-kernel formula, on Python ints)."""
+        return cta * self.units // self.n_ctas
+
+    def cut_tiles(self) -> list[tuple[int, int]]:
+        """(tile, cta) for every tile cut between cta - 1 (slot 1) and cta (slot 0)."""
+        cuts = []
+        for cta in range(1, self.n_ctas):
+            b = self.start(cta)
+            if b % self.n_kv:
+                cuts.append((self.first_tile + b // self.n_kv, cta))
+        return cuts
+
+    def pieces(self, cta: int) -> list[tuple[int, int, int]]:
+        """(tile, first K/V step, end step) of every piece `cta` runs, in order (for tests and docs)."""
+        out = [(cta + i * self.n_ctas, 0, self.n_kv) for i in range(self.dp_rounds)]
+        s, e = self.start(cta), self.start(cta + 1)
+        for t in range(s // self.n_kv, (e - 1) // self.n_kv + 1):
+            out.append((self.first_tile + t, max(s - t * self.n_kv, 0), min(e - t * self.n_kv, self.n_kv)))
+        return out
+
+
+def tail_split(n_tiles: int, n_kv: int, n_ctas: int) -> TailSplit | None:
+    """The stream-K plan for n_tiles query tiles of n_kv K/V steps on n_ctas CTAs, or None where it changes
+    nothing: the tiles are a multiple of the CTAs (no idle SMs), or fewer (one tile per CTA), or n_kv == 1."""
+    if n_kv < 2 or n_tiles <= n_ctas or n_tiles % n_ctas == 0:
+        return None
+    dp_rounds = n_tiles // n_ctas - 1  # the tail keeps >= n_ctas tiles: runs of >= n_kv steps
+    first_tile = dp_rounds * n_ctas
+    return TailSplit(n_tiles, n_kv, n_ctas, dp_rounds, first_tile, (n_tiles - first_tile) * n_kv)
 
 
 def dq_split(head_dim: int, cfg: HopperConfig) -> str | None:

@@ -17,13 +17,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
 from .common import (cdiv, div, mma, mma_into, named_barrier, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel, when)
-from .config import LN2, LOG2E, HopperConfig, check_lengths, default_config, persistent_fits, ring_choices
+from .config import (LN2, LOG2E, HopperConfig, TailSplit, check_lengths, default_config, persistent_fits, ring_choices,
+                     tail_split)
 
 
 _SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
@@ -109,7 +111,7 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
-              interpret: bool, name: str, producer_warp: bool):
+              interpret: bool, name: str, producer_warp: bool, extra_out=()):
     """plgpu.kernel for a forward body: 2 compute warpgroups + 1 memory warpgroup.
 
     Shared memory: Q/O tiles [2 warpgroups, *q_buffers, bq, D], the K and V rings [stages, bkv, D], lse
@@ -135,7 +137,7 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
             plgpu.Barrier(num_arrivals=2),
         ),
     ]
-    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32), *extra_out)
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                                    compute_wgs=2, interpret=interpret, name=name,
                                    no_auto_barriers=producer_warp)(q, k, v)
@@ -286,6 +288,10 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     memory warpgroup streams K/V for all of the CTA's tiles through one ring (global step
     counter); each compute warpgroup double-buffers its Q tile in shared memory and loads the
     next tile's Q before this tile's epilogue (the O tile is staged in the buffer Q leaves).
+    With a TailSplit (config.tail_split) the last round is shared out by K/V steps: a CTA's work is a
+    list of pieces (tile, first step, end step); a piece that is not the whole tile writes its
+    normalised output (as hi + lo in q.dtype, through both Q buffers) and lse to a slot of the partial
+    outputs, and _merge_cut_tiles combines the two pieces of each cut tile after the kernel.
     """
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
@@ -298,23 +304,56 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     n_qt = S // (2 * bq)
     n_tiles = B * H * n_qt
     n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or _num_sms()))
+    plan = tail_split(n_tiles, n_kv, n_ctas) if cfg.fwd_split_tail is not False else None
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
 
-    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
+    def tile_coords(t):
+        bh = div(t, n_qt)
+        return div(bh, H), rem(bh, H), rem(t, n_qt)  # batch, head, query tile
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, *rest):
+        if plan is None:
+            smem, bars = rest
+        else:
+            part_o_ref, part_lse_ref, smem, bars = rest
         qo_smem4, k_smem, v_smem, lse_smem2 = smem
         k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
         k_slots, v_slots = ring_slots(plgpu, (k_cons, v_cons), stages, named=named_release,
                                       producer_warp=producer_warp, compute_wgs=2)
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
-        n_my = cdiv(n_tiles - cta, n_ctas)  # >= 1: n_ctas <= n_tiles
 
-        def coords(i):
-            t = cta + i * n_ctas
-            bh = div(t, n_qt)
-            return div(bh, H), rem(bh, H), rem(t, n_qt)  # batch, head, query tile
+        if plan is None:
+            n_my = cdiv(n_tiles - cta, n_ctas)  # >= 1: n_ctas <= n_tiles
+            total_steps = n_my * n_kv
+
+            def piece(i):  # -> tile, first K/V step, end step, the piece's first step in the CTA's ring
+                return cta + i * n_ctas, 0, n_kv, i * n_kv
+
+            def kv_block(g):  # the CTA's g-th K/V block: tile g // n_kv, block g % n_kv
+                return cta + div(g, n_kv) * n_ctas, rem(g, n_kv)
+        else:
+            dp_steps = plan.dp_rounds * n_kv
+            s0 = div(cta * plan.units, n_ctas)  # TailSplit.start
+            s1 = div((cta + 1) * plan.units, n_ctas)
+            n_my = plan.dp_rounds + div(s1 - 1, n_kv) - div(s0, n_kv) + 1
+            total_steps = dp_steps + s1 - s0
+
+            def piece(i):
+                t = div(s0, n_kv) + (i - plan.dp_rounds)  # tail-relative tile of a tail piece
+                whole = i < plan.dp_rounds
+                return (jnp.where(whole, cta + i * n_ctas, plan.first_tile + t),
+                        jnp.where(whole, 0, jnp.maximum(s0 - t * n_kv, 0)),
+                        jnp.where(whole, n_kv, jnp.minimum(s1 - t * n_kv, n_kv)),
+                        jnp.where(whole, i * n_kv, dp_steps + jnp.maximum(t * n_kv, s0) - s0))
+
+            def kv_block(g):
+                u = s0 + (g - dp_steps)
+                whole = g < dp_steps
+                return (jnp.where(whole, cta + div(g, n_kv) * n_ctas, plan.first_tile + div(u, n_kv)),
+                        jnp.where(whole, rem(g, n_kv), rem(u, n_kv)))
 
         sched = _Sched(plgpu, sched, named)
 
@@ -323,7 +362,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             plgpu.set_max_registers(232, action="increase")
 
             def load_q(i, buf):
-                b, h, qt = coords(i)
+                b, h, qt = tile_coords(piece(i)[0])
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qt * (2 * bq) + wg * bq, bq), h],
                                         qo_smem4.at[wg, buf], q_bar.at[2 * wg + buf])
 
@@ -332,11 +371,11 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             v_slots.prime()
 
             def tile_body(i, _):
-                b, h, qt = coords(i)
+                tile, k0, k1, g0 = piece(i)
+                b, h, qt = tile_coords(tile)
                 buf = rem(i, 2)
                 qo_smem = qo_smem4.at[wg, buf]
                 q0 = qt * (2 * bq) + wg * bq
-                g0 = i * n_kv  # this tile's first step in the CTA's K/V ring
                 plgpu.barrier_wait(q_bar.at[2 * wg + buf])
                 m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                                         plgpu.Layout.WGMMA.reduce(1))
@@ -347,11 +386,11 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 pl.when(wg == 1)(sched.start)
 
                 def kv_body(step, carry):
-                    g = g0 + step
+                    g = g0 + (step - k0)
                     slot = rem(g, stages)
 
                     def wait_next_k():
-                        @pl.when(step + 1 < n_kv)
+                        @pl.when(step + 1 < k1)
                         def _():
                             plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
 
@@ -361,20 +400,46 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                         v_ready=v_bar.at[slot], v_release=lambda: v_slots.release(slot), sched=sched, c=c, dtype=dtype,
                         interpret=interpret, wait_next_k=wait_next_k)
 
-                acc, m_i, l_i = lax.fori_loop(0, n_kv, kv_body, (acc, m_i, l_i))
+                acc, m_i, l_i = lax.fori_loop(k0, k1, kv_body, (acc, m_i, l_i))
                 pl.when(wg == 0)(sched.finish)
                 # Q of this tile is consumed.  The other buffer staged the previous tile's O,
                 # whose store was issued a whole tile ago: wait for it to be read, then load
                 # the next tile's Q there while this tile's epilogue runs.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
                 inv = 1.0 / l_i
-                acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-                qo_smem[...] = acc.astype(dtype)
-                lse_smem2.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
-                plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, h, pl.ds(q0, bq)])
+                out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                lse = (m_i + jnp.log2(l_i)) * LN2
+
+                def whole_tile():
+                    when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
+                    qo_smem[...] = out.astype(dtype)
+                    lse_smem2.at[wg][...] = lse
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+                    plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[b, h, pl.ds(q0, bq)])
+
+                def cut_piece():
+                    # fp32 output as hi + lo in q.dtype (both Q buffers: no fp32 staging fits beside the ring).
+                    slot = jnp.where(k0 > 0, 0, 1)  # 0: the piece that ends a tile; 1: the one that starts it
+                    hi = out.astype(dtype)
+                    other = qo_smem4.at[wg, 1 - buf]
+                    qo_smem[...] = hi
+                    other[...] = (out - hi.astype(jnp.float32)).astype(dtype)
+                    lse_smem2.at[wg][...] = lse
+                    plgpu.commit_smem()
+                    rows = pl.ds(wg * bq, bq)
+                    plgpu.copy_smem_to_gmem(qo_smem, part_o_ref.at[cta, slot, 0, rows])
+                    plgpu.copy_smem_to_gmem(other, part_o_ref.at[cta, slot, 1, rows])
+                    plgpu.copy_smem_to_gmem(lse_smem2.at[wg], part_lse_ref.at[cta, slot, rows])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # `other` takes the next Q
+                    when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
+
+                if plan is None:
+                    whole_tile()
+                else:
+                    cut = (k0 > 0) | (k1 < n_kv)
+                    pl.when(jnp.logical_not(cut))(whole_tile)
+                    pl.when(cut)(cut_piece)
                 return None
 
             lax.fori_loop(0, n_my, tile_body, None)
@@ -382,17 +447,47 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
 
         @pl.when(wg == 2)
         def _memory():
-            def kv_slice(g):  # the CTA's g-th K/V block: tile g // n_kv, block g % n_kv
-                b, h, _ = coords(div(g, n_kv))
-                return b, pl.ds(rem(g, n_kv) * bkv, bkv), lax.div(h, jnp.int32(rep))
+            def kv_slice(g):
+                tile, blk = kv_block(g)
+                b, h, _ = tile_coords(tile)
+                return b, pl.ds(blk * bkv, bkv), lax.div(h, jnp.int32(rep))
 
             plgpu.set_max_registers(40, action="decrease")
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, n_my * n_kv, stages, kv_slice,
+                plgpu, total_steps, stages, kv_slice,
                 [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_slots),
                  (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots)]), single_warp=producer_warp)
 
-    out, lse = _fwd_call(plgpu, body, q, k, v, q_buffers=2, bq=bq, bkv=bkv, stages=stages, grid=(n_ctas,),
-                         grid_names=("cta",), interpret=interpret, name="te_jax_attn_fwd_persistent",
-                         producer_warp=producer_warp)
+    extra_out = () if plan is None else (jax.ShapeDtypeStruct((n_ctas, 2, 2, 2 * bq, D), dtype),
+                                         jax.ShapeDtypeStruct((n_ctas, 2, 2 * bq), jnp.float32))
+    outs = _fwd_call(plgpu, body, q, k, v, q_buffers=2, bq=bq, bkv=bkv, stages=stages, grid=(n_ctas,),
+                     grid_names=("cta",), interpret=interpret, name="te_jax_attn_fwd_persistent",
+                     producer_warp=producer_warp, extra_out=extra_out)
+    if plan is None:
+        return outs
+    return _merge_cut_tiles(*outs, plan=plan, n_qt=n_qt, rows=2 * bq)
+
+
+def _merge_cut_tiles(out, lse, part_o, part_lse, *, plan: TailSplit, n_qt: int, rows: int):
+    """Write the tiles that TailSplit cut between two CTAs: the lse-weighted sum of their two pieces.
+
+    out [B,S,H,D], lse [B,H,S]; part_o [n_ctas, 2 slots, 2 (hi, lo), rows, D] q.dtype; part_lse [n_ctas, 2, rows]
+    float32.  Tile (cut between CTAs c - 1 and c) = slot 1 of c - 1 and slot 0 of c.
+    """
+    cuts = plan.cut_tiles()
+    if not cuts:
+        return out, lse
+    H = out.shape[2]
+    tiles = np.array([t for t, _ in cuts], np.int32)
+    ctas = np.array([c for _, c in cuts], np.int32)
+    b, h, qt = tiles // (H * n_qt), (tiles // n_qt) % H, tiles % n_qt
+    f32 = jnp.float32
+    o1, o2 = part_o[ctas - 1, 1].astype(f32), part_o[ctas, 0].astype(f32)  # [n, 2, rows, D]
+    o1, o2 = o1[:, 0] + o1[:, 1], o2[:, 0] + o2[:, 1]
+    l1, l2 = part_lse[ctas - 1, 1], part_lse[ctas, 0]  # [n, rows]
+    merged_lse = jnp.logaddexp(l1, l2)
+    merged = o1 * jnp.exp(l1 - merged_lse)[..., None] + o2 * jnp.exp(l2 - merged_lse)[..., None]
+    row_idx = qt[:, None] * rows + np.arange(rows, dtype=np.int32)[None]  # [n, rows]
+    out = out.at[b[:, None], row_idx, h[:, None]].set(merged.astype(out.dtype), unique_indices=True)
+    lse = lse.at[b[:, None], h[:, None], row_idx].set(merged_lse, unique_indices=True)
     return out, lse
