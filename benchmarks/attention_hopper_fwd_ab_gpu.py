@@ -30,6 +30,7 @@ CONFIGS = {
     "default": {},
     "mbarrier release, 4-warp producer": {"fwd_named_release": False, "fwd_producer_warp": False},
     "whole-tile tail": {"fwd_split_tail": False},  # the persistent forward's last round by whole tiles (no stream-K)
+    "split tail": {"fwd_split_tail": True},  # stream-K tail at every length (auto: from 4k keys)
 }
 
 
@@ -39,7 +40,10 @@ def main():
     ap.add_argument("--rows", default="", help="comma-separated seq:causal (e.g. 1024:1,4096:0); default all six")
     ap.add_argument("--configs", default="", help="comma-separated substrings: only the configs that match")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=D)
+    ap.add_argument("--show-kernels", action="store_true", help="print each config's GPU kernels per call (once)")
     args = ap.parse_args()
+    hd = args.head_dim
     rows = [(int(r.split(":")[0]), r.split(":")[1] == "1") for r in args.rows.split(",") if r] or ROWS
     wanted = [w for w in args.configs.split(",") if w]
     configs = {n: c for n, c in CONFIGS.items() if n == "default" or not wanted or any(w in n for w in wanted)}
@@ -48,15 +52,15 @@ def main():
         tk, info = ahg.import_tokamax("mosaic")
         print(info, flush=True)
     ahg.gpu_warmup()
-    scale = D ** -0.5
+    scale = hd ** -0.5
     print(f"# Hopper forward A/B, {jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; "
-          f"bf16 H={H} D={D} B*S={TOKENS}; kernel time, median of {args.rounds} interleaved rounds", flush=True)
+          f"bf16 H={H} D={hd} B*S={TOKENS}; kernel time, median of {args.rounds} interleaved rounds", flush=True)
     table = []
     for S, causal in rows:
         B = TOKENS // S
-        q, k, v, _ = ahg.inputs(jax.random.key(S + causal), B, S, H, H, D, jnp.bfloat16)
-        flops = 4 * B * H * S * S * D / (2 if causal else 1)
-        impls = {n: ahg.make_ours(scale, causal, dataclasses.replace(default_config(D, S, causal, S), **c))[0]
+        q, k, v, _ = ahg.inputs(jax.random.key(S + causal), B, S, H, H, hd, jnp.bfloat16)
+        flops = 4 * B * H * S * S * hd / (2 if causal else 1)
+        impls = {n: ahg.make_ours(scale, causal, dataclasses.replace(default_config(hd, S, causal, S), **c))[0]
                  for n, c in configs.items()}
         base = impls["default"](q, k, v)
         for n, f in impls.items():
@@ -68,9 +72,14 @@ def main():
             if tk is not None:
                 impls["tokamax"] = ahg.make_tokamax(tk, "mosaic", scale, causal)[0]
         res = {n: [] for n in impls}
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for n, f in impls.items():
-                res[n].append(flops / device_time.profiled(f, (q, k, v), calls=10)["kernel_s"] / 1e12)
+                p = device_time.profiled(f, (q, k, v), calls=10)
+                res[n].append(flops / p["kernel_s"] / 1e12)
+                if args.show_kernels and r == 0:
+                    print(f"  {n} kernels per call: " + ", ".join(
+                        f"{name[:60]} x{cnt:g} {p['durations'].get(name, 0) * 1e6:.1f} us" for name, cnt in p["names"].items()),
+                          flush=True)
         print(f"  S={S} causal={causal}: " + "; ".join(f"{n} " + "/".join(f"{x:.0f}" for x in v)
                                                   for n, v in res.items()), flush=True)
         table.append((S, causal, {n: statistics.median(v) for n, v in res.items()}))

@@ -305,11 +305,16 @@ def test_tail_split_covers_every_step_once_and_cuts_a_tile_at_most_once(n_tiles,
 
 
 def test_tail_split_is_off_where_it_changes_nothing():
-    from pallas_kernels.flash_attention_hopper.config import tail_split
+    from pallas_kernels.flash_attention_hopper.config import HopperConfig, split_tail_chosen, tail_split
 
     assert tail_split(264, 16, 132) is None  # whole rounds
     assert tail_split(100, 16, 132) is None  # one tile per CTA
     assert tail_split(2048, 1, 132) is None  # one K/V step per tile: nothing to cut
+    auto, on, off = HopperConfig(), HopperConfig(fwd_split_tail=True), HopperConfig(fwd_split_tail=False)
+    assert split_tail_chosen(auto, 2048, 32, 132, 4096) == tail_split(2048, 32, 132)
+    assert split_tail_chosen(auto, 2048, 8, 132, 1024) is None  # auto: from 4k keys (the merge costs ~10 us)
+    assert split_tail_chosen(on, 2048, 8, 132, 1024) == tail_split(2048, 8, 132)
+    assert split_tail_chosen(off, 2048, 128, 132, 16384) is None
 
 
 @pytest.mark.slow
@@ -328,7 +333,7 @@ def test_persistent_forward_with_cut_tiles_matches_the_reference(ctas):
     k = jax.random.normal(ks[1], (B, S, G, D), BF)
     v = jax.random.normal(ks[2], (B, S, G, D), BF)
     do = jax.random.normal(ks[3], (B, S, H, D), BF)
-    cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas)
+    cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_split_tail=True)  # auto: from 4k keys
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg, interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)

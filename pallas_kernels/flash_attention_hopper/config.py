@@ -13,6 +13,10 @@ LN2 = math.log(2.0)
 # hd64 (run 10, attention_hopper_h100_run10_hd64_atomic_dq_log.txt, kernel time fwd+bwd): +7% / +11-13% at 4k-16k
 # causal / non-causal; at 1k +4.5% non-causal but -2.5% causal.
 ATOMIC_DQ_AUTO_MIN_KV = {128: 2048, 64: 2048}
+# Key length from which fwd_split_tail=None cuts the persistent forward's last round by K/V steps.  H100, hd128,
+# 16k tokens (attention_hopper_h100_run11_fwd_split_tail_log.txt, kernel time, 5 rounds): +2.6% at 16k, +1.6% at
+# 4k, -2.1% at 1k (the merge after the kernel costs more than the idle SMs there).
+FWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,8 @@ class HopperConfig:
     # The persistent forward's last round shared out by K/V steps instead of whole tiles (stream-K, see
     # TailSplit): when the query tiles are no multiple of the CTAs, the last round leaves SMs idle (2048 tiles on
     # 132 SMs: 16 rounds for 15.5 rounds of work).  Tiles cut between two CTAs are merged by their lse after the
-    # kernel.  None (auto): on where it applies (tail_split is not None).
+    # kernel.  None (auto): on where it applies (tail_split is not None) and the key length is at least
+    # FWD_SPLIT_TAIL_AUTO_MIN_KV (the merge after the kernel costs about 10 us).
     fwd_split_tail: bool | None = None
     # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
     # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
@@ -213,6 +218,13 @@ def tail_split(n_tiles: int, n_kv: int, n_ctas: int) -> TailSplit | None:
     dp_rounds = n_tiles // n_ctas - 1  # the tail keeps >= n_ctas tiles: runs of >= n_kv steps
     first_tile = dp_rounds * n_ctas
     return TailSplit(n_tiles, n_kv, n_ctas, dp_rounds, first_tile, (n_tiles - first_tile) * n_kv)
+
+
+def split_tail_chosen(cfg: HopperConfig, n_tiles: int, n_kv: int, n_ctas: int, kv_len: int) -> TailSplit | None:
+    """The persistent forward's TailSplit for this call (forced by the config, or auto), or None."""
+    if cfg.fwd_split_tail is False or (cfg.fwd_split_tail is None and kv_len < FWD_SPLIT_TAIL_AUTO_MIN_KV):
+        return None
+    return tail_split(n_tiles, n_kv, n_ctas)
 
 
 def dq_split(head_dim: int, cfg: HopperConfig) -> str | None:

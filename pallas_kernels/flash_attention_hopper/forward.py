@@ -25,7 +25,7 @@ from te_jax._compat import mosaic_gpu, pl
 from .common import (cdiv, div, mma, mma_into, named_barrier, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel, when)
 from .config import (LN2, LOG2E, HopperConfig, TailSplit, check_lengths, default_config, persistent_fits, ring_choices,
-                     tail_split)
+                     split_tail_chosen)
 
 
 _SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
@@ -288,7 +288,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     memory warpgroup streams K/V for all of the CTA's tiles through one ring (global step
     counter); each compute warpgroup double-buffers its Q tile in shared memory and loads the
     next tile's Q before this tile's epilogue (the O tile is staged in the buffer Q leaves).
-    With a TailSplit (config.tail_split) the last round is shared out by K/V steps: a CTA's work is a
+    With a TailSplit (config.split_tail_chosen) the last round is shared out by K/V steps: a CTA's work is a
     list of pieces (tile, first step, end step); a piece that is not the whole tile writes its
     normalised output (as hi + lo in q.dtype, through both Q buffers) and lse to a slot of the partial
     outputs, and _merge_cut_tiles combines the two pieces of each cut tile after the kernel.
@@ -304,7 +304,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     n_qt = S // (2 * bq)
     n_tiles = B * H * n_qt
     n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or _num_sms()))
-    plan = tail_split(n_tiles, n_kv, n_ctas) if cfg.fwd_split_tail is not False else None
+    plan = split_tail_chosen(cfg, n_tiles, n_kv, n_ctas, Skv)
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
