@@ -4,7 +4,7 @@
 
 Run 8 found the causal backward at 16k running at ~0.92 of cuDNN's while the non-causal one ties. Here, at
 16k tokens, head_dim --head-dim (128; heads = 2048 // head_dim), bf16, for seq 16k and 4k, causal and not
-(--causal-only: causal only), forward+backward of the Hopper
+(--causal-only / --non-causal-only), forward+backward of the Hopper
 kernel (defaults and the configs in CONFIGS) and of cuDNN, each timed by kernel time from a profiler trace,
 with each GPU kernel's time per call (the te_jax kernels are named te_jax_attn_*). Gradients of every config are
 checked against the default's first. Median over `rounds` interleaved rounds.
@@ -38,6 +38,10 @@ CONFIGS = {
     "bwd_stages=3": HopperConfig(bwd_stages=3),
     "forward causal walk (bwd_causal_reverse=False)": HopperConfig(bwd_causal_reverse=False),
     "forward causal walk, dQ kernel": HopperConfig(bwd_causal_reverse=False, bwd_dq_atomic=False),
+    "whole-tile backward tail (bwd_split_tail=False)": HopperConfig(bwd_split_tail=False),
+    "whole-tile tails (fwd_split_tail=False, bwd_split_tail=False)": HopperConfig(fwd_split_tail=False,
+                                                                                  bwd_split_tail=False),
+    "split backward tail at every length (bwd_split_tail=True)": HopperConfig(bwd_split_tail=True),
     "mbarrier release, 4-warp producer (bwd)": HopperConfig(bwd_named_release=False, bwd_producer_warp=False),
     "mbarrier release, 4-warp producer (fwd and bwd)": HopperConfig(
         bwd_named_release=False, bwd_producer_warp=False, fwd_named_release=False, fwd_producer_warp=False),
@@ -67,6 +71,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--non-causal-only", action="store_true")
     ap.add_argument("--head-dim", type=int, default=128, help="heads = 2048 // head_dim (the same hidden size)")
     ap.add_argument("--configs", default="", help="comma-separated substrings: time only the configs that match")
     ap.add_argument("--seqs", default="16384,4096", help="comma-separated sequence lengths")
@@ -80,7 +85,7 @@ def main():
           f"{datetime.date.today()}; bf16 H={H} D={D} B*S={TOKENS}; kernel time, median of {args.rounds} rounds",
           flush=True)
     for S, causal in [(int(s), c) for s in args.seqs.split(",") for c in (True, False)]:
-        if args.causal_only and not causal:
+        if (args.causal_only and not causal) or (args.non_causal_only and causal):
             continue
         B = TOKENS // S
         q, k, v, do = ahg.inputs(jax.random.key(S * 3 + causal), B, S, H, H, D, jnp.bfloat16)

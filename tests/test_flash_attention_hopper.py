@@ -272,22 +272,22 @@ def test_persistent_forward_loops_over_tiles(ctas):
         assert _rel(g, rg) < 2e-2
 
 
-@pytest.mark.parametrize("n_tiles,n_kv,n_ctas", [(8, 4, 3), (2048, 128, 132), (2048, 8, 132), (2048, 32, 132),
+@pytest.mark.parametrize("n_tiles,steps,n_ctas", [(8, 4, 3), (2048, 128, 132), (2048, 8, 132), (2048, 32, 132),
                                                  (300, 2, 132), (133, 5, 132), (1000, 3, 7)])
-def test_tail_split_covers_every_step_once_and_cuts_a_tile_at_most_once(n_tiles, n_kv, n_ctas):
+def test_tail_split_covers_every_step_once_and_cuts_a_tile_at_most_once(n_tiles, steps, n_ctas):
     """The stream-K plan: every (tile, K/V step) runs exactly once; a tile is whole on one CTA or cut once, between
     consecutive CTAs (the last piece of c - 1, the first piece of c: what _merge_cut_tiles reads); the busiest CTA
     runs at most ceil(average) + 1 steps instead of ceil(n_tiles / n_ctas) whole tiles."""
     from pallas_kernels.flash_attention_hopper.config import tail_split
 
-    plan = tail_split(n_tiles, n_kv, n_ctas)
-    seen = np.zeros((n_tiles, n_kv), np.int32)
+    plan = tail_split(n_tiles, steps, n_ctas)
+    seen = np.zeros((n_tiles, steps), np.int32)
     owners = {}
     for cta in range(n_ctas):
         pieces = plan.pieces(cta)
         assert pieces, f"CTA {cta} has no work"
         for j, (tile, k0, k1) in enumerate(pieces):
-            assert 0 <= k0 < k1 <= n_kv
+            assert 0 <= k0 < k1 <= steps
             seen[tile, k0:k1] += 1
             owners.setdefault(tile, []).append((cta, j, len(pieces), k0, k1))
     assert (seen == 1).all()
@@ -298,10 +298,10 @@ def test_tail_split_covers_every_step_once_and_cuts_a_tile_at_most_once(n_tiles,
             continue
         (c0, j0, n0, a0, b0), (c1, j1, _, a1, b1) = own
         assert c1 == c0 + 1 == cut[tile] and j0 == n0 - 1 and j1 == plan.dp_rounds  # c - 1's last piece, c's first tail piece
-        assert a0 == 0 and b0 == a1 and b1 == n_kv
+        assert a0 == 0 and b0 == a1 and b1 == steps
     busiest = max(sum(k1 - k0 for _, k0, k1 in plan.pieces(c)) for c in range(n_ctas))
-    assert busiest <= -(-n_tiles * n_kv // n_ctas) + 1
-    assert busiest <= -(-n_tiles // n_ctas) * n_kv  # never worse than whole tiles
+    assert busiest <= -(-n_tiles * steps // n_ctas) + 1
+    assert busiest <= -(-n_tiles // n_ctas) * steps  # never worse than whole tiles
 
 
 def test_tail_split_is_off_where_it_changes_nothing():
@@ -315,14 +315,18 @@ def test_tail_split_is_off_where_it_changes_nothing():
     assert split_tail_chosen(auto, 2048, 8, 132, 1024) is None  # auto: from 4k keys (the merge costs ~10 us)
     assert split_tail_chosen(on, 2048, 8, 132, 1024) == tail_split(2048, 8, 132)
     assert split_tail_chosen(off, 2048, 128, 132, 16384) is None
+    assert split_tail_chosen(auto, 2048, 256, 132, 4096, backward=True) == tail_split(2048, 256, 132)
+    assert split_tail_chosen(auto, 2048, 256, 132, 2048, backward=True) is None
+    assert split_tail_chosen(HopperConfig(bwd_split_tail=False), 2048, 256, 132, 4096, backward=True) is None
 
 
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("ctas", [3, 5])
-def test_persistent_forward_with_cut_tiles_matches_the_reference(ctas):
-    """The stream-K tail: 8 query tiles of 4 K/V steps on 3 / 5 CTAs, so tiles are cut between two CTAs and
-    merged by their lse.  Output, lse and gradients against fp32; equal to the forward without the split."""
+def test_stream_k_tails_with_cut_tiles_match_the_reference(ctas):
+    """The stream-K tails, forward and backward: 16 query tiles of 4 K/V steps and 8 key tiles of 16 query steps on
+    3 / 5 CTAs per round, so tiles are cut between two CTAs (forward: merged by their lse; backward: dK / dV summed).
+    Output, lse and gradients against fp32, tile by tile; equal to the whole-tile kernels up to rounding."""
     from pallas_kernels.flash_attention_hopper.config import default_config, tail_split
 
     interpret = _mode()
@@ -333,7 +337,9 @@ def test_persistent_forward_with_cut_tiles_matches_the_reference(ctas):
     k = jax.random.normal(ks[1], (B, S, G, D), BF)
     v = jax.random.normal(ks[2], (B, S, G, D), BF)
     do = jax.random.normal(ks[3], (B, S, H, D), BF)
-    cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_split_tail=True)  # auto: from 4k keys
+    cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_split_tail=True,  # auto: from 4k keys
+                              bwd_ctas=ctas, bwd_split_tail=True)
+    assert tail_split(2 * (S // 128), H // G * (S // 64), ctas).cut_tiles()  # backward: G x key tiles, rep x q blocks
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg, interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
@@ -343,13 +349,19 @@ def test_persistent_forward_with_cut_tiles_matches_the_reference(ctas):
     assert _rel(lse, rlse) < 1e-4
     per_tile = np.abs(np.asarray(f32(out)) - np.asarray(rout)).reshape(B, S // 128, 128, H, D).max(axis=(2, 4))
     assert per_tile.max() < 8 * np.median(per_tile) + 1e-3  # no tile (cut or whole) off
-    for g, rg in zip(vjp((do, jnp.zeros_like(lse))), rvjp((f32(do), jnp.zeros_like(rlse)))):
+    grads = vjp((do, jnp.zeros_like(lse)))
+    for g, rg in zip(grads, rvjp((f32(do), jnp.zeros_like(rlse)))):
         assert _rel(g, rg) < 2e-2
-    whole = dataclasses.replace(cfg, fwd_split_tail=False)
-    out_w, lse_w = fah.hopper_attention_fwd(q, k, v, scale=D ** -0.5, causal=False, config=whole,
-                                            interpret=interpret)
-    assert float(jnp.max(jnp.abs(f32(out) - f32(out_w)))) <= 2 * 2.0 ** -8 * float(jnp.max(jnp.abs(f32(out_w))))
+        per_tile = np.abs(np.asarray(f32(g)) - np.asarray(rg)).reshape(B, S // 128, 128, -1).max(axis=(2, 3))
+        assert per_tile.max() < 8 * np.median(per_tile) + 1e-3
+    whole = dataclasses.replace(cfg, fwd_split_tail=False, bwd_split_tail=False)
+    (out_w, lse_w), vjp_w = jax.vjp(lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False,
+                                                                     config=whole, interpret=interpret), q, k, v)
+    close = lambda a, b: float(jnp.max(jnp.abs(f32(a) - f32(b)))) <= 2 * 2.0 ** -8 * float(jnp.max(jnp.abs(f32(b))))
+    assert close(out, out_w)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_w), rtol=1e-5, atol=1e-5)
+    for g, gw in zip(grads, vjp_w((do, jnp.zeros_like(lse_w)))):
+        assert close(g, gw)
 
 
 def test_persistent_forward_shared_memory_budget():
@@ -384,6 +396,7 @@ def test_hd64_default_tiles_follow_the_key_length():
                                 dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto"),
                                 dict(fwd_named_release=1), dict(fwd_producer_warp="on"),
                                 dict(bwd_named_release="x"), dict(bwd_producer_warp=2), dict(fwd_split_tail="auto"),
+                                dict(bwd_split_tail=0), dict(bwd_ctas=0),
                                 dict(bwd_compute_registers=248), dict(bwd_compute_registers=236)])
 def test_config_rejects_bad_switches(kw):
     from pallas_kernels.flash_attention_hopper.config import HopperConfig

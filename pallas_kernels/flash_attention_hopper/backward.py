@@ -19,14 +19,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import (cdiv, div, mma, mma_into, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
-                     stream_ring, warp_specialized_kernel)
-from .config import (LOG2E, HopperConfig, atomic_dq_chosen, bwd_registers, check_lengths, default_config, dq_split,
-                     ring_choices)
+from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
+                     smem_transforms, stream_ring, warp_specialized_kernel)
+from .config import (LOG2E, HopperConfig, TailSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
+                     dq_split, ring_choices, split_tail_chosen)
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,13 +63,22 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     if want_dq and dq_by is None:
         raise ValueError(f"atomic dQ: no 64-wide share per warpgroup for head_dim {D}, {cfg}")
 
+    steps = rep * nq  # a non-causal key tile's walk
+    plan = None if causal else split_tail_chosen(cfg, G * n_kt * B, steps, cfg.bwd_ctas or num_sms(), Skv,
+                                                 backward=True)
+    n_grads = int(want_dk) + int(want_dv)
+
+    def tile_coords(tile):  # the 3-D grid's launch order: kv head fastest, then key tile, then batch
+        return div(tile, G * n_kt), rem(tile, G), rem(div(tile, G), n_kt)  # batch, kv head, key tile
+
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if want_dq:
             dq_ref, rest = rest[0], rest[1:]
-        outs = rest[: int(want_dk) + int(want_dv)]
+        outs = rest[: n_grads * (2 if plan is not None else 1)]
         smem, bars = rest[len(outs):]
         dk_ref = outs[0] if want_dk else None
-        dv_ref = outs[-1] if want_dv else None
+        dv_ref = outs[n_grads - 1] if want_dv else None
+        part_refs = outs[n_grads:]  # plan: partial dK / dV of cut key tiles [tail CTAs, slot, hi/lo, rows, D]
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
         if want_dq:
             ds_smem3, dq_smem2 = smem[6:]
@@ -78,26 +88,42 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         q_cons, do_cons, lse_cons, delta_cons = ring_slots(
             plgpu, (q_cons, do_cons, lse_cons, delta_cons), stages, named=named_release,
             producer_warp=producer_warp, compute_wgs=wgs)
-        b = lax.axis_index("batch")
-        g = lax.axis_index("kv_heads")
         wg = lax.axis_index("wg")
-        kt = lax.axis_index("kv_seq")
+        if plan is None:
+            b = lax.axis_index("batch")
+            g = lax.axis_index("kv_heads")
+            kt = lax.axis_index("kv_seq")
+        else:
+            # CTA x < first_tile runs key tile x whole; tail CTA x - first_tile runs units [U0, U1) of the tile-major
+            # walk (unit = tile * steps + step), a piece per key tile it touches (TailSplit).
+            x = lax.axis_index("cta")
+            tail_cta = x - plan.first_tile
+            whole_cta = x < plan.first_tile
+            U0 = jnp.where(whole_cta, x * steps, plan.first_tile * steps + div(tail_cta * plan.units, plan.n_ctas))
+            U1 = jnp.where(whole_cta, (x + 1) * steps,
+                           plan.first_tile * steps + div((tail_cta + 1) * plan.units, plan.n_ctas))
+            b = g = kt = None
         # No reversal here (unlike the forward and dQ kernels): the GPU launches CTAs in grid order (kv_seq
         # ascending within a head), and causal key tile 0 sees every query, so ascending order already starts
         # the heaviest tiles first and leaves the light ones for the tail.  Reversed (before run 10), the
         # heaviest tile of the last head ran alone at the end: 7% of the SM time idle at 16k causal.
-        kv_cta0 = kt * (wgs * bkv)
-        q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
-        n_steps_h = nq - q_lo  # query blocks per query head
-        # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
-        if causal:
-            n_mask = (cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
-        total = rep * n_steps_h
+        if plan is None:
+            kv_cta0 = kt * (wgs * bkv)
+            q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
+            n_steps_h = nq - q_lo  # query blocks per query head
+            # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
+            if causal:
+                n_mask = (cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
+            total = rep * n_steps_h
+        else:
+            n_steps_h = nq
 
         def query_block(j):  # the j-th query block of a head's walk
             return (nq - 1) - j if reverse else q_lo + j
 
-        def step_coords(t):
+        def step_coords(t, g=g):
+            if plan is not None:
+                return g * rep + div(t, nq), rem(t, nq)
             return g * rep + div(t, n_steps_h), query_block(rem(t, n_steps_h))
 
         def _compute(wq):
@@ -105,19 +131,28 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             # is a static slice of the swizzled K or dS tiles); refs are indexed with `wg`.
             plgpu.set_max_registers(regs, action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-            kv0 = kv_cta0 + wg * bkv
-            sl = (b, pl.ds(kv0, bkv), g)
-            plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, kv_bar.at[2 * wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, kv_bar.at[2 * wg + 1])
+
+            def load_kv(bb, gg, ktile):
+                kv0 = ktile * (wgs * bkv) + wg * bkv
+                sl = (bb, pl.ds(kv0, bkv), gg)
+                plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, kv_bar.at[2 * wg])
+                plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, kv_bar.at[2 * wg + 1])
+                return kv0, sl
+
+            if plan is None:
+                kv0, sl = load_kv(b, g, kt)
             for ring in (q_cons, do_cons, lse_cons, delta_cons):
                 ring.prime()
-            plgpu.barrier_wait(kv_bar.at[2 * wg])
-            plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
-            zero = plgpu.layout_cast(jnp.full((bkv, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-            dk_acc = zero if want_dk else None
-            dv_acc = zero if want_dv else None
 
-            def step_body(t, qb, carry, masked: bool):
+            def fresh_accumulators():
+                plgpu.barrier_wait(kv_bar.at[2 * wg])
+                plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
+                zero = plgpu.layout_cast(jnp.full((bkv, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                return (zero if want_dk else None), (zero if want_dv else None)
+
+            def step_body(t, qb, carry, masked: bool, *, hh, bb, kv0, ds_t=None):
+                """One query block of query head hh against this warpgroup's keys.  t: the CTA's ring step (its Q /
+                dO / lse / delta slot); ds_t: the step's dS buffer parity (default t)."""
                 dk_acc, dv_acc = carry
                 slot = rem(t, stages)
                 plgpu.barrier_wait(q_bar.at[slot])
@@ -158,8 +193,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     delta_cons.release(slot)
                     dsT16 = dsT.astype(dtype)
                     if want_dq and not interpret:
-                        hh, _ = step_coords(t)
-                        buf = rem(t, 2)  # dS is double buffered: one 2-arrival barrier per step
+                        buf = rem(t if ds_t is None else ds_t, 2)  # dS is double buffered: a 2-arrival barrier each
                         ds_smem3.at[buf, wg][...] = dsT16
                         plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
                         plgpu.barrier_arrive(ds_ready.at[buf])
@@ -188,7 +222,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                         r0, c0 = (wq * dq_rows, 0) if dq_by == "rows" else (0, wq * dq_cols)
                         plgpu.copy_smem_to_gmem(
                             dq_smem2.at[wg],
-                            dq_ref.at[b, pl.ds(qb * bq + r0, dq_rows), hh, pl.ds(c0, dq_cols)],
+                            dq_ref.at[bb, pl.ds(qb * bq + r0, dq_rows), hh, pl.ds(c0, dq_cols)],
                             reduction_op="add")
                     else:
                         dk_acc = mma_into(plgpu, dk_acc, dsT16, q_smem.at[slot],
@@ -199,40 +233,93 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 q_cons.release(slot)
                 return dk_acc, dv_acc
 
-            def head_body(i, carry):
-                base = i * n_steps_h
+            def k_tile_released(ds_t):
+                if want_dq and not interpret:
+                    # the other warpgroups' last dQ wgmma reads this K tile: wait for them before
+                    # the tile is overwritten with dK (one more phase of the dS barrier)
+                    plgpu.barrier_arrive(ds_ready.at[rem(ds_t, 2)])
+                    plgpu.barrier_wait(ds_ready.at[rem(ds_t, 2)])
 
-                def walk(lo, hi, carry, masked):
-                    def body(j, carry):
-                        return step_body(base + j, query_block(j), carry, masked=masked)
+            def write_grads(dk_acc, dv_acc, sl):
+                if want_dk:
+                    k_smem[...] = (dk_acc * scale).astype(dtype)
+                if want_dv:
+                    v_smem[...] = dv_acc.astype(dtype)
+                plgpu.commit_smem()
+                if want_dk:
+                    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[sl], commit_group=False)
+                if want_dv:
+                    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[sl], commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
+                plgpu.wait_smem_to_gmem(0)
 
-                    return lax.fori_loop(lo, hi, body, carry)
+            if plan is None:
+                carry = fresh_accumulators()
 
-                if reverse:  # from the last query block down: the diagonal blocks come last
-                    carry = walk(0, n_steps_h - n_mask, carry, masked=False)
-                    return walk(n_steps_h - n_mask, n_steps_h, carry, masked=True)
-                if causal:
-                    carry = walk(0, n_mask, carry, masked=True)
-                    return walk(n_mask, n_steps_h, carry, masked=False)
-                return walk(0, n_steps_h, carry, masked=False)
+                def head_body(i, carry):
+                    base = i * n_steps_h
+                    hh = g * rep + i
 
-            dk_acc, dv_acc = lax.fori_loop(0, rep, head_body, (dk_acc, dv_acc))
-            if want_dq and not interpret:
-                # the other warpgroups' last dQ wgmma reads this K tile: wait for them before
-                # the tile is overwritten with dK (one more phase of the dS barrier)
-                plgpu.barrier_arrive(ds_ready.at[rem(total, 2)])
-                plgpu.barrier_wait(ds_ready.at[rem(total, 2)])
-            if want_dk:
-                k_smem[...] = (dk_acc * scale).astype(dtype)
-            if want_dv:
-                v_smem[...] = dv_acc.astype(dtype)
-            plgpu.commit_smem()
-            if want_dk:
-                plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[sl], commit_group=False)
-            if want_dv:
-                plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[sl], commit_group=False)
-            plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
+                    def walk(lo, hi, carry, masked):
+                        def body(j, carry):
+                            return step_body(base + j, query_block(j), carry, masked=masked, hh=hh, bb=b, kv0=kv0)
+
+                        return lax.fori_loop(lo, hi, body, carry)
+
+                    if reverse:  # from the last query block down: the diagonal blocks come last
+                        carry = walk(0, n_steps_h - n_mask, carry, masked=False)
+                        return walk(n_steps_h - n_mask, n_steps_h, carry, masked=True)
+                    if causal:
+                        carry = walk(0, n_mask, carry, masked=True)
+                        return walk(n_mask, n_steps_h, carry, masked=False)
+                    return walk(0, n_steps_h, carry, masked=False)
+
+                dk_acc, dv_acc = lax.fori_loop(0, rep, head_body, carry)
+                k_tile_released(total)
+                write_grads(dk_acc, dv_acc, sl)
+                return
+
+            first = div(U0, steps)
+
+            def piece_body(i, _):
+                tile = first + i
+                lo = jnp.maximum(U0 - tile * steps, 0)
+                hi = jnp.minimum(U1 - tile * steps, steps)
+                ring0 = tile * steps + lo - U0  # the piece's first step in the CTA's Q / dO ring
+                ds0 = ring0 + i  # each earlier piece took one more dS phase (k_tile_released)
+                bb, gg, ktile = tile_coords(tile)
+                kv0, sl = load_kv(bb, gg, ktile)
+                carry = fresh_accumulators()
+
+                def body(t, carry):
+                    hh, qb = step_coords(t, gg)
+                    return step_body(ring0 + (t - lo), qb, carry, masked=False, hh=hh, bb=bb, kv0=kv0,
+                                     ds_t=ds0 + (t - lo))
+
+                dk_acc, dv_acc = lax.fori_loop(lo, hi, body, carry)
+                k_tile_released(ds0 + (hi - lo))
+
+                def cut_piece():
+                    # fp32 partial sums as hi + lo in q.dtype, staged through the K and V tiles (dK first, then dV)
+                    slot = jnp.where(lo > 0, 0, 1)  # 0: the piece that ends a key tile; 1: the one that starts it
+                    rows = pl.ds(wg * bkv, bkv)
+                    grads = ([dk_acc * scale] if want_dk else []) + ([dv_acc] if want_dv else [])
+                    for val, part_ref in zip(grads, part_refs):
+                        hi16 = val.astype(dtype)
+                        k_smem[...] = hi16
+                        v_smem[...] = (val - hi16.astype(jnp.float32)).astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(k_smem, part_ref.at[tail_cta, slot, 0, rows], commit_group=False)
+                        plgpu.copy_smem_to_gmem(v_smem, part_ref.at[tail_cta, slot, 1, rows], commit_group=False)
+                        plgpu.commit_smem_to_gmem_group()
+                        plgpu.wait_smem_to_gmem(0)
+
+                cut = (lo > 0) | (hi < steps)
+                pl.when(jnp.logical_not(cut))(lambda: write_grads(dk_acc, dv_acc, sl))
+                pl.when(cut)(cut_piece)
+                return None
+
+            lax.fori_loop(0, div(U1 - 1, steps) - first + 1, piece_body, None)
 
         if want_dq:
             for w in range(wgs):
@@ -244,12 +331,18 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         def _memory():
             plgpu.set_max_registers(producer_regs, action="decrease")
 
-            def rows(t):  # (q / dO slice, lse / delta slice) of step t
-                hh, qb = step_coords(t)
-                return (b, pl.ds(qb * bq, bq), hh), (b, hh, pl.ds(qb * bq, bq))
+            def rows(t):  # (q / dO slice, lse / delta slice) of ring step t
+                if plan is None:
+                    bb = b
+                    hh, qb = step_coords(t)
+                else:
+                    u = U0 + t
+                    bb, gg, _ = tile_coords(div(u, steps))
+                    hh, qb = step_coords(rem(u, steps), gg)
+                return (bb, pl.ds(qb * bq, bq), hh), (bb, hh, pl.ds(qb * bq, bq))
 
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, total, stages, rows,
+                plgpu, total if plan is None else U1 - U0, stages, rows,
                 [(lambda r: q_ref.at[r[0]], q_smem, q_bar, q_cons),
                  (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_cons),
                  (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_cons),
@@ -278,13 +371,38 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         out_type.append(jax.ShapeDtypeStruct(k.shape, dtype))
     if want_dv:
         out_type.append(jax.ShapeDtypeStruct(v.shape, dtype))
+    if plan is not None:
+        out_type += [jax.ShapeDtypeStruct((plan.n_ctas, 2, 2, wgs * bkv, D), dtype)] * n_grads
     outputs = ("dk" if want_dk else "") + ("dv" if want_dv else "") + ("dq" if want_dq else "")
-    outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=(G, n_kt, B),
-                                   grid_names=("kv_heads", "kv_seq", "batch"), compute_wgs=wgs,
+    grid, grid_names = ((G, n_kt, B), ("kv_heads", "kv_seq", "batch")) if plan is None else (
+        (plan.first_tile + plan.n_ctas,), ("cta",))
+    outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=grid,
+                                   grid_names=grid_names, compute_wgs=wgs,
                                    interpret=interpret, name=f"te_jax_attn_bwd_{outputs}",
                                    no_auto_barriers=producer_warp)(
         q, k, v, do, lse2, delta, *((dq_acc_ref,) if want_dq else ()))
-    return tuple(outs)
+    if plan is None:
+        return tuple(outs)
+    return tuple(_sum_cut_tiles(grad, part, plan=plan, G=G, n_kt=n_kt, rows=wgs * bkv)
+                 for grad, part in zip(outs[:n_grads], outs[n_grads:]))
+
+
+def _sum_cut_tiles(grad, part, *, plan: TailSplit, G: int, n_kt: int, rows: int):
+    """Write the key tiles that TailSplit cut between two tail CTAs: the sum of their two partial gradients.
+
+    grad [B,Skv,G,D] (dK or dV); part [tail CTAs, 2 slots, 2 (hi, lo), rows, D] q.dtype.  Tile (cut between tail CTAs
+    c - 1 and c) = slot 1 of c - 1 + slot 0 of c.  Tiles are numbered in the 3-D grid's launch order.
+    """
+    cuts = plan.cut_tiles()
+    if not cuts:
+        return grad
+    tiles = np.array([t for t, _ in cuts], np.int32)
+    ctas = np.array([c for _, c in cuts], np.int32)
+    b, g, kt = tiles // (G * n_kt), tiles % G, (tiles // G) % n_kt
+    f32 = jnp.float32
+    total = part[ctas - 1, 1].astype(f32).sum(axis=1) + part[ctas, 0].astype(f32).sum(axis=1)  # [n, rows, D]
+    row_idx = kt[:, None] * rows + np.arange(rows, dtype=np.int32)[None]
+    return grad.at[b[:, None], row_idx, g[:, None]].set(total.astype(grad.dtype), unique_indices=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,12 @@ from jax import lax
 from te_jax._compat import default_interpret, mosaic_gpu, pl
 
 
+def num_sms() -> int:
+    """The first device's SM count (132 on an H100 SXM; 132 where the device does not say, e.g. the CPU)."""
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
 def resolve_interpret(interpret):
     return default_interpret() if interpret is None else bool(interpret)
 

@@ -17,6 +17,8 @@ ATOMIC_DQ_AUTO_MIN_KV = {128: 2048, 64: 2048}
 # 16k tokens (attention_hopper_h100_run11_fwd_split_tail_log.txt, kernel time, 5 rounds): +2.6% at 16k, +1.6% at
 # 4k, -2.1% at 1k (the merge after the kernel costs more than the idle SMs there).
 FWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
+# The same for the non-causal dK/dV kernel (bwd_split_tail).
+BWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,10 @@ class HopperConfig:
     # kernel.  None (auto): on where it applies (tail_split is not None) and the key length is at least
     # FWD_SPLIT_TAIL_AUTO_MIN_KV (the merge after the kernel costs about 10 us).
     fwd_split_tail: bool | None = None
+    # The same for the non-causal dK/dV kernel: whole key tiles as one CTA each for all rounds but the last two,
+    # then one round of CTAs that share the rest out by query steps; cut key tiles' dK / dV summed after the kernel.
+    bwd_split_tail: bool | None = None
+    bwd_ctas: int | None = None  # the CTAs of bwd_split_tail's last round; None: the device's SM count
     # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
     # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
     # uses the mbarrier.
@@ -84,7 +90,8 @@ class HopperConfig:
             raise ValueError("stages must be >= 1")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
-        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_split_tail", "fwd_named_barrier",
+        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_split_tail", "bwd_split_tail",
+                     "fwd_named_barrier",
                      "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
@@ -95,8 +102,10 @@ class HopperConfig:
                 raise ValueError(f"bwd_compute_registers={r!r}: expected None or a multiple of 8 in [24, 256] that "
                                  f"leaves the memory warpgroup >= 24 ({REGISTERS_PER_CTA} per CTA; 240 is the most "
                                  f"with bwd_wgs=2)")
-        if self.fwd_ctas is not None and (not isinstance(self.fwd_ctas, int) or self.fwd_ctas < 1):
-            raise ValueError(f"fwd_ctas={self.fwd_ctas!r}: expected None (the SM count) or an int >= 1")
+        for name in ("fwd_ctas", "bwd_ctas"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name}={n!r}: expected None (the SM count) or an int >= 1")
 
 
 def default_config(head_dim: int, kv_len: int | None = None, causal: bool = False,
@@ -173,58 +182,65 @@ def persistent_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class TailSplit:
-    """The persistent forward's work with a stream-K tail (all static).
+    """Work of n_tiles equal tiles of `steps` steps each on n_ctas CTAs with a stream-K tail (all static).
 
-    Tiles [0, first_tile) go round-robin, whole: CTA c takes tiles c, c + n_ctas, ... (dp_rounds of them).  The
-    rest, `units` = (n_tiles - first_tile) * n_kv K/V steps in tile-major order, is cut into n_ctas contiguous
-    runs: CTA c takes steps [start(c), start(c + 1)).  Every run is at least n_kv steps long, so a tile is cut at
-    most once, between CTA c - 1 (its last piece: slot 1) and CTA c (its first piece: slot 0).
+    Forward: a tile is a query tile, a step one K/V block.  Backward (dK/dV): a tile is a key tile, a step one
+    query block of one query head of its group.  Tiles [0, first_tile) run whole (dp_rounds rounds).  The rest,
+    `units` = (n_tiles - first_tile) * steps steps in tile-major order, is cut into n_ctas contiguous runs: tail
+    CTA c takes units [start(c), start(c + 1)).  Every run is at least `steps` long, so a tile is cut at most once,
+    between tail CTAs c - 1 (its last piece: slot 1) and c (its first piece: slot 0).
     """
 
     n_tiles: int
-    n_kv: int
+    steps: int
     n_ctas: int
     dp_rounds: int
     first_tile: int
     units: int
 
     def start(self, cta: int) -> int:
-        """First tail step of `cta` (the in-kernel formula, on Python ints)."""
+        """First tail unit of tail CTA `cta` (the in-kernel formula, on Python ints)."""
         return cta * self.units // self.n_ctas
 
     def cut_tiles(self) -> list[tuple[int, int]]:
-        """(tile, cta) for every tile cut between cta - 1 (slot 1) and cta (slot 0)."""
+        """(tile, cta) for every tile cut between tail CTAs cta - 1 (slot 1) and cta (slot 0)."""
         cuts = []
         for cta in range(1, self.n_ctas):
             b = self.start(cta)
-            if b % self.n_kv:
-                cuts.append((self.first_tile + b // self.n_kv, cta))
+            if b % self.steps:
+                cuts.append((self.first_tile + b // self.steps, cta))
         return cuts
 
-    def pieces(self, cta: int) -> list[tuple[int, int, int]]:
-        """(tile, first K/V step, end step) of every piece `cta` runs, in order (for tests and docs)."""
-        out = [(cta + i * self.n_ctas, 0, self.n_kv) for i in range(self.dp_rounds)]
+    def tail_pieces(self, cta: int) -> list[tuple[int, int, int]]:
+        """(tile, first step, end step) of every piece tail CTA `cta` runs, in order."""
         s, e = self.start(cta), self.start(cta + 1)
-        for t in range(s // self.n_kv, (e - 1) // self.n_kv + 1):
-            out.append((self.first_tile + t, max(s - t * self.n_kv, 0), min(e - t * self.n_kv, self.n_kv)))
-        return out
+        return [(self.first_tile + t, max(s - t * self.steps, 0), min(e - t * self.steps, self.steps))
+                for t in range(s // self.steps, (e - 1) // self.steps + 1)]
+
+    def pieces(self, cta: int) -> list[tuple[int, int, int]]:
+        """The persistent forward's CTA `cta`: its whole tiles (cta, cta + n_ctas, ...), then its tail pieces."""
+        return [(cta + i * self.n_ctas, 0, self.steps) for i in range(self.dp_rounds)] + self.tail_pieces(cta)
 
 
-def tail_split(n_tiles: int, n_kv: int, n_ctas: int) -> TailSplit | None:
-    """The stream-K plan for n_tiles query tiles of n_kv K/V steps on n_ctas CTAs, or None where it changes
-    nothing: the tiles are a multiple of the CTAs (no idle SMs), or fewer (one tile per CTA), or n_kv == 1."""
-    if n_kv < 2 or n_tiles <= n_ctas or n_tiles % n_ctas == 0:
+def tail_split(n_tiles: int, steps: int, n_ctas: int) -> TailSplit | None:
+    """The stream-K plan for n_tiles tiles of `steps` steps on n_ctas CTAs (or SMs), or None where it changes
+    nothing: the tiles are a multiple of the CTAs (no idle SMs), or fewer (one tile per CTA), or steps == 1."""
+    if steps < 2 or n_tiles <= n_ctas or n_tiles % n_ctas == 0:
         return None
-    dp_rounds = n_tiles // n_ctas - 1  # the tail keeps >= n_ctas tiles: runs of >= n_kv steps
+    dp_rounds = n_tiles // n_ctas - 1  # the tail keeps >= n_ctas tiles: runs of >= `steps` units
     first_tile = dp_rounds * n_ctas
-    return TailSplit(n_tiles, n_kv, n_ctas, dp_rounds, first_tile, (n_tiles - first_tile) * n_kv)
+    return TailSplit(n_tiles, steps, n_ctas, dp_rounds, first_tile, (n_tiles - first_tile) * steps)
 
 
-def split_tail_chosen(cfg: HopperConfig, n_tiles: int, n_kv: int, n_ctas: int, kv_len: int) -> TailSplit | None:
-    """The persistent forward's TailSplit for this call (forced by the config, or auto), or None."""
-    if cfg.fwd_split_tail is False or (cfg.fwd_split_tail is None and kv_len < FWD_SPLIT_TAIL_AUTO_MIN_KV):
+def split_tail_chosen(cfg: HopperConfig, n_tiles: int, steps: int, n_ctas: int, kv_len: int, *,
+                      backward: bool = False) -> TailSplit | None:
+    """The forward's (persistent grid) or the backward's (dK/dV kernel, non-causal) TailSplit for this call,
+    forced by the config or auto, or None."""
+    on = cfg.bwd_split_tail if backward else cfg.fwd_split_tail
+    min_kv = BWD_SPLIT_TAIL_AUTO_MIN_KV if backward else FWD_SPLIT_TAIL_AUTO_MIN_KV
+    if on is False or (on is None and kv_len < min_kv):
         return None
-    return tail_split(n_tiles, n_kv, n_ctas)
+    return tail_split(n_tiles, steps, n_ctas)
 
 
 def dq_split(head_dim: int, cfg: HopperConfig) -> str | None:

@@ -22,7 +22,7 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
-from .common import (cdiv, div, mma, mma_into, named_barrier, rem, resolve_interpret, ring_slots, run_producer,
+from .common import (cdiv, div, mma, mma_into, named_barrier, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel, when)
 from .config import (LN2, LOG2E, HopperConfig, TailSplit, check_lengths, default_config, persistent_fits, ring_choices,
                      split_tail_chosen)
@@ -276,11 +276,6 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     return out, lse
 
 
-def _num_sms() -> int:
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0) or 132)
-
-
 def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool):
     """Non-causal forward on a persistent grid: CTA j takes query tiles j, j + n_ctas, ...
 
@@ -303,7 +298,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     stages = max(1, min(cfg.stages, n_kv))
     n_qt = S // (2 * bq)
     n_tiles = B * H * n_qt
-    n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or _num_sms()))
+    n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or num_sms()))
     plan = split_tail_chosen(cfg, n_tiles, n_kv, n_ctas, Skv)
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
