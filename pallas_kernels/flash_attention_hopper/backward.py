@@ -102,28 +102,23 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             U0 = jnp.where(whole_cta, x * steps, plan.first_tile * steps + div(tail_cta * plan.units, plan.n_ctas))
             U1 = jnp.where(whole_cta, (x + 1) * steps,
                            plan.first_tile * steps + div((tail_cta + 1) * plan.units, plan.n_ctas))
-            b = g = kt = None
+            b, g, kt = tile_coords(x)  # a whole CTA's key tile (tail CTAs: unused)
         # No reversal here (unlike the forward and dQ kernels): the GPU launches CTAs in grid order (kv_seq
         # ascending within a head), and causal key tile 0 sees every query, so ascending order already starts
         # the heaviest tiles first and leaves the light ones for the tail.  Reversed (before run 10), the
         # heaviest tile of the last head ran alone at the end: 7% of the SM time idle at 16k causal.
-        if plan is None:
-            kv_cta0 = kt * (wgs * bkv)
-            q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
-            n_steps_h = nq - q_lo  # query blocks per query head
-            # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
-            if causal:
-                n_mask = (cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
-            total = rep * n_steps_h
-        else:
-            n_steps_h = nq
+        kv_cta0 = kt * (wgs * bkv)
+        q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
+        n_steps_h = nq - q_lo  # query blocks per query head
+        # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
+        if causal:
+            n_mask = (cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
+        total = rep * n_steps_h
 
         def query_block(j):  # the j-th query block of a head's walk
             return (nq - 1) - j if reverse else q_lo + j
 
         def step_coords(t, g=g):
-            if plan is not None:
-                return g * rep + div(t, nq), rem(t, nq)
             return g * rep + div(t, n_steps_h), query_block(rem(t, n_steps_h))
 
         def _compute(wq):
@@ -139,10 +134,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, kv_bar.at[2 * wg + 1])
                 return kv0, sl
 
-            if plan is None:
-                kv0, sl = load_kv(b, g, kt)
-            for ring in (q_cons, do_cons, lse_cons, delta_cons):
-                ring.prime()
+            def prime_rings():
+                for ring in (q_cons, do_cons, lse_cons, delta_cons):
+                    ring.prime()
 
             def fresh_accumulators():
                 plgpu.barrier_wait(kv_bar.at[2 * wg])
@@ -253,7 +247,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 plgpu.commit_smem_to_gmem_group()
                 plgpu.wait_smem_to_gmem(0)
 
-            if plan is None:
+            def whole_tile():  # the CTA's key tile (b, g, kt), every step: straight-line code, as without a plan
+                kv0, sl = load_kv(b, g, kt)
+                prime_rings()
                 carry = fresh_accumulators()
 
                 def head_body(i, carry):
@@ -277,49 +273,60 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 dk_acc, dv_acc = lax.fori_loop(0, rep, head_body, carry)
                 k_tile_released(total)
                 write_grads(dk_acc, dv_acc, sl)
-                return
 
-            first = div(U0, steps)
+            def tail_pieces():  # a tail CTA: its pieces of key tiles, from unit U0 to U1 (a whole CTA: one piece)
+                prime_rings()
+                first = div(U0, steps)
 
-            def piece_body(i, _):
-                tile = first + i
-                lo = jnp.maximum(U0 - tile * steps, 0)
-                hi = jnp.minimum(U1 - tile * steps, steps)
-                ring0 = tile * steps + lo - U0  # the piece's first step in the CTA's Q / dO ring
-                ds0 = ring0 + i  # each earlier piece took one more dS phase (k_tile_released)
-                bb, gg, ktile = tile_coords(tile)
-                kv0, sl = load_kv(bb, gg, ktile)
-                carry = fresh_accumulators()
+                def piece_body(i, _):
+                    tile = first + i
+                    lo = jnp.maximum(U0 - tile * steps, 0)
+                    hi = jnp.minimum(U1 - tile * steps, steps)
+                    ring0 = tile * steps + lo - U0  # the piece's first step in the CTA's Q / dO ring
+                    ds0 = ring0 + i  # each earlier piece took one more dS phase (k_tile_released)
+                    bb, gg, ktile = tile_coords(tile)
+                    kv0, sl = load_kv(bb, gg, ktile)
+                    carry = fresh_accumulators()
 
-                def body(t, carry):
-                    hh, qb = step_coords(t, gg)
-                    return step_body(ring0 + (t - lo), qb, carry, masked=False, hh=hh, bb=bb, kv0=kv0,
-                                     ds_t=ds0 + (t - lo))
+                    def body(t, carry):
+                        hh, qb = step_coords(t, gg)
+                        return step_body(ring0 + (t - lo), qb, carry, masked=False, hh=hh, bb=bb, kv0=kv0,
+                                         ds_t=ds0 + (t - lo))
 
-                dk_acc, dv_acc = lax.fori_loop(lo, hi, body, carry)
-                k_tile_released(ds0 + (hi - lo))
+                    dk_acc, dv_acc = lax.fori_loop(lo, hi, body, carry)
+                    k_tile_released(ds0 + (hi - lo))
 
-                def cut_piece():
-                    # fp32 partial sums as hi + lo in q.dtype, staged through the K and V tiles (dK first, then dV)
-                    slot = jnp.where(lo > 0, 0, 1)  # 0: the piece that ends a key tile; 1: the one that starts it
-                    rows = pl.ds(wg * bkv, bkv)
-                    grads = ([dk_acc * scale] if want_dk else []) + ([dv_acc] if want_dv else [])
-                    for val, part_ref in zip(grads, part_refs):
-                        hi16 = val.astype(dtype)
-                        k_smem[...] = hi16
-                        v_smem[...] = (val - hi16.astype(jnp.float32)).astype(dtype)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(k_smem, part_ref.at[tail_cta, slot, 0, rows], commit_group=False)
-                        plgpu.copy_smem_to_gmem(v_smem, part_ref.at[tail_cta, slot, 1, rows], commit_group=False)
-                        plgpu.commit_smem_to_gmem_group()
-                        plgpu.wait_smem_to_gmem(0)
+                    def cut_piece():
+                        # fp32 partial sums as hi + lo in q.dtype, staged through the K and V tiles (dK first, then dV)
+                        slot = jnp.where(lo > 0, 0, 1)  # 0: the piece that ends a key tile; 1: the one that starts it
+                        rows = pl.ds(wg * bkv, bkv)
+                        grads = ([dk_acc * scale] if want_dk else []) + ([dv_acc] if want_dv else [])
+                        for val, part_ref in zip(grads, part_refs):
+                            hi16 = val.astype(dtype)
+                            k_smem[...] = hi16
+                            v_smem[...] = (val - hi16.astype(jnp.float32)).astype(dtype)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(k_smem, part_ref.at[tail_cta, slot, 0, rows], commit_group=False)
+                            plgpu.copy_smem_to_gmem(v_smem, part_ref.at[tail_cta, slot, 1, rows], commit_group=False)
+                            plgpu.commit_smem_to_gmem_group()
+                            plgpu.wait_smem_to_gmem(0)
 
-                cut = (lo > 0) | (hi < steps)
-                pl.when(jnp.logical_not(cut))(lambda: write_grads(dk_acc, dv_acc, sl))
-                pl.when(cut)(cut_piece)
-                return None
+                    cut = (lo > 0) | (hi < steps)
+                    pl.when(jnp.logical_not(cut))(lambda: write_grads(dk_acc, dv_acc, sl))
+                    pl.when(cut)(cut_piece)
+                    return None
 
-            lax.fori_loop(0, div(U1 - 1, steps) - first + 1, piece_body, None)
+                lax.fori_loop(0, div(U1 - 1, steps) - first + 1, piece_body, None)
+
+            if plan is None:
+                whole_tile()
+            elif interpret:
+                # Mosaic GPU's interpreter hangs on a kernel holding both loops (each allocates its wgmma
+                # accumulators); the piece loop alone runs whole tiles as one piece each, with the same results.
+                tail_pieces()
+            else:
+                pl.when(whole_cta)(whole_tile)
+                pl.when(jnp.logical_not(whole_cta))(tail_pieces)
 
         if want_dq:
             for w in range(wgs):
