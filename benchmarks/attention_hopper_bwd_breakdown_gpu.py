@@ -39,12 +39,8 @@ CONFIGS = {
     "forward causal walk (bwd_causal_reverse=False)": HopperConfig(bwd_causal_reverse=False),
     "forward causal walk, dQ kernel": HopperConfig(bwd_causal_reverse=False, bwd_dq_atomic=False),
     "whole-tile forward tail (fwd_split_tail=False)": HopperConfig(fwd_split_tail=False),
-    "split backward tail (bwd_split_tail=True)": HopperConfig(bwd_split_tail=True),
-    # diagnostics of the split backward's slowdown (run 11).  16k tokens, hd128: 2048 key tiles.  bwd_ctas=1023:
-    # 1023 whole-tile CTAs, then 1023 tail CTAs of ~1.002 tiles each (nearly every one runs a cut piece): is the
-    # piece path slow per CTA?  bwd_ctas=264: 1584 whole, 264 tail CTAs of 1.76 tiles.
-    "split backward tail, bwd_ctas=1023": HopperConfig(bwd_split_tail=True, bwd_ctas=1023),
-    "split backward tail, bwd_ctas=264": HopperConfig(bwd_split_tail=True, bwd_ctas=264),
+    "whole-tile backward (bwd_split_tail=False)": HopperConfig(bwd_split_tail=False),
+    "cut backward tiles at every length (bwd_split_tail=True)": HopperConfig(bwd_split_tail=True),
     "mbarrier release, 4-warp producer (bwd)": HopperConfig(bwd_named_release=False, bwd_producer_warp=False),
     "mbarrier release, 4-warp producer (fwd and bwd)": HopperConfig(
         bwd_named_release=False, bwd_producer_warp=False, fwd_named_release=False, fwd_producer_warp=False),

@@ -315,19 +315,58 @@ def test_tail_split_is_off_where_it_changes_nothing():
     assert split_tail_chosen(auto, 2048, 8, 132, 1024) is None  # auto: from 4k keys (the merge costs ~10 us)
     assert split_tail_chosen(on, 2048, 8, 132, 1024) == tail_split(2048, 8, 132)
     assert split_tail_chosen(off, 2048, 128, 132, 16384) is None
-    assert split_tail_chosen(auto, 2048, 256, 132, 16384, backward=True) is None  # backward: opt-in (slower, run 11)
-    assert split_tail_chosen(HopperConfig(bwd_split_tail=True), 2048, 256, 132, 4096,
-                             backward=True) == tail_split(2048, 256, 132)
+
+
+@pytest.mark.parametrize("n_tiles,steps,n_sms", [(2048, 256, 132), (2048, 64, 132), (8, 16, 3), (8, 16, 5),
+                                                   (4096, 512, 132), (1000, 8, 9)])
+def test_piece_split_runs_every_step_once_and_ends_sooner(n_tiles, steps, n_sms):
+    """The backward's cut last tiles: every (key tile, query step) runs exactly once; the cut tiles' pieces start at
+    the same step for every tile (L2 sharing); in the equal-speed model the grid ends before the whole-tile grid."""
+    from pallas_kernels.flash_attention_hopper.config import piece_split
+
+    plan = piece_split(n_tiles, steps, n_sms)
+    seen = np.zeros((n_tiles, steps), np.int32)
+    starts = {}
+    for cta in range(plan.n_ctas):
+        tile, lo, hi = plan.cta_work(cta)
+        assert 0 <= lo < hi <= steps
+        seen[tile, lo:hi] += 1
+        if cta >= plan.n_whole:
+            starts.setdefault((cta - plan.n_whole) // plan.rest, set()).add(lo)
+    assert (seen == 1).all()
+    assert all(len(v) == 1 for v in starts.values()) and len(starts) == plan.pieces
+    # list scheduling of the grid in order, a CTA's time = its steps
+    free = [0.0] * n_sms
+    for cta in range(plan.n_ctas):
+        _, lo, hi = plan.cta_work(cta)
+        i = free.index(min(free))
+        free[i] += hi - lo
+    assert max(free) < -(-n_tiles // n_sms) * steps
+
+
+def test_piece_split_is_off_where_it_changes_nothing():
+    from pallas_kernels.flash_attention_hopper.config import HopperConfig, piece_split, piece_split_chosen
+
+    assert piece_split(264, 16, 132) is None  # whole rounds
+    assert piece_split(100, 16, 132) is None  # fewer tiles than SMs
+    assert piece_split(2048, 1, 132) is None  # one step per tile
+    assert piece_split(1980 + 131, 256, 132) is None  # 131 of 132 SMs busy in the last round: no cut gains
+    auto = HopperConfig()
+    assert piece_split_chosen(auto, 2048, 256, 132, 4096) == piece_split(2048, 256, 132)
+    assert piece_split_chosen(auto, 2048, 32, 132, 2048) is None  # auto: from 4k keys
+    assert piece_split_chosen(HopperConfig(bwd_split_tail=True), 2048, 32, 132, 2048) == piece_split(2048, 32, 132)
+    assert piece_split_chosen(HopperConfig(bwd_split_tail=False), 2048, 256, 132, 16384) is None
 
 
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("ctas", [3, 5])
 def test_stream_k_tails_with_cut_tiles_match_the_reference(ctas):
-    """The stream-K tails, forward and backward: 16 query tiles of 4 K/V steps and 8 key tiles of 16 query steps on
-    3 / 5 CTAs per round, so tiles are cut between two CTAs (forward: merged by their lse; backward: dK / dV summed).
-    Output, lse and gradients against fp32, tile by tile; equal to the whole-tile kernels up to rounding."""
-    from pallas_kernels.flash_attention_hopper.config import default_config, tail_split
+    """The cut tiles, forward and backward: 16 query tiles of 4 K/V steps on 3 / 5 persistent CTAs (stream-K: tiles
+    cut between two CTAs, merged by their lse) and 8 key tiles of 16 query steps planned for 3 / 5 SMs (the last
+    tiles cut into pieces, their dK / dV summed).  Output, lse and gradients against fp32, tile by tile; equal to
+    the whole-tile kernels up to rounding."""
+    from pallas_kernels.flash_attention_hopper.config import default_config, piece_split, tail_split
 
     interpret = _mode()
     B, S, H, G, D = 1, 512, 4, 2, 128  # 1 * 4 * 4 = 16 query tiles; 512 / 128 = 4 K/V steps each
@@ -339,7 +378,7 @@ def test_stream_k_tails_with_cut_tiles_match_the_reference(ctas):
     do = jax.random.normal(ks[3], (B, S, H, D), BF)
     cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_split_tail=True,  # auto: from 4k keys
                               bwd_ctas=ctas, bwd_split_tail=True)
-    assert tail_split(2 * (S // 128), H // G * (S // 64), ctas).cut_tiles()  # backward: G x key tiles, rep x q blocks
+    assert piece_split(2 * (S // 128), H // G * (S // 64), ctas)  # backward: G x key tiles, rep x query blocks
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg, interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)

@@ -26,8 +26,8 @@ from te_jax._compat import mosaic_gpu, pl
 
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
-from .config import (LOG2E, HopperConfig, TailSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
-                     dq_split, ring_choices, split_tail_chosen)
+from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
+                     dq_split, piece_split_chosen, ring_choices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,8 +64,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         raise ValueError(f"atomic dQ: no 64-wide share per warpgroup for head_dim {D}, {cfg}")
 
     steps = rep * nq  # a non-causal key tile's walk
-    plan = None if causal else split_tail_chosen(cfg, G * n_kt * B, steps, cfg.bwd_ctas or num_sms(), Skv,
-                                                 backward=True)
+    plan = None if causal else piece_split_chosen(cfg, G * n_kt * B, steps, cfg.bwd_ctas or num_sms(), Skv)
     n_grads = int(want_dk) + int(want_dv)
 
     def tile_coords(tile):  # the 3-D grid's launch order: kv head fastest, then key tile, then batch
@@ -78,7 +77,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         smem, bars = rest[len(outs):]
         dk_ref = outs[0] if want_dk else None
         dv_ref = outs[n_grads - 1] if want_dv else None
-        part_refs = outs[n_grads:]  # plan: partial dK / dV of cut key tiles [tail CTAs, slot, hi/lo, rows, D]
+        part_refs = outs[n_grads:]  # plan: partial dK / dV of the pieces [piece CTAs, hi/lo, rows, D]
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
         if want_dq:
             ds_smem3, dq_smem2 = smem[6:]
@@ -94,15 +93,15 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             g = lax.axis_index("kv_heads")
             kt = lax.axis_index("kv_seq")
         else:
-            # CTA x < first_tile runs key tile x whole; tail CTA x - first_tile runs units [U0, U1) of the tile-major
-            # walk (unit = tile * steps + step), a piece per key tile it touches (TailSplit).
+            # PieceSplit: CTA x < n_whole runs key tile x, steps [0, steps); piece CTA j = x - n_whole runs piece
+            # j // rest of tile n_whole + j % rest (PieceSplit.cta_work).
             x = lax.axis_index("cta")
-            tail_cta = x - plan.first_tile
-            whole_cta = x < plan.first_tile
-            U0 = jnp.where(whole_cta, x * steps, plan.first_tile * steps + div(tail_cta * plan.units, plan.n_ctas))
-            U1 = jnp.where(whole_cta, (x + 1) * steps,
-                           plan.first_tile * steps + div((tail_cta + 1) * plan.units, plan.n_ctas))
-            b, g, kt = tile_coords(x)  # a whole CTA's key tile (tail CTAs: unused)
+            piece_cta = x - plan.n_whole
+            whole_cta = x < plan.n_whole
+            k_piece = div(piece_cta, plan.rest)
+            b, g, kt = tile_coords(jnp.where(whole_cta, x, plan.n_whole + rem(piece_cta, plan.rest)))
+            lo = jnp.where(whole_cta, 0, div(k_piece * steps, plan.pieces))
+            hi = jnp.where(whole_cta, steps, div((k_piece + 1) * steps, plan.pieces))
         # No reversal here (unlike the forward and dQ kernels): the GPU launches CTAs in grid order (kv_seq
         # ascending within a head), and causal key tile 0 sees every query, so ascending order already starts
         # the heaviest tiles first and leaves the light ones for the tail.  Reversed (before run 10), the
@@ -144,9 +143,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 zero = plgpu.layout_cast(jnp.full((bkv, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
                 return (zero if want_dk else None), (zero if want_dv else None)
 
-            def step_body(t, qb, carry, masked: bool, *, hh, bb, kv0, ds_t=None):
+            def step_body(t, qb, carry, masked: bool, *, hh, bb, kv0):
                 """One query block of query head hh against this warpgroup's keys.  t: the CTA's ring step (its Q /
-                dO / lse / delta slot); ds_t: the step's dS buffer parity (default t)."""
+                dO / lse / delta slot and its dS buffer)."""
                 dk_acc, dv_acc = carry
                 slot = rem(t, stages)
                 plgpu.barrier_wait(q_bar.at[slot])
@@ -187,7 +186,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     delta_cons.release(slot)
                     dsT16 = dsT.astype(dtype)
                     if want_dq and not interpret:
-                        buf = rem(t if ds_t is None else ds_t, 2)  # dS is double buffered: a 2-arrival barrier each
+                        buf = rem(t, 2)  # dS is double buffered: one 2-arrival barrier per step
                         ds_smem3.at[buf, wg][...] = dsT16
                         plgpu.commit_smem()  # generic-proxy stores -> visible to wgmma
                         plgpu.barrier_arrive(ds_ready.at[buf])
@@ -274,59 +273,41 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 k_tile_released(total)
                 write_grads(dk_acc, dv_acc, sl)
 
-            def tail_pieces():  # a tail CTA: its pieces of key tiles, from unit U0 to U1 (a whole CTA: one piece)
+            def piece():  # PieceSplit: query steps [lo, hi) of the key tile (b, g, kt); the whole walk or a piece
+                kv0, sl = load_kv(b, g, kt)
                 prime_rings()
-                first = div(U0, steps)
+                carry = fresh_accumulators()
 
-                def piece_body(i, _):
-                    tile = first + i
-                    lo = jnp.maximum(U0 - tile * steps, 0)
-                    hi = jnp.minimum(U1 - tile * steps, steps)
-                    ring0 = tile * steps + lo - U0  # the piece's first step in the CTA's Q / dO ring
-                    ds0 = ring0 + i  # each earlier piece took one more dS phase (k_tile_released)
-                    bb, gg, ktile = tile_coords(tile)
-                    kv0, sl = load_kv(bb, gg, ktile)
-                    carry = fresh_accumulators()
+                def body(t, carry):
+                    hh, qb = step_coords(t)
+                    return step_body(t - lo, qb, carry, masked=False, hh=hh, bb=b, kv0=kv0)
 
-                    def body(t, carry):
-                        hh, qb = step_coords(t, gg)
-                        return step_body(ring0 + (t - lo), qb, carry, masked=False, hh=hh, bb=bb, kv0=kv0,
-                                         ds_t=ds0 + (t - lo))
+                dk_acc, dv_acc = lax.fori_loop(lo, hi, body, carry)
+                k_tile_released(hi - lo)
 
-                    dk_acc, dv_acc = lax.fori_loop(lo, hi, body, carry)
-                    k_tile_released(ds0 + (hi - lo))
+                def partial_grads():
+                    # fp32 partial sums as hi + lo in q.dtype, staged through the K and V tiles (dK first, then dV)
+                    rows = pl.ds(wg * bkv, bkv)
+                    # (recomputed here: Mosaic GPU's interpreter hangs when the body-level value indexes this copy)
+                    piece = lax.axis_index("cta") - plan.n_whole
+                    grads = ([dk_acc * scale] if want_dk else []) + ([dv_acc] if want_dv else [])
+                    for val, part_ref in zip(grads, part_refs):
+                        hi16 = val.astype(dtype)
+                        k_smem[...] = hi16
+                        v_smem[...] = (val - hi16.astype(jnp.float32)).astype(dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(k_smem, part_ref.at[piece, 0, rows], commit_group=False)
+                        plgpu.copy_smem_to_gmem(v_smem, part_ref.at[piece, 1, rows], commit_group=False)
+                        plgpu.commit_smem_to_gmem_group()
+                        plgpu.wait_smem_to_gmem(0)
 
-                    def cut_piece():
-                        # fp32 partial sums as hi + lo in q.dtype, staged through the K and V tiles (dK first, then dV)
-                        slot = jnp.where(lo > 0, 0, 1)  # 0: the piece that ends a key tile; 1: the one that starts it
-                        rows = pl.ds(wg * bkv, bkv)
-                        grads = ([dk_acc * scale] if want_dk else []) + ([dv_acc] if want_dv else [])
-                        for val, part_ref in zip(grads, part_refs):
-                            hi16 = val.astype(dtype)
-                            k_smem[...] = hi16
-                            v_smem[...] = (val - hi16.astype(jnp.float32)).astype(dtype)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(k_smem, part_ref.at[tail_cta, slot, 0, rows], commit_group=False)
-                            plgpu.copy_smem_to_gmem(v_smem, part_ref.at[tail_cta, slot, 1, rows], commit_group=False)
-                            plgpu.commit_smem_to_gmem_group()
-                            plgpu.wait_smem_to_gmem(0)
-
-                    cut = (lo > 0) | (hi < steps)
-                    pl.when(jnp.logical_not(cut))(lambda: write_grads(dk_acc, dv_acc, sl))
-                    pl.when(cut)(cut_piece)
-                    return None
-
-                lax.fori_loop(0, div(U1 - 1, steps) - first + 1, piece_body, None)
+                pl.when(whole_cta)(lambda: write_grads(dk_acc, dv_acc, sl))
+                pl.when(jnp.logical_not(whole_cta))(partial_grads)
 
             if plan is None:
                 whole_tile()
-            elif interpret:
-                # Mosaic GPU's interpreter hangs on a kernel holding both loops (each allocates its wgmma
-                # accumulators); the piece loop alone runs whole tiles as one piece each, with the same results.
-                tail_pieces()
             else:
-                pl.when(whole_cta)(whole_tile)
-                pl.when(jnp.logical_not(whole_cta))(tail_pieces)
+                piece()
 
         if want_dq:
             for w in range(wgs):
@@ -339,17 +320,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             plgpu.set_max_registers(producer_regs, action="decrease")
 
             def rows(t):  # (q / dO slice, lse / delta slice) of ring step t
-                if plan is None:
-                    bb = b
-                    hh, qb = step_coords(t)
-                else:
-                    u = U0 + t
-                    bb, gg, _ = tile_coords(div(u, steps))
-                    hh, qb = step_coords(rem(u, steps), gg)
-                return (bb, pl.ds(qb * bq, bq), hh), (bb, hh, pl.ds(qb * bq, bq))
+                hh, qb = step_coords(t if plan is None else lo + t)
+                return (b, pl.ds(qb * bq, bq), hh), (b, hh, pl.ds(qb * bq, bq))
 
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, total if plan is None else U1 - U0, stages, rows,
+                plgpu, total if plan is None else hi - lo, stages, rows,
                 [(lambda r: q_ref.at[r[0]], q_smem, q_bar, q_cons),
                  (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_cons),
                  (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_cons),
@@ -379,10 +354,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     if want_dv:
         out_type.append(jax.ShapeDtypeStruct(v.shape, dtype))
     if plan is not None:
-        out_type += [jax.ShapeDtypeStruct((plan.n_ctas, 2, 2, wgs * bkv, D), dtype)] * n_grads
+        out_type += [jax.ShapeDtypeStruct((plan.rest * plan.pieces, 2, wgs * bkv, D), dtype)] * n_grads
     outputs = ("dk" if want_dk else "") + ("dv" if want_dv else "") + ("dq" if want_dq else "")
     grid, grid_names = ((G, n_kt, B), ("kv_heads", "kv_seq", "batch")) if plan is None else (
-        (plan.first_tile + plan.n_ctas,), ("cta",))
+        (plan.n_ctas,), ("cta",))
     outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=grid,
                                    grid_names=grid_names, compute_wgs=wgs,
                                    interpret=interpret, name=f"te_jax_attn_bwd_{outputs}",
@@ -390,24 +365,19 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         q, k, v, do, lse2, delta, *((dq_acc_ref,) if want_dq else ()))
     if plan is None:
         return tuple(outs)
-    return tuple(_sum_cut_tiles(grad, part, plan=plan, G=G, n_kt=n_kt, rows=wgs * bkv)
+    return tuple(_sum_pieces(grad, part, plan=plan, G=G, n_kt=n_kt, rows=wgs * bkv)
                  for grad, part in zip(outs[:n_grads], outs[n_grads:]))
 
 
-def _sum_cut_tiles(grad, part, *, plan: TailSplit, G: int, n_kt: int, rows: int):
-    """Write the key tiles that TailSplit cut between two tail CTAs: the sum of their two partial gradients.
+def _sum_pieces(grad, part, *, plan: PieceSplit, G: int, n_kt: int, rows: int):
+    """Write the key tiles that PieceSplit cut into pieces: the sum of their pieces' partial gradients.
 
-    grad [B,Skv,G,D] (dK or dV); part [tail CTAs, 2 slots, 2 (hi, lo), rows, D] q.dtype.  Tile (cut between tail CTAs
-    c - 1 and c) = slot 1 of c - 1 + slot 0 of c.  Tiles are numbered in the 3-D grid's launch order.
+    grad [B,Skv,G,D] (dK or dV); part [pieces * rest, 2 (hi, lo), rows, D] q.dtype, piece k of cut tile i at
+    k * rest + i.  Tiles are numbered in the 3-D grid's launch order (kv head fastest, then key tile, then batch).
     """
-    cuts = plan.cut_tiles()
-    if not cuts:
-        return grad
-    tiles = np.array([t for t, _ in cuts], np.int32)
-    ctas = np.array([c for _, c in cuts], np.int32)
+    tiles = plan.n_whole + np.arange(plan.rest, dtype=np.int32)
     b, g, kt = tiles // (G * n_kt), tiles % G, (tiles // G) % n_kt
-    f32 = jnp.float32
-    total = part[ctas - 1, 1].astype(f32).sum(axis=1) + part[ctas, 0].astype(f32).sum(axis=1)  # [n, rows, D]
+    total = part.astype(jnp.float32).reshape(plan.pieces, plan.rest, 2, rows, -1).sum(axis=(0, 2))  # [rest, rows, D]
     row_idx = kt[:, None] * rows + np.arange(rows, dtype=np.int32)[None]
     return grad.at[b[:, None], row_idx, g[:, None]].set(total.astype(grad.dtype), unique_indices=True)
 

@@ -17,6 +17,8 @@ ATOMIC_DQ_AUTO_MIN_KV = {128: 2048, 64: 2048}
 # 16k tokens (attention_hopper_h100_run11_fwd_split_tail_log.txt, kernel time, 5 rounds): +2.6% at 16k, +1.6% at
 # 4k, -2.1% at 1k (the merge after the kernel costs more than the idle SMs there).
 FWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
+# The same for the non-causal dK/dV kernel's cut last tiles (bwd_split_tail, PieceSplit).
+BWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +58,10 @@ class HopperConfig:
     # kernel.  None (auto): on where it applies (tail_split is not None) and the key length is at least
     # FWD_SPLIT_TAIL_AUTO_MIN_KV (the merge after the kernel costs about 10 us).
     fwd_split_tail: bool | None = None
-    # The same for the non-causal dK/dV kernel: whole key tiles as one CTA each for all rounds but the last two,
-    # then one round of CTAs that share the rest out by query steps; cut key tiles' dK / dV summed after the kernel.
-    # None (auto) = off: measured 6-11% slower on the H100 (run 11), not yet understood.  Correct (GPU and
-    # interpreter tests), so it stays as an opt-in for that investigation.
+    # The non-causal dK/dV kernel's last n_tiles % SMs key tiles cut into pieces of their query walk, one CTA each
+    # (PieceSplit); their dK / dV summed after the kernel.  None (auto): from BWD_SPLIT_TAIL_AUTO_MIN_KV keys.
     bwd_split_tail: bool | None = None
-    bwd_ctas: int | None = None  # the CTAs of bwd_split_tail's last round; None: the device's SM count
+    bwd_ctas: int | None = None  # the SM count PieceSplit plans for; None: the device's
     # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
     # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
     # uses the mbarrier.
@@ -232,14 +232,66 @@ def tail_split(n_tiles: int, steps: int, n_ctas: int) -> TailSplit | None:
     return TailSplit(n_tiles, steps, n_ctas, dp_rounds, first_tile, (n_tiles - first_tile) * steps)
 
 
-def split_tail_chosen(cfg: HopperConfig, n_tiles: int, steps: int, n_ctas: int, kv_len: int, *,
-                      backward: bool = False) -> TailSplit | None:
-    """The forward's (persistent grid) or the backward's (dK/dV kernel, non-causal) TailSplit for this call,
-    forced by the config or auto (forward: from FWD_SPLIT_TAIL_AUTO_MIN_KV keys; backward: off), or None."""
-    on = cfg.bwd_split_tail if backward else cfg.fwd_split_tail
-    if on is False or (on is None and (backward or kv_len < FWD_SPLIT_TAIL_AUTO_MIN_KV)):
+def split_tail_chosen(cfg: HopperConfig, n_tiles: int, steps: int, n_ctas: int, kv_len: int) -> TailSplit | None:
+    """The persistent forward's TailSplit for this call (forced by the config, or auto: from
+    FWD_SPLIT_TAIL_AUTO_MIN_KV keys), or None."""
+    if cfg.fwd_split_tail is False or (cfg.fwd_split_tail is None and kv_len < FWD_SPLIT_TAIL_AUTO_MIN_KV):
         return None
     return tail_split(n_tiles, steps, n_ctas)
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceSplit:
+    """The non-causal dK/dV kernel's grid with its last tiles cut into pieces (all static).
+
+    One CTA per key tile for tiles [0, n_whole); each of the `rest` = n_tiles - n_whole last tiles is cut into
+    `pieces` runs of its query steps, one CTA each, CTA n_whole + k * rest + i running piece k of tile n_whole + i
+    (steps [k * steps // pieces, (k + 1) * steps // pieces)).  The pieces start at the same query step for every
+    tile, so CTAs of one head running together walk the same query blocks (Q / dO reads and dQ reduce-adds shared
+    in L2).  Cut tiles' dK / dV are the sums of their pieces' partials, added after the kernel.
+    """
+
+    n_tiles: int
+    steps: int
+    n_whole: int
+    pieces: int
+
+    @property
+    def rest(self) -> int:
+        return self.n_tiles - self.n_whole
+
+    @property
+    def n_ctas(self) -> int:
+        return self.n_whole + self.rest * self.pieces
+
+    def cta_work(self, cta: int) -> tuple[int, int, int]:
+        """(tile, first step, end step) of CTA `cta` (the in-kernel formula, on Python ints)."""
+        if cta < self.n_whole:
+            return cta, 0, self.steps
+        k, i = divmod(cta - self.n_whole, self.rest)
+        return self.n_whole + i, k * self.steps // self.pieces, (k + 1) * self.steps // self.pieces
+
+
+def piece_split(n_tiles: int, steps: int, n_sms: int, max_pieces: int = 4) -> PieceSplit | None:
+    """Cut the last n_tiles % n_sms tiles (the ones that would run in a part-empty last round) into the number of
+    pieces (2 .. max_pieces) that ends the grid soonest when all CTAs take equal time per step, or None where no cut
+    helps (no part-empty round, fewer tiles than SMs, or one step per tile)."""
+    rest = n_tiles % n_sms
+    if rest == 0 or n_tiles < n_sms or steps < 2:
+        return None
+    rounds = lambda p: -(-rest * p // n_sms) / p  # the last rounds' length, in tiles
+    best = min(range(2, min(max_pieces, steps) + 1), key=lambda p: (rounds(p), p))
+    if rounds(best) >= 1:
+        return None
+    return PieceSplit(n_tiles, steps, n_tiles - rest, best)
+
+
+def piece_split_chosen(cfg: HopperConfig, n_tiles: int, steps: int, n_sms: int, kv_len: int) -> PieceSplit | None:
+    """The non-causal dK/dV kernel's PieceSplit for this call (forced by the config, or auto: from
+    BWD_SPLIT_TAIL_AUTO_MIN_KV keys), or None."""
+    if cfg.bwd_split_tail is False or (cfg.bwd_split_tail is None and kv_len < BWD_SPLIT_TAIL_AUTO_MIN_KV):
+        return None
+    return piece_split(n_tiles, steps, n_sms)
 
 
 def dq_split(head_dim: int, cfg: HopperConfig) -> str | None:
