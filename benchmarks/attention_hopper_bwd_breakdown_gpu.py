@@ -41,6 +41,9 @@ CONFIGS = {
     "whole-tile forward tail (fwd_split_tail=False)": HopperConfig(fwd_split_tail=False),
     "whole-tile backward (bwd_split_tail=False)": HopperConfig(bwd_split_tail=False),
     "cut backward tiles at every length (bwd_split_tail=True)": HopperConfig(bwd_split_tail=True),
+    # diagnostics: the piece grid with its last tiles whole (1 piece: the 1-D grid and the piece path, no cuts)
+    "cut backward tiles, bwd_pieces=1": HopperConfig(bwd_split_tail=True, bwd_pieces=1),
+    "cut backward tiles, bwd_pieces=2": HopperConfig(bwd_split_tail=True, bwd_pieces=2),
     "mbarrier release, 4-warp producer (bwd)": HopperConfig(bwd_named_release=False, bwd_producer_warp=False),
     "mbarrier release, 4-warp producer (fwd and bwd)": HopperConfig(
         bwd_named_release=False, bwd_producer_warp=False, fwd_named_release=False, fwd_producer_warp=False),

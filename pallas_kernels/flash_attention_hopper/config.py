@@ -62,6 +62,7 @@ class HopperConfig:
     # (PieceSplit); their dK / dV summed after the kernel.  None (auto): from BWD_SPLIT_TAIL_AUTO_MIN_KV keys.
     bwd_split_tail: bool | None = None
     bwd_ctas: int | None = None  # the SM count PieceSplit plans for; None: the device's
+    bwd_pieces: int | None = None  # pieces per cut key tile; None: PieceSplit's choice (1: the piece grid, no cuts)
     # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
     # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
     # uses the mbarrier.
@@ -102,7 +103,7 @@ class HopperConfig:
                 raise ValueError(f"bwd_compute_registers={r!r}: expected None or a multiple of 8 in [24, 256] that "
                                  f"leaves the memory warpgroup >= 24 ({REGISTERS_PER_CTA} per CTA; 240 is the most "
                                  f"with bwd_wgs=2)")
-        for name in ("fwd_ctas", "bwd_ctas"):
+        for name in ("fwd_ctas", "bwd_ctas", "bwd_pieces"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or n < 1):
                 raise ValueError(f"{name}={n!r}: expected None (the SM count) or an int >= 1")
@@ -272,13 +273,16 @@ class PieceSplit:
         return self.n_whole + i, k * self.steps // self.pieces, (k + 1) * self.steps // self.pieces
 
 
-def piece_split(n_tiles: int, steps: int, n_sms: int, max_pieces: int = 4) -> PieceSplit | None:
+def piece_split(n_tiles: int, steps: int, n_sms: int, max_pieces: int = 4,
+                pieces: int | None = None) -> PieceSplit | None:
     """Cut the last n_tiles % n_sms tiles (the ones that would run in a part-empty last round) into the number of
     pieces (2 .. max_pieces) that ends the grid soonest when all CTAs take equal time per step, or None where no cut
     helps (no part-empty round, fewer tiles than SMs, or one step per tile)."""
     rest = n_tiles % n_sms
     if rest == 0 or n_tiles < n_sms or steps < 2:
         return None
+    if pieces is not None:  # forced (diagnostics)
+        return PieceSplit(n_tiles, steps, n_tiles - rest, min(pieces, steps))
     rounds = lambda p: -(-rest * p // n_sms) / p  # the last rounds' length, in tiles
     best = min(range(2, min(max_pieces, steps) + 1), key=lambda p: (rounds(p), p))
     if rounds(best) >= 1:
@@ -291,7 +295,7 @@ def piece_split_chosen(cfg: HopperConfig, n_tiles: int, steps: int, n_sms: int, 
     BWD_SPLIT_TAIL_AUTO_MIN_KV keys), or None."""
     if cfg.bwd_split_tail is False or (cfg.bwd_split_tail is None and kv_len < BWD_SPLIT_TAIL_AUTO_MIN_KV):
         return None
-    return piece_split(n_tiles, steps, n_sms)
+    return piece_split(n_tiles, steps, n_sms, pieces=cfg.bwd_pieces)
 
 
 def dq_split(head_dim: int, cfg: HopperConfig) -> str | None:
