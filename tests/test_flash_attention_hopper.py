@@ -362,15 +362,15 @@ def test_piece_split_is_off_where_it_changes_nothing():
 @needs_kernel
 @pytest.mark.parametrize("ctas", [3, 5])
 def test_stream_k_tails_with_cut_tiles_match_the_reference(ctas):
-    """The cut tiles, forward and backward: 16 query tiles of 4 K/V steps on 3 / 5 persistent CTAs (stream-K: tiles
-    cut between two CTAs, merged by their lse) and 8 key tiles of 16 query steps planned for 3 / 5 SMs (the last
-    tiles cut into pieces, their dK / dV summed).  Output, lse and gradients against fp32, tile by tile; equal to
+    """The cut tiles, forward and backward: 32 query tiles of 4 K/V steps on 3 / 5 persistent CTAs (stream-K: tiles
+    cut between two CTAs, merged by their lse) and 16 key tiles of 16 query steps planned for 3 / 5 SMs (the last
+    tiles cut into pieces, their dK / dV summed; two batches, so the tile numbering's batch axis counts).  Output, lse and gradients against fp32, tile by tile; equal to
     the whole-tile kernels up to rounding."""
     from pallas_kernels.flash_attention_hopper.config import default_config, piece_split, tail_split
 
     interpret = _mode()
-    B, S, H, G, D = 1, 512, 4, 2, 128  # 1 * 4 * 4 = 16 query tiles; 512 / 128 = 4 K/V steps each
-    assert tail_split(16, 4, ctas).cut_tiles()
+    B, S, H, G, D = 2, 512, 4, 2, 128  # 2 * 4 * 4 = 32 query tiles; 512 / 128 = 4 K/V steps each
+    assert tail_split(B * H * (S // 128), 4, ctas).cut_tiles()
     ks = jax.random.split(jax.random.key(10 + ctas), 4)
     q = jax.random.normal(ks[0], (B, S, H, D), BF)
     k = jax.random.normal(ks[1], (B, S, G, D), BF)
@@ -378,7 +378,7 @@ def test_stream_k_tails_with_cut_tiles_match_the_reference(ctas):
     do = jax.random.normal(ks[3], (B, S, H, D), BF)
     cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_split_tail=True,  # auto: from 4k keys
                               bwd_ctas=ctas, bwd_split_tail=True)
-    assert piece_split(2 * (S // 128), H // G * (S // 64), ctas)  # backward: G x key tiles, rep x query blocks
+    assert piece_split(B * G * (S // 128), H // G * (S // 64), ctas)  # backward: B x G x key tiles, rep x q blocks
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg, interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
