@@ -245,6 +245,20 @@ def test_atomic_dq_policy():
     assert not atomic_dq_chosen(64, 4096, hd64, interpret=True)
 
 
+def _random_qkv_do(seed, B, S, H, G, D):
+    """Fresh bf16 q [B,S,H,D], k / v [B,S,G,D] and an output cotangent do [B,S,H,D]."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(ks[0], (B, S, H, D), BF), jax.random.normal(ks[1], (B, S, G, D), BF),
+            jax.random.normal(ks[2], (B, S, G, D), BF), jax.random.normal(ks[3], (B, S, H, D), BF))
+
+
+def _fp32_reference_vjp(q, k, v, causal=False):
+    """((out, lse), vjp) of the fp32 reference on the same inputs."""
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: attention_reference(q, k, v, scale=q.shape[-1] ** -0.5, causal=causal)
+    return jax.vjp(ref, f32(q), f32(k), f32(v))
+
+
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("ctas", [3, 5])
@@ -254,18 +268,13 @@ def test_persistent_forward_loops_over_tiles(ctas):
 
     interpret = _mode()
     B, S, H, G, D = 2, 256, 3, 1, 64  # 2 * 3 * 2 = 12 query tiles
-    ks = jax.random.split(jax.random.key(ctas), 4)
-    q = jax.random.normal(ks[0], (B, S, H, D), BF)
-    k = jax.random.normal(ks[1], (B, S, G, D), BF)
-    v = jax.random.normal(ks[2], (B, S, G, D), BF)
-    do = jax.random.normal(ks[3], (B, S, H, D), BF)
+    q, k, v, do = _random_qkv_do(ctas, B, S, H, G, D)
     cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas)
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
                                          interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
-    ref = lambda q, k, v: attention_reference(q, k, v, scale=D ** -0.5, causal=False)
-    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    (rout, rlse), rvjp = _fp32_reference_vjp(q, k, v)
     assert _rel(out, rout) < 1e-2
     assert _rel(lse, rlse) < 1e-4
     for g, rg in zip(vjp((do, jnp.zeros_like(lse))), rvjp((f32(do), jnp.zeros_like(rlse)))):
@@ -370,19 +379,14 @@ def test_stream_k_tails_with_cut_tiles_match_the_reference(ctas):
     interpret = _mode()
     B, S, H, G, D = 2, 512, 4, 2, 128  # 2 * 4 * 4 = 32 query tiles; 512 / 128 = 4 K/V steps each
     assert tail_split(B * H * (S // 128), 4, ctas).cut_tiles()
-    ks = jax.random.split(jax.random.key(10 + ctas), 4)
-    q = jax.random.normal(ks[0], (B, S, H, D), BF)
-    k = jax.random.normal(ks[1], (B, S, G, D), BF)
-    v = jax.random.normal(ks[2], (B, S, G, D), BF)
-    do = jax.random.normal(ks[3], (B, S, H, D), BF)
+    q, k, v, do = _random_qkv_do(10 + ctas, B, S, H, G, D)
     cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_split_tail=True,  # auto: from 4k keys
                               bwd_ctas=ctas, bwd_split_tail=True)
     assert piece_split(B * G * (S // 128), H // G * (S // 64), ctas)  # backward: B x G x key tiles, rep x q blocks
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg, interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
-    ref = lambda q, k, v: attention_reference(q, k, v, scale=D ** -0.5, causal=False)
-    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    (rout, rlse), rvjp = _fp32_reference_vjp(q, k, v)
     assert _rel(out, rout) < 1e-2
     assert _rel(lse, rlse) < 1e-4
     per_tile = np.abs(np.asarray(f32(out)) - np.asarray(rout)).reshape(B, S // 128, 128, H, D).max(axis=(2, 4))
