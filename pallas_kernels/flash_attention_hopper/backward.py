@@ -309,8 +309,12 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
             if plan is None:
                 whole_tile()
+            elif interpret:
+                piece()  # every CTA through the piece path (the interpreter hangs on body-level TMA indices in branches)
             else:
-                piece()
+                # whole tiles run the 3-D grid's static heads x blocks loops; pieces the flat loop
+                pl.when(whole_cta)(whole_tile)
+                pl.when(jnp.logical_not(whole_cta))(piece)
 
         if want_dq:
             for w in range(wgs):
