@@ -360,10 +360,12 @@ def test_piece_split_is_off_where_it_changes_nothing():
     assert piece_split(100, 16, 132) is None  # fewer tiles than SMs
     assert piece_split(2048, 1, 132) is None  # one step per tile
     assert piece_split(1980 + 131, 256, 132) is None  # 131 of 132 SMs busy in the last round: no cut gains
-    assert piece_split_chosen(HopperConfig(), 2048, 256, 132) is None  # auto: off (slower on the H100, run 11)
-    assert piece_split_chosen(HopperConfig(bwd_split_tail=True), 2048, 32, 132) == piece_split(2048, 32, 132)
-    assert piece_split_chosen(HopperConfig(bwd_split_tail=True, bwd_pieces=1), 2048, 32, 132).pieces == 1
-    assert piece_split_chosen(HopperConfig(bwd_split_tail=False), 2048, 256, 132) is None
+    auto = HopperConfig()
+    assert piece_split_chosen(auto, 2048, 256, 132, 4096) == piece_split(2048, 256, 132)
+    assert piece_split_chosen(auto, 2048, 32, 132, 2048) is None  # auto: from 4k keys
+    assert piece_split_chosen(HopperConfig(bwd_split_tail=True), 2048, 32, 132, 2048) == piece_split(2048, 32, 132)
+    assert piece_split_chosen(HopperConfig(bwd_split_tail=True, bwd_pieces=1), 2048, 32, 132, 2048).pieces == 1
+    assert piece_split_chosen(HopperConfig(bwd_split_tail=False), 2048, 256, 132, 16384) is None
 
 
 @pytest.mark.slow

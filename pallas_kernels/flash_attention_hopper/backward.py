@@ -64,7 +64,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         raise ValueError(f"atomic dQ: no 64-wide share per warpgroup for head_dim {D}, {cfg}")
 
     steps = rep * nq  # a non-causal key tile's walk
-    plan = None if causal else piece_split_chosen(cfg, G * n_kt * B, steps, cfg.bwd_ctas or num_sms())
+    plan = None if causal else piece_split_chosen(cfg, G * n_kt * B, steps, cfg.bwd_ctas or num_sms(), Skv)
     n_grads = int(want_dk) + int(want_dv)
 
     def tile_coords(tile):

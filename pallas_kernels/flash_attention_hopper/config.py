@@ -17,6 +17,10 @@ ATOMIC_DQ_AUTO_MIN_KV = {128: 2048, 64: 2048}
 # 16k tokens (attention_hopper_h100_run11_fwd_split_tail_log.txt, kernel time, 5 rounds): +2.6% at 16k, +1.6% at
 # 4k, -2.1% at 1k (the merge after the kernel costs more than the idle SMs there).
 FWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
+# The same for the non-causal dK/dV kernel's cut last tiles (bwd_split_tail, PieceSplit).  H100, hd128, kernel time
+# (attention_hopper_h100_run11_bwd_pieces_static_whole_log.txt, 4 rounds): backward +0.8% at 16k, +2.2% at 4k.
+# Earlier layouts of the same idea were slower (run 11, section 3).
+BWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +61,7 @@ class HopperConfig:
     # FWD_SPLIT_TAIL_AUTO_MIN_KV (the merge after the kernel costs about 10 us).
     fwd_split_tail: bool | None = None
     # The non-causal dK/dV kernel's last n_tiles % SMs key tiles cut into pieces of their query walk, one CTA each
-    # (PieceSplit); their dK / dV summed after the kernel.  None (auto) = off: on the H100 (run 11) the piece grid
-    # itself runs 2.5-3.7% slower than the 3-D grid even with no tile cut (bwd_pieces=1), and the cuts win back
-    # only ~1%.  Correct (interpreter and GPU tests); an opt-in for that investigation.
+    # (PieceSplit); their dK / dV summed after the kernel.  None (auto): from BWD_SPLIT_TAIL_AUTO_MIN_KV keys.
     bwd_split_tail: bool | None = None
     bwd_ctas: int | None = None  # the SM count PieceSplit plans for; None: the device's
     bwd_pieces: int | None = None  # pieces per cut key tile; None: PieceSplit's choice (1: the piece grid, no cuts)
@@ -290,10 +292,10 @@ def piece_split(n_tiles: int, steps: int, n_sms: int, max_pieces: int = 4,
     return PieceSplit(n_tiles, steps, n_tiles - rest, best)
 
 
-def piece_split_chosen(cfg: HopperConfig, n_tiles: int, steps: int, n_sms: int) -> PieceSplit | None:
-    """The non-causal dK/dV kernel's PieceSplit for this call (only with bwd_split_tail=True; auto is off), or
-    None."""
-    if not cfg.bwd_split_tail:
+def piece_split_chosen(cfg: HopperConfig, n_tiles: int, steps: int, n_sms: int, kv_len: int) -> PieceSplit | None:
+    """The non-causal dK/dV kernel's PieceSplit for this call (forced by the config, or auto: from
+    BWD_SPLIT_TAIL_AUTO_MIN_KV keys), or None."""
+    if cfg.bwd_split_tail is False or (cfg.bwd_split_tail is None and kv_len < BWD_SPLIT_TAIL_AUTO_MIN_KV):
         return None
     return piece_split(n_tiles, steps, n_sms, pieces=cfg.bwd_pieces)
 
