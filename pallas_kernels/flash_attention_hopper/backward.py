@@ -11,6 +11,8 @@
       reduce-add (5 matmuls per block pair);
     - a separate dQ kernel: a CTA owns `wgs` x block_q query rows and loops over K/V blocks
       (recomputes S and dP: 7 matmuls per block pair, no fp32 buffer).
+  * non-causal, from 4k keys (bwd_split_tail): the last n_tiles % SMs key tiles are cut into pieces of their
+    query walk, one CTA each (config.PieceSplit); their dK / dV partials are summed after the kernel.
 All recompute P from the saved log-sum-exp.  Mosaic GPU is imported lazily.
 """
 from __future__ import annotations
