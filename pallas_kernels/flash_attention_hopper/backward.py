@@ -122,7 +122,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         def query_block(j):  # the j-th query block of a head's walk
             return (nq - 1) - j if reverse else q_lo + j
 
-        def step_coords(t, g=g):
+        def step_coords(t):
             return g * rep + div(t, n_steps_h), query_block(rem(t, n_steps_h))
 
         def _compute(wq):
@@ -283,26 +283,26 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 prime_rings()
                 carry = fresh_accumulators()
 
-                def body(t, carry):
+                def piece_step(t, carry):
                     hh, qb = step_coords(t)
                     return step_body(t - lo, qb, carry, masked=False, hh=hh, bb=b, kv0=kv0)
 
-                dk_acc, dv_acc = lax.fori_loop(lo, hi, body, carry)
+                dk_acc, dv_acc = lax.fori_loop(lo, hi, piece_step, carry)
                 k_tile_released(hi - lo)
 
                 def partial_grads():
                     # fp32 partial sums as hi + lo in q.dtype, staged through the K and V tiles (dK first, then dV)
                     rows = pl.ds(wg * bkv, bkv)
                     # (recomputed here: Mosaic GPU's interpreter hangs when the body-level value indexes this copy)
-                    piece = lax.axis_index("cta") - plan.n_whole
+                    piece_index = lax.axis_index("cta") - plan.n_whole
                     grads = ([dk_acc * scale] if want_dk else []) + ([dv_acc] if want_dv else [])
                     for val, part_ref in zip(grads, part_refs):
                         hi16 = val.astype(dtype)
                         k_smem[...] = hi16
                         v_smem[...] = (val - hi16.astype(jnp.float32)).astype(dtype)
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(k_smem, part_ref.at[piece, 0, rows], commit_group=False)
-                        plgpu.copy_smem_to_gmem(v_smem, part_ref.at[piece, 1, rows], commit_group=False)
+                        plgpu.copy_smem_to_gmem(k_smem, part_ref.at[piece_index, 0, rows], commit_group=False)
+                        plgpu.copy_smem_to_gmem(v_smem, part_ref.at[piece_index, 1, rows], commit_group=False)
                         plgpu.commit_smem_to_gmem_group()
                         plgpu.wait_smem_to_gmem(0)
 
