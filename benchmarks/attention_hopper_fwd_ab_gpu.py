@@ -31,6 +31,7 @@ CONFIGS = {
     "mbarrier release, 4-warp producer": {"fwd_named_release": False, "fwd_producer_warp": False},
     "whole-tile tail": {"fwd_split_tail": False},  # the persistent forward's last round by whole tiles (no stream-K)
     "split tail": {"fwd_split_tail": True},  # stream-K tail at every length (auto: from 4k keys)
+    "late Q (fwd_early_q=False)": {"fwd_early_q": False},  # the next tile's Q loaded after this tile's last step
 }
 
 

@@ -282,7 +282,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     Tiles are ordered (batch, head, query tile) so CTAs running together share K/V in L2.  The
     memory warpgroup streams K/V for all of the CTA's tiles through one ring (global step
     counter); each compute warpgroup double-buffers its Q tile in shared memory and loads the
-    next tile's Q before this tile's epilogue (the O tile is staged in the buffer Q leaves).
+    next tile's Q during this tile's second K/V step (fwd_early_q; the O tile is staged in the buffer Q leaves).
     With a TailSplit (config.split_tail_chosen) the last round is shared out by K/V steps: a CTA's work is a
     list of pieces (tile, first step, end step); a piece that is not the whole tile writes its
     normalised output (as hi + lo in q.dtype, through both Q buffers) and lse to a slot of the partial
@@ -303,6 +303,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
+    early = cfg.fwd_early_q is not False
 
     def tile_coords(t):
         bh = div(t, n_qt)
@@ -379,6 +380,12 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
                 pl.when(wg == 1)(sched.start)
+                cut = None if plan is None else (k0 > 0) | (k1 < n_kv)
+                # Early Q: the next tile's Q goes into the other buffer while this piece's second PV wgmma runs (its
+                # first, for one-step pieces); the previous O store has long been read out of that buffer by then.
+                # A cut piece needs both buffers for its epilogue: it loads the next Q after it (late).
+                early_q = (i + 1 < n_my) if plan is None else (i + 1 < n_my) & jnp.logical_not(cut)
+                early_step = k0 + jnp.minimum(1, k1 - k0 - 1)
 
                 def kv_body(step, carry):
                     g = g0 + (step - k0)
@@ -389,6 +396,12 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                         def _():
                             plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
 
+                        if early:
+                            @pl.when(early_q & (step == early_step))
+                            def _():
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                load_q(i + 1, 1 - buf)
+
                     return _fwd_kv_step(
                         plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot],
                         v_tile=v_smem.at[slot], k_release=lambda: k_slots.release(slot),
@@ -397,16 +410,17 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
 
                 acc, m_i, l_i = lax.fori_loop(k0, k1, kv_body, (acc, m_i, l_i))
                 pl.when(wg == 0)(sched.finish)
-                # Q of this tile is consumed.  The other buffer staged the previous tile's O,
-                # whose store was issued a whole tile ago: wait for it to be read, then load
-                # the next tile's Q there while this tile's epilogue runs.
+                # Q of this tile is consumed.  The other buffer staged the previous tile's O, whose store was issued
+                # a whole tile ago: wait for it to be read (a cut piece writes there; without early Q the next
+                # tile's Q is loaded there now, while this tile's epilogue runs).
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 inv = 1.0 / l_i
                 out = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                 lse = (m_i + jnp.log2(l_i)) * LN2
 
                 def whole_tile():
-                    when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
+                    if not early:
+                        when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
                     qo_smem[...] = out.astype(dtype)
                     lse_smem2.at[wg][...] = lse
                     plgpu.commit_smem()
@@ -432,7 +446,6 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 if plan is None:
                     whole_tile()
                 else:
-                    cut = (k0 > 0) | (k1 < n_kv)
                     pl.when(jnp.logical_not(cut))(whole_tile)
                     pl.when(cut)(cut_piece)
                 return None
