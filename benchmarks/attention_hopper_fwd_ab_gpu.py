@@ -32,6 +32,8 @@ CONFIGS = {
     "whole-tile tail": {"fwd_split_tail": False},  # the persistent forward's last round by whole tiles (no stream-K)
     "split tail": {"fwd_split_tail": True},  # stream-K tail at every length (auto: from 4k keys)
     "late Q (fwd_early_q=False)": {"fwd_early_q": False},  # the next tile's Q loaded after this tile's last step
+    "per-tile causal grid (fwd_persistent_causal=False)": {"fwd_persistent_causal": False},
+    "persistent causal (fwd_persistent_causal=True)": {"fwd_persistent_causal": True},
 }
 
 

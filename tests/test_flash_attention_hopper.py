@@ -282,6 +282,35 @@ def test_persistent_forward_loops_over_tiles(ctas, early_q):
         assert _rel(g, rg) < 2e-2
 
 
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("ctas", [3, 16])
+def test_persistent_causal_forward_pairs_heavy_with_light_tiles(ctas):
+    """Causal forward on the persistent grid: each (batch, head)'s query tiles paired heavy with light, pairs dealt
+    round-robin to fewer CTAs than pairs (3: uneven; 16: one pair each), GQA.  Out and lse against fp32 tile by tile,
+    gradients through the backward kernels, and equal to the per-tile grid's forward up to rounding."""
+    from pallas_kernels.flash_attention_hopper.config import default_config, persistent_causal_served
+
+    interpret = _mode()
+    B, S, H, G, D = 2, 512, 4, 2, 64  # 4 query tiles per (batch, head): 2 pairs; 2 * 4 * 2 = 16 pairs
+    cfg = dataclasses.replace(default_config(D, S, True, S), fwd_ctas=ctas)
+    assert persistent_causal_served(cfg, S, D, BF) and cfg.fwd_persistent_causal is None  # auto: on
+    q, k, v, do = _random_qkv_do(20 + ctas, B, S, H, G, D)
+    f = lambda cfg: lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=True, config=cfg,
+                                                     interpret=interpret)
+    (out, lse), vjp = jax.vjp(f(cfg), q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    (rout, rlse), rvjp = _fp32_reference_vjp(q, k, v, causal=True)
+    assert _rel(out, rout) < 1e-2
+    assert _rel(lse, rlse) < 1e-4
+    per_tile = np.abs(np.asarray(f32(out)) - np.asarray(rout)).reshape(B, S // 128, 128, H, D).max(axis=(2, 4))
+    assert per_tile.max() < 8 * np.median(per_tile) + 1e-3  # no tile (heavy or light) off
+    for g, rg in zip(vjp((do, jnp.zeros_like(lse))), rvjp((f32(do), jnp.zeros_like(rlse)))):
+        assert _rel(g, rg) < 2e-2
+    grid_out, grid_lse = f(dataclasses.replace(cfg, fwd_persistent_causal=False))(q, k, v)
+    assert _rel(out, grid_out) < 4e-3 and _rel(lse, grid_lse) < 1e-5
+
+
 @pytest.mark.parametrize("n_tiles,steps,n_ctas", [(8, 4, 3), (2048, 128, 132), (2048, 8, 132), (2048, 32, 132),
                                                  (300, 2, 132), (133, 5, 132), (1000, 3, 7)])
 def test_tail_split_covers_every_step_once_and_cuts_a_tile_at_most_once(n_tiles, steps, n_ctas):
@@ -455,7 +484,12 @@ def test_config_rejects_bad_switches(kw):
 def test_describe_plan_names_each_choice(monkeypatch):
     d = fah.describe_plan
     assert "persistent grid" in d(128, 4096, False, jnp.bfloat16) and "reduce-add" in d(128, 4096, False, jnp.bfloat16)
-    assert "heaviest first" in d(128, 4096, True, jnp.bfloat16)
+    assert "paired heavy with light" in d(128, 4096, True, jnp.bfloat16)  # the persistent causal grid up to 8k
+    assert "queries 16384 > 8192" in d(128, 16384, True, jnp.bfloat16)  # beyond: one CTA per tile, heaviest first
+    assert "heaviest first (fwd_persistent_causal=False)" in d(128, 4096, True, jnp.bfloat16,
+                                                               fah.HopperConfig(fwd_persistent_causal=False))
+    assert "an even number of query tiles" in d(128, 384, True, jnp.bfloat16)  # 3 tiles: no pairs
+    assert "block_kv 256" in d(64, 4096, True, jnp.bfloat16)  # hd64's 256-key tiles: no diagonal per tile
     assert "shared out by K/V steps" in d(128, 4096, False, jnp.bfloat16)  # the stream-K tail, from 4k keys
     assert "whole tiles: keys 1024 < 4096" in d(128, 1024, False, jnp.bfloat16)
     assert "fwd_split_tail=False" in d(128, 4096, False, jnp.bfloat16, fah.HopperConfig(fwd_split_tail=False))

@@ -21,6 +21,12 @@ FWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
 # (attention_hopper_h100_run11_bwd_pieces_static_whole_log.txt, 4 rounds): backward +0.8% at 16k, +2.2% at 4k.
 # Earlier layouts of the same idea were slower (run 11, section 3).
 BWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
+# Query length up to which fwd_persistent_causal=None runs the causal forward on the persistent grid (heavy/light
+# tile pairs).  H100, hd128, 16k tokens, kernel time, 4 rounds
+# (attention_hopper_h100_run12c_fwd_persistent_causal_log.txt): +18% at 1k (489 against 414), +4% at 4k, -0.6% at
+# 16k, where the per-tile grid's dynamic scheduling packs unequal tiles into the last round and the pairs' last
+# round leaves 32 of 132 SMs idle (1024 pairs).  8k: not measured.
+PERSISTENT_CAUSAL_AUTO_MAX_Q = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,10 @@ class HopperConfig:
     # None (auto): on for non-causal calls.  Causal calls always use one CTA per query tile.
     fwd_persistent: bool | None = None
     fwd_ctas: int | None = None  # persistent CTAs; None: the device's SM count
+    # Causal forward on the persistent grid, query tiles paired heavy with light so that every pair is the same work
+    # (see persistent_causal_served); False: one CTA per query tile, heaviest first.  None (auto): on where served
+    # and the query length is at most PERSISTENT_CAUSAL_AUTO_MAX_Q.
+    fwd_persistent_causal: bool | None = None
     # The persistent forward loads the next tile's Q into its second buffer early in this tile (while the PV wgmma of
     # the tile's second K/V step runs), so the load's latency hides behind this tile's steps; False: after this
     # tile's last step (its latency then sits between two tiles).  None (auto): early.
@@ -97,7 +107,7 @@ class HopperConfig:
             raise ValueError("stages must be >= 1")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
-        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_early_q",
+        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_early_q",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
@@ -184,6 +194,22 @@ def persistent_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
     item = jnp.dtype(dtype).itemsize
     need = (4 * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * item + 4096
     return need <= SMEM_BYTES
+
+
+def persistent_causal_served(cfg: HopperConfig, q_len: int, head_dim: int, dtype) -> bool:
+    """Whether the causal forward can run on the persistent grid: block_kv = 2 x block_q (a query tile's diagonal
+    is its last K/V block, the same for both warpgroups), an even number of query tiles (heavy/light pairs), and
+    the persistent grid's shared memory."""
+    return (cfg.block_kv == 2 * cfg.block_q and (q_len // (2 * cfg.block_q)) % 2 == 0
+            and persistent_fits(cfg, head_dim, dtype))
+
+
+def persistent_causal_chosen(cfg: HopperConfig, q_len: int, head_dim: int, dtype) -> bool:
+    """Whether this causal forward runs on the persistent grid (forced by the config, or auto: up to
+    PERSISTENT_CAUSAL_AUTO_MAX_Q query rows)."""
+    if cfg.fwd_persistent_causal is False or not persistent_causal_served(cfg, q_len, head_dim, dtype):
+        return False
+    return bool(cfg.fwd_persistent_causal) or q_len <= PERSISTENT_CAUSAL_AUTO_MAX_Q
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +364,17 @@ def atomic_dq_chosen(head_dim: int, kv_len: int, cfg: HopperConfig, interpret: b
 def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperConfig | None = None) -> str:
     """How the kernels run a call on the GPU, in words (for the backend explanation)."""
     cfg = cfg or default_config(head_dim, kv_len, causal)
-    if causal:
+    if causal and persistent_causal_chosen(cfg, kv_len, head_dim, dtype):
+        fwd = "forward on a persistent grid (one CTA per SM; query tiles paired heavy with light)"
+    elif causal:
         fwd = "forward one CTA per query tile, heaviest first"
+        if cfg.fwd_persistent_causal is False:
+            fwd += " (fwd_persistent_causal=False)"
+        elif not persistent_causal_served(cfg, kv_len, head_dim, dtype):
+            fwd += (f" (the persistent causal grid needs block_kv = 2 x block_q and an even number of query tiles: "
+                    f"block_q {cfg.block_q}, block_kv {cfg.block_kv}, {kv_len // (2 * cfg.block_q)} tiles)")
+        else:
+            fwd += f" (queries {kv_len} > {PERSISTENT_CAUSAL_AUTO_MAX_Q}: the hardware packs unequal tiles better)"
     elif cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype):
         fwd = "forward on a persistent grid (one CTA per SM"
         if cfg.fwd_split_tail is False:

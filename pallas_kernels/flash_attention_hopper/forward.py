@@ -24,8 +24,8 @@ from te_jax._compat import mosaic_gpu, pl
 
 from .common import (cdiv, div, mma, mma_into, named_barrier, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel, when)
-from .config import (LN2, LOG2E, HopperConfig, TailSplit, check_lengths, default_config, persistent_fits, ring_choices,
-                     split_tail_chosen)
+from .config import (LN2, LOG2E, HopperConfig, TailSplit, check_lengths, default_config, persistent_causal_chosen,
+                     persistent_fits, ring_choices, split_tail_chosen)
 
 
 _SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
@@ -159,6 +159,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         raise ValueError("causal needs Sq == Skv")
     if not causal and cfg.fwd_persistent is not False and persistent_fits(cfg, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret)
+    if causal and persistent_causal_chosen(cfg, S, D, dtype):
+        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, causal=True)
     n_kv = Skv // bkv
     stages = max(1, min(cfg.stages, n_kv))
     n_qt = S // (2 * bq)
@@ -276,8 +278,12 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     return out, lse
 
 
-def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool):
-    """Non-causal forward on a persistent grid: CTA j takes query tiles j, j + n_ctas, ...
+def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool, causal: bool = False):
+    """Forward on a persistent grid.  Non-causal: CTA j takes query tiles j, j + n_ctas, ...
+    Causal (config.persistent_causal_served: block_kv = 2 x block_q, an even number of query tiles): the query
+    tiles of each (batch, head) are paired heavy with light (tile n_qt - 1 - j with tile j: n_qt + 1 K/V steps per
+    pair, every pair the same), and CTA j takes pairs j, j + n_ctas, ..., each pair's heavy tile first; a tile's
+    last K/V block is its diagonal one (masked), and both warpgroups run the same number of steps.
 
     Tiles are ordered (batch, head, query tile) so CTAs running together share K/V in L2.  The
     memory warpgroup streams K/V for all of the CTA's tiles through one ring (global step
@@ -298,8 +304,10 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     stages = max(1, min(cfg.stages, n_kv))
     n_qt = S // (2 * bq)
     n_tiles = B * H * n_qt
-    n_ctas = max(1, min(n_tiles, cfg.fwd_ctas or num_sms()))
-    plan = split_tail_chosen(cfg, n_tiles, n_kv, n_ctas, Skv)
+    half = n_qt // 2  # causal: pairs per (batch, head)
+    n_units = B * H * half if causal else n_tiles  # what the CTAs deal round-robin: pairs or tiles
+    n_ctas = max(1, min(n_units, cfg.fwd_ctas or num_sms()))
+    plan = None if causal else split_tail_chosen(cfg, n_tiles, n_kv, n_ctas, Skv)
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
@@ -321,15 +329,35 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
 
-        if plan is None:
+        if causal:
+            pair_steps = n_qt + 1
+            n_my = 2 * cdiv(n_units - cta, n_ctas)  # tiles: two per pair
+            total_steps = div(n_my, 2) * pair_steps
+
+            def pair_coords(k):  # the CTA's k-th pair -> batch, head, j (tiles n_qt - 1 - j and j)
+                p = cta + k * n_ctas
+                bh = div(p, half)
+                return div(bh, H), rem(bh, H), rem(p, half)
+
+            def piece(i):  # -> (batch, head, query tile), first K/V step, end step, first step in the CTA's ring
+                b, h, j = pair_coords(div(i, 2))
+                light = rem(i, 2)
+                qt = jnp.where(light == 1, j, (n_qt - 1) - j)
+                return (b, h, qt), 0, qt + 1, div(i, 2) * pair_steps + light * (n_qt - j)
+
+            def kv_block(g):  # the CTA's g-th K/V block -> (batch, head, query tile), block
+                b, h, j = pair_coords(div(g, pair_steps))
+                r, heavy = rem(g, pair_steps), n_qt - j
+                return (b, h, None), jnp.where(r < heavy, r, r - heavy)
+        elif plan is None:
             n_my = cdiv(n_tiles - cta, n_ctas)  # >= 1: n_ctas <= n_tiles
             total_steps = n_my * n_kv
 
-            def piece(i):  # -> tile, first K/V step, end step, the piece's first step in the CTA's ring
-                return cta + i * n_ctas, 0, n_kv, i * n_kv
+            def piece(i):  # -> (batch, head, query tile), first K/V step, end step, first step in the CTA's ring
+                return tile_coords(cta + i * n_ctas), 0, n_kv, i * n_kv
 
             def kv_block(g):  # the CTA's g-th K/V block: tile g // n_kv, block g % n_kv
-                return cta + div(g, n_kv) * n_ctas, rem(g, n_kv)
+                return tile_coords(cta + div(g, n_kv) * n_ctas), rem(g, n_kv)
         else:
             dp_steps = plan.dp_rounds * n_kv
             s0 = div(cta * plan.units, n_ctas)  # TailSplit.start
@@ -340,7 +368,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             def piece(i):
                 t = div(s0, n_kv) + (i - plan.dp_rounds)  # tail-relative tile of a tail piece
                 whole = i < plan.dp_rounds
-                return (jnp.where(whole, cta + i * n_ctas, plan.first_tile + t),
+                return (tile_coords(jnp.where(whole, cta + i * n_ctas, plan.first_tile + t)),
                         jnp.where(whole, 0, jnp.maximum(s0 - t * n_kv, 0)),
                         jnp.where(whole, n_kv, jnp.minimum(s1 - t * n_kv, n_kv)),
                         jnp.where(whole, i * n_kv, dp_steps + jnp.maximum(t * n_kv, s0) - s0))
@@ -348,7 +376,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             def kv_block(g):
                 u = s0 + (g - dp_steps)
                 whole = g < dp_steps
-                return (jnp.where(whole, cta + div(g, n_kv) * n_ctas, plan.first_tile + div(u, n_kv)),
+                return (tile_coords(jnp.where(whole, cta + div(g, n_kv) * n_ctas, plan.first_tile + div(u, n_kv))),
                         jnp.where(whole, rem(g, n_kv), rem(u, n_kv)))
 
         sched = _Sched(plgpu, sched, named)
@@ -358,7 +386,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             plgpu.set_max_registers(232, action="increase")
 
             def load_q(i, buf):
-                b, h, qt = tile_coords(piece(i)[0])
+                b, h, qt = piece(i)[0]
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qt * (2 * bq) + wg * bq, bq), h],
                                         qo_smem4.at[wg, buf], q_bar.at[2 * wg + buf])
 
@@ -367,8 +395,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
             v_slots.prime()
 
             def tile_body(i, _):
-                tile, k0, k1, g0 = piece(i)
-                b, h, qt = tile_coords(tile)
+                (b, h, qt), k0, k1, g0 = piece(i)
                 buf = rem(i, 2)
                 qo_smem = qo_smem4.at[wg, buf]
                 q0 = qt * (2 * bq) + wg * bq
@@ -387,9 +414,14 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 early_q = (i + 1 < n_my) if plan is None else (i + 1 < n_my) & jnp.logical_not(cut)
                 early_step = k0 + jnp.minimum(1, k1 - k0 - 1)
 
-                def kv_body(step, carry):
+                def kv_body(step, carry, masked=False):
                     g = g0 + (step - k0)
                     slot = rem(g, stages)
+
+                    def mask(shape):  # causal: the tile's diagonal block
+                        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                        cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                        return rows + q0 >= cols + step * bkv
 
                     def wait_next_k():
                         @pl.when(step + 1 < k1)
@@ -406,9 +438,13 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                         plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot],
                         v_tile=v_smem.at[slot], k_release=lambda: k_slots.release(slot),
                         v_ready=v_bar.at[slot], v_release=lambda: v_slots.release(slot), sched=sched, c=c, dtype=dtype,
-                        interpret=interpret, wait_next_k=wait_next_k)
+                        interpret=interpret, mask=mask if masked else None, wait_next_k=wait_next_k)
 
-                acc, m_i, l_i = lax.fori_loop(k0, k1, kv_body, (acc, m_i, l_i))
+                if causal:  # blocks left of the diagonal, then the diagonal block
+                    carry = lax.fori_loop(k0, k1 - 1, kv_body, (acc, m_i, l_i))
+                    acc, m_i, l_i = kv_body(k1 - 1, carry, masked=True)
+                else:
+                    acc, m_i, l_i = lax.fori_loop(k0, k1, kv_body, (acc, m_i, l_i))
                 pl.when(wg == 0)(sched.finish)
                 # Q of this tile is consumed.  The other buffer staged the previous tile's O, whose store was issued
                 # a whole tile ago: wait for it to be read (a cut piece writes there; without early Q the next
@@ -456,8 +492,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
         @pl.when(wg == 2)
         def _memory():
             def kv_slice(g):
-                tile, blk = kv_block(g)
-                b, h, _ = tile_coords(tile)
+                (b, h, _), blk = kv_block(g)
                 return b, pl.ds(blk * bkv, bkv), lax.div(h, jnp.int32(rep))
 
             plgpu.set_max_registers(40, action="decrease")
@@ -469,7 +504,8 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     extra_out = () if plan is None else (jax.ShapeDtypeStruct((n_ctas, 2, 2, 2 * bq, D), dtype),
                                          jax.ShapeDtypeStruct((n_ctas, 2, 2 * bq), jnp.float32))
     outs = _fwd_call(plgpu, body, q, k, v, q_buffers=2, bq=bq, bkv=bkv, stages=stages, grid=(n_ctas,),
-                     grid_names=("cta",), interpret=interpret, name="te_jax_attn_fwd_persistent",
+                     grid_names=("cta",), interpret=interpret,
+                     name="te_jax_attn_fwd_persistent_causal" if causal else "te_jax_attn_fwd_persistent",
                      producer_warp=producer_warp, extra_out=extra_out)
     if plan is None:
         return outs
