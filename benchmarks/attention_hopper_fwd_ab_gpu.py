@@ -34,6 +34,8 @@ CONFIGS = {
     "late Q (fwd_early_q=False)": {"fwd_early_q": False},  # the next tile's Q loaded after this tile's last step
     "per-tile causal grid (fwd_persistent_causal=False)": {"fwd_persistent_causal": False},
     "persistent causal (fwd_persistent_causal=True)": {"fwd_persistent_causal": True},
+    "persistent causal, whole pairs to the end (fwd_causal_lpt=False)": {"fwd_persistent_causal": True,
+                                                                          "fwd_causal_lpt": False},
 }
 
 

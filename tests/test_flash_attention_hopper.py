@@ -284,16 +284,17 @@ def test_persistent_forward_loops_over_tiles(ctas, early_q):
 
 @pytest.mark.slow
 @needs_kernel
-@pytest.mark.parametrize("ctas", [3, 16])
-def test_persistent_causal_forward_pairs_heavy_with_light_tiles(ctas):
-    """Causal forward on the persistent grid: each (batch, head)'s query tiles paired heavy with light, pairs dealt
-    round-robin to fewer CTAs than pairs (3: uneven; 16: one pair each), GQA.  Out and lse against fp32 tile by tile,
-    gradients through the backward kernels, and equal to the per-tile grid's forward up to rounding."""
+@pytest.mark.parametrize("ctas,lpt", [(3, True), (16, True), (3, False)])
+def test_persistent_causal_forward_pairs_heavy_with_light_tiles(ctas, lpt):
+    """Causal forward on the persistent grid (CausalDeal): each (batch, head)'s query tiles paired heavy with light,
+    pairs dealt round-robin, the last ones tile by tile to the least-loaded CTA (LPT: 3 CTAs, 4 pair rounds and 8
+    tail tiles; 16 CTAs, all 32 tiles by LPT) or as whole pairs (lpt=False), GQA.  Out and lse against fp32 tile
+    by tile, gradients through the backward kernels, and equal to the per-tile grid's forward up to rounding."""
     from pallas_kernels.flash_attention_hopper.config import default_config, persistent_causal_served
 
     interpret = _mode()
     B, S, H, G, D = 2, 512, 4, 2, 64  # 4 query tiles per (batch, head): 2 pairs; 2 * 4 * 2 = 16 pairs
-    cfg = dataclasses.replace(default_config(D, S, True, S), fwd_ctas=ctas)
+    cfg = dataclasses.replace(default_config(D, S, True, S), fwd_ctas=ctas, fwd_causal_lpt=lpt)
     assert persistent_causal_served(cfg, S, D, BF) and cfg.fwd_persistent_causal is None  # auto: on
     q, k, v, do = _random_qkv_do(20 + ctas, B, S, H, G, D)
     f = lambda cfg: lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=True, config=cfg,
@@ -309,6 +310,40 @@ def test_persistent_causal_forward_pairs_heavy_with_light_tiles(ctas):
         assert _rel(g, rg) < 2e-2
     grid_out, grid_lse = f(dataclasses.replace(cfg, fwd_persistent_causal=False))(q, k, v)
     assert _rel(out, grid_out) < 4e-3 and _rel(lse, grid_lse) < 1e-5
+
+
+@pytest.mark.parametrize("n_bh,n_qt,n_ctas", [(256, 8, 132), (64, 32, 132), (16, 128, 132), (8, 4, 3), (2, 4, 8),
+                                               (3, 6, 5)])
+@pytest.mark.parametrize("lpt", [True, False])
+def test_causal_deal_runs_every_tile_once_and_ends_the_ctas_together(n_bh, n_qt, n_ctas, lpt):
+    """The persistent causal forward's deal: every query tile of every (batch, head) exactly once; pair rounds in
+    (batch, head) order; the busiest CTA within one tile of the average (LPT tail) and never later than dealing
+    whole pairs round-robin (lpt=False: exactly that); the table's entries agree with the deal (what the kernel
+    reads)."""
+    from pallas_kernels.flash_attention_hopper.config import causal_deal
+
+    deal = causal_deal(n_bh, n_qt, n_ctas, lpt=lpt)
+    tiles = [t for c in range(n_ctas) for t in deal.pair_tiles(c) + list(deal.tail[c])]
+    assert sorted(tiles) == list(range(n_bh * n_qt))
+    if lpt or n_ctas <= n_bh * n_qt // 2:  # (the kernel deals whole pairs on at most that many CTAs)
+        assert all(deal.pair_tiles(c) or deal.tail[c] for c in range(n_ctas))  # no CTA without work
+    steps = [deal.steps(c) for c in range(n_ctas)]
+    assert sum(steps) == n_bh * n_qt * (n_qt + 1) // 2
+    assert max(steps) <= -(-(n_bh * n_qt // 2) // n_ctas) * (n_qt + 1)  # whole pairs round-robin
+    if lpt:
+        assert max(steps) <= sum(steps) / n_ctas + n_qt
+    table, items = deal.table(), deal.table_items
+    for c in range(n_ctas):
+        tail = deal.tail[c]
+        assert table[c, 0] == len(tail) and table[c, 1] == sum(t % n_qt + 1 for t in tail)
+        assert list(table[c, 2:2 + len(tail)]) == list(tail)
+        g = deal.pair_rounds * (n_qt + 1)
+        walk = table[c, 2 + 2 * items:]
+        for k, t in enumerate(tail):
+            assert table[c, 2 + items + k] == g  # first ring step of the tile
+            assert [divmod(int(x), n_qt) for x in walk[g - deal.pair_rounds * (n_qt + 1):][:t % n_qt + 1]] == [
+                (t, blk) for blk in range(t % n_qt + 1)]
+            g += t % n_qt + 1
 
 
 @pytest.mark.parametrize("n_tiles,steps,n_ctas", [(8, 4, 3), (2048, 128, 132), (2048, 8, 132), (2048, 32, 132),
@@ -471,7 +506,7 @@ def test_hd64_default_tiles_follow_the_key_length():
                                 dict(fwd_named_release=1), dict(fwd_producer_warp="on"),
                                 dict(bwd_named_release="x"), dict(bwd_producer_warp=2), dict(fwd_split_tail="auto"),
                                 dict(bwd_split_tail=0), dict(bwd_ctas=0), dict(bwd_pieces=0),
-                                dict(fwd_early_q="on"),
+                                dict(fwd_early_q="on"), dict(fwd_persistent_causal=1), dict(fwd_causal_lpt="x"),
                                 dict(bwd_compute_registers=248), dict(bwd_compute_registers=236)])
 def test_config_rejects_bad_switches(kw):
     from pallas_kernels.flash_attention_hopper.config import HopperConfig
@@ -484,8 +519,8 @@ def test_config_rejects_bad_switches(kw):
 def test_describe_plan_names_each_choice(monkeypatch):
     d = fah.describe_plan
     assert "persistent grid" in d(128, 4096, False, jnp.bfloat16) and "reduce-add" in d(128, 4096, False, jnp.bfloat16)
-    assert "paired heavy with light" in d(128, 4096, True, jnp.bfloat16)  # the persistent causal grid up to 8k
-    assert "queries 16384 > 8192" in d(128, 16384, True, jnp.bfloat16)  # beyond: one CTA per tile, heaviest first
+    assert "paired heavy with light; the last tiles dealt to the least-loaded CTA" in d(128, 16384, True, jnp.bfloat16)
+    assert "least-loaded" not in d(128, 4096, True, jnp.bfloat16, fah.HopperConfig(fwd_causal_lpt=False))
     assert "heaviest first (fwd_persistent_causal=False)" in d(128, 4096, True, jnp.bfloat16,
                                                                fah.HopperConfig(fwd_persistent_causal=False))
     assert "an even number of query tiles" in d(128, 384, True, jnp.bfloat16)  # 3 tiles: no pairs

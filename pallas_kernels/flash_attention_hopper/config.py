@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -21,12 +23,6 @@ FWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
 # (attention_hopper_h100_run11_bwd_pieces_static_whole_log.txt, 4 rounds): backward +0.8% at 16k, +2.2% at 4k.
 # Earlier layouts of the same idea were slower (run 11, section 3).
 BWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
-# Query length up to which fwd_persistent_causal=None runs the causal forward on the persistent grid (heavy/light
-# tile pairs).  H100, hd128, 16k tokens, kernel time, 4 rounds
-# (attention_hopper_h100_run12c_fwd_persistent_causal_log.txt): +18% at 1k (489 against 414), +4% at 4k, -0.6% at
-# 16k, where the per-tile grid's dynamic scheduling packs unequal tiles into the last round and the pairs' last
-# round leaves 32 of 132 SMs idle (1024 pairs).  8k: not measured.
-PERSISTENT_CAUSAL_AUTO_MAX_Q = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +56,15 @@ class HopperConfig:
     # None (auto): on for non-causal calls.  Causal calls always use one CTA per query tile.
     fwd_persistent: bool | None = None
     fwd_ctas: int | None = None  # persistent CTAs; None: the device's SM count
-    # Causal forward on the persistent grid, query tiles paired heavy with light so that every pair is the same work
-    # (see persistent_causal_served); False: one CTA per query tile, heaviest first.  None (auto): on where served
-    # and the query length is at most PERSISTENT_CAUSAL_AUTO_MAX_Q.
+    # Causal forward on the persistent grid (CausalDeal: rounds of heavy/light query-tile pairs, then the last tiles
+    # one by one to the least-loaded CTA; see persistent_causal_served); False: one CTA per query tile, heaviest
+    # first.  None (auto): on where served.  H100, hd128, 16k tokens, kernel time, 4 rounds
+    # (attention_hopper_h100_run12e_fwd_causal_lpt_log.txt): 1k 412 -> 493 TFLOP/s, 4k 613 -> 647, 8k 660 -> 677,
+    # 16k 686 -> 687; hd64 1k / 2k +31% / +25%.
     fwd_persistent_causal: bool | None = None
+    # Its last tiles dealt one by one to the least-loaded CTA (longest first; CausalDeal) so the CTAs end together;
+    # False: whole pairs round-robin to the end (the last round of pairs may leave SMs idle).  None (auto): on.
+    fwd_causal_lpt: bool | None = None
     # The persistent forward loads the next tile's Q into its second buffer early in this tile (while the PV wgmma of
     # the tile's second K/V step runs), so the load's latency hides behind this tile's steps; False: after this
     # tile's last step (its latency then sits between two tiles).  None (auto): early.
@@ -107,8 +108,8 @@ class HopperConfig:
             raise ValueError("stages must be >= 1")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
-        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_early_q",
-                     "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
+        for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
+                     "fwd_early_q", "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
@@ -205,11 +206,93 @@ def persistent_causal_served(cfg: HopperConfig, q_len: int, head_dim: int, dtype
 
 
 def persistent_causal_chosen(cfg: HopperConfig, q_len: int, head_dim: int, dtype) -> bool:
-    """Whether this causal forward runs on the persistent grid (forced by the config, or auto: up to
-    PERSISTENT_CAUSAL_AUTO_MAX_Q query rows)."""
-    if cfg.fwd_persistent_causal is False or not persistent_causal_served(cfg, q_len, head_dim, dtype):
-        return False
-    return bool(cfg.fwd_persistent_causal) or q_len <= PERSISTENT_CAUSAL_AUTO_MAX_Q
+    """Whether this causal forward runs on the persistent grid (auto: wherever served)."""
+    return cfg.fwd_persistent_causal is not False and persistent_causal_served(cfg, q_len, head_dim, dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CausalDeal:
+    """The persistent causal forward's work per CTA (all static).  block_kv = 2 x block_q, so query tile qt of a
+    (batch, head) has qt + 1 K/V steps, the last one its diagonal block.
+
+    Every CTA first runs `pair_rounds` heavy/light pairs (tiles n_qt - 1 - j and j of one (batch, head): n_qt + 1
+    steps each), pairs c, c + n_ctas, ... in (batch, head, j) order, so CTAs running together share K/V.  The other
+    pairs' tiles are then dealt one by one, longest first, each to the CTA with the least work so far (LPT), so that
+    the CTAs end together instead of a last round of whole pairs leaving SMs idle.  Tiles are numbered
+    (batch * H + head) * n_qt + qt; tail[c] lists CTA c's tail tiles in run order.
+    """
+
+    n_qt: int
+    n_ctas: int
+    pair_rounds: int
+    tail: tuple[tuple[int, ...], ...]
+
+    def pair_tiles(self, cta: int) -> list[int]:
+        half = self.n_qt // 2
+        out = []
+        for r in range(self.pair_rounds):
+            p = cta + r * self.n_ctas
+            bh, j = divmod(p, half)
+            out += [bh * self.n_qt + self.n_qt - 1 - j, bh * self.n_qt + j]
+        return out
+
+    def steps(self, cta: int) -> int:
+        """K/V steps of CTA `cta` (pairs and tail)."""
+        return sum(t % self.n_qt + 1 for t in self.pair_tiles(cta) + list(self.tail[cta]))
+
+    @property
+    def table_items(self) -> int:
+        return max(1, max(len(t) for t in self.tail))
+
+    @property
+    def table_steps(self) -> int:
+        return max(1, max(sum(t % self.n_qt + 1 for t in tail) for tail in self.tail))
+
+    def table(self) -> np.ndarray:
+        """int32 [n_ctas, 2 + 2 * table_items + table_steps]: per CTA its tail's tile count and step count, its tail
+        tiles, the first ring step of each, and for every tail ring step its tile * n_qt + K/V block (the
+        producer's lookup)."""
+        items, steps = self.table_items, self.table_steps
+        out = np.zeros((self.n_ctas, 2 + 2 * items + steps), np.int32)
+        first = self.pair_rounds * (self.n_qt + 1)
+        for c, tail in enumerate(self.tail):
+            g, walk = first, []
+            for k, t in enumerate(tail):
+                out[c, 2 + k], out[c, 2 + items + k] = t, g
+                walk += [t * self.n_qt + blk for blk in range(t % self.n_qt + 1)]
+                g += t % self.n_qt + 1
+            out[c, 0], out[c, 1] = len(tail), len(walk)
+            out[c, 2 + 2 * items: 2 + 2 * items + len(walk)] = walk
+        return out
+
+
+def causal_deal(n_bh: int, n_qt: int, n_ctas: int, lpt: bool = True) -> CausalDeal:
+    """The CausalDeal of n_bh (batch, head)s of n_qt query tiles (n_qt even) on n_ctas <= n_bh * n_qt CTAs: whole
+    pair rounds while at least two rounds' worth of pairs remain, the rest by LPT.  lpt=False: whole pairs
+    round-robin to the end (the pairs of the last round are each dealt whole, heavy tile first)."""
+    n_pairs = n_bh * n_qt // 2
+    if not lpt:
+        pair_rounds = n_pairs // n_ctas
+        tail = [[] for _ in range(n_ctas)]
+        for p in range(pair_rounds * n_ctas, n_pairs):
+            bh, j = divmod(p, n_qt // 2)
+            tail[p % n_ctas] += [bh * n_qt + n_qt - 1 - j, bh * n_qt + j]
+        return CausalDeal(n_qt, n_ctas, pair_rounds, tuple(tuple(t) for t in tail))
+    pair_rounds = max(n_pairs // n_ctas - 1, 0)
+    load = [pair_rounds * (n_qt + 1)] * n_ctas
+    tail = [[] for _ in range(n_ctas)]
+    half = n_qt // 2
+    rest = []
+    for p in range(pair_rounds * n_ctas, n_pairs):
+        bh, j = divmod(p, half)
+        rest += [bh * n_qt + n_qt - 1 - j, bh * n_qt + j]
+    heap = [(load[c], c) for c in range(n_ctas)]
+    heapq.heapify(heap)
+    for t in sorted(rest, key=lambda t: (-(t % n_qt), t)):
+        w, c = heapq.heappop(heap)
+        tail[c].append(t)
+        heapq.heappush(heap, (w + t % n_qt + 1, c))
+    return CausalDeal(n_qt, n_ctas, pair_rounds, tuple(tuple(t) for t in tail))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,16 +448,15 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
     """How the kernels run a call on the GPU, in words (for the backend explanation)."""
     cfg = cfg or default_config(head_dim, kv_len, causal)
     if causal and persistent_causal_chosen(cfg, kv_len, head_dim, dtype):
-        fwd = "forward on a persistent grid (one CTA per SM; query tiles paired heavy with light)"
+        fwd = ("forward on a persistent grid (one CTA per SM; query tiles paired heavy with light"
+               + ("; the last tiles dealt to the least-loaded CTA)" if cfg.fwd_causal_lpt is not False else ")"))
     elif causal:
         fwd = "forward one CTA per query tile, heaviest first"
         if cfg.fwd_persistent_causal is False:
             fwd += " (fwd_persistent_causal=False)"
-        elif not persistent_causal_served(cfg, kv_len, head_dim, dtype):
+        else:
             fwd += (f" (the persistent causal grid needs block_kv = 2 x block_q and an even number of query tiles: "
                     f"block_q {cfg.block_q}, block_kv {cfg.block_kv}, {kv_len // (2 * cfg.block_q)} tiles)")
-        else:
-            fwd += f" (queries {kv_len} > {PERSISTENT_CAUSAL_AUTO_MAX_Q}: the hardware packs unequal tiles better)"
     elif cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype):
         fwd = "forward on a persistent grid (one CTA per SM"
         if cfg.fwd_split_tail is False:

@@ -24,8 +24,8 @@ from te_jax._compat import mosaic_gpu, pl
 
 from .common import (cdiv, div, mma, mma_into, named_barrier, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel, when)
-from .config import (LN2, LOG2E, HopperConfig, TailSplit, check_lengths, default_config, persistent_causal_chosen,
-                     persistent_fits, ring_choices, split_tail_chosen)
+from .config import (LN2, LOG2E, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
+                     persistent_causal_chosen, persistent_fits, ring_choices, split_tail_chosen)
 
 
 _SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
@@ -111,7 +111,7 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
-              interpret: bool, name: str, producer_warp: bool, extra_out=()):
+              interpret: bool, name: str, producer_warp: bool, extra_in=(), extra_out=()):
     """plgpu.kernel for a forward body: 2 compute warpgroups + 1 memory warpgroup.
 
     Shared memory: Q/O tiles [2 warpgroups, *q_buffers, bq, D], the K and V rings [stages, bkv, D], lse
@@ -140,7 +140,7 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32), *extra_out)
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                                    compute_wgs=2, interpret=interpret, name=name,
-                                   no_auto_barriers=producer_warp)(q, k, v)
+                                   no_auto_barriers=producer_warp)(q, k, v, *extra_in)
 
 
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
@@ -280,10 +280,11 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
 def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool, causal: bool = False):
     """Forward on a persistent grid.  Non-causal: CTA j takes query tiles j, j + n_ctas, ...
-    Causal (config.persistent_causal_served: block_kv = 2 x block_q, an even number of query tiles): the query
-    tiles of each (batch, head) are paired heavy with light (tile n_qt - 1 - j with tile j: n_qt + 1 K/V steps per
-    pair, every pair the same), and CTA j takes pairs j, j + n_ctas, ..., each pair's heavy tile first; a tile's
-    last K/V block is its diagonal one (masked), and both warpgroups run the same number of steps.
+    Causal (config.persistent_causal_served: block_kv = 2 x block_q, an even number of query tiles): config.CausalDeal
+    -- rounds of heavy/light tile pairs of one (batch, head) (tile n_qt - 1 - j with tile j: n_qt + 1 K/V steps per
+    pair, every pair the same), then the remaining tiles dealt longest first to the least-loaded CTA, read from a
+    table in global memory; a tile's last K/V block is its diagonal one (masked), and both warpgroups run the same
+    number of steps.
 
     Tiles are ordered (batch, head, query tile) so CTAs running together share K/V in L2.  The
     memory warpgroup streams K/V for all of the CTA's tiles through one ring (global step
@@ -305,9 +306,11 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     n_qt = S // (2 * bq)
     n_tiles = B * H * n_qt
     half = n_qt // 2  # causal: pairs per (batch, head)
-    n_units = B * H * half if causal else n_tiles  # what the CTAs deal round-robin: pairs or tiles
+    lpt = cfg.fwd_causal_lpt is not False
+    n_units = B * H * half if causal and not lpt else n_tiles  # whole pairs to the end: every CTA one pair at least
     n_ctas = max(1, min(n_units, cfg.fwd_ctas or num_sms()))
     plan = None if causal else split_tail_chosen(cfg, n_tiles, n_kv, n_ctas, Skv)
+    deal = causal_deal(B * H, n_qt, n_ctas, lpt=lpt) if causal else None
     c = float(scale) * LOG2E
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
@@ -317,7 +320,10 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
         bh = div(t, n_qt)
         return div(bh, H), rem(bh, H), rem(t, n_qt)  # batch, head, query tile
 
-    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, *rest):
+    def body(q_ref, k_ref, v_ref, *rest):
+        if causal:
+            deal_ref, *rest = rest
+        o_ref, lse_ref, *rest = rest
         if plan is None:
             smem, bars = rest
         else:
@@ -329,32 +335,46 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
         cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
 
-        if causal:
-            pair_steps = n_qt + 1
-            n_my = 2 * cdiv(n_units - cta, n_ctas)  # tiles: two per pair
-            total_steps = div(n_my, 2) * pair_steps
+        if causal:  # CausalDeal: pair rounds in closed form, then the tail tiles from the deal table
+            pair_steps, pair_items = n_qt + 1, 2 * deal.pair_rounds
+            dp_steps = deal.pair_rounds * pair_steps
+            n_my = pair_items + deal_ref[cta, 0]
+            total_steps = dp_steps + deal_ref[cta, 1]
+            tail_items = deal.table_items
 
-            def pair_coords(k):  # the CTA's k-th pair -> batch, head, j (tiles n_qt - 1 - j and j)
-                p = cta + k * n_ctas
-                bh = div(p, half)
-                return div(bh, H), rem(bh, H), rem(p, half)
+            def entry(i):  # the CTA's i-th tile in its tail: (tile, first ring step), read from the table
+                k = jnp.clip(i - pair_items, 0, tail_items - 1)
+                return deal_ref[cta, 2 + k], deal_ref[cta, 2 + tail_items + k]
 
-            def piece(i):  # -> (batch, head, query tile), first K/V step, end step, first step in the CTA's ring
-                b, h, j = pair_coords(div(i, 2))
+            def piece(i, tail_tile, tail_g0):
+                # -> (batch, head, query tile), first K/V step, end step, first step in the CTA's ring
+                k = div(i, 2)
+                p = cta + k * n_ctas  # the pair of a pair item: tiles n_qt - 1 - j (first) and j of (batch, head)
                 light = rem(i, 2)
-                qt = jnp.where(light == 1, j, (n_qt - 1) - j)
-                return (b, h, qt), 0, qt + 1, div(i, 2) * pair_steps + light * (n_qt - j)
+                j = rem(p, half)
+                in_pairs = i < pair_items
+                tile = jnp.where(in_pairs, div(p, half) * n_qt + jnp.where(light == 1, j, (n_qt - 1) - j), tail_tile)
+                qt = rem(tile, n_qt)
+                g0 = jnp.where(in_pairs, k * pair_steps + light * (n_qt - j), tail_g0)
+                return tile_coords(tile), 0, qt + 1, g0
 
             def kv_block(g):  # the CTA's g-th K/V block -> (batch, head, query tile), block
-                b, h, j = pair_coords(div(g, pair_steps))
+                p = cta + div(g, pair_steps) * n_ctas
+                j = rem(p, half)
                 r, heavy = rem(g, pair_steps), n_qt - j
-                return (b, h, None), jnp.where(r < heavy, r, r - heavy)
+                x = deal_ref[cta, 2 + 2 * tail_items + jnp.clip(g - dp_steps, 0, deal.table_steps - 1)]
+                in_pairs = g < dp_steps
+                tile = jnp.where(in_pairs, div(p, half) * n_qt, div(x, n_qt))
+                return tile_coords(tile), jnp.where(in_pairs, jnp.where(r < heavy, r, r - heavy), rem(x, n_qt))
         elif plan is None:
             n_my = cdiv(n_tiles - cta, n_ctas)  # >= 1: n_ctas <= n_tiles
             total_steps = n_my * n_kv
 
             def piece(i):  # -> (batch, head, query tile), first K/V step, end step, first step in the CTA's ring
                 return tile_coords(cta + i * n_ctas), 0, n_kv, i * n_kv
+
+            def entry(i):  # nothing read from memory
+                return ()
 
             def kv_block(g):  # the CTA's g-th K/V block: tile g // n_kv, block g % n_kv
                 return tile_coords(cta + div(g, n_kv) * n_ctas), rem(g, n_kv)
@@ -379,23 +399,27 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 return (tile_coords(jnp.where(whole, cta + div(g, n_kv) * n_ctas, plan.first_tile + div(u, n_kv))),
                         jnp.where(whole, rem(g, n_kv), rem(u, n_kv)))
 
+            def entry(i):
+                return ()
+
         sched = _Sched(plgpu, sched, named)
 
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
 
-            def load_q(i, buf):
-                b, h, qt = piece(i)[0]
+            def load_q(i, buf, e):  # e: entry(i)
+                b, h, qt = piece(i, *e)[0]
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(qt * (2 * bq) + wg * bq, bq), h],
                                         qo_smem4.at[wg, buf], q_bar.at[2 * wg + buf])
 
-            load_q(0, 0)
+            load_q(0, 0, entry(0))
             k_slots.prime()
             v_slots.prime()
 
-            def tile_body(i, _):
-                (b, h, qt), k0, k1, g0 = piece(i)
+            def tile_body(i, e):
+                (b, h, qt), k0, k1, g0 = piece(i, *e)
+                e_next = entry(i + 1)  # read a tile ahead (causal: its table entry), not when it is due
                 buf = rem(i, 2)
                 qo_smem = qo_smem4.at[wg, buf]
                 q0 = qt * (2 * bq) + wg * bq
@@ -432,7 +456,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                             @pl.when(early_q & (step == early_step))
                             def _():
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                load_q(i + 1, 1 - buf)
+                                load_q(i + 1, 1 - buf, e_next)
 
                     return _fwd_kv_step(
                         plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot],
@@ -456,7 +480,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
 
                 def whole_tile():
                     if not early:
-                        when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
+                        when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf, e_next))
                     qo_smem[...] = out.astype(dtype)
                     lse_smem2.at[wg][...] = lse
                     plgpu.commit_smem()
@@ -477,16 +501,16 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                     plgpu.copy_smem_to_gmem(other, part_o_ref.at[cta, slot, 1, rows])
                     plgpu.copy_smem_to_gmem(lse_smem2.at[wg], part_lse_ref.at[cta, slot, rows])
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # `other` takes the next Q
-                    when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf))
+                    when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf, e_next))
 
                 if plan is None:
                     whole_tile()
                 else:
                     pl.when(jnp.logical_not(cut))(whole_tile)
                     pl.when(cut)(cut_piece)
-                return None
+                return e_next
 
-            lax.fori_loop(0, n_my, tile_body, None)
+            lax.fori_loop(0, n_my, tile_body, entry(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -503,10 +527,11 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
 
     extra_out = () if plan is None else (jax.ShapeDtypeStruct((n_ctas, 2, 2, 2 * bq, D), dtype),
                                          jax.ShapeDtypeStruct((n_ctas, 2, 2 * bq), jnp.float32))
+    extra_in = () if deal is None else (jnp.asarray(deal.table()),)
     outs = _fwd_call(plgpu, body, q, k, v, q_buffers=2, bq=bq, bkv=bkv, stages=stages, grid=(n_ctas,),
                      grid_names=("cta",), interpret=interpret,
                      name="te_jax_attn_fwd_persistent_causal" if causal else "te_jax_attn_fwd_persistent",
-                     producer_warp=producer_warp, extra_out=extra_out)
+                     producer_warp=producer_warp, extra_in=extra_in, extra_out=extra_out)
     if plan is None:
         return outs
     return _merge_cut_tiles(*outs, plan=plan, n_qt=n_qt, rows=2 * bq)
