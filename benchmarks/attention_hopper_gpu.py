@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import importlib
 import importlib.util
 import json
@@ -675,7 +676,7 @@ def main():
     if unknown:
         ap.error(f"unknown peers {sorted(unknown)}; choose from {ALL_PEERS}")
     dev = jax.devices()[0]
-    log("date: 2026-11-22")
+    log(f"date: {datetime.date.today()}")
     log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
         f"compute capability {getattr(dev, 'compute_capability', '?')}")
     log(f"supports(hd128 4k causal bf16): {supports((4, 4096, 16, 128), (4, 4096, 16, 128), (4, 4096, 16, 128), jnp.bfloat16, True)}")

@@ -4,10 +4,11 @@ Each CTA owns 2 x block_q query rows; two compute warpgroups (one per block_q ro
 warpgroup that streams K/V tiles into a `stages`-deep shared-memory ring with TMA.  The two compute
 warpgroups ping-pong on the tensor cores through a rendezvous (a hardware named barrier on the GPU),
 so one warpgroup's softmax runs while the other's QK^T / PV wgmma runs.
-  * non-causal: a persistent grid (one CTA per SM looping over query tiles; see
-    _flash_fwd_persistent) where shared memory allows;
-  * causal (top-left, Sq == Skv): one CTA per query tile, heaviest tiles first; a CTA loads only the
-    K/V blocks left of its diagonal and masks only the blocks that cross it.
+  * a persistent grid (one CTA per SM looping over query tiles; see _flash_fwd_persistent) where shared
+    memory allows: non-causal, and causal (top-left, Sq == Skv) with block_kv = 2 x block_q and an even
+    number of query tiles (config.CausalDeal: heavy/light tile pairs, then the last tiles to the least-loaded CTA);
+  * otherwise one CTA per query tile (causal: heaviest tiles first); a causal CTA loads only the K/V
+    blocks left of its diagonal and masks only the blocks that cross it.
 Outputs: out [B,S,H,D] (q.dtype) and lse [B,H,S] float32 (natural log).
 Mosaic GPU is imported lazily (inside functions): this module imports on any machine.
 """
