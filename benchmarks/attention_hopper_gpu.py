@@ -719,7 +719,7 @@ def main():
             src = (f"tokamax NOT measured ({why}): tokamax cells marked * are README numbers "
                    f"(H100), and 'best peer' = max(cuDNN measured now, cuDNN and tokamax from "
                    f"shared/README).")
-        hdr = (f"Hopper flash attention (Pallas Mosaic GPU), date 2026-11-22, {dev.device_kind}, "
+        hdr = (f"Hopper flash attention (Pallas Mosaic GPU), date {datetime.date.today()}, {dev.device_kind}, "
                f"jax {jax.__version__}, head_dim {args.head_dim}, {2048 // args.head_dim} heads. TFLOP/s: fwd 4*B*H*S^2*D (half when causal), fwd+bwd 3.5x. "
                + src)
         et = error_table(res)

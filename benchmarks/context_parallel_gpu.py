@@ -23,7 +23,7 @@ import os
 import sys
 import traceback
 
-DATE = "2026-11-22"
+DATE = str(datetime.date.today())
 
 
 def _parse():

@@ -14,6 +14,7 @@ Prints a markdown table last.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ import timing  # benchmarks/timing.py (the script's folder is on sys.path)
 T0 = time.time()
 BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "330"))
 OUT = os.environ.get("OUT", "/tmp")
-RESULTS = {"date": "2026-11-22"}
+RESULTS = {"date": str(datetime.date.today())}
 QUICK = "--quick" in sys.argv
 INNER = 10
 SMALL = os.environ.get("BENCH_SMALL") == "1"  # CPU smoke test of the script itself
@@ -301,7 +302,7 @@ def main():
         json.dump(RESULTS, fh, indent=1, default=str)
 
     # ------------------------------------------------------------------ table
-    lines = [f"# norms / LayerNorm-MLP on {gpu}, jax {jax.__version__}, 2026-11-22",
+    lines = [f"# norms / LayerNorm-MLP on {gpu}, jax {jax.__version__}, {datetime.date.today()}",
              "", "## Norms, 32768x4096 bf16 (TB/s; fwd = read x + write y; fwd+bwd = 4 passes of x)", "",
              "| op | XLA fwd | Pallas fwd (default) | Pallas fwd (best cfg) | XLA fwd+bwd | Pallas fwd+bwd (default) "
              "| Pallas fwd+bwd (best cfg) | target fwd |",

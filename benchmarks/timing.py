@@ -6,6 +6,7 @@ kernels. inner=None picks it from one timed call so that a sample lasts about `m
 """
 from __future__ import annotations
 
+import datetime
 import statistics
 import time
 
@@ -42,7 +43,7 @@ def bandwidth_rounds(variants, args, nbytes, *, rounds, samples, inner, title):
             t = measure(f, args, samples=samples, warmup=2, inner=inner)[0]
             tbps[name].append(nbytes / t / 1e12)
         print(f"round {r + 1}/{rounds} done", flush=True)
-    print(f"\n{title}, {jax.devices()[0].device_kind}, jax {jax.__version__}, 2026-11-22; {rounds} interleaved "
+    print(f"\n{title}, {jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; {rounds} interleaved "
           f"rounds, each the median of {samples} samples x {inner} calls\n")
     print("| variant | TB/s median of rounds | min | max |")
     print("|---|---|---|---|")

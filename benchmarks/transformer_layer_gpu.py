@@ -17,6 +17,7 @@ table with ms, tokens/s and the ratio; writes JSON to $OUT/transformer_layer.jso
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ from te_jax.flax import TransformerLayer
 
 import timing  # benchmarks/timing.py (the script's folder is on sys.path)
 
-DATE = "2026-11-22"
+DATE = str(datetime.date.today())
 SMOKE = "--cpu-smoke" in sys.argv
 OUT = os.environ.get("OUT", "/tmp")
 if SMOKE:

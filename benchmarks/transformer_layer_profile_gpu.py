@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import datetime
 import glob
 import importlib.util
 import io
@@ -74,7 +75,7 @@ AP.add_argument("--layers-only", action="store_true",
                 help="whole-layer variants only (more samples, plain timed twice), no sub-blocks")
 ARGS = AP.parse_args()
 SMOKE = ARGS.cpu_smoke
-DATE = "2026-11-22"
+DATE = str(datetime.date.today())
 OUT = os.environ.get("OUT", "/tmp/te_profile_out")
 T0 = time.perf_counter()
 if SMOKE:
