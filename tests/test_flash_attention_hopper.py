@@ -166,18 +166,23 @@ def test_causal_backward_walk_directions(split, reverse):
 
 @pytest.mark.skipif(not _has_interpreter(), reason="cross-lowering for CUDA on a CPU needs jax>=0.11 (CI runs 0.10.2)")
 def test_gpu_kernels_carry_their_names():
-    """Profiles tell the kernels apart: the CUDA lowering names each one (forward, dK/dV, dQ)."""
+    """Profiles tell the kernels apart: the CUDA lowering names each one (forward, dK/dV, dQ).  Causal with 2 query
+    tiles: the persistent causal forward (heavy/light pairs); with 3 (no pairs): one CTA per tile."""
     import re
 
-    q = jax.ShapeDtypeStruct((1, 256, 2, 64), BF)
+    def names(S):
+        q = jax.ShapeDtypeStruct((1, S, 2, 64), BF)
 
-    def fwd_bwd(q, k, v, do):
-        f = lambda q, k, v: hopper_attention(q, k, v, scale=0.125, causal=True, interpret=False)[0]
-        return jax.vjp(f, q, k, v)[1](do)
+        def fwd_bwd(q, k, v, do):
+            f = lambda q, k, v: hopper_attention(q, k, v, scale=0.125, causal=True, interpret=False)[0]
+            return jax.vjp(f, q, k, v)[1](do)
 
-    text = jax.jit(fwd_bwd).trace(q, q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-    names = set(re.findall(r"te_jax_attn_[a-z_]+?(?=_\d|_mosaic|\b)", text))
-    assert {"te_jax_attn_fwd_causal", "te_jax_attn_bwd_dkdv", "te_jax_attn_bwd_dq"} <= names, names
+        text = jax.jit(fwd_bwd).trace(q, q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+        return set(re.findall(r"te_jax_attn_[a-z_]+?(?=_\d|_mosaic|\b)", text))
+
+    paired, per_tile = names(256), names(384)
+    assert {"te_jax_attn_fwd_persistent_causal", "te_jax_attn_bwd_dkdv", "te_jax_attn_bwd_dq"} <= paired, paired
+    assert {"te_jax_attn_fwd_causal", "te_jax_attn_bwd_dkdv", "te_jax_attn_bwd_dq"} <= per_tile, per_tile
 
 
 @pytest.mark.skipif(not _has_interpreter(), reason="cross-lowering for CUDA on a CPU needs jax>=0.11 (CI runs 0.10.2)")
