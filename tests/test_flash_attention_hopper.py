@@ -530,6 +530,8 @@ def test_describe_plan_names_each_choice(monkeypatch):
                                                                fah.HopperConfig(fwd_persistent_causal=False))
     assert "an even number of query tiles" in d(128, 384, True, jnp.bfloat16)  # 3 tiles: no pairs
     assert "block_kv 256" in d(64, 4096, True, jnp.bfloat16)  # hd64's 256-key tiles: no diagonal per tile
+    smem = d(256, 4096, True, jnp.bfloat16, fah.HopperConfig(block_kv=128))  # the tiles fit, the shared memory not
+    assert "shared memory for two Q/O buffers" in smem and "block_kv = 2 x block_q" not in smem
     assert "shared out by K/V steps" in d(128, 4096, False, jnp.bfloat16)  # the stream-K tail, from 4k keys
     assert "whole tiles: keys 1024 < 4096" in d(128, 1024, False, jnp.bfloat16)
     assert "fwd_split_tail=False" in d(128, 4096, False, jnp.bfloat16, fah.HopperConfig(fwd_split_tail=False))

@@ -53,12 +53,13 @@ class HopperConfig:
     bwd_causal_reverse: bool | None = None
     # Forward, non-causal: a persistent grid (one CTA per SM looping over query tiles; the K/V
     # ring runs on across tiles and the next tile's Q is loaded during this tile's epilogue).
-    # None (auto): on for non-causal calls.  Causal calls always use one CTA per query tile.
+    # None (auto): on for non-causal calls.  (Causal calls: fwd_persistent_causal.)
     fwd_persistent: bool | None = None
     fwd_ctas: int | None = None  # persistent CTAs; None: the device's SM count
     # Causal forward on the persistent grid (CausalDeal: rounds of heavy/light query-tile pairs, then the last tiles
     # one by one to the least-loaded CTA; see persistent_causal_served); False: one CTA per query tile, heaviest
-    # first.  None (auto): on where served.  H100, hd128, 16k tokens, kernel time, 4 rounds
+    # first.  None (auto) or True: on where served (elsewhere describe_plan says why not).  H100, hd128, 16k
+    # tokens, kernel time, 4 rounds
     # (attention_hopper_h100_run12e_fwd_causal_lpt_log.txt): 1k 412 -> 493 TFLOP/s, 4k 613 -> 647, 8k 660 -> 677,
     # 16k 686 -> 687; hd64 1k / 2k +31% / +25%.
     fwd_persistent_causal: bool | None = None
@@ -228,13 +229,8 @@ class CausalDeal:
     tail: tuple[tuple[int, ...], ...]
 
     def pair_tiles(self, cta: int) -> list[int]:
-        half = self.n_qt // 2
-        out = []
-        for r in range(self.pair_rounds):
-            p = cta + r * self.n_ctas
-            bh, j = divmod(p, half)
-            out += [bh * self.n_qt + self.n_qt - 1 - j, bh * self.n_qt + j]
-        return out
+        """CTA `cta`'s pair-round tiles, in run order."""
+        return [t for r in range(self.pair_rounds) for t in pair_tiles(cta + r * self.n_ctas, self.n_qt)]
 
     def steps(self, cta: int) -> int:
         """K/V steps of CTA `cta` (pairs and tail)."""
@@ -266,6 +262,13 @@ class CausalDeal:
         return out
 
 
+def pair_tiles(p: int, n_qt: int) -> tuple[int, int]:
+    """Pair p's two tiles, heavy first: tiles n_qt - 1 - j and j of (batch, head) p // (n_qt / 2),
+    j = p % (n_qt / 2)."""
+    bh, j = divmod(p, n_qt // 2)
+    return bh * n_qt + n_qt - 1 - j, bh * n_qt + j
+
+
 def causal_deal(n_bh: int, n_qt: int, n_ctas: int, lpt: bool = True) -> CausalDeal:
     """The CausalDeal of n_bh (batch, head)s of n_qt query tiles (n_qt even) on n_ctas <= n_bh * n_qt CTAs: whole
     pair rounds while at least two rounds' worth of pairs remain, the rest by LPT.  lpt=False: whole pairs
@@ -275,17 +278,12 @@ def causal_deal(n_bh: int, n_qt: int, n_ctas: int, lpt: bool = True) -> CausalDe
         pair_rounds = n_pairs // n_ctas
         tail = [[] for _ in range(n_ctas)]
         for p in range(pair_rounds * n_ctas, n_pairs):
-            bh, j = divmod(p, n_qt // 2)
-            tail[p % n_ctas] += [bh * n_qt + n_qt - 1 - j, bh * n_qt + j]
+            tail[p % n_ctas] += pair_tiles(p, n_qt)
         return CausalDeal(n_qt, n_ctas, pair_rounds, tuple(tuple(t) for t in tail))
     pair_rounds = max(n_pairs // n_ctas - 1, 0)
     load = [pair_rounds * (n_qt + 1)] * n_ctas
     tail = [[] for _ in range(n_ctas)]
-    half = n_qt // 2
-    rest = []
-    for p in range(pair_rounds * n_ctas, n_pairs):
-        bh, j = divmod(p, half)
-        rest += [bh * n_qt + n_qt - 1 - j, bh * n_qt + j]
+    rest = [t for p in range(pair_rounds * n_ctas, n_pairs) for t in pair_tiles(p, n_qt)]
     heap = [(load[c], c) for c in range(n_ctas)]
     heapq.heapify(heap)
     for t in sorted(rest, key=lambda t: (-(t % n_qt), t)):
@@ -455,8 +453,13 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
         if cfg.fwd_persistent_causal is False:
             fwd += " (fwd_persistent_causal=False)"
         else:
-            fwd += (f" (the persistent causal grid needs block_kv = 2 x block_q and an even number of query tiles: "
-                    f"block_q {cfg.block_q}, block_kv {cfg.block_kv}, {kv_len // (2 * cfg.block_q)} tiles)")
+            why = []
+            if cfg.block_kv != 2 * cfg.block_q or (kv_len // (2 * cfg.block_q)) % 2:
+                why.append(f"block_kv = 2 x block_q and an even number of query tiles: block_q {cfg.block_q}, "
+                           f"block_kv {cfg.block_kv}, {kv_len // (2 * cfg.block_q)} tiles")
+            if not persistent_fits(cfg, head_dim, dtype):
+                why.append(f"shared memory for two Q/O buffers beside the K/V ring (head_dim {head_dim})")
+            fwd += f" (the persistent causal grid needs {'; and '.join(why)})"
     elif cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype):
         fwd = "forward on a persistent grid (one CTA per SM"
         if cfg.fwd_split_tail is False:
