@@ -3,6 +3,7 @@
     python examples/train_lm.py                      # CPU-sized default: a few minutes, loss falls
     python examples/train_lm.py --preset gpu         # ~12 layers, hidden 768, seq 1024, batch 16, bf16
     python examples/train_lm.py --resume             # continue from the latest checkpoint in --ckpt-dir
+    python examples/train_lm.py --preset gpu --scan-layers   # nn.scan over the layers: one layer compiled
     python examples/train_lm.py --cpu-devices 8 --mesh dp=2,cp=4      # 8 fake CPU devices
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/train_lm.py --mesh dp=2,cp=4
 
@@ -23,6 +24,10 @@ the tokens, targets and positions are reordered once with te_jax.context_paralle
 reorder_causal_load_balancing (the loss is a mean over tokens, so the order does not matter).
 Multi-host: pass --coordinator-address HOST:PORT --num-processes N --process-id I on every host
 (jax.distributed.initialize); every process builds the same global batch and feeds its own shards.
+
+Compilation: jax's persistent compilation cache is on (--compile-cache-dir, default runs/compile_cache;
+--no-compile-cache turns it off), so a second run with the same shapes loads its compiled steps instead of
+compiling them again. --scan-layers traces and compiles one layer for the whole stack (nn.scan).
 
 Last line printed: `summary: ...` with steps, the final train / eval loss and tokens/s.
 """
@@ -103,6 +108,9 @@ def build_parser():
     g.add_argument("--untied", action="store_true", help="separate output head instead of the tied embedding")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "pallas", "cudnn", "xla"])
     g.add_argument("--attn-input-format", default="bshd", choices=["bshd", "sbhd"])
+    g.add_argument("--scan-layers", action="store_true",
+                   help="nn.scan over the layers: one layer is traced and compiled, parameters stacked on a "
+                        "leading 'layers' axis (checkpoints of scanned and unscanned models differ)")
     g.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype (parameters are always fp32)")
     g = p.add_argument_group("training")
     g.add_argument("--seq-len", type=int)
@@ -131,6 +139,10 @@ def build_parser():
     g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a tqdm bar")
+    g.add_argument("--compile-cache-dir", default=os.path.join("runs", "compile_cache"),
+                   help="jax's persistent compilation cache: a later run with the same shapes loads the compiled "
+                        "step from here instead of compiling it")
+    g.add_argument("--no-compile-cache", action="store_true", help="do not use the persistent compilation cache")
     g = p.add_argument_group("devices")
     g.add_argument("--mesh", default="dp=1,cp=1,tp=1",
                    help="mesh sizes over the visible devices, e.g. dp=2,cp=4 or dp=-1,cp=2 (-1: the rest)")
@@ -200,6 +212,17 @@ def sample_batch(data, batch, seq_len, seed, index, stream):
 # --------------------------------------------------------------------------------------------- model
 
 
+class ScannedLayer(nn.Module):
+    """nn.scan's body: one TransformerLayer, (x, None) -> (x, None). layer: TransformerLayer's fields as items."""
+
+    layer: tuple
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x, _):
+        return TransformerLayer(**dict(self.layer), name="layer")(x, deterministic=True, decode=self.decode), None
+
+
 class ByteLM(nn.Module):
     """Decoder-only LM: tokens [b, s] int, positions [b|1, s] int → logits [b, s, vocab] fp32."""
 
@@ -217,6 +240,7 @@ class ByteLM(nn.Module):
     context_parallel_axis: str | None = None
     context_parallel_strategy: str = "ring"
     context_parallel_load_balanced: bool = False
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(self, tokens, positions, decode: bool = False):
@@ -230,18 +254,23 @@ class ByteLM(nn.Module):
         sbhd = self.attn_input_format == "sbhd"
         if sbhd:
             x = jnp.swapaxes(x, 0, 1)
-        for i in range(self.num_layers):
-            x = TransformerLayer(
-                hidden_size=self.hidden_size, mlp_hidden_size=self.mlp_hidden_size,
-                num_attention_heads=self.num_heads, num_gqa_groups=self.num_gqa_groups,
-                hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
-                mlp_activations=("gelu",), layer_type="encoder", self_attn_mask_type="causal",
-                enable_relative_embedding=False, dtype=self.dtype, param_dtype=jnp.float32,
-                attn_input_format=self.attn_input_format, attention_backend=self.attention_backend,
-                context_parallel_axis=self.context_parallel_axis,
-                context_parallel_strategy=self.context_parallel_strategy,
-                context_parallel_load_balanced=self.context_parallel_load_balanced,
-                name=f"layer_{i}")(x, deterministic=True, decode=decode)
+        layer = dict(
+            hidden_size=self.hidden_size, mlp_hidden_size=self.mlp_hidden_size,
+            num_attention_heads=self.num_heads, num_gqa_groups=self.num_gqa_groups,
+            hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
+            mlp_activations=("gelu",), layer_type="encoder", self_attn_mask_type="causal",
+            enable_relative_embedding=False, dtype=self.dtype, param_dtype=jnp.float32,
+            attn_input_format=self.attn_input_format, attention_backend=self.attention_backend,
+            context_parallel_axis=self.context_parallel_axis,
+            context_parallel_strategy=self.context_parallel_strategy,
+            context_parallel_load_balanced=self.context_parallel_load_balanced)
+        if self.scan_layers:  # one layer traced and compiled; params and cache stacked on a leading axis
+            layers = nn.scan(ScannedLayer, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+                             length=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+            x, _ = layers(layer=tuple(layer.items()), decode=decode, name="layers")(x, None)
+        else:
+            for i in range(self.num_layers):
+                x = TransformerLayer(**layer, name=f"layer_{i}")(x, deterministic=True, decode=decode)
         x = LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="final_norm",  # per shard under a mesh
                       layernorm_input_axes=("length", "batch", "embed") if sbhd else ("batch", "length", "embed"))(x)
         if sbhd:
@@ -261,7 +290,8 @@ def make_model(args, context_parallel=None):
                   dtype=jnp.bfloat16 if args.dtype == "bf16" else jnp.float32,
                   attn_input_format=args.attn_input_format, attention_backend=args.attention_backend,
                   tie_embeddings=not args.untied, context_parallel_axis=cp_axis,
-                  context_parallel_strategy=strategy, context_parallel_load_balanced=balanced)
+                  context_parallel_strategy=strategy, context_parallel_load_balanced=balanced,
+                  scan_layers=args.scan_layers)
 
 
 def _global_norm(tree):
@@ -372,6 +402,7 @@ def logical_rules(args, sizes):
         ("kv_heads", "tensor" if groups % tp == 0 else None),
         ("mlp", "tensor"),
         ("act", None), ("qkv", None), ("kv", None), ("embed", None), ("vocab", None), ("positions", None),
+        ("layers", None),
     )
 
 
@@ -416,7 +447,7 @@ class Checkpointer:
         self.mngr.close()
 
 
-MODEL_KEYS = ("layers", "hidden", "heads", "gqa_groups", "ffn", "seq_len", "untied")
+MODEL_KEYS = ("layers", "hidden", "heads", "gqa_groups", "ffn", "seq_len", "untied", "scan_layers")
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -427,8 +458,23 @@ def _log(msg):
         print(msg, flush=True)
 
 
+def compile_cache_dir(args):
+    """The persistent compilation cache's directory (absolute), or None with --no-compile-cache."""
+    return None if args.no_compile_cache else os.path.abspath(args.compile_cache_dir)
+
+
+def enable_compile_cache(path):
+    """Turn on jax's persistent compilation cache in `path` (before the first compile of this process)."""
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def train(args):
     """Train (or resume) as the flags say. Returns a dict: losses {step: loss}, eval_loss, tokens_per_s, sample."""
+    cache_dir = compile_cache_dir(args)
+    if cache_dir is not None:
+        enable_compile_cache(cache_dir)
     if args.coordinator_address:
         jax.distributed.initialize(coordinator_address=args.coordinator_address,
                                    num_processes=args.num_processes, process_id=args.process_id)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +33,7 @@ train_lm = _load()
 
 TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq-len", "32", "--batch", "4",
         "--lr", "1e-2", "--warmup", "2", "--eval-batches", "1", "--eval-every", "0", "--log-every", "1",
-        "--no-progress", "--dtype", "fp32"]
+        "--no-progress", "--dtype", "fp32", "--no-compile-cache"]
 
 
 def _run(tmp_path, *extra):
@@ -114,3 +115,28 @@ def test_second_half_rate_skips_the_slow_first_steps():
     assert math.isclose(train_lm._second_half_rate(clock, 10, 5.0, 100), 5 * 100 / 1.0)
     assert math.isnan(train_lm._second_half_rate([], 10, 5.0, 100))
     assert math.isnan(train_lm._second_half_rate([(10, 5.0)], 10, 5.0, 100))  # no point inside the run
+
+
+def test_scan_layers_matches_the_unscanned_stack_and_decodes():
+    """--scan-layers: the same per-layer parameters stacked on a leading axis give the same logits, and
+    KV-cache decoding through nn.scan gives the greedy tokens of the unscanned model."""
+    args = train_lm.parse_args(TINY + ["--layers", "2"])
+    scanned_args = train_lm.parse_args(TINY + ["--layers", "2", "--scan-layers"])
+    model, scanned = train_lm.make_model(args), train_lm.make_model(scanned_args)
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    pos = jnp.arange(16)[None]
+    params = flax.linen.unbox(model.init(jax.random.key(1), tokens, pos)["params"])
+    stacked = {k: v for k, v in params.items() if not k.startswith("layer_")}
+    stacked["layers"] = {"layer": jax.tree.map(lambda a, b: jnp.stack([a, b]), params["layer_0"], params["layer_1"])}
+    want_shapes = jax.tree.map(jnp.shape, flax.linen.unbox(scanned.init(jax.random.key(1), tokens, pos)["params"]))
+    assert jax.tree.map(jnp.shape, stacked) == want_shapes
+    np.testing.assert_allclose(scanned.apply({"params": stacked}, tokens, pos),
+                               model.apply({"params": params}, tokens, pos), rtol=1e-5, atol=1e-5)
+    greedy = train_lm.generate(args, params, "def ", 3, seed=0, temperature=0.0)
+    assert train_lm.generate(scanned_args, stacked, "def ", 3, seed=0, temperature=0.0) == greedy
+
+
+def test_compile_cache_dir_follows_the_flags():
+    assert train_lm.compile_cache_dir(train_lm.parse_args([])) == os.path.abspath(os.path.join("runs", "compile_cache"))
+    assert train_lm.compile_cache_dir(train_lm.parse_args(["--compile-cache-dir", "/tmp/c"])) == "/tmp/c"
+    assert train_lm.compile_cache_dir(train_lm.parse_args(["--no-compile-cache"])) is None

@@ -41,6 +41,8 @@ from jax import lax
 
 from te_jax._compat import default_interpret, pl, triton_params
 
+from .._lower_once import lower_once
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -493,6 +495,7 @@ def _fwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
     return out, lse
 
 
+@lower_once(static_argnames=("cfg", "heads"))
 def _fwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, heads: _Heads | None = None):
     heads = heads or _Heads.of(q, k)
     Sq, Dv = q.shape[1], v.shape[-1]
@@ -724,6 +727,7 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
     return dq, dk, dv, dbias
 
 
+@lower_once(static_argnames=("cfg", "heads"))
 def _bwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse,
               heads: _Heads | None = None):
     heads = heads or _Heads.of(q, k)

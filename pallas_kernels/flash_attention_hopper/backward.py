@@ -26,6 +26,8 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
+from .._lower_once import lower_once
+
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
@@ -517,6 +519,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     return dq
 
 
+@lower_once(static_argnames=("scale", "causal", "config", "interpret"))
 def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
               config: HopperConfig | None = None, dlse=None, interpret: bool | None = None):
     """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S]."""

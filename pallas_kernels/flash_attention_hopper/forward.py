@@ -23,6 +23,8 @@ from jax import lax
 
 from te_jax._compat import mosaic_gpu, pl
 
+from .._lower_once import lower_once
+
 from .common import (cdiv, div, mma, mma_into, named_barrier, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel, when)
 from .config import (LN2, LOG2E, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
@@ -144,6 +146,7 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
                                    no_auto_barriers=producer_warp)(q, k, v, *extra_in)
 
 
+@lower_once(static_argnames=("scale", "causal", "config", "interpret"))
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
               interpret: bool | None = None):
     """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log)."""

@@ -15,6 +15,8 @@ from jax import lax
 
 from te_jax._compat import default_interpret, pl, pltriton, triton_params
 
+from .._lower_once import lower_once
+
 
 def _p2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
@@ -59,6 +61,8 @@ def _kernel(*refs, m, n, k, bm, bn, bk, rms, has_beta, has_bias, zc):
                    mask=rmask[:, None] & nmask[None, :])
 
 
+@lower_once(static_argnames=("zero_centered_gamma", "block_m", "block_n", "block_k", "num_warps", "num_stages",
+                             "interpret"))
 def ln_gemm(x2, gamma, beta, mean, rstd, w, bias=None, *, zero_centered_gamma=False, block_m=128,
             block_n=128, block_k=64, num_warps=8, num_stages=3, interpret=None):
     """x2 [M, K]; gamma/beta [K]; mean (None for RMSNorm) / rstd [M] fp32; w [K, N]; bias [N] -> [M, N]."""

@@ -21,6 +21,8 @@ from jax import lax
 
 from te_jax._compat import default_interpret, pl, pltriton, triton_params
 
+from .._lower_once import lower_once
+
 #: Largest hidden size the in-register kernels serve (a padded row must fit in registers).
 MAX_HIDDEN = 32768
 
@@ -123,6 +125,7 @@ def _fwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, eps, rms, zero_ce
     pltriton.store(rstd_ref.at[rows], rstd, mask=rmask)
 
 
+@lower_once(static_argnames=("rms", "epsilon", "zero_centered_gamma", "config", "interpret"))
 def norm_fwd(x, gamma, beta=None, *, rms=False, epsilon=1e-6, zero_centered_gamma=False,
              config: NormConfig = NormConfig(), interpret=None):
     """x [..., D] -> (y [..., D] x.dtype, mean [...] f32 or None (rms), rstd [...] f32)."""
@@ -212,6 +215,7 @@ def _bwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, grid, n_iters, rm
         pltriton.store(db_ref.at[out_idx], db_acc, mask=cmask)
 
 
+@lower_once(static_argnames=("rms", "has_beta", "zero_centered_gamma", "config", "interpret"))
 def norm_bwd(dy, x, gamma, mean, rstd, *, rms=False, has_beta=True, zero_centered_gamma=False,
              config: NormConfig = NormConfig(), interpret=None):
     """-> (dx [x.shape, x.dtype], dgamma [D] f32, dbeta [D] f32 or None)."""
