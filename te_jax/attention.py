@@ -160,7 +160,10 @@ def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_m
     backend: "auto", "pallas", "cudnn" or "xla"; see `explain_attention_backend`. Under a mesh whose
       axes XLA partitions (jax.set_mesh, outside shard_map) auto does not take pallas: the kernel would
       run replicated; call inside shard_map, or through the te_jax.flax modules, which do.
-    Rows with no visible key give zeros (and finite gradients).
+    Rows with no visible key give zeros (and finite gradients). A row emptied by the mask gives zeros;
+    one emptied by a bias (every visible key at the same huge negative value: finfo.min, -1e9) gives the
+    uniform mean of value over the keys the mask allows, as fp32 softmax does (all logits round to the
+    same number), with the matching gradients, on every backend; a bias of -inf acts as a mask (zeros).
     """
     prep = prepare_attention(
         query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,

@@ -91,6 +91,11 @@ def head_axis_rank(attn_input_format: str) -> int:
 def check_attention_tensor(x, argname: str, attn_input_format: str):
     """Check the rank of a q/k/v tensor against its declared format."""
     rank = head_axis_rank(attn_input_format)
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        what = "None" if x is None else f"a {type(x).__name__}"
+        raise ValueError(
+            f"{argname} is {what}; expected a jax or numpy array of shape {_FORMAT_AXES[attn_input_format]} "
+            f"(attn_input_format={attn_input_format!r}). Fix: pass an array (jnp.asarray(...) for nested lists).")
     shape = tuple(x.shape)
     if len(shape) != rank:
         hint = ""

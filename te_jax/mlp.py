@@ -34,6 +34,7 @@ from te_jax.activations import validate_activations
 from te_jax.normalization import (
     LAYERNORM_TYPES,
     BackendChoice,
+    check_epsilon,
     check_float,
     pallas_norm_reasons,
     select_backend,
@@ -149,6 +150,7 @@ def layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, *, layernorm_type="layernorm",
     """LayerNorm/RMSNorm -> x @ w1 + b1 -> activation (gated: act(a) * b) -> dropout -> @ w2 + b2."""
     acts = _validate_mlp(x, gamma, beta, w1, b1, w2, b2, layernorm_type, activations, dropout_rate,
                          dropout_rng, deterministic)
+    check_epsilon("layernorm_mlp", epsilon)
     choice = explain_mlp_backend(x, backend=backend, dropout_rate=dropout_rate, deterministic=deterministic)
     if choice.error:
         raise ValueError(choice.error)
@@ -192,6 +194,7 @@ def layernorm_dense(x, gamma, beta, w, b=None, *, layernorm_type="layernorm", ep
                     zero_centered_gamma=False, return_layernorm_output=False, backend="auto"):
     """LayerNorm/RMSNorm fused with one GEMM: norm(x) @ w + b."""
     out_dims = _validate_dense(x, gamma, beta, w, b, layernorm_type)
+    check_epsilon("layernorm_dense", epsilon)
     choice = explain_mlp_backend(x, backend=backend, op="layernorm_dense")
     if choice.error:
         raise ValueError(choice.error)

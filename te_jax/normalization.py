@@ -22,6 +22,7 @@ TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax"; shared polic
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +182,21 @@ def check_vector(op: str, name: str, a, d: int, *, what: str = "x.shape[-1]"):
             f"Fix: pass a 1-D {name} with one entry per feature of the normalized axis.")
 
 
+def check_epsilon(op: str, epsilon):
+    """epsilon must be a finite number >= 0 (a negative one makes rsqrt(var + eps) NaN for small
+    variances). A traced epsilon (under jit) is not checked."""
+    if isinstance(epsilon, jax.core.Tracer):
+        return
+    try:
+        e = float(epsilon)
+    except (TypeError, ValueError):
+        raise ValueError(f"{op}: epsilon={epsilon!r} is not a number; expected a finite float >= 0 "
+                         f"(e.g. 1e-6).") from None
+    if not (math.isfinite(e) and e >= 0.0):
+        raise ValueError(f"{op}: epsilon={epsilon!r} must be a finite number >= 0 (it is added to the variance "
+                         f"before rsqrt; a negative one gives NaN). Fix: pass e.g. epsilon=1e-6.")
+
+
 def validate_norm_args(op, x, gamma, beta, layernorm_type):
     if layernorm_type not in LAYERNORM_TYPES:
         raise ValueError(
@@ -231,6 +247,7 @@ def explain_norm_backend(x, gamma=None, beta=None, *, layernorm_type="layernorm"
 
 def _run_norm(op, x, gamma, beta, layernorm_type, epsilon, zero_centered_gamma, backend):
     validate_norm_args(op, x, gamma, beta, layernorm_type)
+    check_epsilon(op, epsilon)
     choice = explain_norm_backend(x, gamma, beta, layernorm_type=layernorm_type, backend=backend)
     if choice.error:
         raise ValueError(choice.error)

@@ -74,6 +74,42 @@ CATALOGUE = [
         KEY, jnp.ones((8, 64)), jnp.ones((8, 64))), ["inputs_q", "(8, 64)", "thd"]),
     ("layernorm module type", lambda: tf.LayerNorm(layernorm_type="foo").init(KEY, h), ["layernorm_type='foo'"]),
     ("dense axis out of range", lambda: tf.DenseGeneral(features=8, axis=3).init(KEY, h), ["axis=3"]),
+    # small errors that used to give NaN or a crash deep inside (issue point 7)
+    ("layernorm negative epsilon", lambda: te_jax.layernorm(x, g, b, epsilon=-1e-5), ["epsilon=-1e-05", ">= 0"]),
+    ("rmsnorm nan epsilon", lambda: te_jax.rmsnorm(x, g, epsilon=float("nan")), ["epsilon=nan", "finite"]),
+    ("norm epsilon not a number", lambda: te_jax.norm(x, g, b, epsilon="small"), ["epsilon='small'"]),
+    ("mlp negative epsilon", lambda: te_jax.layernorm_mlp(x, g, b, w1, None, w2, None, epsilon=-1.0), ["epsilon=-1.0"]),
+    ("dense inf epsilon", lambda: te_jax.layernorm_dense(x, g, b, jnp.ones((16, 4)), epsilon=float("inf")),
+     ["epsilon=inf"]),
+    ("layernorm module negative epsilon", lambda: tf.LayerNorm(epsilon=-1e-6).init(KEY, h), ["epsilon=-1e-06"]),
+    ("ln-mlp module negative epsilon", lambda: tf.LayerNormMLP(intermediate_dim=32, epsilon=-1e-6).init(KEY, h),
+     ["epsilon=-1e-06"]),
+    ("attention key None", lambda: te_jax.dot_product_attention(q8, None, q8), ["key is None", "array", "[batch, seq"]),
+    ("attention nested list query", lambda: te_jax.dot_product_attention([[1.0, 2.0]], q8, q8),
+     ["query is a list", "jnp.asarray"]),
+    ("attention value None thd", lambda: te_jax.dot_product_attention(q8[0], q8[0], None, attn_input_format="thd"),
+     ["value is None", "[tokens"]),
+    ("attention zero heads", lambda: te_jax.dot_product_attention(jnp.ones((2, 8, 0, 8)), q8, q8),
+     ["empty axis", "query (2, 8, 0, 8)"]),
+    ("relpos zero buckets", lambda: tf.RelativePositionBiases(num_buckets=0, max_distance=128,
+                                                               num_attention_heads=2).init(KEY, 8, 8),
+     ["num_buckets=0", ">= 4"]),
+    ("relpos unidirectional one bucket", lambda: tf.RelativePositionBiases(num_buckets=1, max_distance=128,
+                                                                           num_attention_heads=2).init(KEY, 8, 8, False),
+     ["num_buckets=1", ">= 2"]),
+    ("relpos max_distance too small", lambda: tf.RelativePositionBiases(num_buckets=32, max_distance=8,
+                                                                        num_attention_heads=2).init(KEY, 8, 8),
+     ["max_distance=8", "> 8"]),
+    ("relpos zero heads", lambda: tf.RelativePositionBiases(num_buckets=32, max_distance=128,
+                                                            num_attention_heads=0).init(KEY, 8, 8),
+     ["num_attention_heads=0"]),
+    ("relpos static buckets", lambda: tf.RelativePositionBiases.buckets(8, 8, num_buckets=2, max_distance=128),
+     ["num_buckets=2"]),
+    ("dense negative features", lambda: tf.DenseGeneral(features=-8).init(KEY, h), ["features=-8", "positive"]),
+    ("dense zero in features", lambda: tf.DenseGeneral(features=(4, 0)).init(KEY, h), ["features=(4, 0)"]),
+    ("dense float axis", lambda: tf.DenseGeneral(features=8, axis=1.5).init(KEY, h), ["axis=1.5", "int"]),
+    ("dense repeated axis", lambda: tf.DenseGeneral(features=8, axis=(2, -1)).init(KEY, h), ["axis=(2, -1)", "twice"]),
+    ("ln-dense negative features", lambda: tf.LayerNormDenseGeneral(features=-1).init(KEY, h), ["features=-1"]),
 ]
 
 
@@ -83,6 +119,31 @@ def test_bad_call_is_explained(name, fn, fragments):
         fn()
     for f in fragments:
         assert f in str(e.value), f"{name}: {f!r} not in {str(e.value)!r}"
+
+
+@pytest.mark.parametrize("var", ["TE_JAX_PALLAS_ATTN", "TE_JAX_PALLAS_NORM", "TE_JAX_PALLAS_MLP"])
+@pytest.mark.parametrize("value", ["0", "false", "False", "NO", " off "])
+def test_disable_variables_take_the_usual_false_spellings(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    explain = {"TE_JAX_PALLAS_ATTN": lambda: te_jax.explain_attention_backend(q8, q8, q8),
+               "TE_JAX_PALLAS_NORM": lambda: te_jax.explain_norm_backend(x, g, b),
+               "TE_JAX_PALLAS_MLP": lambda: te_jax.explain_mlp_backend(x)}[var]
+    assert f"disabled by environment {var}={value.strip()}" in explain().reasons["pallas"]
+    for on in ("1", "true", "on", ""):
+        monkeypatch.setenv(var, on)
+        assert "disabled" not in (explain().reasons["pallas"] or "")
+
+
+@pytest.mark.parametrize("var", ["TE_JAX_PALLAS_ATTN", "TE_JAX_CUDNN_ATTN", "TE_JAX_PALLAS_NORM", "TE_JAX_PALLAS_MLP"])
+def test_disable_variable_with_nonsense_value_is_explained(monkeypatch, var):
+    monkeypatch.setenv(var, "maybe")
+    call = {"TE_JAX_PALLAS_NORM": lambda: te_jax.layernorm(x, g, b),
+            "TE_JAX_PALLAS_MLP": lambda: te_jax.layernorm_mlp(x, g, b, w1, None, w2, None)}.get(
+        var, lambda: te_jax.dot_product_attention(q8, q8, q8))
+    with pytest.raises(ValueError) as e:
+        call()
+    for f in (var, "'maybe'", "false", "off"):
+        assert f in str(e.value)
 
 
 def test_catalogue_covers_at_least_forty_distinct_bad_calls():

@@ -24,6 +24,13 @@ Sequence tails and head dims: the wrapper pads Sq/Skv to block multiples (padded
 segment id 0, so the mask hides them) and head dims to a power of two (zeros, which change
 neither q.k nor the valid output columns), and slices the results.
 
+Units: without a bias the kernels work in base 2 (logits times log2 e, exp2(s - m)). With a bias
+they keep the logits in natural units (``scaled q.k + bias`` in fp32, as the reference adds them)
+and scale only the difference to the row max, exp2((s - m) * log2 e), and the custom VJP saves the
+row max m and log l apart (lse = m + log l in fp32 loses log l once |m| >~ 1e7): biases down to
+finfo.min (the Flax/HF padding fill) give what the fp32 reference gives, forward and backward; a
+bias of -inf acts as a mask.
+
 Packed inputs (`flash_attention_packed`): every head index in the BlockSpec index maps goes
 through `_Heads` (an offset and a stride per q/k/v), so a packed tensor viewed as
 [B, S, heads, D] (a free reshape) is passed as q, k and v of the same pallas_calls and read
@@ -321,16 +328,41 @@ def block_schedule(q_segment_ids, q_positions, kv_segment_ids, kv_positions, *, 
 # Shared in-kernel helpers
 # --------------------------------------------------------------------------------------
 def _logits2(s, cfg: _Cfg, bias):
-    """Raw q.k (fp32) -> logits in base-2 units (times log2 e); also tanh for softcap grads."""
+    """Raw q.k (fp32) -> logits in the kernels' units; also tanh for softcap grads.
+
+    Without a bias: base-2 units (times log2 e), so probabilities are exp2(s - m).
+    With a bias: natural units, ``scaled q.k + bias`` added in fp32 as the reference adds them,
+    and probabilities are exp2((s - m) * log2 e) (`_exp2_of`): the row maximum is subtracted
+    before the scaling. A huge negative bias (-1e9, finfo.min) then neither overflows
+    (finfo.min * log2 e = -inf made a row of -inf and -inf - -inf = NaN) nor loses the q.k
+    differences a second time to the rounding of bias * log2 e.
+    """
     t = None
+    post = LOG2E if bias is None else 1.0
     if cfg.softcap is not None:
         t = jnp.tanh(s * (cfg.scale / cfg.softcap))
-        s = t * (cfg.softcap * LOG2E)
+        s = t * (cfg.softcap * post)
     else:
-        s = s * (cfg.scale * LOG2E)
+        s = s * (cfg.scale * post)
     if bias is not None:
-        s = s + bias.astype(jnp.float32) * LOG2E
+        s = s + bias.astype(jnp.float32)
     return s, t
+
+
+def _exp2_of(d, natural: bool):
+    """exp of a logit difference d <= 0 given in the kernels' units (natural: times log2 e first).
+
+    (s - m) * log2 e may overflow to -inf for d near finfo.min: exp2 gives 0, as it should."""
+    return jnp.exp2(d * LOG2E) if natural else jnp.exp2(d)
+
+
+def _bwd_probs(s, shift, ll):
+    """P recomputed in the backward: exp2(s - shift) (base 2, no bias; shift = lse in base 2), or
+    with a bias exp((s - m) - log l) (natural units, ll not None): the row max subtracted first,
+    so that log l survives however large |m| is."""
+    if ll is None:
+        return jnp.exp2(s - shift)
+    return jnp.exp2(((s - shift) - ll) * LOG2E)
 
 
 def _mask(cfg: _Cfg, qseg, qpos, kseg, kpos, transpose=False):
@@ -367,10 +399,16 @@ def _run_schedule(meta_ref, body, carry):
 # --------------------------------------------------------------------------------------
 def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, *refs,
                 cfg: _Cfg, bk: int, has_bias: bool):
+    """Online softmax over the visible kv blocks of one q block.
+
+    Outputs o and lse (natural log); with a bias also the row max m and log l apart (natural
+    units; 0 and -inf for empty rows), the backward's residual: with m ~ -1e9, m + log l rounds
+    to m in fp32, and exp(s - lse) would give 1 instead of 1/l (`_bwd_stats`).
+    """
     if has_bias:
-        bias_ref, o_ref, lse_ref = refs
+        bias_ref, o_ref, lse_ref, m_ref, ll_ref = refs
     else:
-        bias_ref = None
+        bias_ref = m_ref = ll_ref = None
         o_ref, lse_ref = refs
     bq = q_ref.shape[0]
     dv = v_ref.shape[-1]
@@ -389,9 +427,10 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
             mask = _mask(cfg, qseg, qpos, kseg_ref[sl], kpos_ref[sl])
             s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - m_use[:, None])
+        # A bias of -inf can empty a row in an unmasked block too.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if (masked or has_bias) else m_new
+        alpha = _exp2_of(m - m_use, has_bias)
+        p = _exp2_of(s - m_use[:, None], has_bias)
         l = l * alpha + jnp.sum(p, axis=1)
         v = v_ref[sl, :]
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v,
@@ -405,7 +444,13 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    if has_bias:  # natural units
+        ll = jnp.log(l_safe)
+        lse_ref[...] = jnp.where(empty, -jnp.inf, m + ll)
+        m_ref[...] = jnp.where(empty, 0.0, m)
+        ll_ref[...] = jnp.where(empty, -jnp.inf, ll)
+    else:
+        lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
 
 
 def _bias_spec(bias, block, index):
@@ -479,29 +524,37 @@ def _fwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
     if bias is not None:
         in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, nq - 1 - i, 0)))
         args.append(bias)
-    out, lse = pl.pallas_call(
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
+    row_shape = jax.ShapeDtypeStruct((B, H, Sqp), jnp.float32)
+    n_rows = 3 if bias is not None else 1  # lse (+ m, log l with a bias)
+    out, lse, *stats = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, bk=bk, has_bias=bias is not None),
         grid=grid,
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, nq - 1 - i, h, 0)),
-                   pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))],
-        out_shape=[jax.ShapeDtypeStruct((B, Sqp, H, Dv), q.dtype),
-                   jax.ShapeDtypeStruct((B, H, Sqp), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, nq - 1 - i, h, 0))]
+        + [row_spec] * n_rows,
+        out_shape=[jax.ShapeDtypeStruct((B, Sqp, H, Dv), q.dtype)] + [row_shape] * n_rows,
         compiler_params=triton_params(num_warps=cfg.blocks.num_warps,
                                       num_stages=cfg.blocks.num_stages),
         interpret=cfg.interpret,
         name="te_flash_attention_fwd",
     )(*args)
-    return out, lse
+    return out, lse, (tuple(stats) if stats else None)
 
 
-@lower_once(static_argnames=("cfg", "heads"))
-def _fwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, heads: _Heads | None = None):
+@lower_once(static_argnames=("cfg", "heads", "with_stats"))
+def _fwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, heads: _Heads | None = None,
+              with_stats: bool = False):
+    """(out, lse), or (out, lse, stats) with with_stats: stats is the (row max, log l) pair
+    the backward needs with a bias (natural units, [B, H, Sq] f32 each), None without one."""
     heads = heads or _Heads.of(q, k)
     Sq, Dv = q.shape[1], v.shape[-1]
     geo, *padded = _prepare(cfg, heads, q, k, v, qseg, qpos, kseg, kpos, bias)
-    out, lse = _fwd_padded(cfg, geo, heads, *padded)
-    return out[:, :Sq, :, :Dv], lse[:, :, :Sq]
+    out, lse, stats = _fwd_padded(cfg, geo, heads, *padded)
+    out, lse = out[:, :Sq, :, :Dv], lse[:, :, :Sq]
+    if not with_stats:
+        return out, lse
+    return out, lse, (None if stats is None else tuple(x[:, :, :Sq] for x in stats))
 
 
 # --------------------------------------------------------------------------------------
@@ -518,6 +571,7 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
     """
     want_dk, want_dv = "dk" in outputs, "dv" in outputs
     refs = list(refs)
+    ll_ref = refs.pop(0) if has_bias else None  # lse_ref then holds the row max (natural units)
     bias_ref = refs.pop(0) if has_bias else None
     dk_ref = refs.pop(0) if want_dk else None
     dv_ref = refs.pop(0) if want_dv else None
@@ -544,7 +598,7 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
             if masked:
                 mask_t = _mask(cfg, qseg_ref[sl], qpos_ref[sl], kseg, kpos, transpose=True)
                 st = jnp.where(mask_t, st, -jnp.inf)
-            pt = jnp.exp2(st - lse2[None, :])
+            pt = _bwd_probs(st, lse2[None, :], None if ll_ref is None else ll_ref[r, sl][None, :])
             if want_dv:
                 dv = dv + jnp.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
             if want_dk:
@@ -573,15 +627,16 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpo
 def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref,
                do_ref, lse_ref, delta_ref, *refs, cfg: _Cfg, bk: int, nk: int,
                has_bias: bool):
-    if has_bias:
-        bias_ref, dq_ref, dbias_ref = refs
+    if has_bias:  # lse_ref holds the row max (natural units), ll_ref log l
+        ll_ref, bias_ref, dq_ref, dbias_ref = refs
     else:
-        bias_ref = dbias_ref = None
+        ll_ref = bias_ref = dbias_ref = None
         (dq_ref,) = refs
     bq, dqk = q_ref.shape
     q = q_ref[...]
     do = do_ref[...]
     lse2 = lse_ref[...]
+    ll = None if ll_ref is None else ll_ref[...][:, None]
     delta = delta_ref[...]
     qseg = qseg_ref[...]
     qpos = qpos_ref[...]
@@ -595,7 +650,7 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos
         s, t = _logits2(s, cfg, None if bias_ref is None else bias_ref[:, sl])
         if masked:
             s = jnp.where(_mask(cfg, qseg, qpos, kseg_ref[sl], kpos_ref[sl]), s, -jnp.inf)
-        p = jnp.exp2(s - lse2[:, None])
+        p = _bwd_probs(s, lse2[:, None], ll)
         dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         if dbias_ref is not None:
@@ -618,18 +673,33 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos
         lax.fori_loop(meta_ref[3], nk, zero, 0)
 
 
+def _bwd_stats(lse, stats, has_bias):
+    """(shift, ll) for `_bwd_probs` from the forward's lse and (with a bias) its (m, log l).
+
+    Empty rows (lse = -inf) get 0 so that exp2(-inf - 0) = 0, never NaN. Without a bias: shift is
+    lse in base 2, ll None (as before). With a bias: natural units, shift = m and ll = log l kept
+    apart; given lse alone (`flash_attention_bwd` from a merged lse) shift = lse, ll = 0, which is
+    exact unless the bias is so large that log l is lost to the rounding of m + log l."""
+    lse = lse.astype(jnp.float32)
+    empty = lse == -jnp.inf
+    if not has_bias:
+        return jnp.where(empty, 0.0, lse * LOG2E), None
+    m, ll = (lse, jnp.zeros_like(lse)) if stats is None else stats
+    return (jnp.where(empty, 0.0, m).astype(jnp.float32),
+            jnp.where(empty, 0.0, ll).astype(jnp.float32))
+
+
 def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg, kpos, bias, out,
-                lse, dout, dlse):
+                lse2, ll, dout, dlse):
+    """lse2, ll: `_bwd_stats` (padded rows 0)."""
     B, Sqp, _, Dqk = q.shape
     H, G, rep = heads.h, heads.g, heads.rep
     Skvp, Dv = k.shape[1], v.shape[-1]
     blocks = cfg.blocks
-    # Preprocessing (XLA, memory bound): delta = rowsum(dout * out) - dlse; lse in base 2 with
-    # empty rows (lse = -inf) mapped to 0 so that exp2(-inf - 0) = 0, never NaN.
+    # Preprocessing (XLA, memory bound): delta = rowsum(dout * out) - dlse.
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32)
-    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2E).astype(jnp.float32)
     has_bias = bias is not None
     bias_heads = 1 if bias is None else bias.shape[1]
 
@@ -653,6 +723,8 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
     ]
     args = [meta_kv, q, k, v, qseg, qpos, kseg, kpos, dout, lse2, delta]
     if has_bias:
+        in_specs.append(pl.BlockSpec((None, rep, Sqp), lambda j, b, g: (b, g, 0)))
+        args.append(ll)
         bb = bias.shape[0]
         if bias_heads > 1:
             spec = pl.BlockSpec((None, rep, Sqp, bk),
@@ -701,6 +773,8 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
     out_specs = [pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, nq - 1 - i, h, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, Sqp, H, Dqk), q.dtype)]
     if has_bias:
+        in_specs.append(pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)))
+        args.append(ll)
         in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, nq - 1 - i, 0)))
         args.append(bias)
         out_specs.append(pl.BlockSpec((None, None, bq, Skvp),
@@ -729,17 +803,19 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
 
 @lower_once(static_argnames=("cfg", "heads"))
 def _bwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse,
-              heads: _Heads | None = None):
+              heads: _Heads | None = None, stats=None):
     heads = heads or _Heads.of(q, k)
     Sq, Skv, Dqk, Dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
     geo, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp = _prepare(
         cfg, heads, q, k, v, qseg, qpos, kseg, kpos, bias)
     outp = _pad_axis(_pad_axis(out, 1, geo.sq_pad), 3, geo.dv_pad)
     doutp = _pad_axis(_pad_axis(dout.astype(out.dtype), 1, geo.sq_pad), 3, geo.dv_pad)
-    lsep = _pad_axis(lse.astype(jnp.float32), 2, geo.sq_pad, value=-jnp.inf)
+    shift, ll = _bwd_stats(lse, stats, bias is not None)
+    shift = _pad_axis(shift, 2, geo.sq_pad)
+    ll = None if ll is None else _pad_axis(ll, 2, geo.sq_pad)
     dlsep = None if dlse is None else _pad_axis(dlse, 2, geo.sq_pad)
     dq, dk, dv, dbias = _bwd_padded(cfg, geo, heads, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp,
-                                    outp, lsep, doutp, dlsep)
+                                    outp, shift, ll, doutp, dlsep)
     dq = dq[:, :Sq, :, :Dqk]
     dk = dk[:, :Skv, :, :Dqk]
     dv = dv[:, :Skv, :, :Dv]
@@ -757,15 +833,15 @@ def _flash(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
 
 
 def _flash_fwd(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
-    out, lse = _fwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias)
-    return (out, lse), (q, k, v, qseg, qpos, kseg, kpos, bias, out, lse)
+    out, lse, stats = _fwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias, with_stats=True)
+    return (out, lse), (q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, stats)
 
 
 def _flash_bwd(cfg, res, cts):
-    q, k, v, qseg, qpos, kseg, kpos, bias, out, lse = res
+    q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, stats = res
     dout, dlse = cts
     dq, dk, dv, dbias = _bwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout,
-                                  dlse)
+                                  dlse, stats=stats)
     return dq, dk, dv, None, None, None, None, dbias
 
 
@@ -812,7 +888,9 @@ def flash_attention_bwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_
     """Gradients (dq, dk, dv, dbias or None) given the saved out/lse and the cotangents.
 
     ``out``/``lse`` may come from a larger computation (e.g. merged across context-parallel
-    steps): P is recomputed as exp(s - lse) for this k/v chunk.
+    steps): P is recomputed as exp(s - lse) for this k/v chunk. With a bias so large and negative
+    that it fills a whole row (|m| >~ 1e7), fp32 ``lse = m + log l`` has lost ``log l`` and this
+    entry cannot recover it; `flash_attention` (whose residuals keep m and log l apart) is exact there.
     """
     cfg = _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes,
                     interpret)
@@ -956,16 +1034,17 @@ def _packed_operands(pk: _Packed, q, packed):
 
 def _flash_packed_fwd(cfg, pk, q, packed, qseg, qpos, kseg, kpos, bias):
     qa, ka, va = _packed_operands(pk, q, packed)
-    out, lse = _fwd_impl(cfg, qa, ka, va, qseg, qpos, kseg, kpos, bias, heads=pk.heads())
-    return (out, lse), (q, packed, qseg, qpos, kseg, kpos, bias, out, lse)
+    out, lse, stats = _fwd_impl(cfg, qa, ka, va, qseg, qpos, kseg, kpos, bias, heads=pk.heads(),
+                                with_stats=True)
+    return (out, lse), (q, packed, qseg, qpos, kseg, kpos, bias, out, lse, stats)
 
 
 def _flash_packed_bwd(cfg, pk, res, cts):
-    q, packed, qseg, qpos, kseg, kpos, bias, out, lse = res
+    q, packed, qseg, qpos, kseg, kpos, bias, out, lse, stats = res
     dout, dlse = cts
     qa, ka, va = _packed_operands(pk, q, packed)
     dq, dk, dv, dbias = _bwd_impl(cfg, qa, ka, va, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse,
-                                  heads=pk.heads())
+                                  heads=pk.heads(), stats=stats)
     if q is None:
         return None, pk.assemble(dq, dk, dv), None, None, None, None, dbias
     return dq, pk.assemble(None, dk, dv), None, None, None, None, dbias

@@ -1,8 +1,10 @@
 """The selection policy every op shares (attention, norms, MLP).
 
 Precedence: a `backend=` argument (not "auto") > the op's TE_JAX_<OP>_BACKEND variable > the
-op's automatic preference. A TE_JAX_PALLAS_<OP>=0 style variable disables one backend.
-TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax").
+op's automatic preference. A TE_JAX_PALLAS_<OP>=0 style variable disables one backend: 0, false,
+no, off (any case) disable, 1, true, yes, on or empty leave it on, anything else raises ValueError.
+TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax"; the same false spellings
+turn it off).
 """
 from __future__ import annotations
 
@@ -14,15 +16,27 @@ from te_jax import _compat
 logger = logging.getLogger("te_jax")
 
 
+FALSE_SPELLINGS = ("0", "false", "no", "off")
+TRUE_SPELLINGS = ("", "1", "true", "yes", "on")
+
+
 def debug_enabled() -> bool:
-    return os.environ.get("TE_JAX_DEBUG", "").strip() not in ("", "0", "false", "False")
+    return os.environ.get("TE_JAX_DEBUG", "").strip().lower() not in ("",) + FALSE_SPELLINGS
 
 
 def disabled_by_env(var: str) -> str | None:
-    """The reason a backend is off when `var` is set to 0, else None."""
-    if os.environ.get(var, "").strip() == "0":
-        return f"disabled by environment {var}=0"
-    return None
+    """The reason a backend is off when `var` is set to a false spelling (0, false, no, off; any case),
+    else None. Raises ValueError naming the variable for a value that is neither true nor false."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in FALSE_SPELLINGS:
+        return f"disabled by environment {var}={raw.strip()}"
+    if value in TRUE_SPELLINGS:
+        return None
+    raise ValueError(f"environment {var}={raw!r} is not understood: set it to 0, false, no or off to disable "
+                     f"the backend, 1, true, yes or on (or unset it) to leave it enabled.")
 
 
 def resolve_request(op: str, requested: str, names: tuple[str, ...], force_env: str) -> tuple[str | None, str]:

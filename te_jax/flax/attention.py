@@ -700,8 +700,34 @@ class RelativePositionBiases(nn.Module):
     param_dtype: Any = jnp.float32
 
     @staticmethod
+    def _check(num_buckets, max_distance, bidirectional, **positive):
+        """ValueError naming the argument: the bucket math divides by max_exact = nb // 2 (nb =
+        num_buckets, halved when bidirectional) and by log(max_distance / max_exact)."""
+        def is_int(x):
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+        for name, x in positive.items():  # sequence lengths may be 0
+            least = 0 if name.endswith("seqlen") else 1
+            if not is_int(x) or x < least:
+                raise ValueError(f"RelativePositionBiases: {name}={x!r} must be an int >= {least}.")
+        least = 4 if bidirectional else 2
+        if not is_int(num_buckets) or num_buckets < least:
+            raise ValueError(
+                f"RelativePositionBiases: num_buckets={num_buckets!r} must be an int >= {least} "
+                f"(bidirectional={bidirectional} gives each direction {'half of ' if bidirectional else ''}the "
+                f"buckets, and half of those are exact offsets: at least one). T5 uses 32.")
+        max_exact = (num_buckets // 2 if bidirectional else num_buckets) // 2
+        if not is_int(max_distance) or max_distance <= max_exact:
+            raise ValueError(
+                f"RelativePositionBiases: max_distance={max_distance!r} must be an int > {max_exact}, the "
+                f"largest exactly bucketed offset for num_buckets={num_buckets} (bidirectional={bidirectional}). "
+                f"T5 uses 128.")
+
+    @staticmethod
     def buckets(q_seqlen, k_seqlen, num_buckets, max_distance, bidirectional=True):
         """Bucket index [q_seqlen, k_seqlen] of each relative position (numpy, static)."""
+        RelativePositionBiases._check(num_buckets, max_distance, bidirectional, q_seqlen=q_seqlen,
+                                      k_seqlen=k_seqlen)
         ctx = np.arange(q_seqlen, dtype=np.int32)[:, None]
         mem = np.arange(k_seqlen, dtype=np.int32)[None, :]
         n = -(mem - ctx)
@@ -722,6 +748,8 @@ class RelativePositionBiases(nn.Module):
 
     @nn.compact
     def __call__(self, q_seqlen: int, k_seqlen: int, bidirectional: bool = True):
+        self._check(self.num_buckets, self.max_distance, bidirectional,
+                    num_attention_heads=self.num_attention_heads)
         rp_bucket = self.buckets(q_seqlen, k_seqlen, self.num_buckets, self.max_distance, bidirectional)
         table = param(self, "rel_embedding", self.embedding_init, (self.num_attention_heads, self.num_buckets),
                       self.param_dtype, self.embedding_axes)

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from te_jax import activations as _acts
@@ -163,10 +164,29 @@ def _dense(x, kernel, bias, axis: tuple[int, ...], dtype):
     return y
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _check_features(module: str, features) -> tuple[int, ...]:
+    """features: a positive int or a non-empty tuple/list of them."""
+    out = _canonical_tuple(features)
+    if not out or not all(_is_int(f) and f > 0 for f in out):
+        raise ValueError(f"{module}: features={features!r} must be a positive int or a non-empty tuple of "
+                         f"positive ints (the output dims). Fix: e.g. features=8 or features=(4, 16).")
+    return tuple(int(f) for f in out)
+
+
 def _normalize_axes(module: str, axis, ndim: int) -> tuple[int, ...]:
-    axes = tuple(a % ndim if -ndim <= a < ndim else None for a in _canonical_tuple(axis))
+    given = _canonical_tuple(axis)
+    if not given or not all(_is_int(a) for a in given):
+        raise ValueError(f"{module}: axis={axis!r} must be an int or a non-empty tuple of ints (input axes "
+                         f"to contract).")
+    axes = tuple(a % ndim if -ndim <= a < ndim else None for a in given)
     if None in axes:
         raise ValueError(f"{module}: axis={axis} is out of range for an input of rank {ndim}.")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{module}: axis={axis} names an input axis twice (rank {ndim}).")
     return axes
 
 
@@ -192,7 +212,7 @@ class DenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, inputs):
-        features = _canonical_tuple(self.features)
+        features = _check_features("DenseGeneral", self.features)
         axis = _normalize_axes("DenseGeneral", self.axis, inputs.ndim)
         in_dims = tuple(inputs.shape[a] for a in axis)
         init = flat_init(self.kernel_init or default_kernel_init(), len(in_dims))
@@ -238,7 +258,7 @@ class LayerNormDenseGeneral(nn.Module):
         _check_layernorm_type("LayerNormDenseGeneral", self.layernorm_type)
         if _normalize_axes("LayerNormDenseGeneral", self.axis, inputs.ndim) != (inputs.ndim - 1,):
             raise ValueError(f"LayerNormDenseGeneral: axis={self.axis}; only the last axis (-1) is supported.")
-        features = _canonical_tuple(self.features)
+        features = _check_features("LayerNormDenseGeneral", self.features)
         d = inputs.shape[-1]
         x = jnp.asarray(inputs, self.dtype)
         kernel = param(self, "kernel", flat_init(self.kernel_init or default_kernel_init(), 1), (d,) + features,
