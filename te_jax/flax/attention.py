@@ -93,19 +93,36 @@ def apply_rotary_pos_emb(x, positions, *, group_method: str = "consecutive", win
     return out.astype(x.dtype)
 
 
-def _positions(fmt, b, s, offset=0, segment_ids=None, seqlens=None):
-    """Token positions broadcastable to the [.., heads, d] tensor's leading axes in format fmt."""
+def _positions(fmt, b, s, offset=0, segment_ids=None, seqlens=None, cp_size=None):
+    """Token positions (RoPE) broadcastable to the [.., heads, d] tensor's leading axes in format fmt.
+
+    segment_ids: [b, s] ([s] for thd), positions restart at 0 in every segment; seqlens: thd only
+    ([num_seqs] packed lengths). cp_size: the tokens (and segment ids) come in the zig-zag order of
+    `reorder_causal_load_balancing(x, cp_size)`; positions are computed in the ORIGINAL order (segment
+    ids un-reordered first; seqlens always describe the original order) and then reordered, so a
+    document's positions do not restart at chunk boundaries. Returns [b|1, s] (bshd), [s, b|1] (sbhd)
+    or [s] (thd).
+    """
+    from te_jax.context_parallel import inverse_reorder_causal_load_balancing, reorder_causal_load_balancing
+
+    seq_axis = 0 if fmt == "thd" else 1
+    if cp_size is not None and segment_ids is not None:
+        segment_ids = inverse_reorder_causal_load_balancing(jnp.asarray(segment_ids, jnp.int32), cp_size, seq_axis)
     if fmt == "thd":
         if segment_ids is None and seqlens is not None:
             segment_ids = masks._seqlens_to_packed_segments(jnp.asarray(seqlens, jnp.int32), s)
         if segment_ids is not None:
-            return masks._positions(jnp.asarray(segment_ids, jnp.int32)[None], False)[0] + offset
-        return jnp.arange(s) + offset
-    if segment_ids is not None:
-        pos = masks._positions(jnp.asarray(segment_ids, jnp.int32), False) + offset  # [b, s]
+            pos = masks._positions(jnp.asarray(segment_ids, jnp.int32)[None], False)[0]
+        else:
+            pos = jnp.arange(s, dtype=jnp.int32)
+    elif segment_ids is not None:
+        pos = masks._positions(jnp.asarray(segment_ids, jnp.int32), False)  # [b, s]
     else:
-        pos = (jnp.arange(s) + offset)[None, :]  # [1, s]
-    return pos if fmt == "bshd" else pos.T
+        pos = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, s]
+    if cp_size is not None:
+        pos = reorder_causal_load_balancing(pos, cp_size, seq_axis)
+    pos = pos + offset
+    return pos if fmt != "sbhd" else pos.T
 
 
 # ----------------------------------------------------------------------------- the shared attention call
@@ -491,7 +508,9 @@ class MultiHeadAttention(nn.Module):
     context_parallel_axis: a mesh axis name → the attention runs as te_jax.context_parallel.
       context_parallel_attention over that axis (global arrays in, the mesh from jax.set_mesh);
       context_parallel_load_balanced=True means the tokens come in the zig-zag order of
-      reorder_causal_load_balancing (RoPE positions follow that order). No bias / attention dropout.
+      reorder_causal_load_balancing, segment ids too (seqlens describe the original order); RoPE
+      positions are computed in the original order and then reordered, so documents keep their
+      positions across chunk boundaries. No bias / dense mask / attention dropout.
     Other arguments: as DotProductAttention (attn_mask_type, window_size, softcap, float32_logits,
     attention_dropout), LayerNorm (layernorm_type, epsilon, zero_centered_gamma).
     """
@@ -612,14 +631,15 @@ class MultiHeadAttention(nn.Module):
 
         if self.enable_rotary_pos_emb:
             rope = dict(group_method=self.rotary_pos_emb_group_method, windows=self.rotary_pos_emb_windows)
-            q_pos = _positions(fmt, b, sq, offset, q_segment_ids, q_seqlens if fmt == "thd" else None)
-            if (self.context_parallel_axis and self.context_parallel_load_balanced and q_segment_ids is None
-                    and fmt != "thd" and not use_cache):
-                q_pos = self._load_balanced_positions(fmt, sq)
+            # Load-balanced context parallelism: tokens come zig-zag reordered; positions are computed in
+            # the original order and reordered (for segment ids, seqlens, thd and no packing alike).
+            cp = (self._load_balanced_cp_size() if self.context_parallel_axis and self.context_parallel_load_balanced
+                  and not use_cache else None)
+            q_pos = _positions(fmt, b, sq, offset, q_segment_ids, q_seqlens if fmt == "thd" else None, cp)
             if is_self:
                 kv_pos = q_pos
             else:
-                kv_pos = _positions(fmt, b, skv, 0, kv_segment_ids, kv_seqlens if fmt == "thd" else None)
+                kv_pos = _positions(fmt, b, skv, 0, kv_segment_ids, kv_seqlens if fmt == "thd" else None, cp)
             tensors = _rope_qk(tensors, packed_layout, q_pos, kv_pos, rope)
 
         attn_args = dict(attn_bias_type=self.attn_bias_type, window_size=self.window_size, softcap=self.softcap,
@@ -664,10 +684,8 @@ class MultiHeadAttention(nn.Module):
                          bias_axes=("embed",), name="out", **common)(out)
         return y, ln_out
 
-    def _load_balanced_positions(self, fmt, s):
-        """RoPE positions of tokens given in the zig-zag order of reorder_causal_load_balancing."""
-        from te_jax.context_parallel import reorder_causal_load_balancing
-
+    def _load_balanced_cp_size(self) -> int:
+        """Size of the context-parallel mesh axis, for RoPE positions of zig-zag reordered tokens."""
         mesh = _compat.current_mesh()
         names = tuple(getattr(mesh, "axis_names", ()) or ())
         if self.context_parallel_axis not in names:
@@ -675,9 +693,7 @@ class MultiHeadAttention(nn.Module):
                 f"MultiHeadAttention: context_parallel_axis={self.context_parallel_axis!r} with "
                 f"context_parallel_load_balanced=True and rotary embeddings needs the mesh to be set "
                 f"(jax.set_mesh(mesh)) to know the context-parallel size; current mesh axes: {names}.")
-        cp = mesh.shape[self.context_parallel_axis]
-        pos = reorder_causal_load_balancing(jnp.arange(s)[None], cp, 1)  # [1, s]
-        return pos if fmt == "bshd" else pos.T
+        return int(mesh.shape[self.context_parallel_axis])
 
 
 # ----------------------------------------------------------------------------- RelativePositionBiases
