@@ -93,6 +93,22 @@ def test_transformer_layer_rope_segments_load_balanced_cp_matches_one_device():
     _compare(Layer, kw)
 
 
+def test_mha_cross_attention_rope_load_balanced_kv_positions():
+    """Cross-attention: K/V come zig-zag reordered too, so their RoPE positions are reordered as well
+    (before, the key positions were the plain arange). Forward, no packing, causal, 2 devices."""
+    cp = 2
+    xq, xkv = rand(3, (B, S, D)), rand(4, (B, S, D))
+    kw = dict(MHA, fuse_qkv_params=False)
+    base = MultiHeadAttention(**kw)
+    p = unbox(base.init(jax.random.key(0), xq, xkv))
+    y_ref = jax.jit(lambda p: base.apply(p, xq, xkv)[0])(p)
+    m = MultiHeadAttention(context_parallel_axis="cp", context_parallel_load_balanced=True, **kw)
+    z = lambda t: reorder_causal_load_balancing(t, cp, 1)
+    with jax.set_mesh(_mesh(cp)):
+        y = jax.jit(lambda p, a, b: m.apply(p, a, b)[0])(p, z(xq), z(xkv))
+    assert_close(inverse_reorder_causal_load_balancing(np.asarray(y), cp, 1), y_ref, 2e-5, "cross-attention")
+
+
 def _np_positions(seg):
     """Position of each token within its run of equal ids, numpy, on the last axis."""
     seg = np.asarray(seg)
