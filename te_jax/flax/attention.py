@@ -93,44 +93,64 @@ def apply_rotary_pos_emb(x, positions, *, group_method: str = "consecutive", win
     return out.astype(x.dtype)
 
 
-def _positions(fmt, b, s, offset=0, segment_ids=None, seqlens=None):
-    """Token positions broadcastable to the [.., heads, d] tensor's leading axes in format fmt."""
+def _positions(fmt, b, s, offset=0, segment_ids=None, seqlens=None, cp_size=None):
+    """Token positions (RoPE) broadcastable to the [.., heads, d] tensor's leading axes in format fmt.
+
+    segment_ids: [b, s] ([s] for thd), positions restart at 0 in every segment; seqlens: thd only
+    ([num_seqs] packed lengths). cp_size: the tokens (and segment ids) come in the zig-zag order of
+    `reorder_causal_load_balancing(x, cp_size)`; positions are computed in the ORIGINAL order (segment
+    ids un-reordered first; seqlens always describe the original order) and then reordered, so a
+    document's positions do not restart at chunk boundaries. Returns [b|1, s] (bshd), [s, b|1] (sbhd)
+    or [s] (thd).
+    """
+    from te_jax.context_parallel import inverse_reorder_causal_load_balancing, reorder_causal_load_balancing
+
+    seq_axis = 0 if fmt == "thd" else 1
+    if cp_size is not None and segment_ids is not None:
+        segment_ids = inverse_reorder_causal_load_balancing(jnp.asarray(segment_ids, jnp.int32), cp_size, seq_axis)
     if fmt == "thd":
         if segment_ids is None and seqlens is not None:
             segment_ids = masks._seqlens_to_packed_segments(jnp.asarray(seqlens, jnp.int32), s)
         if segment_ids is not None:
-            return masks._positions(jnp.asarray(segment_ids, jnp.int32)[None], False)[0] + offset
-        return jnp.arange(s) + offset
-    if segment_ids is not None:
-        pos = masks._positions(jnp.asarray(segment_ids, jnp.int32), False) + offset  # [b, s]
+            pos = masks._positions(jnp.asarray(segment_ids, jnp.int32)[None], False)[0]
+        else:
+            pos = jnp.arange(s, dtype=jnp.int32)
+    elif segment_ids is not None:
+        pos = masks._positions(jnp.asarray(segment_ids, jnp.int32), False)  # [b, s]
     else:
-        pos = (jnp.arange(s) + offset)[None, :]  # [1, s]
-    return pos if fmt == "bshd" else pos.T
+        pos = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, s]
+    if cp_size is not None:
+        pos = reorder_causal_load_balancing(pos, cp_size, seq_axis)
+    pos = pos + offset
+    return pos if fmt != "sbhd" else pos.T
 
 
 # ----------------------------------------------------------------------------- the shared attention call
 
 
-def _padding_from_mask(mask, fmt, b, sq, skv, module):
-    """TE-style boolean mask (True = masked out) [b, 1|h, sq, skv] -> (q_segment_ids, kv_segment_ids).
+def _dense_mask(mask, fmt, b, h, sq, skv, module):
+    """TE-style mask (True = masked out) [b|1, 1|h, sq, skv] -> a boolean array, applied exactly.
 
-    As TransformerEngine's fused attention does, the mask is read as padding: a query row (key column)
-    that is masked everywhere is a padding token. Use `bias` for arbitrary additive masks.
+    Integer (0/1) and boolean masks are accepted (cast to bool: nonzero = masked out); the
+    functional `te_jax.dot_product_attention(mask=...)` applies it on top of the mask type and any
+    seqlens / segment ids. A [b, 1, sq, skv] padding mask gives the seqlens result on the valid
+    rows (rows masked everywhere give zeros); seqlens / segment ids remain the faster way to say it.
     """
-    if fmt == "thd":
-        raise ValueError(f"{module}: a dense mask cannot describe attn_input_format='thd'; pass q_seqlens/"
-                         "kv_seqlens or q_segment_ids/kv_segment_ids instead.")
-    shape = tuple(mask.shape)
-    if len(shape) != 4 or shape[0] != b or shape[2] != sq or shape[3] != skv:
+    shape = tuple(getattr(mask, "shape", ()))
+    if (len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h) or shape[2] != sq
+            or shape[3] != skv):
+        thd = " (thd: batch is 1, seq the token axis)" if fmt == "thd" else ""
         raise ValueError(
             f"{module}: mask has shape {shape}; with attn_input_format={fmt!r} the inputs give batch={b}, "
-            f"q_seq={sq}, kv_seq={skv}, so the mask must be [batch, 1 or heads, q_seq, kv_seq] = "
-            f"[{b}, 1, {sq}, {skv}] (always batch-first). If the batch and sequence axes are swapped, the "
-            f"inputs' attn_input_format is probably wrong.")
-    visible = jnp.logical_not(mask.astype(bool))
-    q_seg = jnp.any(visible, axis=(1, 3)).astype(jnp.int32)
-    kv_seg = jnp.any(visible, axis=(1, 2)).astype(jnp.int32)
-    return q_seg, kv_seg
+            f"heads={h}, q_seq={sq}, kv_seq={skv}{thd}, so the mask must be [batch or 1, 1 or heads, q_seq, "
+            f"kv_seq] = [{b}, 1, {sq}, {skv}] (always batch-first, True = masked out). If the batch and sequence "
+            f"axes are swapped, the inputs' attn_input_format is probably wrong.")
+    mask = jnp.asarray(mask)
+    if jnp.issubdtype(mask.dtype, jnp.floating):
+        raise ValueError(
+            f"{module}: mask has dtype {mask.dtype}; it must be boolean (or integer 0/1) with True = masked out. "
+            f"Pass an additive float mask as `bias`.")
+    return mask.astype(bool)
 
 
 def _effective_mask_type(mask_type: str, has_padding: bool) -> str:
@@ -196,11 +216,11 @@ def _attention_per_shard(module_name, core, tensors, extras, *, fmt, qkv_layout,
     a mesh it would run replicated. Attention is independent per batch entry and per head, so it runs
     in a shard_map over the mesh axes the logical rules put "batch" (and "heads"/"kv_heads") on; the
     sequence and head_dim axes stay whole (context parallelism is its own path). extras: q_seqlens,
-    kv_seqlens, q_segment_ids, kv_segment_ids, bias (or None), split along the batch ([b] seqlens,
-    [b, s] segment ids, a bias with b entries) and the bias along the heads (h entries); thd seqlens
-    and segment ids, and broadcast bias axes, are passed whole.
+    kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask (or None), split along the batch ([b] seqlens,
+    [b, s] segment ids, a bias / dense mask with b entries) and the bias / mask along the heads (h
+    entries); thd seqlens and segment ids, and broadcast bias / mask axes, are passed whole.
     """
-    q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias = extras
+    q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask = extras
     thd = fmt == "thd"
 
     def token_axes(a, per_seq):
@@ -212,13 +232,15 @@ def _attention_per_shard(module_name, core, tensors, extras, *, fmt, qkv_layout,
             return (BATCH_AXES if a.shape[0] == b else None, SEQ_AXES) if a.ndim == 2 else None
         return (BATCH_AXES,) if a.shape == (b,) else None
 
-    bias_axes = None
-    if bias is not None and bias.ndim == 4:
-        bias_axes = (BATCH_AXES if not thd and bias.shape[0] == b and b > 1 else None,
-                     HEADS_AXES if bias.shape[1] == h and h > 1 else None, SEQ_AXES, SEQ_AXES)
+    def square_axes(a):  # bias / dense mask [b|1, h|1, sq, skv]
+        if a is None or a.ndim != 4:
+            return None
+        return (BATCH_AXES if not thd and a.shape[0] == b and b > 1 else None,
+                HEADS_AXES if a.shape[1] == h and h > 1 else None, SEQ_AXES, SEQ_AXES)
+
     names = _tensor_axes(fmt, qkv_layout) + (token_axes(q_seqlens, False), token_axes(kv_seqlens, False),
                                              token_axes(q_segment_ids, True), token_axes(kv_segment_ids, True),
-                                             bias_axes)
+                                             square_axes(bias), square_axes(mask))
     out_names = _LEAD_AXES[fmt] + (HEADS_AXES, HEAD_DIM_AXES)
     return run_per_shard(module_name, core, tuple(tensors) + tuple(extras), names, out_names,
                          split=(BATCH_AXES,) + _head_split(qkv_layout))
@@ -253,10 +275,15 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
     given = [n for n, a in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens),
                             ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)) if a is not None]
     if mask is not None:
-        if given:
-            raise ValueError(f"{module_name}: pass either mask or {'/'.join(given)}, not both.")
-        q_segment_ids, kv_segment_ids = _padding_from_mask(mask, fmt, b, sq, skv, module_name)
-    has_padding = mask is not None or bool(given)
+        # Applied exactly as given (not reduced to padding), on top of the mask type and any seqlens/segments.
+        mask = _dense_mask(mask, fmt, b, q.shape[-2], sq, skv, module_name)
+        if context_parallel_axis:
+            raise ValueError(
+                f"{module_name}: mask (a dense [b, 1|h, q_seq, kv_seq] mask, shape {tuple(mask.shape)}) cannot be "
+                f"split over context_parallel_axis={context_parallel_axis!r}; pass packing/padding as "
+                f"q_segment_ids/kv_segment_ids (or q_seqlens/kv_seqlens) and causality as the mask type "
+                f"(attn_mask_type / self_attn_mask_type), which context parallelism serves.")
+    has_padding = bool(given)
     mask_type = _effective_mask_type(attn_mask_type, has_padding)
 
     if attn_bias_type is None:
@@ -315,14 +342,15 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
 
         def core(*arrays):
             ts = arrays[:n_tensors]
-            qsl, kvsl, qseg, kvseg, bias_ = arrays[n_tensors:]
-            tokens = dict(q_seqlens=qsl, kv_seqlens=kvsl, q_segment_ids=qseg, kv_segment_ids=kvseg, bias=bias_)
+            qsl, kvsl, qseg, kvseg, bias_, mask_ = arrays[n_tensors:]
+            tokens = dict(q_seqlens=qsl, kv_seqlens=kvsl, q_segment_ids=qseg, kv_segment_ids=kvseg, bias=bias_,
+                          mask=mask_)
             if qkv_layout is None:
                 return dot_product_attention(*ts, attn_input_format=fmt, **tokens, **common)
             return dot_product_attention_packed(ts, qkv_layout=qkv_layout, **heads, **tokens, **common)
 
         extras = tuple(a if a is None or hasattr(a, "shape") else jnp.asarray(a)
-                       for a in (q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias))
+                       for a in (q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask))
         if active:  # dropout draws one mask over the global array: no per-shard run (the xla backend serves it)
             out = core(*tensors, *extras)
         else:
@@ -356,10 +384,13 @@ class DotProductAttention(nn.Module):
     Inputs follow `attn_input_format` ("bshd" [b, s, h, d], "sbhd" [s, b, h, d], "thd" [t, h, d])
     and `qkv_layout` (te_jax.QKV_LAYOUTS; None infers it from the tensors passed): pass
     (query, key, value) separately, (query, kv) for KV-packed or (qkv,) for QKV-packed layouts.
-    mask: TransformerEngine convention, boolean [b, 1, sq, skv] with True = masked out, read as a
-      padding mask (fully masked rows/columns are padding); or give seqlens / segment ids directly.
-      Padding information turns "causal" into "padding_causal" (etc.); a padding mask type without
-      any padding information behaves as its non-padding variant.
+    mask: TransformerEngine convention, boolean (or 0/1 integer) [b or 1, 1 or h, sq, skv] with True =
+      masked out, applied exactly as given on top of attn_mask_type, seqlens / segment ids and window
+      (a causal or block-diagonal mask works with attn_mask_type="no_mask"); a query row it hides
+      entirely gives zeros. Served by the xla and pallas backends (not cuDNN), not with context
+      parallelism; seqlens / segment ids / mask types say padding, packing and causality faster.
+      Seqlens / segment ids turn "causal" into "padding_causal" (etc.); a padding mask type without
+      seqlens or segment ids behaves as its non-padding variant (the dense mask then does the masking).
     attn_bias_type: None (post-scale when a bias is given), "no_bias", "pre_scale_bias", "post_scale_bias".
     scale_factor: None → 1/sqrt(head_dim). float32_logits: run the attention in fp32.
     softcap: logits ← softcap·tanh(logits/softcap). attention_dropout draws from `dropout_rng_name`.
@@ -491,7 +522,9 @@ class MultiHeadAttention(nn.Module):
     context_parallel_axis: a mesh axis name → the attention runs as te_jax.context_parallel.
       context_parallel_attention over that axis (global arrays in, the mesh from jax.set_mesh);
       context_parallel_load_balanced=True means the tokens come in the zig-zag order of
-      reorder_causal_load_balancing (RoPE positions follow that order). No bias / attention dropout.
+      reorder_causal_load_balancing, segment ids too (seqlens describe the original order); RoPE
+      positions are computed in the original order and then reordered, so documents keep their
+      positions across chunk boundaries. No bias / dense mask / attention dropout.
     Other arguments: as DotProductAttention (attn_mask_type, window_size, softcap, float32_logits,
     attention_dropout), LayerNorm (layernorm_type, epsilon, zero_centered_gamma).
     """
@@ -612,14 +645,15 @@ class MultiHeadAttention(nn.Module):
 
         if self.enable_rotary_pos_emb:
             rope = dict(group_method=self.rotary_pos_emb_group_method, windows=self.rotary_pos_emb_windows)
-            q_pos = _positions(fmt, b, sq, offset, q_segment_ids, q_seqlens if fmt == "thd" else None)
-            if (self.context_parallel_axis and self.context_parallel_load_balanced and q_segment_ids is None
-                    and fmt != "thd" and not use_cache):
-                q_pos = self._load_balanced_positions(fmt, sq)
+            # Load-balanced context parallelism: tokens come zig-zag reordered; positions are computed in
+            # the original order and reordered (for segment ids, seqlens, thd and no packing alike).
+            cp = (self._load_balanced_cp_size() if self.context_parallel_axis and self.context_parallel_load_balanced
+                  and not use_cache else None)
+            q_pos = _positions(fmt, b, sq, offset, q_segment_ids, q_seqlens if fmt == "thd" else None, cp)
             if is_self:
                 kv_pos = q_pos
             else:
-                kv_pos = _positions(fmt, b, skv, 0, kv_segment_ids, kv_seqlens if fmt == "thd" else None)
+                kv_pos = _positions(fmt, b, skv, 0, kv_segment_ids, kv_seqlens if fmt == "thd" else None, cp)
             tensors = _rope_qk(tensors, packed_layout, q_pos, kv_pos, rope)
 
         attn_args = dict(attn_bias_type=self.attn_bias_type, window_size=self.window_size, softcap=self.softcap,
@@ -664,10 +698,8 @@ class MultiHeadAttention(nn.Module):
                          bias_axes=("embed",), name="out", **common)(out)
         return y, ln_out
 
-    def _load_balanced_positions(self, fmt, s):
-        """RoPE positions of tokens given in the zig-zag order of reorder_causal_load_balancing."""
-        from te_jax.context_parallel import reorder_causal_load_balancing
-
+    def _load_balanced_cp_size(self) -> int:
+        """Size of the context-parallel mesh axis, for RoPE positions of zig-zag reordered tokens."""
         mesh = _compat.current_mesh()
         names = tuple(getattr(mesh, "axis_names", ()) or ())
         if self.context_parallel_axis not in names:
@@ -675,9 +707,7 @@ class MultiHeadAttention(nn.Module):
                 f"MultiHeadAttention: context_parallel_axis={self.context_parallel_axis!r} with "
                 f"context_parallel_load_balanced=True and rotary embeddings needs the mesh to be set "
                 f"(jax.set_mesh(mesh)) to know the context-parallel size; current mesh axes: {names}.")
-        cp = mesh.shape[self.context_parallel_axis]
-        pos = reorder_causal_load_balancing(jnp.arange(s)[None], cp, 1)  # [1, s]
-        return pos if fmt == "bshd" else pos.T
+        return int(mesh.shape[self.context_parallel_axis])
 
 
 # ----------------------------------------------------------------------------- RelativePositionBiases

@@ -48,8 +48,9 @@ class TransformerLayer(nn.Module):
       → + drop(mlp(LN(·))). apply_residual_connection_post_layernorm: residuals start from the LN
       output. output_layernorm: no input LayerNorm before self-attention; a LayerNorm on the output.
     layer_type: "encoder" or "decoder" (decoder adds cross-attention over `encoded`,
-      mask `encoder_decoder_mask`). self_attn_mask_type applies to self-attention; the padding
-      arguments (attention_mask or q_seqlens/..., TE convention True = masked out) add padding.
+      mask `encoder_decoder_mask`). self_attn_mask_type applies to self-attention; q_seqlens/... add
+      padding; attention_mask / encoder_decoder_mask (TE convention, boolean True = masked out,
+      [b, 1, q, kv]) are applied exactly as given (see DotProductAttention's `mask`).
     Dropouts (RNG stream `dropout_rng_name`, off when deterministic): hidden_dropout (after
       attention and MLP), attention_dropout (probabilities), intermediate_dropout (MLP activation),
       drop_path (stochastic depth per example on each residual branch).
