@@ -86,4 +86,4 @@ def test_ci_runs_the_readme_test_command():
     assert m, "README lost its test command"
     assert m.group(1).replace("python ", "python3 ", 1) in ci, (m.group(1), ci)
     min_python = _pyproject()["project"]["requires-python"]
-    assert min_python == ">=3.11" and "Python 3.11" in readme
+    assert min_python == ">=3.11" and f"`requires-python = \"{min_python}\"`" in readme
