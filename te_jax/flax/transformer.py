@@ -52,8 +52,11 @@ class TransformerLayer(nn.Module):
       padding; attention_mask / encoder_decoder_mask (TE convention, boolean True = masked out,
       [b, 1, q, kv]) are applied exactly as given (see DotProductAttention's `mask`).
     Dropouts (RNG stream `dropout_rng_name`, off when deterministic): hidden_dropout (after
-      attention and MLP), attention_dropout (probabilities), intermediate_dropout (MLP activation),
-      drop_path (stochastic depth per example on each residual branch).
+      attention and MLP, default 0.1), attention_dropout (probabilities, 0.1), intermediate_dropout
+      (MLP activation, 0.0), drop_path (stochastic depth per example on each residual branch, 0.0).
+    Defaults are TransformerEngine-JAX 2.20's (mlp_activations=("gelu",), intermediate_dropout=0.0,
+      mha_kernel_init variance_scaling(1.0, "fan_in", "normal"), mlp_kernel_init the same with
+      "truncated_normal"); te_jax/flax/README.md lists the remaining differences.
     dtype: compute dtype (inputs are cast; None: the input's dtype); param_dtype: parameter storage dtype.
     enable_relative_embedding: T5 relative position biases (TE's default True); enable_rotary_pos_emb: RoPE.
     context_parallel_axis / _strategy / _load_balanced: passed to the self-attention (context-parallel
@@ -71,11 +74,11 @@ class TransformerLayer(nn.Module):
     hidden_dropout: float = 0.1
     hidden_dropout_dims: tuple = ()
     attention_dropout: float = 0.1
-    intermediate_dropout: float = 0.1
+    intermediate_dropout: float = 0.0
     dropout_rng_name: str = "dropout"
-    mha_kernel_init: Initializer | None = None
+    mha_kernel_init: Initializer | None = None  # None: variance_scaling(1.0, "fan_in", "normal"), as TE
     mlp_kernel_init: Initializer | None = None
-    mlp_activations: tuple = ("relu",)
+    mlp_activations: tuple = ("gelu",)
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
     apply_residual_connection_post_layernorm: bool = False
@@ -160,7 +163,8 @@ class TransformerLayer(nn.Module):
             layernorm_type=self.layernorm_type, layernorm_epsilon=self.layernorm_epsilon,
             zero_centered_gamma=self.zero_centered_gamma,
             return_layernorm_output=self.apply_residual_connection_post_layernorm, use_bias=self.use_bias,
-            bias_init=self.bias_init, kernel_init=self.mha_kernel_init,
+            bias_init=self.bias_init,
+            kernel_init=self.mha_kernel_init or nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
             enable_rotary_pos_emb=self.enable_rotary_pos_emb, rotary_pos_emb_windows=self.rotary_pos_emb_windows,
             rotary_pos_emb_group_method=self.rotary_pos_emb_group_method, dtype=self.dtype,
             param_dtype=self.param_dtype, fuse_qkv_params=self.fuse_qkv_params, attn_input_format=fmt,
