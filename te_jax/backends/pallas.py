@@ -2,6 +2,8 @@
 
 On sm90 it takes the Hopper (Mosaic GPU) kernel when that kernel serves the call, and the portable
 Triton-lowered kernel otherwise; off-GPU the portable kernel runs in interpret mode (tests).
+The Hopper kernel's `supports` checks shapes, dtype and features; the device (sm90) and the jax
+version (>= 0.11) are checked here (`hopper_device_reason`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,21 @@ def _batched(tensors, fmt):
 
 def _kernel_qkv(tensors):
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def hopper_device_reason() -> str | None:
+    """None when this process can run the Hopper kernel, else why not (the kernel's `supports` checks only
+    shapes, dtype and features; the device and the jax version are the dispatcher's to check)."""
+    from te_jax import _compat
+
+    cc = _compat.gpu_compute_capability()
+    if cc is None or cc[0] != 9:
+        return "not an sm90 GPU"
+    if _compat.JAX_VERSION < (0, 11, 0):
+        import jax
+
+        return f"jax {jax.__version__} < 0.11 (Mosaic GPU plgpu.kernel API)"
+    return None
 
 
 def _import(name):
@@ -97,7 +114,7 @@ class PallasBackend:
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
-                            call.dtype, call.mask.causal)
+                            call.dtype, call.mask.causal) or hopper_device_reason()
 
     def ring_block_reason(self, call, q_block_shape, kv_block_shape, half_blocks: bool) -> str | None:
         """Why the Hopper kernel cannot serve the per-block calls of ring attention (None when it can).
@@ -119,7 +136,7 @@ class PallasBackend:
             hk = (kv_block_shape[0], kv_block_shape[1] // 2) + tuple(kv_block_shape[2:])
             shapes += [(q_block_shape, hk), (hq, kv_block_shape)]
         for qs, ks in shapes:
-            why = mod.supports(qs, ks, tuple(ks[:3]) + (v_shape[3],), call.dtype, False)
+            why = mod.supports(qs, ks, tuple(ks[:3]) + (v_shape[3],), call.dtype, False) or hopper_device_reason()
             if why is not None:
                 return f"ring block q{tuple(qs)} x kv{tuple(ks)}: {why}"
         return None
