@@ -11,11 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_flax_modules import assert_close, init, rand
+from test_flax_modules import assert_close, rand, unbox
 from te_jax.flax import MultiHeadAttention, TransformerLayer
 
 D, H, HD = 32, 4, 8
 TOL = 2e-5
+
+
+def init(m, *args, **kw):
+    """m.init under jit (whole-call compiles are much faster on the CI machine than op-by-op dispatch)."""
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    return unbox(jax.jit(lambda *a: m.init(rngs, *a, **kw))(*args))
 
 
 def mha(**kw):
@@ -50,26 +56,52 @@ def stream_validity(prompt_lens, prompt_window, n_steps, side, step_padding=()):
     return np.concatenate([prompt, steps], axis=1)
 
 
+def jit_decode(m, **static):
+    """m.apply(decode=True) under jit (compiling whole calls is much faster here than op-by-op dispatch);
+    x is one input or a tuple of inputs, kw the traced keyword arguments, static the Python ones."""
+    return jax.jit(lambda params, cache, x, kw: m.apply(
+        {**params, "cache": cache}, *(x if isinstance(x, tuple) else (x,)), decode=True, mutable=["cache"],
+        **static, **kw))
+
+
+def jit_full(m, **static):
+    """The full forward under jit; MultiHeadAttention's output without ln_output."""
+    def fn(params, x, kw):
+        out = m.apply(params, *(x if isinstance(x, tuple) else (x,)), **static, **kw)
+        return out[0] if isinstance(out, tuple) else out
+    return jax.jit(fn)
+
+
 def decode_stream(m, params, cache, x, valid, chunks, kind, fmt="bshd"):
     """Apply decode=True chunk by chunk ([start, stop) along the stream); outputs [b, T, D] batch-first."""
     outs = []
+    step = jit_decode(m)
     for a, b in chunks:
         xc = x[:, a:b] if fmt == "bshd" else jnp.swapaxes(x[:, a:b], 0, 1)
-        kw = padding_args(kind, valid[:, a:b]) if not valid[:, a:b].all() else {}
-        (y, _), mut = m.apply({**params, "cache": cache}, xc, decode=True, mutable=["cache"], **kw)
+        kw = padding_args(kind, valid[:, a:b])  # also where every token is real
+        (y, _), mut = step(params, cache, xc, kw)
         cache = mut["cache"]
         outs.append(y if fmt == "bshd" else jnp.swapaxes(y, 0, 1))
     return jnp.concatenate(outs, axis=1), cache
 
 
-def check_rows_against_full(m, params, x, valid, y, fmt="bshd", what="decode"):
-    """Row by row: the decode outputs at the real tokens equal the full forward on the real tokens alone."""
+def compact(x, valid):
+    """Each row's real tokens first, in order (the rest: the padding tokens): [b, T, ...]."""
+    order = np.argsort(~np.asarray(valid), axis=1, kind="stable")
+    return jnp.take_along_axis(x, jnp.asarray(order).reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def check_rows_against_full(m, params, x, valid, y, fmt="bshd", what="decode", extra=(), static=None):
+    """The decode outputs at each row's real tokens equal the full causal forward of that row's real tokens
+    alone: computed in one call on the rows compacted (real tokens first, no padding arguments), whose
+    first L_i outputs see only the row's L_i real tokens (causal attention; everything else is per token)."""
+    xc = compact(x, valid)
+    xin = xc if fmt == "bshd" else jnp.swapaxes(xc, 0, 1)
+    ref = jit_full(m, **(static or {}))(params, (xin,) + tuple(extra), {})
+    ref = ref if fmt == "bshd" else jnp.swapaxes(ref, 0, 1)
+    lens = np.asarray(valid).sum(1)
     for i in range(x.shape[0]):
-        xi = x[i][np.asarray(valid[i])][None]  # [1, L_i, D]
-        xin = xi if fmt == "bshd" else jnp.swapaxes(xi, 0, 1)
-        ref = m.apply(params, xin)[0]
-        ref = ref if fmt == "bshd" else jnp.swapaxes(ref, 0, 1)
-        assert_close(y[i][np.asarray(valid[i])], ref[0], TOL, f"{what}, row {i}")
+        assert_close(y[i][np.asarray(valid[i])], ref[i, :lens[i]], TOL, f"{what}, row {i}")
 
 
 # ----------------------------------------------------------------------------- MultiHeadAttention
@@ -84,7 +116,6 @@ CASES = {  # backend, prompt side, how the padding is given, module options
     "pallas-left-segids-rope-gqa": ("pallas", "left", "segment_ids", dict(enable_rotary_pos_emb=True,
                                                                            num_gqa_groups=2)),
     "pallas-right-seqlens-rope": ("pallas", "right", "seqlens", dict(enable_rotary_pos_emb=True)),
-    "pallas-left-mask-norope": ("pallas", "left", "mask", dict()),
 }
 
 
@@ -106,7 +137,7 @@ def test_padded_prompts_decode_as_full_forward_per_row(case):
     np.testing.assert_array_equal(cache["cache_index"], valid.sum(1))  # each row's real tokens
     check_rows_against_full(m, params, x, valid, y, what=case)
     # the full forward with the same padding arguments agrees on the prompt's real tokens
-    full = m.apply(params, x[:, :window], **padding_args(kind, valid[:, :window]))[0]
+    full = jit_full(m)(params, x[:, :window], padding_args(kind, valid[:, :window]))
     vp = valid[:, :window]
     assert_close(y[:, :window][vp], full[vp], TOL, "full forward with padding")
 
@@ -144,13 +175,13 @@ def test_unpadded_decode_jitted_equals_full_forward():
     x = rand(3, (b, max_len, D))
     v = init(m, x, decode=True)
     params, cache = {"params": v["params"]}, v["cache"]
-    step = jax.jit(lambda c, xc: m.apply({**params, "cache": c}, xc, decode=True, mutable=["cache"]))
+    step = jit_decode(m)
     outs = []
     for a, e in [(0, 5), (5, 6), (6, 7), (7, 8)]:
-        (y, _), mut = step(cache, x[:, a:e])
+        (y, _), mut = step(params, cache, x[:, a:e], {})
         cache = mut["cache"]
         outs.append(y)
-    assert_close(jnp.concatenate(outs, axis=1), m.apply(params, x)[0], TOL, "jit decode")
+    assert_close(jnp.concatenate(outs, axis=1), jit_full(m)(params, x, {}), TOL, "jit decode")
 
 
 # ----------------------------------------------------------------------------- past the cache
@@ -168,18 +199,16 @@ def test_eager_step_past_the_cache_is_a_value_error():
     v = init(m, rand(1, (2, 4, D)), decode=True)
     params, cache = {"params": v["params"]}, v["cache"]
     # row 0: 3 real tokens, row 1: 1 (right padding by seqlens)
-    _, mut = m.apply({**params, "cache": cache}, rand(2, (2, 3, D)), decode=True, mutable=["cache"],
-                     q_seqlens=jnp.array([3, 1]))
-    cache = mut["cache"]
-    _, mut = m.apply({**params, "cache": cache}, rand(3, (2, 1, D)), decode=True, mutable=["cache"])
-    cache = mut["cache"]
+    step = jit_decode(m)
+    _, mut = step(params, cache, rand(2, (2, 3, D)), dict(q_seqlens=jnp.array([3, 1])))
+    _, mut = step(params, mut["cache"], rand(3, (2, 1, D)), {})
+    cache = mut["cache"]  # concrete arrays: the next eager call knows where each row stands
     np.testing.assert_array_equal(cache["cache_index"], [4, 2])
     with pytest.raises(ValueError, match=r"max_len=4.*row 0 already holds 4.*chunk of 1 tokens") as e:
         m.apply({**params, "cache": cache}, rand(4, (2, 1, D)), decode=True, mutable=["cache"])
     assert "kv_seqlens" not in str(e.value)
     # a row that is padding at this step does not advance: no error when only row 1 has a token
-    _, mut = m.apply({**params, "cache": cache}, rand(4, (2, 1, D)), decode=True, mutable=["cache"],
-                     q_seqlens=jnp.array([0, 1]))
+    _, mut = step(params, cache, rand(4, (2, 1, D)), dict(q_seqlens=jnp.array([0, 1])))
     np.testing.assert_array_equal(mut["cache"]["cache_index"], [4, 3])
 
 
@@ -204,9 +233,8 @@ def test_jit_step_past_the_cache_gives_nan_rows():
     assert bool(jnp.all(jnp.isnan(y[0, 4:]))), "row 0 decoded past the cache: its outputs must be NaN"
     assert bool(jnp.all(jnp.isfinite(y[0, :4])))
     assert bool(jnp.all(jnp.isfinite(y[1])))
-    ref1 = m.apply(params, x[1][valid[1]][None])[0][0]
-    assert_close(y[1][valid[1]], ref1, TOL, "row 1, within its cache")
-    assert_close(y[0, :4], m.apply(params, x[0:1, :4])[0][0], TOL, "row 0 before the overflow")
+    check_rows_against_full(m, params, x[:1, :4], np.ones((1, 4), bool), y[:1, :4], what="row 0, before the overflow")
+    check_rows_against_full(m, params, x[1:], valid[1:], y[1:], what="row 1, within its cache")
 
 
 # ----------------------------------------------------------------------------- bad decode inputs
@@ -239,8 +267,9 @@ def test_cross_attention_query_chunk_equals_rows_of_full_query():
     m = mha(enable_rotary_pos_emb=True, attn_mask_type="padding", num_gqa_groups=2, backend="xla")
     x, enc = rand(1, (2, 8, D)), rand(2, (2, 5, D))
     p = init(m, x, enc)
-    full = m.apply(p, x, enc)[0]
-    chunk = m.apply(p, x[:, 3:6], enc, q_positions=jnp.arange(3, 6)[None])[0]
+    fn = jit_full(m)
+    full = fn(p, (x, enc), {})
+    chunk = fn(p, (x[:, 3:6], enc), dict(q_positions=jnp.arange(3, 6)[None]))
     assert_close(chunk, full[:, 3:6], TOL, "cross-attention query chunk")
     with pytest.raises(ValueError, match=r"q_positions has shape \(3,\)"):
         m.apply(p, x[:, 3:6], enc, q_positions=jnp.arange(3, 6))
@@ -266,11 +295,11 @@ def test_decoder_layer_with_rope_decodes_as_full_forward(relpos):
     enc_mask = lambda sq: ~jnp.broadcast_to(enc_vis[:, None, None, :], (b, 1, sq, 5))
     v = init(m, x, enc, encoder_decoder_mask=enc_mask(s), decode=True, deterministic=True)
     params, cache = {"params": v["params"]}, v["cache"]
-    full = m.apply(params, x, enc, encoder_decoder_mask=enc_mask(s), deterministic=True)
+    full = jit_full(m, deterministic=True)(params, (x, enc), dict(encoder_decoder_mask=enc_mask(s)))
+    step = jit_decode(m, deterministic=True)
     outs = []
     for a, e in [(0, 3)] + [(t, t + 1) for t in range(3, s)]:
-        y, mut = m.apply({**params, "cache": cache}, x[:, a:e], enc, encoder_decoder_mask=enc_mask(e - a),
-                         deterministic=True, decode=True, mutable=["cache"])
+        y, mut = step(params, cache, (x[:, a:e], enc), dict(encoder_decoder_mask=enc_mask(e - a)))
         cache = mut["cache"]
         outs.append(y)
     assert_close(jnp.concatenate(outs, axis=1), full, 3e-5, "decoder layer decode")
@@ -285,20 +314,19 @@ def test_decoder_layer_left_padded_prompts_decode_per_row():
     x, enc = rand(3, (b, window + n_steps, D)), rand(4, (b, 5, D))
     v = init(m, rand(5, (b, max_len, D)), enc, decode=True, max_decode_length=max_len, deterministic=True)
     params, cache = {"params": v["params"]}, v["cache"]
+    step = jit_decode(m, deterministic=True, max_decode_length=max_len)
+    full = jit_full(m, deterministic=True)
     outs = []
     for a, e in [(0, 4), (4, 5), (5, 6)]:
         seg = jnp.asarray(valid[:, a:e], jnp.int32)
-        y, mut = m.apply({**params, "cache": cache}, x[:, a:e], enc, deterministic=True, decode=True,
-                         max_decode_length=max_len, mutable=["cache"], q_segment_ids=seg, kv_segment_ids=seg)
+        y, mut = step(params, cache, (x[:, a:e], enc), dict(q_segment_ids=seg, kv_segment_ids=seg))
         cache = mut["cache"]
         outs.append(y)
     y = jnp.concatenate(outs, axis=1)
-    for i in range(b):
-        ref = m.apply(params, x[i][valid[i]][None], enc[i:i + 1], deterministic=True)
-        assert_close(y[i][valid[i]], ref[0], 3e-5, f"row {i}")
+    check_rows_against_full(m, params, x, valid, y, extra=(enc,), static=dict(deterministic=True))
     # and the padded full forward (same segment ids) agrees on the real tokens
     seg = jnp.asarray(valid[:, :window], jnp.int32)
-    full = m.apply(params, x[:, :window], enc, deterministic=True, q_segment_ids=seg, kv_segment_ids=seg)
+    full = full(params, (x[:, :window], enc), dict(q_segment_ids=seg, kv_segment_ids=seg))
     assert_close(y[:, :window][valid[:, :window]], full[valid[:, :window]], 3e-5, "padded full forward")
 
 
@@ -320,7 +348,9 @@ def test_nnx_decode_with_mutable_cache():
     kw = dict(head_dim=HD, num_attention_heads=H, enable_rotary_pos_emb=True, backend="xla")
     m = te_nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(params=0))
     te_nnx.lazy_init(m, x, decode=True)  # creates the parameters and the cache
-    outs = [m(x[:, :3], decode=True)[0]] + [m(x[:, t:t + 1], decode=True)[0] for t in range(3, s)]
+    step = nnx.jit(lambda mod, xc: mod(xc, decode=True, mutable=["cache"])[0])  # updates the module's cache
+    outs = [step(m, x[:, :3])] + [step(m, x[:, t:t + 1]) for t in range(3, s)]
+    np.testing.assert_array_equal(m.cache_index[...], [s, s])
     full = te_nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(params=0))
     nnx.update(full, nnx.state(m, nnx.Param))
-    assert_close(jnp.concatenate(outs, axis=1), full(x)[0], TOL, "nnx decode")
+    assert_close(jnp.concatenate(outs, axis=1), nnx.jit(lambda mod, x: mod(x)[0])(full, x), TOL, "nnx decode")
