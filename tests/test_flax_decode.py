@@ -134,8 +134,8 @@ def test_padded_prompts_decode_as_full_forward_per_row(case):
     np.testing.assert_array_equal(cache["cache_index"], np.zeros(b))
     chunks = [(0, 4), (4, 6)] + [(t, t + 1) for t in range(window, window + n_steps)]
     y, cache = decode_stream(m, params, cache, x, valid, chunks, kind)
-    np.testing.assert_array_equal(cache["cache_index"], valid.sum(1))  # each row's real tokens
     check_rows_against_full(m, params, x, valid, y, what=case)
+    np.testing.assert_array_equal(cache["cache_index"], valid.sum(1))  # each row's real tokens
     # the full forward with the same padding arguments agrees on the prompt's real tokens
     full = jit_full(m)(params, x[:, :window], padding_args(kind, valid[:, :window]))
     vp = valid[:, :window]

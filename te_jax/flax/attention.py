@@ -572,7 +572,7 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with projections: [LayerNorm] → Q/K/V → [RoPE] → attention → output projection.
 
     __call__(inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False,
-             q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None)
+             q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, q_positions=None)
       -> (output, ln_output)   (ln_output None unless return_layernorm_output)
 
     inputs: [b, s, hidden] ("bshd"), [s, b, hidden] ("sbhd") or [t, hidden] ("thd").
@@ -585,13 +585,33 @@ class MultiHeadAttention(nn.Module):
       context parallelism split it. False: separate query/key/value kernels.
     num_gqa_groups: g key/value heads (None = h; 1 = multi-query attention); must divide h.
     enable_rotary_pos_emb: RoPE on Q and K, rotary_pos_emb_group_method "consecutive" or "alternate",
-      rotary_pos_emb_windows (min, max) timescales; positions restart at 0 in every segment
-      when segment ids are given (and for thd), and continue from the cache index when decoding.
-    decode: autoregressive self-attention with a KV cache in the "cache" collection
-      (cached_key, cached_value [b, max_len, g, d], cache_index). Initialise with decode=True on an
-      input of the maximum length, then apply step by step with mutable=["cache"]; each step attends
-      causally to everything cached so far (masks other than the causal structure are not applied
-      while decoding; a bias over [.., max_len, max_len] is sliced to the current rows).
+      rotary_pos_emb_windows (min, max) timescales; positions restart at 0 in every segment when
+      segment ids (or a padding mask, read as segment ids) are given, and for thd; when decoding they
+      continue from each row's cache_index, counting only real tokens.
+    decode: autoregressive self-attention with a KV cache in the "cache" collection:
+        cached_key, cached_value [b, max_len, g, d]  (bshd whatever the format; RoPE already applied to keys)
+        cache_index              [b] int32           each row's valid length: its real tokens cached so far
+      Each row's real tokens sit contiguously in slots [0, cache_index[row]); that is also the RoPE position
+      of the row's next real token and the slot it is written to (a per-row valid length, not one index for
+      the batch). Initialise with decode=True on an input of max_len tokens (this creates an empty cache),
+      then apply chunks of any length <= max_len (a prefill in one or several chunks, then one token a step)
+      with mutable=["cache"]. Padding is given per call for that call's tokens, batch-first in every format:
+      mask [b, 1 or h, chunk, chunk], q/kv_segment_ids [b, chunk] (0 = padding; one sequence per row) or
+      q/kv_seqlens [b] (real tokens first); padding may be anywhere (left-padded prompts, a row with no token
+      at a step). Padding tokens are not cached and do not advance their row; each real token attends
+      causally to its row's cached tokens, so decoding equals the full forward on each row's real tokens
+      (RoPE positions count only real tokens, as with segment ids in the full forward). The attention runs
+      on every backend through q_seqlens / kv_seqlens (padding_causal_bottom_right, queries compacted);
+      decoding is always causal whatever attn_mask_type. bias: [1 or b, 1 or h, max_len, max_len] indexed by
+      token positions (each row takes the rows of its tokens' positions; RelativePositionBiases over max_len)
+      or [1 or b, 1 or h, chunk, max_len].
+      Past the cache: a chunk longer than max_len is a ValueError; eagerly (concrete cache_index) a call
+      that would take a row past max_len real tokens is a ValueError naming max_len and the chunk; under
+      jit (traced index) the outputs of every row that overflowed are NaN (documented poisoning, no
+      checkify needed), nothing is written past the cache and cache_index stays at max_len.
+    q_positions: cross-attention only, int [b or 1, q_seq] (batch-first; [t] for thd): the RoPE positions
+      of the query tokens (default: derived from q_segment_ids / the mask rows, else 0..q_seq-1), e.g. a
+      decoder chunk's positions; TransformerLayer passes the decoder self-attention's positions.
     scale_attn_logits / scaled_query_init: TransformerEngine's convention — by default the logits are
       not scaled (scale 1.0) and the query kernel is initialised divided by sqrt(head_dim);
       scale_attn_logits=True scales the logits by 1/sqrt(head_dim) (scale_factor overrides both).

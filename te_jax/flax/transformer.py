@@ -55,7 +55,16 @@ class TransformerLayer(nn.Module):
       attention and MLP), attention_dropout (probabilities), intermediate_dropout (MLP activation),
       drop_path (stochastic depth per example on each residual branch).
     dtype: compute dtype (inputs are cast; None: the input's dtype); param_dtype: parameter storage dtype.
-    enable_relative_embedding: T5 relative position biases (TE's default True); enable_rotary_pos_emb: RoPE.
+    enable_relative_embedding: T5 relative position biases (TE's default True); enable_rotary_pos_emb: RoPE
+      in the self-attention and, as TransformerEngine does, in the cross-attention: the decoder tokens are
+      rotated at their self-attention positions (0.. counting real tokens when padding is given by segment
+      ids or a mask; from the cache when decoding), `encoded` at 0..s_enc-1 (or per encoder segment).
+    decode: the self-attention decodes with its KV cache (MultiHeadAttention: per-row valid lengths,
+      padding per call from attention_mask / q_seqlens / q_segment_ids, chunks up to max_len, past the cache
+      a ValueError eagerly and NaN rows under jit); apply with mutable=["cache"]. The cross-attention
+      recomputes its keys/values from `encoded` every call (encoder_decoder_mask then covers this call's
+      query rows). Relative position biases are computed over the cache length (the one it was initialised
+      with); max_decode_length may be left out, and if given must equal it.
     context_parallel_axis / _strategy / _load_balanced: passed to the self-attention (context-parallel
       attention over that mesh axis).
     Parameter logical axes: see MultiHeadAttention, LayerNormMLP and te_jax/flax/README.md.
