@@ -184,6 +184,28 @@ def test_unpadded_decode_jitted_equals_full_forward():
     assert_close(jnp.concatenate(outs, axis=1), jit_full(m)(params, x, {}), TOL, "jit decode")
 
 
+def test_decode_bias_by_position_or_by_chunk_rows():
+    """A bias [1, h, max_len, max_len] is read by token position; [b, h, chunk, max_len] as this call's rows.
+    Both decode as the full forward with the bias; other shapes are a ValueError naming the expected ones."""
+    m = mha(enable_rotary_pos_emb=True, backend="xla")
+    b, max_len = 2, 6
+    x, bias = rand(1, (b, max_len, D)), rand(2, (1, H, max_len, max_len))
+    v = init(m, x, decode=True)
+    params = {"params": v["params"]}
+    full = jit_full(m)(params, x, dict(bias=bias))
+    step = jit_decode(m)
+    for per_chunk in (False, True):
+        cache, outs = v["cache"], []
+        for a, e in [(0, 4), (4, 5), (5, 6)]:
+            bc = jnp.broadcast_to(bias[:, :, a:e], (b, H, e - a, max_len)) if per_chunk else bias
+            (y, _), mut = step(params, cache, x[:, a:e], dict(bias=bc))
+            cache = mut["cache"]
+            outs.append(y)
+        assert_close(jnp.concatenate(outs, axis=1), full, TOL, f"bias, per_chunk={per_chunk}")
+    with pytest.raises(ValueError, match=r"bias has shape \(1, 4, 1, 1\).*\[1 or 2, 1 or heads, 6, 6\]"):
+        m.apply(v, x[:, :1], decode=True, mutable=["cache"], bias=bias[:, :, :1, :1])
+
+
 # ----------------------------------------------------------------------------- past the cache
 
 
