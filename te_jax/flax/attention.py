@@ -125,6 +125,114 @@ def _positions(fmt, b, s, offset=0, segment_ids=None, seqlens=None, cp_size=None
     return pos if fmt != "sbhd" else pos.T
 
 
+def _query_positions(fmt, b, s, *, mask=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
+                     kv_segment_ids=None, cache_index=None, self_attention=True, kv_len=None,
+                     module="MultiHeadAttention", cp_size=None):
+    """RoPE positions of the query tokens, batch-first: [b or 1, s] (bshd/sbhd) or [t] (thd).
+
+    Full forward: positions restart at 0 in every segment, so they count each row's real tokens when
+    padding is given by segment ids or by a mask (read as segment ids, as the attention reads it);
+    seqlens (real tokens first) and no padding give 0..s-1; thd packs sequences from seqlens or ids.
+    Decoding (cache_index [b] given): cache_index[row] + the rank of the token among the row's real
+    tokens of this chunk (_decode_validity), i.e. the row's real tokens counted since the cache started.
+    Shared by MultiHeadAttention (self-attention) and TransformerLayer (the cross-attention's query).
+    cp_size: tokens in the zig-zag order of load-balanced context parallelism (see `_positions`).
+    """
+    if cache_index is not None:
+        valid = _decode_validity(module, b, s, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids)
+        rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1
+        return jnp.asarray(cache_index, jnp.int32)[:, None] + jnp.maximum(rank, 0)
+    seg = q_segment_ids if (q_segment_ids is not None or not self_attention) else kv_segment_ids
+    if seg is None and mask is not None and fmt != "thd":
+        seg = _padding_from_mask(mask, fmt, b, s, s if kv_len is None else kv_len, module)[0]
+    pos = _positions(fmt, b, s, 0, seg, q_seqlens if fmt == "thd" else None, cp_size)
+    return pos.T if fmt == "sbhd" else pos
+
+
+def _fmt_positions(pos, fmt):
+    """Batch-first positions [b|1, s] -> broadcastable to the tensors' leading axes in format fmt."""
+    return pos.T if fmt == "sbhd" else pos
+
+
+# ----------------------------------------------------------------------------- decoding with the KV cache
+
+
+def _decode_validity(module, b, sq, mask=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
+                     kv_segment_ids=None):
+    """Which tokens of a decode chunk are real: bool [b, sq] (all of them without padding arguments).
+
+    While decoding, the padding arguments describe the sq tokens given in this call, batch-first in
+    every format: mask [b, 1 or h, sq, sq] (True = masked out; a token is padding when its row or its
+    column is masked everywhere), q/kv_segment_ids [b, sq] (0 = padding, any other id = a real token:
+    one sequence per row), q/kv_seqlens [b] (the first len tokens of the row are real). Padding may sit
+    anywhere in the chunk (left, right, between). Both q_ and kv_ forms given: a token must be real in both.
+    """
+    given = [n for n, a in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens),
+                            ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)) if a is not None]
+    if mask is not None and given:
+        raise ValueError(f"{module}: pass either mask or {'/'.join(given)}, not both.")
+    if any("seqlens" in n for n in given) and any("segment" in n for n in given):
+        raise ValueError(f"{module}: pass either q_seqlens/kv_seqlens or q_segment_ids/kv_segment_ids, not both.")
+    if mask is not None:
+        shape = tuple(mask.shape)
+        if len(shape) != 4 or shape[0] != b or shape[2] != sq or shape[3] != sq:
+            raise ValueError(
+                f"{module}: decoding, mask has shape {shape} but this call gives {sq} tokens per row for a batch "
+                f"of {b}: the mask must be [batch, 1 or heads, chunk, chunk] = [{b}, 1, {sq}, {sq}] (always "
+                f"batch-first) and describes this call's tokens only (the cache keeps the earlier ones' padding).")
+        visible = jnp.logical_not(jnp.asarray(mask).astype(bool))
+        return jnp.any(visible, axis=(1, 3)) & jnp.any(visible, axis=(1, 2))
+    valid = jnp.ones((b, sq), bool)
+    for argname, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+        if seg is None:
+            continue
+        seg = masks._check_int_array(seg, argname, (b, sq), "[batch, chunk], batch-first in every format: "
+                                     "while decoding the segment ids describe this call's tokens")
+        if masks._is_concrete(seg):
+            arr = np.asarray(seg)
+            rows = [i for i in range(b) if len(set(arr[i][arr[i] != 0].tolist())) > 1]
+            if rows:
+                raise ValueError(
+                    f"{module}: decoding, {argname} holds several non-zero ids in row(s) {rows} "
+                    f"({arr[rows[0]].tolist()}): the KV cache keeps one sequence per batch row, so in decode "
+                    f"segment ids only mark padding (0) against tokens (one non-zero id per row).")
+        valid = valid & (seg != 0)
+    for argname, lens in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens)):
+        if lens is None:
+            continue
+        lens = masks._check_int_array(lens, argname, (b,), "[batch]: while decoding, the number of real tokens "
+                                      "at the start of each row of this call's chunk")
+        masks._check_seqlens_values(lens, argname, sq, "the decode chunk of this call")
+        valid = valid & (jnp.arange(sq, dtype=jnp.int32)[None, :] < lens[:, None])
+    return valid
+
+
+def _decode_bias(module, bias, b, sq, max_len, positions, order):
+    """The bias rows of the compacted chunk queries: [b or 1, h or 1, sq, max_len] or None.
+
+    bias [1 or b, 1 or h, max_len, max_len] is indexed by token positions (row = query position, column =
+    cache slot = key position), as RelativePositionBiases(max_len, max_len) gives it: each row takes the
+    rows of its queries' positions. bias [1 or b, 1 or h, sq, max_len] gives this call's query rows in the
+    order the tokens were passed; they are reordered with the queries.
+    """
+    if bias is None:
+        return None
+    shape = tuple(bias.shape)
+    if len(shape) != 4 or shape[0] not in (1, b) or shape[-1] != max_len or shape[-2] not in (max_len, sq):
+        raise ValueError(
+            f"{module}: decoding with a cache of max_len={max_len} and a chunk of {sq} tokens, bias has shape "
+            f"{shape}; expected [1 or {b}, 1 or heads, {max_len}, {max_len}] (rows and columns by token "
+            f"position, e.g. RelativePositionBiases over max_len; TransformerLayer: pass max_decode_length="
+            f"{max_len} or leave it out) or [1 or {b}, 1 or heads, {sq}, {max_len}] (this call's query rows).")
+    if shape[-2] == max_len:
+        rows = jnp.clip(jnp.take_along_axis(positions, order, axis=1), 0, max_len - 1)  # [b, sq]
+        if shape[0] == 1:
+            return jnp.moveaxis(bias[0][:, rows], 1, 0)  # [h, b, sq, max_len] -> [b, h, sq, max_len]
+        return jax.vmap(lambda bb, r: bb[:, r])(bias, rows)
+    bias = jnp.broadcast_to(bias, (b,) + shape[1:])
+    return jnp.take_along_axis(bias, order[:, None, :, None], axis=2)
+
+
 # ----------------------------------------------------------------------------- the shared attention call
 
 
@@ -151,6 +259,21 @@ def _dense_mask(mask, fmt, b, h, sq, skv, module):
             f"{module}: mask has dtype {mask.dtype}; it must be boolean (or integer 0/1) with True = masked out. "
             f"Pass an additive float mask as `bias`.")
     return mask.astype(bool)
+
+
+def _padding_from_mask(mask, fmt, b, sq, skv, module):
+    """The padding a dense mask implies: (q_segment_ids, kv_segment_ids) [b, sq], [b, skv] int32, 0 = padding.
+
+    A query row (key column) masked everywhere is a padding token. Used for RoPE positions (which count a
+    row's real tokens) and to find the real tokens of a decode chunk; the attention applies the mask itself.
+    """
+    shape = tuple(getattr(mask, "shape", ()))
+    heads = shape[1] if len(shape) == 4 else 1  # any head count: only the padding is read here
+    mask = _dense_mask(mask, fmt, b, heads, sq, skv, module)
+    visible = jnp.logical_not(mask)
+    q_seg = jnp.broadcast_to(jnp.any(visible, axis=(1, 3)), (b, sq)).astype(jnp.int32)
+    kv_seg = jnp.broadcast_to(jnp.any(visible, axis=(1, 2)), (b, skv)).astype(jnp.int32)
+    return q_seg, kv_seg
 
 
 def _effective_mask_type(mask_type: str, has_padding: bool) -> str:
@@ -496,7 +619,7 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with projections: [LayerNorm] → Q/K/V → [RoPE] → attention → output projection.
 
     __call__(inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False,
-             q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None)
+             q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, q_positions=None)
       -> (output, ln_output)   (ln_output None unless return_layernorm_output)
 
     inputs: [b, s, hidden] ("bshd"), [s, b, hidden] ("sbhd") or [t, hidden] ("thd").
@@ -509,13 +632,33 @@ class MultiHeadAttention(nn.Module):
       context parallelism split it. False: separate query/key/value kernels.
     num_gqa_groups: g key/value heads (None = h; 1 = multi-query attention); must divide h.
     enable_rotary_pos_emb: RoPE on Q and K, rotary_pos_emb_group_method "consecutive" or "alternate",
-      rotary_pos_emb_windows (min, max) timescales; positions restart at 0 in every segment
-      when segment ids are given (and for thd), and continue from the cache index when decoding.
-    decode: autoregressive self-attention with a KV cache in the "cache" collection
-      (cached_key, cached_value [b, max_len, g, d], cache_index). Initialise with decode=True on an
-      input of the maximum length, then apply step by step with mutable=["cache"]; each step attends
-      causally to everything cached so far (masks other than the causal structure are not applied
-      while decoding; a bias over [.., max_len, max_len] is sliced to the current rows).
+      rotary_pos_emb_windows (min, max) timescales; positions restart at 0 in every segment when
+      segment ids (or a padding mask, read as segment ids) are given, and for thd; when decoding they
+      continue from each row's cache_index, counting only real tokens.
+    decode: autoregressive self-attention with a KV cache in the "cache" collection:
+        cached_key, cached_value [b, max_len, g, d]  (bshd whatever the format; RoPE already applied to keys)
+        cache_index              [b] int32           each row's valid length: its real tokens cached so far
+      Each row's real tokens sit contiguously in slots [0, cache_index[row]); that is also the RoPE position
+      of the row's next real token and the slot it is written to (a per-row valid length, not one index for
+      the batch). Initialise with decode=True on an input of max_len tokens (this creates an empty cache),
+      then apply chunks of any length <= max_len (a prefill in one or several chunks, then one token a step)
+      with mutable=["cache"]. Padding is given per call for that call's tokens, batch-first in every format:
+      mask [b, 1 or h, chunk, chunk], q/kv_segment_ids [b, chunk] (0 = padding; one sequence per row) or
+      q/kv_seqlens [b] (real tokens first); padding may be anywhere (left-padded prompts, a row with no token
+      at a step). Padding tokens are not cached and do not advance their row; each real token attends
+      causally to its row's cached tokens, so decoding equals the full forward on each row's real tokens
+      (RoPE positions count only real tokens, as with segment ids in the full forward). The attention runs
+      on every backend through q_seqlens / kv_seqlens (padding_causal_bottom_right, queries compacted);
+      decoding is always causal whatever attn_mask_type. bias: [1 or b, 1 or h, max_len, max_len] indexed by
+      token positions (each row takes the rows of its tokens' positions; RelativePositionBiases over max_len)
+      or [1 or b, 1 or h, chunk, max_len].
+      Past the cache: a chunk longer than max_len is a ValueError; eagerly (concrete cache_index) a call
+      that would take a row past max_len real tokens is a ValueError naming max_len and the chunk; under
+      jit (traced index) the outputs of every row that overflowed are NaN (documented poisoning, no
+      checkify needed), nothing is written past the cache and cache_index stays at max_len.
+    q_positions: cross-attention only, int [b or 1, q_seq] (batch-first; [t] for thd): the RoPE positions
+      of the query tokens (default: derived from q_segment_ids / the mask rows, else 0..q_seq-1), e.g. a
+      decoder chunk's positions; TransformerLayer passes the decoder self-attention's positions.
     scale_attn_logits / scaled_query_init: TransformerEngine's convention — by default the logits are
       not scaled (scale 1.0) and the query kernel is initialised divided by sqrt(head_dim);
       scale_attn_logits=True scales the logits by 1/sqrt(head_dim) (scale_factor overrides both).
@@ -567,7 +710,7 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, decode: bool = False,
                  deterministic: bool = False, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
-                 kv_segment_ids=None):
+                 kv_segment_ids=None, q_positions=None):
         name = "MultiHeadAttention"
         fmt = layouts.check_format(self.attn_input_format)
         h, g = _check_heads(name, self.num_attention_heads, self.num_gqa_groups)
@@ -638,10 +781,14 @@ class MultiHeadAttention(nn.Module):
         if use_cache and fmt == "thd":
             raise ValueError(f"{name}: decode=True is not supported with attn_input_format='thd'; use 'bshd' "
                              "or 'sbhd'.")
-        offset = 0
+        if q_positions is not None and is_self:
+            raise ValueError(f"{name}: q_positions is for cross-attention (inputs_kv given); self-attention takes "
+                             "its RoPE positions from segment ids / the mask, or from the KV cache when decoding.")
+        padding = dict(mask=mask, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
+                       kv_segment_ids=kv_segment_ids)
+        step = None
         if cache_ready:
-            cache_index = self.get_variable("cache", "cache_index")
-            offset = cache_index
+            step = self._decode_plan(name, b, sq, padding)
 
         if self.enable_rotary_pos_emb:
             rope = dict(group_method=self.rotary_pos_emb_group_method, windows=self.rotary_pos_emb_windows)
@@ -649,43 +796,35 @@ class MultiHeadAttention(nn.Module):
             # the original order and reordered (for segment ids, seqlens, thd and no packing alike).
             cp = (self._load_balanced_cp_size() if self.context_parallel_axis and self.context_parallel_load_balanced
                   and not use_cache else None)
-            q_pos = _positions(fmt, b, sq, offset, q_segment_ids, q_seqlens if fmt == "thd" else None, cp)
+            if step is not None:
+                q_pos = step["positions"]
+            elif q_positions is not None:
+                q_pos = self._check_q_positions(name, q_positions, fmt, b, sq)
+            else:
+                q_pos = _query_positions(fmt, b, sq, self_attention=is_self, kv_len=skv, module=name, cp_size=cp,
+                                         **padding)
+            q_pos = _fmt_positions(q_pos, fmt)
             if is_self:
                 kv_pos = q_pos
             else:
-                kv_pos = _positions(fmt, b, skv, 0, kv_segment_ids, kv_seqlens if fmt == "thd" else None, cp)
+                kv_seg = kv_segment_ids
+                if kv_seg is None and mask is not None and fmt != "thd":
+                    kv_seg = _padding_from_mask(mask, fmt, b, sq, skv, name)[1]
+                kv_pos = _positions(fmt, b, skv, 0, kv_seg, kv_seqlens if fmt == "thd" else None, cp)
             tensors = _rope_qk(tensors, packed_layout, q_pos, kv_pos, rope)
 
         attn_args = dict(attn_bias_type=self.attn_bias_type, window_size=self.window_size, softcap=self.softcap,
                          scale=scale, dropout_rate=self.attention_dropout, deterministic=deterministic,
                          dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
                          backend=self.backend, module_name=name)
+        out = None
         if use_cache:
-            q, k, v = tensors
-            qb, kb, vb = (layouts.to_bshd(t, fmt) for t in (q, k, v))
+            qb, kb, vb = (layouts.to_bshd(t, fmt) for t in tensors)
             ck = self.variable("cache", "cached_key", jnp.zeros, kb.shape, kb.dtype)
             cv = self.variable("cache", "cached_value", jnp.zeros, vb.shape, vb.dtype)
-            ci = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
-            if cache_ready:
-                max_len = ck.value.shape[1]
-                if kb.shape[0] != ck.value.shape[0] or kb.shape[2:] != ck.value.shape[2:]:
-                    raise ValueError(f"{name}: decode step keys {tuple(kb.shape)} do not fit the cache "
-                                     f"{tuple(ck.value.shape)} ([batch, max_len, kv_heads, head_dim]).")
-                cur = ci.value
-                ck.value = lax.dynamic_update_slice(ck.value, kb.astype(ck.value.dtype), (0, cur, 0, 0))
-                cv.value = lax.dynamic_update_slice(cv.value, vb.astype(cv.value.dtype), (0, cur, 0, 0))
-                ci.value = cur + sq
-                if bias is not None and bias.shape[-2] == max_len and sq != max_len:
-                    bias = lax.dynamic_slice_in_dim(bias, cur, sq, axis=-2)
-                out = attend(self, qb, ck.value, cv.value, attn_input_format="bshd",
-                             attn_mask_type="padding_causal_bottom_right", bias=bias,
-                             q_seqlens=jnp.full((b,), sq, jnp.int32), kv_seqlens=jnp.full((b,), cur + sq, jnp.int32),
-                             **attn_args)
-                out = layouts.from_bshd(out, fmt)
-            else:
-                out = None
-        else:
-            out = None
+            ci = self.variable("cache", "cache_index", lambda: jnp.zeros((b,), jnp.int32))
+            if step is not None:
+                out = layouts.from_bshd(self._decode_attend(name, step, qb, kb, vb, ck, cv, ci, bias, attn_args), fmt)
         if out is None:
             out = attend(self, *tensors, qkv_layout=packed_layout, num_attention_heads=h, num_gqa_groups=g,
                          attn_input_format=fmt, attn_mask_type=self.attn_mask_type, mask=mask,
@@ -697,6 +836,78 @@ class MultiHeadAttention(nn.Module):
         y = DenseGeneral(features=hidden, axis=(-2, -1), kernel_init=base_init, kernel_axes=("heads", "kv", "embed"),
                          bias_axes=("embed",), name="out", **common)(out)
         return y, ln_out
+
+    def _decode_plan(self, name, b, sq, padding):
+        """This decode call's tokens against the cache: validity, per-row counts, RoPE positions, checks."""
+        ck = self.get_variable("cache", "cached_key")
+        lens = self.get_variable("cache", "cache_index")
+        max_len = ck.shape[1]
+        if tuple(jnp.shape(lens)) != (b,):
+            raise ValueError(
+                f"{name}: cache_index has shape {tuple(jnp.shape(lens))}, expected [batch] = ({b},) (one valid "
+                f"length per row); a cache made by an older te_jax keeps one index for the batch: re-create it "
+                f"with init(..., decode=True).")
+        if sq > max_len:
+            raise ValueError(
+                f"{name}: decoding a chunk of {sq} tokens, longer than the KV cache (max_len={max_len}, the "
+                f"length of the input the cache was initialised with): pass at most {max_len} tokens per call, "
+                f"or initialise the cache with a longer input.")
+        valid = _decode_validity(name, b, sq, **padding)
+        n = jnp.sum(valid, axis=1, dtype=jnp.int32)  # real tokens per row in this call
+        if masks._is_concrete(lens) and masks._is_concrete(n):
+            over = np.nonzero(np.asarray(lens) + np.asarray(n) > max_len)[0]
+            if over.size:
+                r = int(over[0])
+                raise ValueError(
+                    f"{name}: decoding past the KV cache: it holds max_len={max_len} tokens per row, row {r} "
+                    f"already holds {int(np.asarray(lens)[r])} and this chunk of {sq} tokens adds "
+                    f"{int(np.asarray(n)[r])} real ones (rows over: {over.tolist()}). Initialise the cache with "
+                    f"an input as long as the longest prompt plus the tokens to generate, or stop those rows.")
+        rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1
+        positions = lens[:, None] + jnp.maximum(rank, 0)  # [b, sq]: each row's real tokens counted
+        return dict(valid=valid, n=n, rank=rank, lens=lens, positions=positions, max_len=max_len)
+
+    def _decode_attend(self, name, step, qb, kb, vb, ck, cv, ci, bias, attn_args):
+        """Write this call's real keys/values after each row's cached ones; attend; q/k/v/out bshd."""
+        b, sq = qb.shape[:2]
+        valid, n, lens, max_len = step["valid"], step["n"], step["lens"], step["max_len"]
+        if kb.shape[0] != ck.value.shape[0] or kb.shape[2:] != ck.value.shape[2:]:
+            raise ValueError(f"{name}: decode step keys {tuple(kb.shape)} do not fit the cache "
+                             f"{tuple(ck.value.shape)} ([batch, max_len, kv_heads, head_dim]); decode with the "
+                             f"batch size and heads the cache was initialised with.")
+        # Real tokens go to slots lens + rank (each row's cache stays contiguous from slot 0); padding
+        # tokens and rows past the cache go to slot max_len, which the scatter drops.
+        slot = jnp.where(valid, lens[:, None] + step["rank"], max_len)
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, sq))
+        ck.value = ck.value.at[rows, slot].set(kb.astype(ck.value.dtype), mode="drop")
+        cv.value = cv.value.at[rows, slot].set(vb.astype(cv.value.dtype), mode="drop")
+        total = lens + n
+        overflow = total > max_len
+        new_lens = jnp.minimum(total, max_len)
+        ci.value = new_lens
+        # The queries are compacted (real tokens first, in order) so that per-row lengths describe them:
+        # query r of row i sits at position lens[i] + r and sees cache slots <= lens[i] + r
+        # (padding_causal_bottom_right with q_seqlens = n, kv_seqlens = lens + n).
+        order = jnp.argsort(jnp.logical_not(valid), axis=1, stable=True)  # [b, sq]
+        qc = jnp.take_along_axis(qb, order[:, :, None, None], axis=1)
+        bias = _decode_bias(name, bias, b, sq, max_len, step["positions"], order)
+        out = attend(self, qc, ck.value, cv.value, attn_input_format="bshd",
+                     attn_mask_type="padding_causal_bottom_right", bias=bias, q_seqlens=n, kv_seqlens=new_lens,
+                     **attn_args)
+        inverse = jnp.argsort(order, axis=1)
+        out = jnp.take_along_axis(out, inverse[:, :, None, None], axis=1)
+        # Past the cache under jit (no concrete index to raise on): the rows that overflowed give NaN.
+        return jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, out.dtype), out)
+
+    @staticmethod
+    def _check_q_positions(name, q_positions, fmt, b, sq):
+        pos = jnp.asarray(q_positions)
+        expected = ((sq,),) if fmt == "thd" else ((b, sq), (1, sq))
+        if tuple(pos.shape) not in expected or not jnp.issubdtype(pos.dtype, jnp.integer):
+            want = "[tokens]" if fmt == "thd" else f"[batch or 1, q_seq] = [{b} or 1, {sq}] (batch-first)"
+            raise ValueError(f"{name}: q_positions has shape {tuple(pos.shape)} and dtype {pos.dtype}; expected "
+                             f"integers of shape {want}, the RoPE positions of the query tokens.")
+        return pos.astype(jnp.int32)
 
     def _load_balanced_cp_size(self) -> int:
         """Size of the context-parallel mesh axis, for RoPE positions of zig-zag reordered tokens."""
