@@ -341,3 +341,17 @@ def test_hlo_has_fp8_converts_for_all_three_gemms():
     assert sum(re.search(r"xf8E5M2>, tensor<[0-9x]*xf8E4M3FN>", d) is not None for d in dots) == 2  # dgrad, wgrad
     compiled = lowered.compile().as_text()
     assert "f8e4m3fn" in compiled and "f8e5m2" in compiled
+
+
+def test_autocast_is_part_of_the_jit_cache_key():
+    """One jitted function called outside and inside autocast is traced for each setting (no stale trace)."""
+    d = DenseGeneral(features=16, use_bias=False)
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 32))
+    v = d.init(jax.random.PRNGKey(1), x)
+    f = jax.jit(lambda v, x: d.apply(v, x))
+    y_off = f(v, x)
+    with fp8.autocast(recipe=Float8CurrentScaling()):
+        y_on = f(v, x)
+    y_off2 = f(v, x)
+    np.testing.assert_array_equal(y_off, y_off2)
+    assert not np.array_equal(y_on, y_off) and _rel(y_on, y_off) < 2.0 ** -4

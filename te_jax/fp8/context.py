@@ -5,9 +5,11 @@
         step = jax.jit(train_step); step(...)  # traced here: the GEMMs run in FP8
 
 FP8 is off by default. autocast is read when a module is TRACED (init / apply under jit), like
-TransformerEngine-JAX: a function jitted and traced under autocast keeps FP8 in its compiled form, one
-traced outside keeps it off, whatever context a later call runs in. Wrap the first call (tracing) of
-each jitted step, or set the modules' own `enable_fp8` / `fp8_recipe` fields (te_jax.flax modules
+TransformerEngine-JAX, and its setting is a jax.make_user_context, part of jit's cache key: the same jitted
+function called inside and outside autocast (or under two recipes) is traced and compiled once per setting,
+never a stale trace reused (a jax without make_user_context falls back to a contextvar: then a jitted
+function keeps the setting of its first trace). Alternatively set the modules' own `enable_fp8` /
+`fp8_recipe` fields (te_jax.flax modules
 DenseGeneral, LayerNormDenseGeneral, LayerNormMLP): enable_fp8=None follows autocast, True forces FP8
 (recipe: fp8_recipe, else autocast's, else DelayedScaling()), False keeps the module in the compute dtype;
 fp8_recipe overrides autocast's recipe whenever FP8 is on.
@@ -25,6 +27,11 @@ import jax
 
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
 
+# The autocast state is a jax.make_user_context: part of jit's tracing/compilation cache key, so a function
+# jitted once and called inside and outside autocast (or under two recipes) is traced once per setting
+# instead of silently reusing the first trace. Fallback (a jax without it): a contextvar (then wrap tracing).
+_make_user_context = getattr(jax, "make_user_context", None)
+_AUTOCAST_CTX = _make_user_context((False, None)) if _make_user_context is not None else None
 _AUTOCAST = contextvars.ContextVar("te_jax_fp8_autocast", default=(False, None))
 _RECORDER = contextvars.ContextVar("te_jax_fp8_recorder", default=None)
 
@@ -40,9 +47,14 @@ def autocast(enabled: bool = True, recipe=None):
     if recipe is None:
         recipe = DelayedScaling()
     check_recipe(recipe, "autocast: recipe")
-    token = _AUTOCAST.set((enabled, recipe))
+    value = (enabled, recipe)
+    token = _AUTOCAST.set(value)
     try:
-        yield recipe
+        if _AUTOCAST_CTX is not None:
+            with _AUTOCAST_CTX(value):
+                yield recipe
+        else:
+            yield recipe
     finally:
         _AUTOCAST.reset(token)
 
@@ -53,11 +65,13 @@ fp8_autocast = autocast
 
 def get_autocast():
     """(enabled, recipe) of the innermost autocast; (False, None) outside any."""
+    if _AUTOCAST_CTX is not None:
+        return _AUTOCAST_CTX.value
     return _AUTOCAST.get()
 
 
 def is_fp8_enabled() -> bool:
-    return _AUTOCAST.get()[0]
+    return get_autocast()[0]
 
 
 def resolve(where: str, enable_fp8=None, fp8_recipe=None):
@@ -66,7 +80,7 @@ def resolve(where: str, enable_fp8=None, fp8_recipe=None):
         raise ValueError(f"{where}: enable_fp8={enable_fp8!r} must be None, True or False.")
     if fp8_recipe is not None:
         check_recipe(fp8_recipe, f"{where}: fp8_recipe")
-    on, ac_recipe = _AUTOCAST.get()
+    on, ac_recipe = get_autocast()
     if enable_fp8 is False:
         return None, "the module's enable_fp8=False"
     if enable_fp8 is None and not on:
