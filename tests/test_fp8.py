@@ -355,3 +355,22 @@ def test_autocast_is_part_of_the_jit_cache_key():
     y_off2 = f(v, x)
     np.testing.assert_array_equal(y_off, y_off2)
     assert not np.array_equal(y_on, y_off) and _rel(y_on, y_off) < 2.0 ** -4
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuBLASLt FP8 GEMMs need a GPU (compute capability >= 8.9)")
+@pytest.mark.parametrize("style", ["direct", "qdq"])
+def test_gpu_compiled_hlo_has_three_cublaslt_fp8_gemms(style, monkeypatch):
+    """On an FP8-capable GPU the forward, dgrad and wgrad of one FP8 dense layer are cuBLASLt FP8 GEMMs."""
+    from te_jax._compat import gpu_compute_capability
+
+    if (gpu_compute_capability() or (0, 0)) < (8, 9):
+        pytest.skip("GPU without FP8 tensor cores")
+    monkeypatch.setenv("TE_JAX_FP8_GEMM", style)
+    m = DenseGeneral(features=256, use_bias=False, dtype=jnp.bfloat16)
+    x = jnp.ones((4, 64, 128), jnp.bfloat16)
+    with fp8.autocast(recipe=DelayedScaling(amax_history_len=16)):
+        v = m.init(jax.random.PRNGKey(0), x)
+        f = jax.jit(lambda v, x: jax.value_and_grad(lambda v, x: jnp.sum(m.apply(v, x).astype(jnp.float32)),
+                                                    argnums=(0, 1))(v, x))
+        hlo = f.lower(v, x).compile().as_text()
+    assert hlo.count("__cublas$lt$matmul$f8") == 3, [l for l in hlo.splitlines() if "custom_call_target" in l]
