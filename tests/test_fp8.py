@@ -23,7 +23,7 @@ DENSE_DN = (((2,), (0,)), ((), ()))
 
 
 def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    a, b = np.asarray(a).astype(np.float64), np.asarray(b).astype(np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
