@@ -1,6 +1,6 @@
 """Hopper flash attention on the GPU: correctness vs an fp32 reference, then timings vs peers.
 
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/attention_hopper_gpu.py [--quick] [--no-variants]
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.attention_hopper_gpu [--quick] [--no-variants]
 
 One process: (1) rel-L2 error of hopper_attention (out, lse, dq, dk, dv) vs a plain-jnp fp32
 reference for every case it serves (hd 64/128/256, causal, GQA, bf16/fp16) at real sizes;
@@ -22,7 +22,7 @@ machine, where it travels as wheels in the ignored folder `.whl/`:
     bash benchmarks/fetch_peer_wheels.sh      # here, once: pip download into .whl/ (about 6 MB)
     # device command (carry [".whl"]):
     bash benchmarks/install_peers.sh; export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1;
-    timeout 580 python3 benchmarks/attention_hopper_gpu.py --quick --no-variants --skip-correctness --budget 420
+    timeout 580 python3 -m benchmarks.attention_hopper_gpu --quick --no-variants --skip-correctness --budget 420
 
 tokamax imports `xprof.cli.tools` at import time (for its own profiler-based timing, unused
 here); xprof is a 32 MB wheel with many dependencies, so unless a real xprof is importable this
@@ -33,7 +33,7 @@ back to the README numbers in TARGETS for that row, marked `*` in the table.
 CPU smoke run (no GPU: the Hopper kernel, cuDNN and the portable kernel report errors; XLA and,
 with `--tokamax-impl xla`, tokamax run at tiny sizes; checks the plumbing and the table):
 
-    PYTHONPATH=. python3 benchmarks/attention_hopper_gpu.py --cpu-smoke [--tokamax-impl xla]
+    PYTHONPATH=. python3 -m benchmarks.attention_hopper_gpu --cpu-smoke [--tokamax-impl xla]
 """
 from __future__ import annotations
 
@@ -53,12 +53,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import timing  # noqa: E402  (benchmarks/timing.py)
-from pallas_kernels.flash_attention_hopper import (  # noqa: E402
+from benchmarks import cases, timing
+from pallas_kernels.flash_attention_hopper import (
     HopperConfig, attention_reference, default_config, hopper_attention, supports)
-from pallas_kernels.flash_attention_hopper.config import atomic_dq_chosen  # noqa: E402
+from pallas_kernels.flash_attention_hopper.config import atomic_dq_chosen
 
 OUT = os.environ.get("OUT", "/tmp/attention_hopper_out")
 os.makedirs(OUT, exist_ok=True)
@@ -327,7 +325,7 @@ ALL_PEERS = ("cudnn", "tokamax", "portable", "xla")
 
 
 def timing_rows(quick, budget, with_atomic=False, tk=None, tk_impl="mosaic", peers=ALL_PEERS,
-                tokens=16384, H=16, D=128, seqs=(1024, 4096, 16384), iters=20, warmup=2):
+                tokens=cases.ATTENTION_TOKENS, H=16, D=128, seqs=cases.ATTENTION_SEQS, iters=20, warmup=2):
     log(f"\n== timings: bf16, H={H}, D={D}, B*S={tokens} (TFLOP/s; fwd+bwd counts 3.5x fwd) ==")
     log(f"   checks: out rel-L2 vs fp32 reference on the last query rows (tol {OUT_TOL:g}); "
         f"dq/dk/dv max rel-L2 vs cuDNN's (tol {GRAD_TOL:g})")
@@ -413,9 +411,9 @@ def variants(budget, which="all"):
     log("\n== variants (H=16) ==")
     res = []
     if which == "fwd":
-        for S in (1024, 4096, 16384):
+        for S in cases.ATTENTION_SEQS:
             for causal in (False, True):
-                B, H, D = 16384 // S, 16, 128
+                B, H, D = cases.ATTENTION_TOKENS // S, 16, 128
                 q, k, v, _ = inputs(jax.random.key(5), B, S, H, H, D, jnp.bfloat16)
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
                 cud, _ = make_jax_nn("cudnn", D ** -0.5, causal)
@@ -503,12 +501,12 @@ def hd64_variants(budget, rounds=2, configs=HD64_VARIANTS, time_fwd=True):
     and gradients checked against cuDNN's."""
     res = []
     D, H = 64, 32
-    for S in (1024, 4096, 16384):
+    for S in cases.ATTENTION_SEQS:
         for causal in (False, True):
             if elapsed() > budget:
                 log("  (variants stopped: time budget)")
                 return res
-            B = 16384 // S
+            B = cases.ATTENTION_TOKENS // S
             q, k, v, do = inputs(jax.random.key(11), B, S, H, H, D, jnp.bfloat16)
             flops = 4 * B * H * S * S * D / (2 if causal else 1)
             cud, cud_fb = make_jax_nn("cudnn", D ** -0.5, causal)
@@ -656,7 +654,7 @@ def main():
                     help="tokamax implementation= (default mosaic; xla for the CPU smoke run)")
     ap.add_argument("--head-dim", type=int, default=128,
                     help="timing table head_dim (heads = 2048 // head_dim: the same hidden size)")
-    ap.add_argument("--seqs", default="1024,4096,16384", help="timing table sequence lengths")
+    ap.add_argument("--seqs", default=",".join(map(str, cases.ATTENTION_SEQS)), help="timing table sequence lengths")
     ap.add_argument("--cases-from", type=int, default=0, help="correctness: skip the first N cases")
     ap.add_argument("--cases-head-dim", type=int, default=0,
                     help="correctness sweep: only the cases of this head_dim (default: all)")
@@ -699,7 +697,7 @@ def main():
                 corr = correctness(args.quick)
             t_budget = args.budget if args.no_variants else args.budget * 0.75
             res = timing_rows(args.quick, budget=t_budget, with_atomic=args.atomic, tk=tk,
-                              tk_impl=args.tokamax_impl, peers=peers, H=2048 // args.head_dim,
+                              tk_impl=args.tokamax_impl, peers=peers, H=cases.ATTENTION_HIDDEN // args.head_dim,
                               D=args.head_dim, seqs=tuple(int(x) for x in args.seqs.split(",")))
         if not args.no_variants and not args.only_correctness:
             var = variants(args.budget, args.variant_set)
@@ -720,7 +718,7 @@ def main():
                    f"(H100), and 'best peer' = max(cuDNN measured now, cuDNN and tokamax from "
                    f"shared/README).")
         hdr = (f"Hopper flash attention (Pallas Mosaic GPU), date {datetime.date.today()}, {dev.device_kind}, "
-               f"jax {jax.__version__}, head_dim {args.head_dim}, {2048 // args.head_dim} heads. TFLOP/s: fwd 4*B*H*S^2*D (half when causal), fwd+bwd 3.5x. "
+               f"jax {jax.__version__}, head_dim {args.head_dim}, {cases.ATTENTION_HIDDEN // args.head_dim} heads. TFLOP/s: fwd 4*B*H*S^2*D (half when causal), fwd+bwd 3.5x. "
                + src)
         et = error_table(res)
         ehdr = (f"Output rel-L2 vs fp32 reference (last query rows, tol {OUT_TOL:g}) / "

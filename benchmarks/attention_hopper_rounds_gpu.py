@@ -1,8 +1,8 @@
 """The hd128 attention table (issue #7's six rows) in interleaved rounds, host clock and kernel time side by side.
 (--head-dim 64 / 256: the same rows at that head_dim, with 2048 // head_dim heads.)
 
-    bash benchmarks/install_peers.sh; export PYTHONPATH=.:benchmarks:/tmp/site   # carry [".whl"]
-    python3 benchmarks/attention_hopper_rounds_gpu.py [--rounds 3]
+    bash benchmarks/install_peers.sh; export PYTHONPATH=.:/tmp/site   # carry [".whl"]
+    python3 -m benchmarks.attention_hopper_rounds_gpu [--rounds 3]
 
 Single tables moved by up to 5% between runs of the same code (run 7 vs 7b), so here every
 implementation is timed once per round, `rounds` rounds in turn, and each cell is the median over
@@ -23,22 +23,22 @@ import sys
 import jax
 import jax.numpy as jnp
 
-import attention_hopper_gpu as ahg  # benchmarks/attention_hopper_gpu.py: makers, inputs, rel, tokamax import
-import device_time  # benchmarks/device_time.py
-import timing  # benchmarks/timing.py
+from benchmarks import attention_hopper_gpu as ahg  # makers, inputs, rel, tokamax import
+from benchmarks import cases, device_time, timing
 
 CLOCKS = ("host", "kernel", "span")
-ROWS = [(1024, False), (1024, True), (4096, False), (4096, True), (16384, False), (16384, True)]
-TOKENS = 16384
+ROWS = cases.ATTENTION_ROWS
+TOKENS = cases.ATTENTION_TOKENS
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=128, help="heads = 2048 // head_dim (the same hidden size)")
+    ap.add_argument("--head-dim", type=int, default=128,
+                    help=f"heads = {cases.ATTENTION_HIDDEN} // head_dim (the same hidden size)")
     args = ap.parse_args()
     D = args.head_dim
-    H = 2048 // D
+    H = cases.ATTENTION_HIDDEN // D
     tk, tk_info = ahg.import_tokamax("mosaic")
     print(tk_info, flush=True)
     ahg.gpu_warmup()

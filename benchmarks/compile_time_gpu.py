@@ -2,9 +2,9 @@
 
 Run on the GPU machine from the repo root (each measurement in a fresh subprocess, so no cache of an
 earlier measurement helps a later one):
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/compile_time_gpu.py --part stacks  | tee $OUT/log.txt
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/compile_time_gpu.py --part example | tee $OUT/log.txt
-CPU smoke test of the script (tiny sizes): python benchmarks/compile_time_gpu.py --part stacks --cpu-smoke
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.compile_time_gpu --part stacks  | tee $OUT/log.txt
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.compile_time_gpu --part example | tee $OUT/log.txt
+CPU smoke test of the script (tiny sizes): PYTHONPATH=. python -m benchmarks.compile_time_gpu --part stacks --cpu-smoke
 
 Stack (the shape of examples/train_lm.py --preset gpu): hidden 768, 12 heads, FFN 3072 (gelu), batch 16 x
 seq 1024, causal, bf16 compute, fp32 parameters, no dropout. One measurement = `jit(value_and_grad(loss))

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Context-parallel attention (ring and all-gather) on several GPUs vs single-GPU attention.
 
-For the 2-GPU machine:  PYTHONPATH=. python3 benchmarks/context_parallel_gpu.py
-CPU smoke test (8 fake devices, tiny sizes): python3 benchmarks/context_parallel_gpu.py --cpu-smoke
+For the 2-GPU machine:  PYTHONPATH=. python3 -m benchmarks.context_parallel_gpu
+CPU smoke test (8 fake devices, tiny sizes): PYTHONPATH=. python3 -m benchmarks.context_parallel_gpu --cpu-smoke
 
 What it does, in one process:
  1. correctness first, at a small size: ring and all-gather (load balanced, causal, bf16) outputs
@@ -51,8 +51,6 @@ elif "xla_gpu_enable_latency_hiding_scheduler" not in _flags:
     _flags += " --xla_gpu_enable_latency_hiding_scheduler=true"  # overlaps ppermute with compute
 os.environ["XLA_FLAGS"] = _flags.strip()
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -61,7 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import te_jax  # noqa: E402
 from te_jax import _compat  # noqa: E402
 from te_jax import context_parallel as tcp  # noqa: E402
-import timing  # noqa: E402  (benchmarks/timing.py)
+from benchmarks import timing  # noqa: E402
 
 OUT = os.environ.get("OUT")
 _LOG = []

@@ -1,4 +1,4 @@
-"""Device-side timing for the GPU benchmark scripts (imported as `device_time`), beside `timing.py`'s host clock.
+"""Device-side timing for the GPU benchmark scripts (`from benchmarks import device_time`), beside `timing.py`'s host clock.
 
 - `profiled(fn, args, calls)`: runs `calls` calls under `jax.profiler.trace`, reads the XSpace back with
   `jax.profiler.ProfileData`, and returns per call: kernel time (the sum of the GPU events' durations, as a

@@ -1,7 +1,7 @@
 """GPU check and benchmark of the portable (Triton-lowered) Pallas flash attention.
 
-  PYTHONPATH=. python3 benchmarks/flash_attention_gpu.py [--parts correctness,timing]
-                                                        [--sweep] [--sweep-budget 200]
+  PYTHONPATH=. python3 -m benchmarks.flash_attention_gpu [--parts correctness,timing]
+                                                       [--sweep] [--sweep-budget 200]
 
 1. correctness at real sizes (bf16; forward and gradients; relative L2 error against the fp32
    reference_attention on the same bf16 inputs);
@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import timing as bench_timing  # benchmarks/timing.py (the script's folder is on sys.path)
+from benchmarks import cases
+from benchmarks import timing as bench_timing
 from pallas_kernels.flash_attention import (
     BlockSizes,
     default_block_sizes,
@@ -327,9 +328,8 @@ def main():
     rows = []
     if "timing" in parts:
         t1 = time.time()
-        tok = 16384
-        configs = [(tok // S, S, 16, 16, 128, c) for S in (1024, 4096, 16384)
-                   for c in (False, True)]
+        tok = cases.ATTENTION_TOKENS
+        configs = [(tok // S, S, 16, 16, 128, c) for S, c in cases.ATTENTION_ROWS]
         configs += [(4, 4096, 16, 16, 64, False), (4, 4096, 16, 16, 64, True),
                     (4, 4096, 16, 16, 256, False), (4, 4096, 16, 16, 256, True),
                     (4, 4096, 16, 2, 128, True), (8, 2048, 16, 1, 64, True)]

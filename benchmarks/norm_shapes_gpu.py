@@ -1,7 +1,7 @@
 """Norms across shapes: does `auto`'s per-op choice (layernorm -> pallas, rmsnorm -> xla) hold beyond 32768x4096?
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/norm_shapes_gpu.py            # GPU machine
-    PYTHONPATH=.:benchmarks BENCH_SMALL=1 python3 benchmarks/norm_shapes_gpu.py   # CPU smoke test
+    PYTHONPATH=. python3 -m benchmarks.norm_shapes_gpu            # GPU machine
+    PYTHONPATH=. BENCH_SMALL=1 python3 -m benchmarks.norm_shapes_gpu   # CPU smoke test
 
 For each (tokens, hidden) in SHAPES, bf16 x, fp32 gamma/beta: LayerNorm and RMSNorm, XLA and Pallas, forward
 and forward+backward, checked against the fp32 reference first, then timed in `ROUNDS` interleaved rounds by
@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from pallas_kernels.norms import norm as pnorm
 from pallas_kernels.norms import reference as nref
 
-import device_time  # benchmarks/device_time.py
-import timing  # benchmarks/timing.py
-from norm_inputs import norm_inputs  # benchmarks/norm_inputs.py
+from benchmarks import device_time, timing
+from benchmarks.cases import norm_inputs
 
 SMALL = os.environ.get("BENCH_SMALL") == "1"
 ROUNDS = 1 if SMALL else int(os.environ.get("ROUNDS", "3"))

@@ -1,7 +1,9 @@
 """GPU benchmark for the norm and LayerNorm-MLP ops: correctness, then timing, in one process.
 
 Run on the device machine from the repo root:
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/norms_mlp_gpu.py 2>&1 | tee $OUT/log.txt
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.norms_mlp_gpu 2>&1 | tee $OUT/log.txt
+CPU smoke test of the script itself (tiny sizes):
+    PYTHONPATH=. BENCH_SMALL=1 python3 -m benchmarks.norms_mlp_gpu
 
 1. Correctness on the GPU (relative error vs an fp32 reference): Pallas layernorm/rmsnorm fwd
    and grads; layernorm_mlp (Pallas norm + XLA GEMMs, and the fused LN-prologue Pallas GEMM).
@@ -29,7 +31,7 @@ from pallas_kernels.ln_mlp import reference as mlp_ref
 from pallas_kernels.norms import norm as pnorm
 from pallas_kernels.norms import reference as nref
 
-import timing  # benchmarks/timing.py (the script's folder is on sys.path)
+from benchmarks import timing
 
 T0 = time.time()
 BUDGET_S = float(os.environ.get("BENCH_BUDGET_S", "330"))

@@ -1,6 +1,6 @@
 """GPU check of packed q/k/v read in place by the portable Pallas kernel (flash_attention_packed).
 
-  PYTHONPATH=. python3 benchmarks/packed_attention_gpu.py [--seq 4096] [--batch 4] [--reps 20]
+  PYTHONPATH=. python3 -m benchmarks.packed_attention_gpu [--seq 4096] [--batch 4] [--reps 20]
 
 NOT YET RUN ON A GPU (written on the CPU machine; the CPU tests check the jaxpr and the numbers in
 interpret mode). For each packed layout (bs3hd, bs(h+2g)d with GQA, bshd_bs2hd with GQA), bf16, causal:
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from pallas_kernels.flash_attention import flash_attention, flash_attention_packed, packed_in_place_reason
 from pallas_kernels.flash_attention.kernel import _Packed
 
-import timing  # benchmarks/timing.py (the script's folder is on sys.path)
+from benchmarks import timing
 
 LINES: list[str] = []
 

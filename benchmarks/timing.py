@@ -1,4 +1,4 @@
-"""One timing method for the GPU benchmark scripts (imported by them as `timing`).
+"""One timing method for the GPU benchmark scripts (`from benchmarks import timing`).
 
 Warm-up, then the median of `samples` samples; each sample dispatches `inner` calls back to back and
 blocks once with jax.block_until_ready, so host dispatch latency does not count against sub-ms

@@ -5,7 +5,7 @@ The example prints a cumulative average (tokens since step 2 / time since step 2
 middle and the last) and prints (b - a) * tokens_per_step / (t_b - t_a), with t_n = (n - 1) * tokens_per_step /
 rate_n (evaluation pauses are excluded from the example's clock).
 
-    python3 benchmarks/train_log_rate.py LOG TOKENS_PER_STEP
+    python3 -m benchmarks.train_log_rate LOG TOKENS_PER_STEP
 """
 from __future__ import annotations
 

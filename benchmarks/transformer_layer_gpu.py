@@ -1,11 +1,11 @@
 """GPU benchmark: one te_jax TransformerLayer forward+backward against a plain-JAX GPT layer.
 
 Run on the device machine from the repo root:
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/transformer_layer_gpu.py 2>&1 | tee $OUT/log.txt
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.transformer_layer_gpu 2>&1 | tee $OUT/log.txt
 CPU smoke test of the script itself (tiny sizes, XLA attention for the peer):
-    PYTHONPATH=. python benchmarks/transformer_layer_gpu.py --cpu-smoke
+    PYTHONPATH=. python -m benchmarks.transformer_layer_gpu --cpu-smoke
 
-Shape (GPU): hidden 4096, 32 heads (head_dim 128), FFN 16384 (gelu), batch 4 x seq 2048, causal,
+Shape (GPU, cases.LAYER_GPU): hidden 4096, 32 heads (head_dim 128), FFN 16384 (gelu), batch 4 x seq 2048, causal,
 bf16 compute and bf16 parameters, no dropout, pre-LN, no biases.
   te_jax:  te_jax.flax.TransformerLayer (fused QKV; attention, norm and MLP backends chosen by te_jax)
   peer:    a plain-JAX GPT layer on the SAME parameters, attention by
@@ -32,7 +32,7 @@ from te_jax import mlp as te_mlp
 from te_jax import normalization as te_norm
 from te_jax.flax import TransformerLayer
 
-import timing  # benchmarks/timing.py (the script's folder is on sys.path)
+from benchmarks import cases, timing
 
 DATE = str(datetime.date.today())
 SMOKE = "--cpu-smoke" in sys.argv
@@ -41,7 +41,7 @@ if SMOKE:
     B, S, HID, HEADS, FFN, N_TIMED, WARM = 2, 16, 64, 4, 128, 10, 1
     PEER_IMPLS = ("xla",)
 else:
-    B, S, HID, HEADS, FFN, N_TIMED, WARM = 4, 2048, 4096, 32, 16384, 20, 3
+    (B, S, HID, HEADS, FFN), N_TIMED, WARM = cases.LAYER_GPU, 20, 3
     PEER_IMPLS = ("cudnn", "xla")
 HD = HID // HEADS
 DT = jnp.bfloat16

@@ -1,12 +1,12 @@
 """GPU profile: where te_jax's TransformerLayer fwd+bwd spends its time against the plain-JAX layer (issue #4).
 
 Run on the device machine from the repo root (one call, well under 4 minutes on the H100):
-    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 420 python3 benchmarks/transformer_layer_profile_gpu.py \
+    PYTHONPATH=. PYTHONUNBUFFERED=1 timeout 420 python3 -m benchmarks.transformer_layer_profile_gpu \
         2>&1 | tee $OUT/profile_log.txt
 CPU smoke test of the script itself (tiny sizes; cuDNN / Hopper rows report n/a):
-    PYTHONPATH=. python benchmarks/transformer_layer_profile_gpu.py --cpu-smoke
+    PYTHONPATH=. python -m benchmarks.transformer_layer_profile_gpu --cpu-smoke
 
-Shape (GPU): batch 4 x seq 2048, hidden 4096, 32 heads (head_dim 128), FFN 16384 gelu, causal, bf16
+Shape (GPU, cases.LAYER_GPU): batch 4 x seq 2048, hidden 4096, 32 heads (head_dim 128), FFN 16384 gelu, causal, bf16
 parameters and compute, no bias, no dropout, fused QKV -- as benchmarks/transformer_layer_gpu.py.
 One process, fresh random data, every function AOT-compiled once (jit(...).lower().compile()), then
 warm-up and the median of >= 10 samples (each sample enqueues `inner` calls and blocks once with
@@ -42,7 +42,7 @@ import collections
 import contextlib
 import datetime
 import glob
-import importlib.util
+import importlib
 import io
 import json
 import math
@@ -64,7 +64,7 @@ from te_jax.flax import TransformerLayer
 from te_jax.flax import module as te_module
 from te_jax.flax.module import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP
 
-import timing  # benchmarks/timing.py (the script's folder is on sys.path)
+from benchmarks import cases, timing
 
 AP = argparse.ArgumentParser()
 AP.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU, to test the script itself")
@@ -82,7 +82,7 @@ if SMOKE:
     B, S, HID, HEADS, FFN, N_TIMED, WARM = 2, 128, 128, 2, 256, 10, 1
     PEER = "xla"  # attention implementation of the plain layer (cuDNN needs a GPU)
 else:
-    B, S, HID, HEADS, FFN, N_TIMED, WARM = 4, 2048, 4096, 32, 16384, (30 if ARGS.layers_only else 10), 2
+    (B, S, HID, HEADS, FFN), N_TIMED, WARM = cases.LAYER_GPU, (30 if ARGS.layers_only else 10), 2
     PEER = "cudnn"
 HD = HID // HEADS
 DT = jnp.bfloat16
@@ -100,11 +100,7 @@ def over_budget():
 
 def _load_layer_bench():
     """benchmarks/transformer_layer_gpu.py (its plain_layer is the peer this script splits up)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transformer_layer_gpu.py")
-    spec = importlib.util.spec_from_file_location("transformer_layer_gpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("benchmarks.transformer_layer_gpu")
 
 
 # ----------------------------------------------------------------------------- the plain-JAX peer, by sub-block

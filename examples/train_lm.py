@@ -275,6 +275,8 @@ class ByteLM(nn.Module):
             hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
             mlp_activations=("gelu",), layer_type="encoder", self_attn_mask_type="causal",
             enable_relative_embedding=False, dtype=self.dtype, param_dtype=jnp.float32,
+            # the example's own choice (TE's MultiHeadAttention default); TransformerLayer's is "normal"
+            mha_kernel_init=nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
             attn_input_format=self.attn_input_format, attention_backend=self.attention_backend,
             context_parallel_axis=self.context_parallel_axis,
             context_parallel_strategy=self.context_parallel_strategy,

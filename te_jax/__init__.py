@@ -20,7 +20,7 @@ from te_jax.context_parallel import (
     reorder_causal_load_balancing,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ATTENTION_BACKENDS", "BackendChoice", "FORMATS", "MASK_TYPES", "QKV_LAYOUTS",

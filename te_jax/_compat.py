@@ -1,7 +1,9 @@
-"""Every difference between the supported JAX versions (0.10.2 and 0.11.x) lives here.
+"""Every difference between the supported JAX versions (0.10.2 and 0.11.x) lives here or in
+pallas_kernels/_compat.py.
 
-Kernels and library code import Pallas, shard_map and mesh helpers from this module
-only, so that a new JAX release means editing one file.
+Library code imports Pallas, shard_map and mesh helpers from this module only; the kernels'
+share (pl, pltriton, triton_params, default_interpret, mosaic_gpu) is defined in
+pallas_kernels/_compat.py and re-exported here, so a new JAX release means editing these two files.
 """
 from __future__ import annotations
 
@@ -9,31 +11,17 @@ import contextlib
 import functools
 
 import jax
-from jax.experimental import pallas as pl  # noqa: F401  (re-exported)
-from jax.experimental.pallas import triton as pltriton  # noqa: F401  (re-exported)
+
+# The kernels' half lives in pallas_kernels/_compat.py (jax imports only), re-exported here.
+from pallas_kernels._compat import (  # noqa: F401  (re-exported)
+    default_interpret,
+    mosaic_gpu,
+    pl,
+    pltriton,
+    triton_params,
+)
 
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
-
-def triton_params(num_warps: int = 4, num_stages: int = 2):
-    """Compiler params that force Triton lowering on every supported JAX.
-
-    With `compiler_params=None`, jax 0.10.2 lowers GPU pallas_calls to Mosaic GPU and
-    0.11.x to Triton, so every Triton-style kernel must pass these explicitly.
-    """
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def default_interpret() -> bool:
-    """Pallas kernels run in interpret mode when the default backend is not a GPU."""
-    return jax.default_backend() != "gpu"
-
-
-def mosaic_gpu():
-    """Import Pallas's Mosaic GPU module lazily (it needs absl-py and a GPU build)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu
 
 
 def shard_map(f, *, mesh, in_specs, out_specs, check_vma: bool = True, axis_names=None):

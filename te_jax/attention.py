@@ -17,7 +17,8 @@ _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclasses.dataclass(frozen=True)
 class PreparedAttention:
-    """A validated call in canonical form: q/k/v [B, S, heads, dim], TokenMask, bias [B|1, H|1, Sq, Skv]."""
+    """A validated call in canonical form: q/k/v [B, S, heads, dim], TokenMask, bias [B|1, H|1, Sq, Skv],
+    mask (dense boolean, True = masked out) [B|1, H|1, Sq, Skv] or None."""
 
     call: AttentionCall
     q: jax.Array
@@ -28,6 +29,7 @@ class PreparedAttention:
     scale: float
     softcap: float | None
     window: tuple[int, int]
+    mask: jax.Array | None = None
 
 
 def _check_dtypes(query, key, value):
@@ -84,32 +86,39 @@ def _check_scalars(scale, softcap, dropout_rate, dropout_rng, head_dim):
 def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",
                       q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
                       window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
-                      dropout_rng=None, needs_split_vjp=False, runs_per_shard=False) -> PreparedAttention:
+                      dropout_rng=None, needs_split_vjp=False, runs_per_shard=False, mask=None) -> PreparedAttention:
     """Validate every argument and bring the call to canonical form (shared by all entry points).
 
     runs_per_shard: the caller runs the backend inside its own shard_map over every mesh axis
     (context parallelism), so the current mesh's partitioned axes do not make a Pallas kernel replicated.
     """
-    call, tm, bias, scale, softcap, window = _validate_call(
+    call, tm, bias, scale, softcap, window, mask = _validate_call(
         query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, needs_split_vjp=needs_split_vjp, runs_per_shard=runs_per_shard)
+        dropout_rng=dropout_rng, needs_split_vjp=needs_split_vjp, runs_per_shard=runs_per_shard, mask=mask)
     q, k, v = (layouts.to_bshd(t, call.attn_input_format) for t in (query, key, value))
-    return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window)
+    return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window, mask)
 
 
 def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask", q_seqlens=None,
                    kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None, bias=None,
                    softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None, needs_split_vjp=False,
-                   runs_per_shard=False):
+                   runs_per_shard=False, mask=None):
     """Every check of `prepare_attention`; q/k/v only need .shape and .dtype (ShapeDtypeStructs do)."""
+    dense_mask, mask = mask, None  # `mask` below is the MaskSpec of attn_mask_type
     fmt = layouts.check_format(attn_input_format)
     dims = layouts.check_qkv(query, key, value, fmt)
     dtype = _check_dtypes(query, key, value)
     mask = masks.check_mask_type(attn_mask_type)
     window = masks.check_window(window_size, mask)
     bias = _check_bias(bias, dims)
+    dense = masks.check_dense_mask(dense_mask, dims.batch, dims.num_heads, dims.q_len, dims.kv_len, fmt)
+    if dense is not None and needs_split_vjp:
+        raise ValueError(
+            f"mask: a dense mask (shape {tuple(dense.shape)}) cannot be split over a context-parallel axis; express "
+            f"it with q_segment_ids/kv_segment_ids (packed documents, padding) and attn_mask_type (causal, "
+            f"windows), which context parallelism serves.")
     scale, softcap, dropout_rate = _check_scalars(scale, softcap, dropout_rate, dropout_rng, dims.head_dim_qk)
     tm = masks.build_token_mask(mask, fmt, dims.batch, dims.q_len, dims.kv_len, q_seqlens, kv_seqlens,
                                 q_segment_ids, kv_segment_ids)
@@ -121,8 +130,8 @@ def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_typ
     partitioned = () if runs_per_shard else tuple(policy.partitioned_mesh_axes())
     call = AttentionCall(fmt, dims, dtype, mask, padding_source, window,
                          None if bias is None else tuple(bias.shape), softcap, dropout_rate, platform, cc,
-                         needs_split_vjp, partitioned)
-    return call, tm, bias, scale, softcap, window
+                         needs_split_vjp, partitioned, None if dense is None else tuple(dense.shape))
+    return call, tm, bias, scale, softcap, window, dense
 
 
 def _choose(prep: PreparedAttention, backend: str) -> BackendChoice:
@@ -143,7 +152,7 @@ def explain_attention_backend(query, key, value, *, backend="auto", **kwargs) ->
 def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",
                           q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
                           window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
-                          dropout_rng=None, backend="auto"):
+                          dropout_rng=None, backend="auto", mask=None):
     """Scaled dot-product attention with masks, GQA, bias, softcap and dropout.
 
     query: [b, s_q, h, d_qk] ("bshd"), [s_q, b, h, d_qk] ("sbhd") or [t_q, h, d_qk] ("thd").
@@ -156,6 +165,11 @@ def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_m
       ids ([batch, seq], or [tokens] for thd; id 0 is padding).
     window_size: (left, right), -1 unbounded; composes with the mask.
     bias: [batch or 1, heads or 1, s_q, s_kv], added after scaling (and after softcap).
+    mask: dense boolean [batch or 1, heads or 1, s_q, s_kv] (batch-first in every format; thd: batch 1),
+      True = masked out (TransformerEngine's convention), applied exactly on top of attn_mask_type,
+      padding and window. Served by "xla" and "pallas" (folded into the bias); not by "cudnn" nor
+      context parallelism. Prefer seqlens / segment ids / mask types where they express the mask: the
+      kernels then skip hidden blocks instead of reading an [s_q, s_kv] array.
     softcap: logits ← softcap·tanh(logits/softcap). scale defaults to 1/sqrt(d_qk).
     backend: "auto", "pallas", "cudnn" or "xla"; see `explain_attention_backend`. Under a mesh whose
       axes XLA partitions (jax.set_mesh, outside shard_map) auto does not take pallas: the kernel would
@@ -169,12 +183,17 @@ def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_m
         query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng)
+        dropout_rng=dropout_rng, mask=mask)
     choice = _choose(prep, backend)
     if choice.selected is None:
         raise unavailable_error(choice)
     out = run_backend(choice, prep, dropout_rng=dropout_rng)
     return layouts.from_bshd(out, prep.call.attn_input_format)
+
+
+def _mask_kw(mask):
+    """Backends' forward take `mask=` only when there is one (stand-ins in tests need not know it)."""
+    return {} if mask is None else {"mask": mask}
 
 
 def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None):
@@ -187,7 +206,7 @@ def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None
             return BACKENDS[name].forward(
                 prep.call, prep.q, prep.k, prep.v, prep.token_mask, prep.bias, scale=prep.scale,
                 softcap=prep.softcap, causal=prep.call.mask.causal, window=prep.window,
-                dropout_rate=prep.call.dropout_rate, dropout_rng=dropout_rng)
+                dropout_rate=prep.call.dropout_rate, dropout_rng=dropout_rng, **_mask_kw(prep.mask))
         except (NotImplementedError, RuntimeError) as e:
             if choice.source != "auto":
                 raise ValueError(f"backend {name!r} refused the call: {type(e).__name__}: {e}") from e
@@ -216,6 +235,7 @@ class _PackedPlan:
     window: tuple[int, int]
     choice: BackendChoice
     in_place: bool
+    mask: jax.Array | None = None
 
 
 def _packed_tensors(qkv, layout: layouts.QKVLayout) -> tuple:
@@ -246,7 +266,7 @@ def _plan_packed(qkv, *, qkv_layout, num_attention_heads, num_gqa_groups, attn_i
                                       num_gqa_groups=num_gqa_groups), *tensors)
     if for_explain and kwargs.get("dropout_rate", 0.0):
         kwargs["dropout_rng"] = jax.random.key(0)
-    call, tm, bias, scale, softcap, window = _validate_call(q, k, v, attn_input_format=fmt, **kwargs)
+    call, tm, bias, scale, softcap, window, mask = _validate_call(q, k, v, attn_input_format=fmt, **kwargs)
     h, g = call.dims.num_heads, call.dims.num_kv_heads
     choice = choose_backend(call, backend)
     in_place = False
@@ -264,7 +284,7 @@ def _plan_packed(qkv, *, qkv_layout, num_attention_heads, num_gqa_groups, attn_i
         choice.packed = ("read in place by the portable Pallas kernel: the packed tensor is one operand of the "
                          "kernels, which address q, k and v by head offsets (no slice, no copy)" if in_place
                          else f"split into q, k, v by XLA slicing (a copy) before the Pallas kernel: {why}")
-    return _PackedPlan(layout, tensors, h, g, call, tm, bias, scale, softcap, window, choice, in_place)
+    return _PackedPlan(layout, tensors, h, g, call, tm, bias, scale, softcap, window, choice, in_place, mask)
 
 
 def explain_attention_backend_packed(qkv, *, qkv_layout, backend="auto", **kwargs) -> BackendChoice:
@@ -283,7 +303,7 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
                                  attn_input_format=None, attn_mask_type="no_mask", q_seqlens=None,
                                  kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None,
                                  bias=None, softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None,
-                                 backend="auto"):
+                                 backend="auto", mask=None):
     """`dot_product_attention` on q, k, v stored as `qkv_layout` says (TransformerEngine's layouts).
 
     qkv: the packed tensor for QKV-packed and GQA-packed layouts ("bs3hd" [b, s, 3, h, d],
@@ -305,7 +325,7 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
         attn_input_format=attn_input_format, backend=backend, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, needs_split_vjp=False)
+        dropout_rng=dropout_rng, needs_split_vjp=False, mask=mask)
     choice, call = plan.choice, plan.call
     if choice.selected is None:
         raise unavailable_error(choice)
@@ -315,7 +335,7 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
             out = BACKENDS["pallas"].forward_packed(
                 call, plan.layout.name, plan.tensors, plan.token_mask, plan.bias, num_heads=plan.num_heads,
                 num_gqa_groups=plan.num_gqa_groups, scale=plan.scale, softcap=plan.softcap,
-                causal=call.mask.causal, window=plan.window)
+                causal=call.mask.causal, window=plan.window, **_mask_kw(plan.mask))
             return layouts.from_bshd(out, fmt)
         except (NotImplementedError, RuntimeError) as e:
             if choice.source != "auto":
@@ -324,5 +344,5 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
     q, k, v = layouts.unpack_qkv(*plan.tensors, qkv_layout=plan.layout.name, num_attention_heads=plan.num_heads,
                                  num_gqa_groups=plan.num_gqa_groups)
     prep = PreparedAttention(call, *(layouts.to_bshd(t, fmt) for t in (q, k, v)), plan.token_mask, plan.bias,
-                             plan.scale, plan.softcap, plan.window)
+                             plan.scale, plan.softcap, plan.window, plan.mask)
     return layouts.from_bshd(run_backend(choice, prep, dropout_rng=dropout_rng), fmt)

@@ -234,3 +234,56 @@ def build_token_mask(mask: MaskSpec, attn_input_format: str, batch: int, q_len: 
         q_pos = jnp.broadcast_to(jnp.arange(q_len, dtype=jnp.int32)[None] - shift_q, (batch, q_len))
         kv_pos = jnp.broadcast_to(jnp.arange(kv_len, dtype=jnp.int32)[None] - shift_kv, (batch, kv_len))
     return TokenMask(q_seg, q_pos.astype(jnp.int32), kv_seg, kv_pos.astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------- dense boolean masks
+#
+# A dense `mask` ([batch|1, heads|1, s_q, s_kv], bool, True = masked out: TransformerEngine's
+# convention) is applied exactly, on top of the mask type / padding / window: key j is visible to
+# query i iff the rule above holds AND not mask[b, h, i, j]. A row that sees no key gives zeros.
+
+# What the Pallas backend adds to the logits of masked-out elements (folded into the bias). Finite, so the
+# kernel's online softmax never subtracts -inf from -inf; large enough that exp() of a masked logit is 0 in
+# fp32 next to any visible one (a difference beyond ~104 underflows). Rows that the mask hides entirely are
+# zeroed after the kernel (their softmax over -1e9 logits would be an average, not the contract's zeros).
+DENSE_MASK_NEG = -1e9
+
+
+def check_dense_mask(mask, batch, heads, q_len, kv_len, attn_input_format="bshd"):
+    """Validate a dense boolean mask; returns it (a jax array). Shapes are canonical (batch first)."""
+    if mask is None:
+        return None
+    if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+        mask = jnp.asarray(mask)
+    shape = tuple(mask.shape)
+    thd = " (thd: batch is 1, seq the token axis)" if attn_input_format == "thd" else ""
+    ok = (len(shape) == 4 and shape[0] in (1, batch) and shape[1] in (1, heads)
+          and shape[2:] == (q_len, kv_len))
+    if not ok:
+        raise ValueError(
+            f"mask: got shape {shape}, expected [batch or 1, heads or 1, q_seq, kv_seq] = [{batch} or 1, "
+            f"{heads} or 1, {q_len}, {kv_len}]{thd}, batch-first whatever attn_input_format={attn_input_format!r}. "
+            f"Add broadcast axes with mask[None, None] (a [q_seq, kv_seq] mask) or reshape; if the batch and "
+            f"sequence axes look swapped, attn_input_format is probably wrong.")
+    if jnp.dtype(mask.dtype) != jnp.bool_:
+        raise ValueError(
+            f"mask has dtype {jnp.dtype(mask.dtype).name}; it must be boolean with True = masked out "
+            f"(TransformerEngine's convention): pass `mask != 0` for an integer 0/1 mask (1 = masked out), "
+            f"`~keep` for a True = attend mask, or an additive float mask as `bias`.")
+    return jnp.asarray(mask)
+
+
+def fold_dense_mask(bias, mask, neg):
+    """bias (or 0) + `neg` where mask is True, in float32: [broadcast of bias and mask shapes]."""
+    add = jnp.where(mask, jnp.float32(neg), jnp.float32(0.0))
+    return add if bias is None else bias.astype(jnp.float32) + add
+
+
+def dense_mask_rows_visible(tm: TokenMask, mask, *, causal, window):
+    """[B, Sq, H|1, 1] bool: the query row sees at least one key under the token mask AND the dense mask."""
+    from pallas_kernels.flash_attention.reference import visibility_mask
+
+    vis = visibility_mask(tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, causal=causal,
+                          window_left=window[0], window_right=window[1])  # [B, Sq, Skv]
+    rows = jnp.any(vis[:, None] & jnp.logical_not(mask), axis=-1)  # [B, H|1, Sq]
+    return jnp.transpose(rows, (0, 2, 1))[..., None]

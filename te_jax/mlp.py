@@ -30,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ln_mlp import ln_mlp as _kern
+from pallas_kernels.ln_mlp import reference as _ref
 from te_jax.activations import validate_activations
 from te_jax.normalization import (
     LAYERNORM_TYPES,
@@ -134,14 +136,6 @@ def explain_mlp_backend(x, gamma=None, beta=None, w1=None, b1=None, w2=None, b2=
                           disable_env="TE_JAX_PALLAS_MLP", pref_key="mlp", auto_notes=_auto_notes())
 
 
-def _kernels():
-    # Lazy: pallas_kernels imports te_jax._compat, which runs te_jax/__init__ (import cycle otherwise).
-    from pallas_kernels.ln_mlp import ln_mlp as kern
-    from pallas_kernels.ln_mlp import reference as ref
-
-    return kern, ref
-
-
 def _make_dropout(dropout_rate, dropout_rng):
     keep = 1.0 - float(dropout_rate)
 
@@ -166,7 +160,6 @@ def layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, *, layernorm_type="layernorm",
     beta = None if rms else beta
     dt = x.dtype
     w1c, w2c = w1.astype(dt), w2.astype(dt)
-    _kern, _ref = _kernels()
     if choice.selected == "pallas":
         gemm = GPU_FIRST_GEMM if jax.default_backend() == "gpu" else "xla"
         return _kern.layernorm_mlp(x, gamma, beta, w1c, b1, w2c, b2, rms=rms, activations=acts, epsilon=epsilon,
@@ -212,7 +205,6 @@ def layernorm_dense(x, gamma, beta, w, b=None, *, layernorm_type="layernorm", ep
     n = math.prod(out_dims)
     wf = w.reshape(d, n).astype(x.dtype)
     bf = None if b is None else b.reshape(n)
-    _kern, _ref = _kernels()
     if choice.selected == "pallas":
         out = _kern.layernorm_dense(x, gamma, beta, wf, bf, rms=rms, epsilon=epsilon,
                                     zero_centered_gamma=zero_centered_gamma,

@@ -28,18 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.norms import norm as _pallas_norm
+from pallas_kernels.norms import reference as _ref
 from te_jax.backends import policy
 
-# Kernel modules are imported lazily: they import te_jax._compat, which runs te_jax/__init__,
-# which imports this module (an import cycle if pallas_kernels is imported first).
 MAX_HIDDEN = 32768  # == pallas_kernels.norms.MAX_HIDDEN (checked in tests)
-
-
-def _kernels():
-    from pallas_kernels.norms import norm as pallas_norm
-    from pallas_kernels.norms import reference as ref
-
-    return pallas_norm, ref
 
 
 BACKENDS = ("pallas", "xla")
@@ -252,7 +245,6 @@ def _run_norm(op, x, gamma, beta, layernorm_type, epsilon, zero_centered_gamma, 
     if choice.error:
         raise ValueError(choice.error)
     rms = layernorm_type == "rmsnorm"
-    _pallas_norm, _ref = _kernels()
     if choice.selected == "pallas":
         if rms:
             return _pallas_norm.rmsnorm(x, gamma, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma)

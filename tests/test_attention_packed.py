@@ -17,17 +17,13 @@ import pytest
 import te_jax
 from jaxpr_walk import walk
 from naive_attention import naive_attention, naive_mask
+from tolerance import rel_err
 from pallas_kernels.flash_attention import flash_attention_packed, packed_in_place_reason
 from pallas_kernels.flash_attention.kernel import _Packed
 
 B, H, D = 2, 4, 16
 TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (2e-2, 4e-2)}  # (out, grads), relative to max |ref|
 SLICING = {"slice", "dynamic_slice", "gather", "pad", "transpose", "copy", "copy_p", "squeeze"}
-
-
-def rel_err(a, b):
-    a, b = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (a, b))
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
 
 
 def packed_shape(layout, b, s, h, g, d):

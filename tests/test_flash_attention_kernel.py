@@ -21,6 +21,7 @@ from pallas_kernels.flash_attention import (
     flash_attention_fwd,
     reference_attention,
 )
+from tolerance import rel_err
 
 SMALL = BlockSizes(16, 16, 16, 16, num_warps=4, num_stages=2)
 MIXED = BlockSizes(32, 16, 16, 32, block_q_dq=32, block_kv_dq=16)
@@ -89,12 +90,6 @@ def loss_fn(attn, w_out, w_lse):
         return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse)
 
     return f
-
-
-def rel_err(a, b):
-    a = np.asarray(jnp.asarray(a, jnp.float32))
-    b = np.asarray(jnp.asarray(b, jnp.float32))
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-6))
 
 
 def check(*, B=2, Sq=48, Skv=48, H=4, G=4, Dqk=32, Dv=32, dtype=jnp.float32, causal=False,

@@ -43,7 +43,7 @@ def perturb(p):
     return tree.unflatten([a + 0.1 * rand(i + 11, a.shape) for i, a in enumerate(leaves)])
 
 
-def ref_layer(p, x, enc=None, *, g=H, activations=("relu",), visible=None, enc_visible=None, post_ln=False,
+def ref_layer(p, x, enc=None, *, g=H, activations=("gelu",), visible=None, enc_visible=None, post_ln=False,
               output_ln=False, bidirectional=True, layernorm_type="layernorm", rope=None):
     bias = None
     if "relpos_bias" in p:
@@ -383,3 +383,31 @@ def test_bad_inputs_layer():
     xs = rand(1, (S, B, D))
     with pytest.raises(ValueError, match=r"mask has shape \(2, 1, 8, 8\); with attn_input_format='bshd'"):
         make(self_attn_mask_type="padding_causal").init(jax.random.key(0), xs, None, jnp.zeros((B, 1, S, S), bool))
+
+
+# TransformerEngine-JAX 2.20's defaults (transformer_engine/jax/flax/transformer.py, TransformerLayer) for the
+# fields te_jax shares by name; te_jax/flax/README.md lists the fields whose defaults still differ.
+TE_2_20_TRANSFORMER_LAYER_DEFAULTS = dict(
+    hidden_size=512, mlp_hidden_size=2048, num_attention_heads=8, num_gqa_groups=None, layernorm_type="layernorm",
+    layernorm_epsilon=1e-6, zero_centered_gamma=False, hidden_dropout=0.1, hidden_dropout_dims=(),
+    attention_dropout=0.1, intermediate_dropout=0.0, dropout_rng_name="dropout", mlp_kernel_init=None,
+    mlp_activations=("gelu",), use_bias=False, apply_residual_connection_post_layernorm=False,
+    output_layernorm=False, float32_attention_logits=False, self_attn_mask_type="causal", self_attn_bias_type=None,
+    enable_relative_embedding=True, relative_embedding=None, enable_rotary_pos_emb=False,
+    rotary_pos_emb_windows=(1, 10000), rotary_pos_emb_group_method="consecutive", drop_path=0.0,
+    fuse_qkv_params=True, enable_sequence_parallel=False, scale_attn_logits=False, scaled_query_init=True,
+    window_size=None)
+
+
+def test_transformer_layer_defaults_follow_transformer_engine_2_20():
+    layer = TransformerLayer()
+    got = {k: getattr(layer, k) for k in TE_2_20_TRANSFORMER_LAYER_DEFAULTS}
+    assert got == TE_2_20_TRANSFORMER_LAYER_DEFAULTS
+    assert layer.attn_input_format == "bshd"  # TE: transpose_batch_sequence=False
+    # mha_kernel_init=None means TE's variance_scaling(1.0, "fan_in", "normal") (std 1/sqrt(fan_in), untruncated);
+    # the query columns are scaled by 1/sqrt(head_dim) (scaled_query_init)
+    m = make(hidden_size=256, num_attention_heads=4, mlp_hidden_size=64, enable_relative_embedding=False)
+    k = init(m, rand(1, (1, 2, 256)))["params"]["attention"]["qkv"]["kernel"]  # [embed, 3, h, d]
+    kv = np.asarray(k[:, 1:]).ravel() * np.sqrt(256)
+    assert abs(kv.std() - 1.0) < 0.05 and np.abs(kv).max() > 2.5  # truncated_normal would stop at 2 std
+    np.testing.assert_allclose(np.asarray(k[:, 0]).std() * np.sqrt(256) * np.sqrt(64), 1.0, atol=0.05)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from te_jax import mlp as M
+from tolerance import assert_close
 from te_jax.activations import validate_activations
 
 ACT = {
@@ -52,11 +53,9 @@ def f32(t):
 
 
 def check_all(got, want, tol):
+    """max|a - r| <= tol * (max|r| + 1e-6) for each pair (tests/tolerance.py)."""
     for i, (a, r) in enumerate(zip(got, want)):
-        a = np.asarray(a, np.float32)
-        r = np.asarray(r, np.float32)
-        scale = np.abs(r).max() + 1e-6
-        assert np.abs(a - r).max() <= tol * scale, (i, np.abs(a - r).max(), scale)
+        assert_close(a, r, tol, f"[{i}]", floor=None)
 
 
 ACTS = [("gelu",), ("relu",), ("silu",), ("quick_gelu",), ("squared_relu",), ("linear",),

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_walk
 import te_jax
+from tolerance import assert_close
 import te_jax.attention as attention_mod
 from te_jax.backends import selection
 from te_jax.flax import DotProductAttention, TransformerLayer
@@ -53,9 +54,7 @@ def _rand(i, shape, dtype=jnp.float32):
 
 def _close(a, b, tol, what):
     """Close to tol relative to the array's scale (sums of many fp32 terms, in another order per shard)."""
-    b = np.asarray(b)
-    np.testing.assert_allclose(np.asarray(a), b, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(b)))),
-                               err_msg=what)
+    assert_close(a, b, tol, what, floor=1.0, rtol=tol)
 
 
 # ----------------------------------------------------------------------------- TransformerLayer

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpr_walk
+from tolerance import assert_close
 from te_jax.flax import LayerNormDenseGeneral, LayerNormMLP
 
 AUTO = jax.sharding.AxisType.Auto
@@ -85,10 +86,7 @@ def _run(return_ln, use_bias=True, kind="dense", dtype=jnp.float32, rules=RULES)
 
 
 def _assert_close(out, ref, tol=2e-5):
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(out), jax.tree.leaves(ref)):
-        a, b = np.asarray(a, np.float32), np.asarray(b)
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(b)))),
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_close(jax.tree.leaves(out), jax.tree.leaves(ref), tol, floor=1.0, rtol=tol)
 
 
 @pytest.mark.parametrize("kind", ["dense", "mlp"])

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax._compat import default_interpret, pl, triton_params
+from .._compat import default_interpret, pl, triton_params
 
 from .._lower_once import lower_once
 

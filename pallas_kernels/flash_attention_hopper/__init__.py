@@ -5,7 +5,8 @@
         out [B,S,H,D] (q.dtype), lse [B,H,S] float32 (natural log).  Differentiable.
     hopper_attention_fwd(q, k, v, *, scale, causal, config) -> (out, lse)
     hopper_attention_bwd(q, k, v, out, lse, dout, *, scale, causal, config, dlse=None) -> (dq, dk, dv)
-    supports(q_shape, k_shape, v_shape, dtype, causal, ...) -> None or the reason it cannot serve.
+    supports(q_shape, k_shape, v_shape, dtype, causal, ...) -> None or the reason it cannot serve
+        (shapes, dtype, features; the device and jax version are checked by te_jax's dispatcher).
 
 Mosaic GPU is imported lazily; this package imports on any machine.
 """
@@ -40,9 +41,12 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=None,
-             segment_ids=None, bias=None, softcap=None, dropout_rate: float = 0.0,
-             check_device: bool = True) -> str | None:
-    """None when `hopper_attention` can serve this call, else the reason (for the dispatcher)."""
+             segment_ids=None, bias=None, softcap=None, dropout_rate: float = 0.0) -> str | None:
+    """None when `hopper_attention` can serve this call, else the reason (for the dispatcher).
+
+    Shapes, dtype and features only: whether this process can run the kernel (an sm90 GPU,
+    jax >= 0.11) is the dispatcher's question (te_jax/backends/pallas.py, `hopper_device_reason`).
+    """
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         return "q, k and v must be 4-D [batch, seq, heads, head_dim] (BSHD)"
     if window is not None and tuple(window) not in ((-1, -1), (None, None)):
@@ -75,19 +79,11 @@ def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=N
             return f"{name} {s} is not a multiple of the block size {BLOCK}"
     if causal and sq != skv:
         return f"causal needs equal query and kv lengths (got {sq} and {skv})"
-    if check_device:
-        from te_jax._compat import JAX_VERSION, gpu_compute_capability
-
-        cc = gpu_compute_capability()
-        if cc is None or cc[0] != 9:
-            return "not an sm90 GPU"
-        if JAX_VERSION < (0, 11, 0):
-            return f"jax {jax.__version__} < 0.11 (Mosaic GPU plgpu.kernel API)"
     return None
 
 
 def _check(q, k, v, causal):
-    reason = supports(q.shape, k.shape, v.shape, q.dtype, causal, check_device=False)
+    reason = supports(q.shape, k.shape, v.shape, q.dtype, causal)
     if reason is not None:
         raise ValueError(f"hopper_attention: {reason}")
     if q.dtype != k.dtype or q.dtype != v.dtype:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax._compat import default_interpret, mosaic_gpu, pl
+from .._compat import default_interpret, mosaic_gpu, pl
 
 
 def num_sms() -> int:

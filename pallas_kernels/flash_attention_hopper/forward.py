@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_jax._compat import mosaic_gpu, pl
+from .._compat import mosaic_gpu, pl
 
 from .._lower_once import lower_once
 

@@ -25,7 +25,7 @@ from jax import lax
 from pallas_kernels.ln_mlp.activations import apply_activations
 from pallas_kernels.norms import norm as pnorm
 from pallas_kernels.norms import reference as norm_ref
-from te_jax._compat import default_interpret
+from .._compat import default_interpret
 
 
 # GEMMs accumulate in fp32 inside the matrix unit and write the compute dtype (as plain JAX does):

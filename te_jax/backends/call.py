@@ -31,6 +31,8 @@ class AttentionCall:
     # a Pallas kernel here would run replicated. Empty inside shard_map and for callers that run the
     # backend per shard themselves (context parallelism).
     partitioned_axes: tuple[str, ...] = ()
+    # Shape of a dense boolean `mask` ([B|1, H|1, Sq, Skv], True = masked out), None without one.
+    mask_shape: tuple[int, ...] | None = None
 
     @property
     def dtype_name(self) -> str:

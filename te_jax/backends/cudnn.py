@@ -26,6 +26,11 @@ class CudnnBackend:
             # query's ("value shape should be [..., d_qk]") before cuDNN's own MLA support is reached.
             return (f"head_dim_qk={d.head_dim_qk} != head_dim_v={d.head_dim_v}: jax.nn.dot_product_attention "
                     f"requires value's head_dim to equal the query's")
+        if call.mask_shape is not None:
+            return (f"mask (a dense boolean mask, shape {call.mask_shape}): jax.nn's cuDNN path folds a boolean mask "
+                    f"into a finite large negative bias in the input dtype, so a row the mask hides entirely "
+                    f"gives an average of the values, not te_jax's zeros; express padding with q_seqlens/kv_seqlens "
+                    f"and causality with attn_mask_type to use cuDNN")
         if call.attn_input_format == "thd":
             return "attn_input_format='thd' (packed sequences) is not exposed by jax.nn.dot_product_attention"
         if call.padding_source == "segment_ids":
@@ -51,7 +56,10 @@ class CudnnBackend:
                     "call exposes neither")
         return None
 
-    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng):
+    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng,
+                mask=None):
+        if mask is not None:
+            raise NotImplementedError("a dense mask is not served by the cudnn backend (see unsupported_reason)")
         del softcap, dropout_rate, dropout_rng  # refused in unsupported_reason
         left, right = window
         is_causal = causal or right == 0

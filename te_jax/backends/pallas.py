@@ -2,6 +2,8 @@
 
 On sm90 it takes the Hopper (Mosaic GPU) kernel when that kernel serves the call, and the portable
 Triton-lowered kernel otherwise; off-GPU the portable kernel runs in interpret mode (tests).
+The Hopper kernel's `supports` checks shapes, dtype and features; the device (sm90) and the jax
+version (>= 0.11) are checked here (`hopper_device_reason`).
 """
 from __future__ import annotations
 
@@ -29,6 +31,21 @@ def _batched(tensors, fmt):
 
 def _kernel_qkv(tensors):
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def hopper_device_reason() -> str | None:
+    """None when this process can run the Hopper kernel, else why not (the kernel's `supports` checks only
+    shapes, dtype and features; the device and the jax version are the dispatcher's to check)."""
+    from te_jax import _compat
+
+    cc = _compat.gpu_compute_capability()
+    if cc is None or cc[0] != 9:
+        return "not an sm90 GPU"
+    if _compat.JAX_VERSION < (0, 11, 0):
+        import jax
+
+        return f"jax {jax.__version__} < 0.11 (Mosaic GPU plgpu.kernel API)"
+    return None
 
 
 def _import(name):
@@ -73,6 +90,8 @@ class PallasBackend:
         if call.mask.mask_type not in ("no_mask", "causal") and not (
                 call.mask.mask_type == "causal_bottom_right" and d.q_len == d.kv_len):
             return mod, f"attn_mask_type={call.mask.mask_type!r}: the Hopper kernel serves no_mask and causal only"
+        if call.mask_shape is not None:
+            return mod, "mask (a dense boolean mask): the Hopper kernel has neither a mask nor a bias to fold it into"
         if call.padding_source != "none":
             return mod, "padding/segments: the Hopper kernel has no padding"
         if call.window != (-1, -1):
@@ -95,7 +114,7 @@ class PallasBackend:
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
-                            call.dtype, call.mask.causal)
+                            call.dtype, call.mask.causal) or hopper_device_reason()
 
     def ring_block_reason(self, call, q_block_shape, kv_block_shape, half_blocks: bool) -> str | None:
         """Why the Hopper kernel cannot serve the per-block calls of ring attention (None when it can).
@@ -117,7 +136,7 @@ class PallasBackend:
             hk = (kv_block_shape[0], kv_block_shape[1] // 2) + tuple(kv_block_shape[2:])
             shapes += [(q_block_shape, hk), (hq, kv_block_shape)]
         for qs, ks in shapes:
-            why = mod.supports(qs, ks, tuple(ks[:3]) + (v_shape[3],), call.dtype, False)
+            why = mod.supports(qs, ks, tuple(ks[:3]) + (v_shape[3],), call.dtype, False) or hopper_device_reason()
             if why is not None:
                 return f"ring block q{tuple(qs)} x kv{tuple(ks)}: {why}"
         return None
@@ -137,8 +156,29 @@ class PallasBackend:
             return "hopper"
         return "portable"
 
-    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng):
+    @staticmethod
+    def _fold_mask(tm, bias, mask, *, causal, window):
+        """A dense mask as the portable kernel takes it: (bias with DENSE_MASK_NEG on masked-out elements,
+        [B, Sq, H|1, 1] rows that see a key). Exact: a masked element's exp() underflows to 0 next to any
+        visible logit; rows the mask (with the token mask) hides entirely are zeroed after the kernel,
+        which zeroes their cotangent too, so they add nothing to any gradient."""
+        from te_jax import masks
+
+        return (masks.fold_dense_mask(bias, mask, masks.DENSE_MASK_NEG),
+                masks.dense_mask_rows_visible(tm, mask, causal=causal, window=window))
+
+    @staticmethod
+    def _zero_hidden_rows(out, rows):
+        import jax.numpy as jnp
+
+        return out if rows is None else jnp.where(rows, out, jnp.zeros((), out.dtype))
+
+    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng,
+                mask=None):
         del dropout_rate, dropout_rng
+        rows = None
+        if mask is not None:  # never the Hopper kernel: hopper_reason names the mask
+            bias, rows = self._fold_mask(tm, bias, mask, causal=causal, window=window)
         if self.kernel_name(call) == "hopper":
             from pallas_kernels import flash_attention_hopper as fh
             out, _ = fh.hopper_attention(q, k, v, scale=scale, causal=causal)
@@ -147,7 +187,7 @@ class PallasBackend:
         out, _ = fa.flash_attention(
             q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
             scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1])
-        return out
+        return self._zero_hidden_rows(out, rows)
 
     def packed_input_reason(self, call, qkv_layout: str, tensors, num_heads: int, num_gqa_groups: int):
         """None when `forward_packed` reads the packed tensor(s) in place, else why they must be split.
@@ -174,15 +214,18 @@ class PallasBackend:
         return None if why is None else f"the packed tensor would need padding: {why}"
 
     def forward_packed(self, call, qkv_layout, tensors, tm, bias, *, num_heads, num_gqa_groups, scale, softcap,
-                       causal, window):
+                       causal, window, mask=None):
         """The portable kernel on the packed tensor(s) as they lie; returns out [b, s, h, d] (bshd)."""
         from pallas_kernels import flash_attention as fa
+        rows = None
+        if mask is not None:
+            bias, rows = self._fold_mask(tm, bias, mask, causal=causal, window=window)
         out, _ = fa.flash_attention_packed(
             _kernel_qkv(_batched(tensors, call.attn_input_format)), tm.q_segment_ids, tm.q_positions,
             tm.kv_segment_ids, tm.kv_positions, bias, layout=KERNEL_PACKED_LAYOUTS[qkv_layout],
             num_heads=num_heads, num_kv_heads=num_gqa_groups, scale=scale, softcap=softcap, causal=causal,
             window_left=window[0], window_right=window[1])
-        return out
+        return self._zero_hidden_rows(out, rows)
 
     def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):
         from pallas_kernels import flash_attention as fa

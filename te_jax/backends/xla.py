@@ -1,7 +1,9 @@
 """The `xla` backend: the fp32 reference, compiled by XLA. Serves every call, on any platform."""
 from __future__ import annotations
 
-from te_jax import reference
+import jax.numpy as jnp
+
+from te_jax import masks, reference
 
 
 class XlaBackend:
@@ -10,7 +12,12 @@ class XlaBackend:
     def unsupported_reason(self, call) -> str | None:
         return None
 
-    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng):
+    def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng,
+                mask=None):
+        if mask is not None:
+            # Exact: -inf on masked-out logits; the reference masks before exp, so a row hidden entirely
+            # gives zeros (and zero gradients), and a hidden element gets exactly zero probability.
+            bias = masks.fold_dense_mask(bias, mask, -jnp.inf)
         out, _ = reference.reference_attention(
             q, k, v, tm, bias, scale=scale, softcap=softcap, causal=causal, window=window,
             dropout_rate=dropout_rate, dropout_rng=dropout_rng)

@@ -93,43 +93,186 @@ def apply_rotary_pos_emb(x, positions, *, group_method: str = "consecutive", win
     return out.astype(x.dtype)
 
 
-def _positions(fmt, b, s, offset=0, segment_ids=None, seqlens=None):
-    """Token positions broadcastable to the [.., heads, d] tensor's leading axes in format fmt."""
+def _positions(fmt, b, s, offset=0, segment_ids=None, seqlens=None, cp_size=None):
+    """Token positions (RoPE) broadcastable to the [.., heads, d] tensor's leading axes in format fmt.
+
+    segment_ids: [b, s] ([s] for thd), positions restart at 0 in every segment; seqlens: thd only
+    ([num_seqs] packed lengths). cp_size: the tokens (and segment ids) come in the zig-zag order of
+    `reorder_causal_load_balancing(x, cp_size)`; positions are computed in the ORIGINAL order (segment
+    ids un-reordered first; seqlens always describe the original order) and then reordered, so a
+    document's positions do not restart at chunk boundaries. Returns [b|1, s] (bshd), [s, b|1] (sbhd)
+    or [s] (thd).
+    """
+    from te_jax.context_parallel import inverse_reorder_causal_load_balancing, reorder_causal_load_balancing
+
+    seq_axis = 0 if fmt == "thd" else 1
+    if cp_size is not None and segment_ids is not None:
+        segment_ids = inverse_reorder_causal_load_balancing(jnp.asarray(segment_ids, jnp.int32), cp_size, seq_axis)
     if fmt == "thd":
         if segment_ids is None and seqlens is not None:
             segment_ids = masks._seqlens_to_packed_segments(jnp.asarray(seqlens, jnp.int32), s)
         if segment_ids is not None:
-            return masks._positions(jnp.asarray(segment_ids, jnp.int32)[None], False)[0] + offset
-        return jnp.arange(s) + offset
-    if segment_ids is not None:
-        pos = masks._positions(jnp.asarray(segment_ids, jnp.int32), False) + offset  # [b, s]
+            pos = masks._positions(jnp.asarray(segment_ids, jnp.int32)[None], False)[0]
+        else:
+            pos = jnp.arange(s, dtype=jnp.int32)
+    elif segment_ids is not None:
+        pos = masks._positions(jnp.asarray(segment_ids, jnp.int32), False)  # [b, s]
     else:
-        pos = (jnp.arange(s) + offset)[None, :]  # [1, s]
-    return pos if fmt == "bshd" else pos.T
+        pos = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, s]
+    if cp_size is not None:
+        pos = reorder_causal_load_balancing(pos, cp_size, seq_axis)
+    pos = pos + offset
+    return pos if fmt != "sbhd" else pos.T
+
+
+def _query_positions(fmt, b, s, *, mask=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
+                     kv_segment_ids=None, cache_index=None, self_attention=True, kv_len=None,
+                     module="MultiHeadAttention", cp_size=None):
+    """RoPE positions of the query tokens, batch-first: [b or 1, s] (bshd/sbhd) or [t] (thd).
+
+    Full forward: positions restart at 0 in every segment, so they count each row's real tokens when
+    padding is given by segment ids or by a mask (read as segment ids, as the attention reads it);
+    seqlens (real tokens first) and no padding give 0..s-1; thd packs sequences from seqlens or ids.
+    Decoding (cache_index [b] given): cache_index[row] + the rank of the token among the row's real
+    tokens of this chunk (_decode_validity), i.e. the row's real tokens counted since the cache started.
+    Shared by MultiHeadAttention (self-attention) and TransformerLayer (the cross-attention's query).
+    cp_size: tokens in the zig-zag order of load-balanced context parallelism (see `_positions`).
+    """
+    if cache_index is not None:
+        valid = _decode_validity(module, b, s, mask, q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids)
+        rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1
+        return jnp.asarray(cache_index, jnp.int32)[:, None] + jnp.maximum(rank, 0)
+    seg = q_segment_ids if (q_segment_ids is not None or not self_attention) else kv_segment_ids
+    if seg is None and mask is not None and fmt != "thd":
+        seg = _padding_from_mask(mask, fmt, b, s, s if kv_len is None else kv_len, module)[0]
+    pos = _positions(fmt, b, s, 0, seg, q_seqlens if fmt == "thd" else None, cp_size)
+    return pos.T if fmt == "sbhd" else pos
+
+
+def _fmt_positions(pos, fmt):
+    """Batch-first positions [b|1, s] -> broadcastable to the tensors' leading axes in format fmt."""
+    return pos.T if fmt == "sbhd" else pos
+
+
+# ----------------------------------------------------------------------------- decoding with the KV cache
+
+
+def _decode_validity(module, b, sq, mask=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
+                     kv_segment_ids=None):
+    """Which tokens of a decode chunk are real: bool [b, sq] (all of them without padding arguments).
+
+    While decoding, the padding arguments describe the sq tokens given in this call, batch-first in
+    every format: mask [b, 1 or h, sq, sq] (True = masked out; a token is padding when its row or its
+    column is masked everywhere), q/kv_segment_ids [b, sq] (0 = padding, any other id = a real token:
+    one sequence per row), q/kv_seqlens [b] (the first len tokens of the row are real). Padding may sit
+    anywhere in the chunk (left, right, between). Both q_ and kv_ forms given: a token must be real in both.
+    """
+    given = [n for n, a in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens),
+                            ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)) if a is not None]
+    if mask is not None and given:
+        raise ValueError(f"{module}: pass either mask or {'/'.join(given)}, not both.")
+    if any("seqlens" in n for n in given) and any("segment" in n for n in given):
+        raise ValueError(f"{module}: pass either q_seqlens/kv_seqlens or q_segment_ids/kv_segment_ids, not both.")
+    if mask is not None:
+        shape = tuple(mask.shape)
+        if len(shape) != 4 or shape[0] != b or shape[2] != sq or shape[3] != sq:
+            raise ValueError(
+                f"{module}: decoding, mask has shape {shape} but this call gives {sq} tokens per row for a batch "
+                f"of {b}: the mask must be [batch, 1 or heads, chunk, chunk] = [{b}, 1, {sq}, {sq}] (always "
+                f"batch-first) and describes this call's tokens only (the cache keeps the earlier ones' padding).")
+        visible = jnp.logical_not(jnp.asarray(mask).astype(bool))
+        return jnp.any(visible, axis=(1, 3)) & jnp.any(visible, axis=(1, 2))
+    valid = jnp.ones((b, sq), bool)
+    for argname, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+        if seg is None:
+            continue
+        seg = masks._check_int_array(seg, argname, (b, sq), "[batch, chunk], batch-first in every format: "
+                                     "while decoding the segment ids describe this call's tokens")
+        if masks._is_concrete(seg):
+            arr = np.asarray(seg)
+            rows = [i for i in range(b) if len(set(arr[i][arr[i] != 0].tolist())) > 1]
+            if rows:
+                raise ValueError(
+                    f"{module}: decoding, {argname} holds several non-zero ids in row(s) {rows} "
+                    f"({arr[rows[0]].tolist()}): the KV cache keeps one sequence per batch row, so in decode "
+                    f"segment ids only mark padding (0) against tokens (one non-zero id per row).")
+        valid = valid & (seg != 0)
+    for argname, lens in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens)):
+        if lens is None:
+            continue
+        lens = masks._check_int_array(lens, argname, (b,), "[batch]: while decoding, the number of real tokens "
+                                      "at the start of each row of this call's chunk")
+        masks._check_seqlens_values(lens, argname, sq, "the decode chunk of this call")
+        valid = valid & (jnp.arange(sq, dtype=jnp.int32)[None, :] < lens[:, None])
+    return valid
+
+
+def _decode_bias(module, bias, b, sq, max_len, positions, order):
+    """The bias rows of the compacted chunk queries: [b or 1, h or 1, sq, max_len] or None.
+
+    bias [1 or b, 1 or h, max_len, max_len] is indexed by token positions (row = query position, column =
+    cache slot = key position), as RelativePositionBiases(max_len, max_len) gives it: each row takes the
+    rows of its queries' positions. bias [1 or b, 1 or h, sq, max_len] gives this call's query rows in the
+    order the tokens were passed; they are reordered with the queries.
+    """
+    if bias is None:
+        return None
+    shape = tuple(bias.shape)
+    if len(shape) != 4 or shape[0] not in (1, b) or shape[-1] != max_len or shape[-2] not in (max_len, sq):
+        raise ValueError(
+            f"{module}: decoding with a cache of max_len={max_len} and a chunk of {sq} tokens, bias has shape "
+            f"{shape}; expected [1 or {b}, 1 or heads, {max_len}, {max_len}] (rows and columns by token "
+            f"position, e.g. RelativePositionBiases over max_len; TransformerLayer: pass max_decode_length="
+            f"{max_len} or leave it out) or [1 or {b}, 1 or heads, {sq}, {max_len}] (this call's query rows).")
+    if shape[-2] == max_len:
+        rows = jnp.clip(jnp.take_along_axis(positions, order, axis=1), 0, max_len - 1)  # [b, sq]
+        if shape[0] == 1:
+            return jnp.moveaxis(bias[0][:, rows], 1, 0)  # [h, b, sq, max_len] -> [b, h, sq, max_len]
+        return jax.vmap(lambda bb, r: bb[:, r])(bias, rows)
+    bias = jnp.broadcast_to(bias, (b,) + shape[1:])
+    return jnp.take_along_axis(bias, order[:, None, :, None], axis=2)
 
 
 # ----------------------------------------------------------------------------- the shared attention call
 
 
-def _padding_from_mask(mask, fmt, b, sq, skv, module):
-    """TE-style boolean mask (True = masked out) [b, 1|h, sq, skv] -> (q_segment_ids, kv_segment_ids).
+def _dense_mask(mask, fmt, b, h, sq, skv, module):
+    """TE-style mask (True = masked out) [b|1, 1|h, sq, skv] -> a boolean array, applied exactly.
 
-    As TransformerEngine's fused attention does, the mask is read as padding: a query row (key column)
-    that is masked everywhere is a padding token. Use `bias` for arbitrary additive masks.
+    Integer (0/1) and boolean masks are accepted (cast to bool: nonzero = masked out); the
+    functional `te_jax.dot_product_attention(mask=...)` applies it on top of the mask type and any
+    seqlens / segment ids. A [b, 1, sq, skv] padding mask gives the seqlens result on the valid
+    rows (rows masked everywhere give zeros); seqlens / segment ids remain the faster way to say it.
     """
-    if fmt == "thd":
-        raise ValueError(f"{module}: a dense mask cannot describe attn_input_format='thd'; pass q_seqlens/"
-                         "kv_seqlens or q_segment_ids/kv_segment_ids instead.")
-    shape = tuple(mask.shape)
-    if len(shape) != 4 or shape[0] != b or shape[2] != sq or shape[3] != skv:
+    shape = tuple(getattr(mask, "shape", ()))
+    if (len(shape) != 4 or shape[0] not in (1, b) or shape[1] not in (1, h) or shape[2] != sq
+            or shape[3] != skv):
+        thd = " (thd: batch is 1, seq the token axis)" if fmt == "thd" else ""
         raise ValueError(
             f"{module}: mask has shape {shape}; with attn_input_format={fmt!r} the inputs give batch={b}, "
-            f"q_seq={sq}, kv_seq={skv}, so the mask must be [batch, 1 or heads, q_seq, kv_seq] = "
-            f"[{b}, 1, {sq}, {skv}] (always batch-first). If the batch and sequence axes are swapped, the "
-            f"inputs' attn_input_format is probably wrong.")
-    visible = jnp.logical_not(mask.astype(bool))
-    q_seg = jnp.any(visible, axis=(1, 3)).astype(jnp.int32)
-    kv_seg = jnp.any(visible, axis=(1, 2)).astype(jnp.int32)
+            f"heads={h}, q_seq={sq}, kv_seq={skv}{thd}, so the mask must be [batch or 1, 1 or heads, q_seq, "
+            f"kv_seq] = [{b}, 1, {sq}, {skv}] (always batch-first, True = masked out). If the batch and sequence "
+            f"axes are swapped, the inputs' attn_input_format is probably wrong.")
+    mask = jnp.asarray(mask)
+    if jnp.issubdtype(mask.dtype, jnp.floating):
+        raise ValueError(
+            f"{module}: mask has dtype {mask.dtype}; it must be boolean (or integer 0/1) with True = masked out. "
+            f"Pass an additive float mask as `bias`.")
+    return mask.astype(bool)
+
+
+def _padding_from_mask(mask, fmt, b, sq, skv, module):
+    """The padding a dense mask implies: (q_segment_ids, kv_segment_ids) [b, sq], [b, skv] int32, 0 = padding.
+
+    A query row (key column) masked everywhere is a padding token. Used for RoPE positions (which count a
+    row's real tokens) and to find the real tokens of a decode chunk; the attention applies the mask itself.
+    """
+    shape = tuple(getattr(mask, "shape", ()))
+    heads = shape[1] if len(shape) == 4 else 1  # any head count: only the padding is read here
+    mask = _dense_mask(mask, fmt, b, heads, sq, skv, module)
+    visible = jnp.logical_not(mask)
+    q_seg = jnp.broadcast_to(jnp.any(visible, axis=(1, 3)), (b, sq)).astype(jnp.int32)
+    kv_seg = jnp.broadcast_to(jnp.any(visible, axis=(1, 2)), (b, skv)).astype(jnp.int32)
     return q_seg, kv_seg
 
 
@@ -196,11 +339,11 @@ def _attention_per_shard(module_name, core, tensors, extras, *, fmt, qkv_layout,
     a mesh it would run replicated. Attention is independent per batch entry and per head, so it runs
     in a shard_map over the mesh axes the logical rules put "batch" (and "heads"/"kv_heads") on; the
     sequence and head_dim axes stay whole (context parallelism is its own path). extras: q_seqlens,
-    kv_seqlens, q_segment_ids, kv_segment_ids, bias (or None), split along the batch ([b] seqlens,
-    [b, s] segment ids, a bias with b entries) and the bias along the heads (h entries); thd seqlens
-    and segment ids, and broadcast bias axes, are passed whole.
+    kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask (or None), split along the batch ([b] seqlens,
+    [b, s] segment ids, a bias / dense mask with b entries) and the bias / mask along the heads (h
+    entries); thd seqlens and segment ids, and broadcast bias / mask axes, are passed whole.
     """
-    q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias = extras
+    q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask = extras
     thd = fmt == "thd"
 
     def token_axes(a, per_seq):
@@ -212,13 +355,15 @@ def _attention_per_shard(module_name, core, tensors, extras, *, fmt, qkv_layout,
             return (BATCH_AXES if a.shape[0] == b else None, SEQ_AXES) if a.ndim == 2 else None
         return (BATCH_AXES,) if a.shape == (b,) else None
 
-    bias_axes = None
-    if bias is not None and bias.ndim == 4:
-        bias_axes = (BATCH_AXES if not thd and bias.shape[0] == b and b > 1 else None,
-                     HEADS_AXES if bias.shape[1] == h and h > 1 else None, SEQ_AXES, SEQ_AXES)
+    def square_axes(a):  # bias / dense mask [b|1, h|1, sq, skv]
+        if a is None or a.ndim != 4:
+            return None
+        return (BATCH_AXES if not thd and a.shape[0] == b and b > 1 else None,
+                HEADS_AXES if a.shape[1] == h and h > 1 else None, SEQ_AXES, SEQ_AXES)
+
     names = _tensor_axes(fmt, qkv_layout) + (token_axes(q_seqlens, False), token_axes(kv_seqlens, False),
                                              token_axes(q_segment_ids, True), token_axes(kv_segment_ids, True),
-                                             bias_axes)
+                                             square_axes(bias), square_axes(mask))
     out_names = _LEAD_AXES[fmt] + (HEADS_AXES, HEAD_DIM_AXES)
     return run_per_shard(module_name, core, tuple(tensors) + tuple(extras), names, out_names,
                          split=(BATCH_AXES,) + _head_split(qkv_layout))
@@ -253,10 +398,15 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
     given = [n for n, a in (("q_seqlens", q_seqlens), ("kv_seqlens", kv_seqlens),
                             ("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)) if a is not None]
     if mask is not None:
-        if given:
-            raise ValueError(f"{module_name}: pass either mask or {'/'.join(given)}, not both.")
-        q_segment_ids, kv_segment_ids = _padding_from_mask(mask, fmt, b, sq, skv, module_name)
-    has_padding = mask is not None or bool(given)
+        # Applied exactly as given (not reduced to padding), on top of the mask type and any seqlens/segments.
+        mask = _dense_mask(mask, fmt, b, q.shape[-2], sq, skv, module_name)
+        if context_parallel_axis:
+            raise ValueError(
+                f"{module_name}: mask (a dense [b, 1|h, q_seq, kv_seq] mask, shape {tuple(mask.shape)}) cannot be "
+                f"split over context_parallel_axis={context_parallel_axis!r}; pass packing/padding as "
+                f"q_segment_ids/kv_segment_ids (or q_seqlens/kv_seqlens) and causality as the mask type "
+                f"(attn_mask_type / self_attn_mask_type), which context parallelism serves.")
+    has_padding = bool(given)
     mask_type = _effective_mask_type(attn_mask_type, has_padding)
 
     if attn_bias_type is None:
@@ -315,14 +465,15 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
 
         def core(*arrays):
             ts = arrays[:n_tensors]
-            qsl, kvsl, qseg, kvseg, bias_ = arrays[n_tensors:]
-            tokens = dict(q_seqlens=qsl, kv_seqlens=kvsl, q_segment_ids=qseg, kv_segment_ids=kvseg, bias=bias_)
+            qsl, kvsl, qseg, kvseg, bias_, mask_ = arrays[n_tensors:]
+            tokens = dict(q_seqlens=qsl, kv_seqlens=kvsl, q_segment_ids=qseg, kv_segment_ids=kvseg, bias=bias_,
+                          mask=mask_)
             if qkv_layout is None:
                 return dot_product_attention(*ts, attn_input_format=fmt, **tokens, **common)
             return dot_product_attention_packed(ts, qkv_layout=qkv_layout, **heads, **tokens, **common)
 
         extras = tuple(a if a is None or hasattr(a, "shape") else jnp.asarray(a)
-                       for a in (q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias))
+                       for a in (q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask))
         if active:  # dropout draws one mask over the global array: no per-shard run (the xla backend serves it)
             out = core(*tensors, *extras)
         else:
@@ -356,10 +507,13 @@ class DotProductAttention(nn.Module):
     Inputs follow `attn_input_format` ("bshd" [b, s, h, d], "sbhd" [s, b, h, d], "thd" [t, h, d])
     and `qkv_layout` (te_jax.QKV_LAYOUTS; None infers it from the tensors passed): pass
     (query, key, value) separately, (query, kv) for KV-packed or (qkv,) for QKV-packed layouts.
-    mask: TransformerEngine convention, boolean [b, 1, sq, skv] with True = masked out, read as a
-      padding mask (fully masked rows/columns are padding); or give seqlens / segment ids directly.
-      Padding information turns "causal" into "padding_causal" (etc.); a padding mask type without
-      any padding information behaves as its non-padding variant.
+    mask: TransformerEngine convention, boolean (or 0/1 integer) [b or 1, 1 or h, sq, skv] with True =
+      masked out, applied exactly as given on top of attn_mask_type, seqlens / segment ids and window
+      (a causal or block-diagonal mask works with attn_mask_type="no_mask"); a query row it hides
+      entirely gives zeros. Served by the xla and pallas backends (not cuDNN), not with context
+      parallelism; seqlens / segment ids / mask types say padding, packing and causality faster.
+      Seqlens / segment ids turn "causal" into "padding_causal" (etc.); a padding mask type without
+      seqlens or segment ids behaves as its non-padding variant (the dense mask then does the masking).
     attn_bias_type: None (post-scale when a bias is given), "no_bias", "pre_scale_bias", "post_scale_bias".
     scale_factor: None → 1/sqrt(head_dim). float32_logits: run the attention in fp32.
     softcap: logits ← softcap·tanh(logits/softcap). attention_dropout draws from `dropout_rng_name`.
@@ -465,7 +619,7 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention with projections: [LayerNorm] → Q/K/V → [RoPE] → attention → output projection.
 
     __call__(inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False,
-             q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None)
+             q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, q_positions=None)
       -> (output, ln_output)   (ln_output None unless return_layernorm_output)
 
     inputs: [b, s, hidden] ("bshd"), [s, b, hidden] ("sbhd") or [t, hidden] ("thd").
@@ -478,20 +632,42 @@ class MultiHeadAttention(nn.Module):
       context parallelism split it. False: separate query/key/value kernels.
     num_gqa_groups: g key/value heads (None = h; 1 = multi-query attention); must divide h.
     enable_rotary_pos_emb: RoPE on Q and K, rotary_pos_emb_group_method "consecutive" or "alternate",
-      rotary_pos_emb_windows (min, max) timescales; positions restart at 0 in every segment
-      when segment ids are given (and for thd), and continue from the cache index when decoding.
-    decode: autoregressive self-attention with a KV cache in the "cache" collection
-      (cached_key, cached_value [b, max_len, g, d], cache_index). Initialise with decode=True on an
-      input of the maximum length, then apply step by step with mutable=["cache"]; each step attends
-      causally to everything cached so far (masks other than the causal structure are not applied
-      while decoding; a bias over [.., max_len, max_len] is sliced to the current rows).
+      rotary_pos_emb_windows (min, max) timescales; positions restart at 0 in every segment when
+      segment ids (or a padding mask, read as segment ids) are given, and for thd; when decoding they
+      continue from each row's cache_index, counting only real tokens.
+    decode: autoregressive self-attention with a KV cache in the "cache" collection:
+        cached_key, cached_value [b, max_len, g, d]  (bshd whatever the format; RoPE already applied to keys)
+        cache_index              [b] int32           each row's valid length: its real tokens cached so far
+      Each row's real tokens sit contiguously in slots [0, cache_index[row]); that is also the RoPE position
+      of the row's next real token and the slot it is written to (a per-row valid length, not one index for
+      the batch). Initialise with decode=True on an input of max_len tokens (this creates an empty cache),
+      then apply chunks of any length <= max_len (a prefill in one or several chunks, then one token a step)
+      with mutable=["cache"]. Padding is given per call for that call's tokens, batch-first in every format:
+      mask [b, 1 or h, chunk, chunk], q/kv_segment_ids [b, chunk] (0 = padding; one sequence per row) or
+      q/kv_seqlens [b] (real tokens first); padding may be anywhere (left-padded prompts, a row with no token
+      at a step). Padding tokens are not cached and do not advance their row; each real token attends
+      causally to its row's cached tokens, so decoding equals the full forward on each row's real tokens
+      (RoPE positions count only real tokens, as with segment ids in the full forward). The attention runs
+      on every backend through q_seqlens / kv_seqlens (padding_causal_bottom_right, queries compacted);
+      decoding is always causal whatever attn_mask_type. bias: [1 or b, 1 or h, max_len, max_len] indexed by
+      token positions (each row takes the rows of its tokens' positions; RelativePositionBiases over max_len)
+      or [1 or b, 1 or h, chunk, max_len].
+      Past the cache: a chunk longer than max_len is a ValueError; eagerly (concrete cache_index) a call
+      that would take a row past max_len real tokens is a ValueError naming max_len and the chunk; under
+      jit (traced index) the outputs of every row that overflowed are NaN (documented poisoning, no
+      checkify needed), nothing is written past the cache and cache_index stays at max_len.
+    q_positions: cross-attention only, int [b or 1, q_seq] (batch-first; [t] for thd): the RoPE positions
+      of the query tokens (default: derived from q_segment_ids / the mask rows, else 0..q_seq-1), e.g. a
+      decoder chunk's positions; TransformerLayer passes the decoder self-attention's positions.
     scale_attn_logits / scaled_query_init: TransformerEngine's convention — by default the logits are
       not scaled (scale 1.0) and the query kernel is initialised divided by sqrt(head_dim);
       scale_attn_logits=True scales the logits by 1/sqrt(head_dim) (scale_factor overrides both).
     context_parallel_axis: a mesh axis name → the attention runs as te_jax.context_parallel.
       context_parallel_attention over that axis (global arrays in, the mesh from jax.set_mesh);
       context_parallel_load_balanced=True means the tokens come in the zig-zag order of
-      reorder_causal_load_balancing (RoPE positions follow that order). No bias / attention dropout.
+      reorder_causal_load_balancing, segment ids too (seqlens describe the original order); RoPE
+      positions are computed in the original order and then reordered, so documents keep their
+      positions across chunk boundaries. No bias / dense mask / attention dropout.
     Other arguments: as DotProductAttention (attn_mask_type, window_size, softcap, float32_logits,
     attention_dropout), LayerNorm (layernorm_type, epsilon, zero_centered_gamma).
     """
@@ -534,7 +710,7 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, decode: bool = False,
                  deterministic: bool = False, q_seqlens=None, kv_seqlens=None, q_segment_ids=None,
-                 kv_segment_ids=None):
+                 kv_segment_ids=None, q_positions=None):
         name = "MultiHeadAttention"
         fmt = layouts.check_format(self.attn_input_format)
         h, g = _check_heads(name, self.num_attention_heads, self.num_gqa_groups)
@@ -605,53 +781,50 @@ class MultiHeadAttention(nn.Module):
         if use_cache and fmt == "thd":
             raise ValueError(f"{name}: decode=True is not supported with attn_input_format='thd'; use 'bshd' "
                              "or 'sbhd'.")
-        offset = 0
+        if q_positions is not None and is_self:
+            raise ValueError(f"{name}: q_positions is for cross-attention (inputs_kv given); self-attention takes "
+                             "its RoPE positions from segment ids / the mask, or from the KV cache when decoding.")
+        padding = dict(mask=mask, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
+                       kv_segment_ids=kv_segment_ids)
+        step = None
         if cache_ready:
-            cache_index = self.get_variable("cache", "cache_index")
-            offset = cache_index
+            step = self._decode_plan(name, b, sq, padding)
 
         if self.enable_rotary_pos_emb:
             rope = dict(group_method=self.rotary_pos_emb_group_method, windows=self.rotary_pos_emb_windows)
-            q_pos = _positions(fmt, b, sq, offset, q_segment_ids, q_seqlens if fmt == "thd" else None)
-            if (self.context_parallel_axis and self.context_parallel_load_balanced and q_segment_ids is None
-                    and fmt != "thd" and not use_cache):
-                q_pos = self._load_balanced_positions(fmt, sq)
+            # Load-balanced context parallelism: tokens come zig-zag reordered; positions are computed in
+            # the original order and reordered (for segment ids, seqlens, thd and no packing alike).
+            cp = (self._load_balanced_cp_size() if self.context_parallel_axis and self.context_parallel_load_balanced
+                  and not use_cache else None)
+            if step is not None:
+                q_pos = step["positions"]
+            elif q_positions is not None:
+                q_pos = self._check_q_positions(name, q_positions, fmt, b, sq)
+            else:
+                q_pos = _query_positions(fmt, b, sq, self_attention=is_self, kv_len=skv, module=name, cp_size=cp,
+                                         **padding)
+            q_pos = _fmt_positions(q_pos, fmt)
             if is_self:
                 kv_pos = q_pos
             else:
-                kv_pos = _positions(fmt, b, skv, 0, kv_segment_ids, kv_seqlens if fmt == "thd" else None)
+                kv_seg = kv_segment_ids
+                if kv_seg is None and mask is not None and fmt != "thd":
+                    kv_seg = _padding_from_mask(mask, fmt, b, sq, skv, name)[1]
+                kv_pos = _positions(fmt, b, skv, 0, kv_seg, kv_seqlens if fmt == "thd" else None, cp)
             tensors = _rope_qk(tensors, packed_layout, q_pos, kv_pos, rope)
 
         attn_args = dict(attn_bias_type=self.attn_bias_type, window_size=self.window_size, softcap=self.softcap,
                          scale=scale, dropout_rate=self.attention_dropout, deterministic=deterministic,
                          dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
                          backend=self.backend, module_name=name)
+        out = None
         if use_cache:
-            q, k, v = tensors
-            qb, kb, vb = (layouts.to_bshd(t, fmt) for t in (q, k, v))
+            qb, kb, vb = (layouts.to_bshd(t, fmt) for t in tensors)
             ck = self.variable("cache", "cached_key", jnp.zeros, kb.shape, kb.dtype)
             cv = self.variable("cache", "cached_value", jnp.zeros, vb.shape, vb.dtype)
-            ci = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
-            if cache_ready:
-                max_len = ck.value.shape[1]
-                if kb.shape[0] != ck.value.shape[0] or kb.shape[2:] != ck.value.shape[2:]:
-                    raise ValueError(f"{name}: decode step keys {tuple(kb.shape)} do not fit the cache "
-                                     f"{tuple(ck.value.shape)} ([batch, max_len, kv_heads, head_dim]).")
-                cur = ci.value
-                ck.value = lax.dynamic_update_slice(ck.value, kb.astype(ck.value.dtype), (0, cur, 0, 0))
-                cv.value = lax.dynamic_update_slice(cv.value, vb.astype(cv.value.dtype), (0, cur, 0, 0))
-                ci.value = cur + sq
-                if bias is not None and bias.shape[-2] == max_len and sq != max_len:
-                    bias = lax.dynamic_slice_in_dim(bias, cur, sq, axis=-2)
-                out = attend(self, qb, ck.value, cv.value, attn_input_format="bshd",
-                             attn_mask_type="padding_causal_bottom_right", bias=bias,
-                             q_seqlens=jnp.full((b,), sq, jnp.int32), kv_seqlens=jnp.full((b,), cur + sq, jnp.int32),
-                             **attn_args)
-                out = layouts.from_bshd(out, fmt)
-            else:
-                out = None
-        else:
-            out = None
+            ci = self.variable("cache", "cache_index", lambda: jnp.zeros((b,), jnp.int32))
+            if step is not None:
+                out = layouts.from_bshd(self._decode_attend(name, step, qb, kb, vb, ck, cv, ci, bias, attn_args), fmt)
         if out is None:
             out = attend(self, *tensors, qkv_layout=packed_layout, num_attention_heads=h, num_gqa_groups=g,
                          attn_input_format=fmt, attn_mask_type=self.attn_mask_type, mask=mask,
@@ -664,10 +837,80 @@ class MultiHeadAttention(nn.Module):
                          bias_axes=("embed",), name="out", **common)(out)
         return y, ln_out
 
-    def _load_balanced_positions(self, fmt, s):
-        """RoPE positions of tokens given in the zig-zag order of reorder_causal_load_balancing."""
-        from te_jax.context_parallel import reorder_causal_load_balancing
+    def _decode_plan(self, name, b, sq, padding):
+        """This decode call's tokens against the cache: validity, per-row counts, RoPE positions, checks."""
+        ck = self.get_variable("cache", "cached_key")
+        lens = self.get_variable("cache", "cache_index")
+        max_len = ck.shape[1]
+        if tuple(jnp.shape(lens)) != (b,):
+            raise ValueError(
+                f"{name}: cache_index has shape {tuple(jnp.shape(lens))}, expected [batch] = ({b},) (one valid "
+                f"length per row); a cache made by an older te_jax keeps one index for the batch: re-create it "
+                f"with init(..., decode=True).")
+        if sq > max_len:
+            raise ValueError(
+                f"{name}: decoding a chunk of {sq} tokens, longer than the KV cache (max_len={max_len}, the "
+                f"length of the input the cache was initialised with): pass at most {max_len} tokens per call, "
+                f"or initialise the cache with a longer input.")
+        valid = _decode_validity(name, b, sq, **padding)
+        n = jnp.sum(valid, axis=1, dtype=jnp.int32)  # real tokens per row in this call
+        if masks._is_concrete(lens) and masks._is_concrete(n):
+            over = np.nonzero(np.asarray(lens) + np.asarray(n) > max_len)[0]
+            if over.size:
+                r = int(over[0])
+                raise ValueError(
+                    f"{name}: decoding past the KV cache: it holds max_len={max_len} tokens per row, row {r} "
+                    f"already holds {int(np.asarray(lens)[r])} and this chunk of {sq} tokens adds "
+                    f"{int(np.asarray(n)[r])} real ones (rows over: {over.tolist()}). Initialise the cache with "
+                    f"an input as long as the longest prompt plus the tokens to generate, or stop those rows.")
+        rank = jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1
+        positions = lens[:, None] + jnp.maximum(rank, 0)  # [b, sq]: each row's real tokens counted
+        return dict(valid=valid, n=n, rank=rank, lens=lens, positions=positions, max_len=max_len)
 
+    def _decode_attend(self, name, step, qb, kb, vb, ck, cv, ci, bias, attn_args):
+        """Write this call's real keys/values after each row's cached ones; attend; q/k/v/out bshd."""
+        b, sq = qb.shape[:2]
+        valid, n, lens, max_len = step["valid"], step["n"], step["lens"], step["max_len"]
+        if kb.shape[0] != ck.value.shape[0] or kb.shape[2:] != ck.value.shape[2:]:
+            raise ValueError(f"{name}: decode step keys {tuple(kb.shape)} do not fit the cache "
+                             f"{tuple(ck.value.shape)} ([batch, max_len, kv_heads, head_dim]); decode with the "
+                             f"batch size and heads the cache was initialised with.")
+        # Real tokens go to slots lens + rank (each row's cache stays contiguous from slot 0); padding
+        # tokens and rows past the cache go to slot max_len, which the scatter drops.
+        slot = jnp.where(valid, lens[:, None] + step["rank"], max_len)
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, sq))
+        ck.value = ck.value.at[rows, slot].set(kb.astype(ck.value.dtype), mode="drop")
+        cv.value = cv.value.at[rows, slot].set(vb.astype(cv.value.dtype), mode="drop")
+        total = lens + n
+        overflow = total > max_len
+        new_lens = jnp.minimum(total, max_len)
+        ci.value = new_lens
+        # The queries are compacted (real tokens first, in order) so that per-row lengths describe them:
+        # query r of row i sits at position lens[i] + r and sees cache slots <= lens[i] + r
+        # (padding_causal_bottom_right with q_seqlens = n, kv_seqlens = lens + n).
+        order = jnp.argsort(jnp.logical_not(valid), axis=1, stable=True)  # [b, sq]
+        qc = jnp.take_along_axis(qb, order[:, :, None, None], axis=1)
+        bias = _decode_bias(name, bias, b, sq, max_len, step["positions"], order)
+        out = attend(self, qc, ck.value, cv.value, attn_input_format="bshd",
+                     attn_mask_type="padding_causal_bottom_right", bias=bias, q_seqlens=n, kv_seqlens=new_lens,
+                     **attn_args)
+        inverse = jnp.argsort(order, axis=1)
+        out = jnp.take_along_axis(out, inverse[:, :, None, None], axis=1)
+        # Past the cache under jit (no concrete index to raise on): the rows that overflowed give NaN.
+        return jnp.where(overflow[:, None, None, None], jnp.asarray(jnp.nan, out.dtype), out)
+
+    @staticmethod
+    def _check_q_positions(name, q_positions, fmt, b, sq):
+        pos = jnp.asarray(q_positions)
+        expected = ((sq,),) if fmt == "thd" else ((b, sq), (1, sq))
+        if tuple(pos.shape) not in expected or not jnp.issubdtype(pos.dtype, jnp.integer):
+            want = "[tokens]" if fmt == "thd" else f"[batch or 1, q_seq] = [{b} or 1, {sq}] (batch-first)"
+            raise ValueError(f"{name}: q_positions has shape {tuple(pos.shape)} and dtype {pos.dtype}; expected "
+                             f"integers of shape {want}, the RoPE positions of the query tokens.")
+        return pos.astype(jnp.int32)
+
+    def _load_balanced_cp_size(self) -> int:
+        """Size of the context-parallel mesh axis, for RoPE positions of zig-zag reordered tokens."""
         mesh = _compat.current_mesh()
         names = tuple(getattr(mesh, "axis_names", ()) or ())
         if self.context_parallel_axis not in names:
@@ -675,9 +918,7 @@ class MultiHeadAttention(nn.Module):
                 f"MultiHeadAttention: context_parallel_axis={self.context_parallel_axis!r} with "
                 f"context_parallel_load_balanced=True and rotary embeddings needs the mesh to be set "
                 f"(jax.set_mesh(mesh)) to know the context-parallel size; current mesh axes: {names}.")
-        cp = mesh.shape[self.context_parallel_axis]
-        pos = reorder_causal_load_balancing(jnp.arange(s)[None], cp, 1)  # [1, s]
-        return pos if fmt == "bshd" else pos.T
+        return int(mesh.shape[self.context_parallel_axis])
 
 
 # ----------------------------------------------------------------------------- RelativePositionBiases

@@ -342,9 +342,9 @@ class LayerNormMLP(nn.Module):
     bias_axes_1: Sequence[str] = ("act", "mlp")
     bias_axes_2: Sequence[str] = ("embed",)
     return_layernorm_output: bool = False
-    activations: Sequence[str] = ("relu",)
+    activations: Sequence[str] = ("gelu",)
     intermediate_dropout_rng_name: str = "dropout"
-    intermediate_dropout_rate: float = 0.1
+    intermediate_dropout_rate: float = 0.0
     dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
     backend: str = "auto"

@@ -13,6 +13,12 @@ Each class takes the linen module's arguments plus `rngs` (an nnx.Rngs with a "p
     y = layer(x, deterministic=True)
     grads = nnx.grad(lambda m: loss(m(x, deterministic=True)))(layer)
 
+Decoding with the KV cache (MultiHeadAttention / TransformerLayer, decode=True) needs the cache mutable:
+create it with `lazy_init(module, x_max_len, decode=True)`, then call `module(x_chunk, decode=True,
+mutable=["cache"])`; the updated cache is written back into the module's state (nnx.Cache variables
+cached_key, cached_value, cache_index), under nnx.jit too. Without mutable=["cache"] the call fails (the
+"cache" collection is immutable).
+
 Parameters are nnx.Param variables carrying the same logical axis names as the linen modules as
 metadata (nnx.get_partition_spec reads them); they are not sharded eagerly at creation: map the names
 to a mesh with nn.logical_to_mesh_axes / your rules and place the state with jax.device_put or jit.

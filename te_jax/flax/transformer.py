@@ -13,8 +13,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from te_jax import layouts
-from te_jax.flax._common import Initializer, check_hidden_input, check_rate, constrain, dropout, hidden_axes
-from te_jax.flax.attention import MultiHeadAttention, RelativePositionBiases, _check_heads
+from te_jax.flax._common import (Initializer, batch_seq, check_hidden_input, check_rate, constrain, dropout,
+                                 hidden_axes)
+from te_jax.flax.attention import MultiHeadAttention, RelativePositionBiases, _check_heads, _query_positions
 from te_jax.flax.module import LayerNorm, LayerNormMLP
 
 
@@ -48,13 +49,26 @@ class TransformerLayer(nn.Module):
       → + drop(mlp(LN(·))). apply_residual_connection_post_layernorm: residuals start from the LN
       output. output_layernorm: no input LayerNorm before self-attention; a LayerNorm on the output.
     layer_type: "encoder" or "decoder" (decoder adds cross-attention over `encoded`,
-      mask `encoder_decoder_mask`). self_attn_mask_type applies to self-attention; the padding
-      arguments (attention_mask or q_seqlens/..., TE convention True = masked out) add padding.
+      mask `encoder_decoder_mask`). self_attn_mask_type applies to self-attention; q_seqlens/... add
+      padding; attention_mask / encoder_decoder_mask (TE convention, boolean True = masked out,
+      [b, 1, q, kv]) are applied exactly as given (see DotProductAttention's `mask`).
     Dropouts (RNG stream `dropout_rng_name`, off when deterministic): hidden_dropout (after
-      attention and MLP), attention_dropout (probabilities), intermediate_dropout (MLP activation),
-      drop_path (stochastic depth per example on each residual branch).
+      attention and MLP, default 0.1), attention_dropout (probabilities, 0.1), intermediate_dropout
+      (MLP activation, 0.0), drop_path (stochastic depth per example on each residual branch, 0.0).
+    Defaults are TransformerEngine-JAX 2.20's (mlp_activations=("gelu",), intermediate_dropout=0.0,
+      mha_kernel_init variance_scaling(1.0, "fan_in", "normal"), mlp_kernel_init the same with
+      "truncated_normal"); te_jax/flax/README.md lists the remaining differences.
     dtype: compute dtype (inputs are cast; None: the input's dtype); param_dtype: parameter storage dtype.
-    enable_relative_embedding: T5 relative position biases (TE's default True); enable_rotary_pos_emb: RoPE.
+    enable_relative_embedding: T5 relative position biases (TE's default True); enable_rotary_pos_emb: RoPE
+      in the self-attention and, as TransformerEngine does, in the cross-attention: the decoder tokens are
+      rotated at their self-attention positions (0.. counting real tokens when padding is given by segment
+      ids or a mask; from the cache when decoding), `encoded` at 0..s_enc-1 (or per encoder segment).
+    decode: the self-attention decodes with its KV cache (MultiHeadAttention: per-row valid lengths,
+      padding per call from attention_mask / q_seqlens / q_segment_ids, chunks up to max_len, past the cache
+      a ValueError eagerly and NaN rows under jit); apply with mutable=["cache"]. The cross-attention
+      recomputes its keys/values from `encoded` every call (encoder_decoder_mask then covers this call's
+      query rows). Relative position biases are computed over the cache length (the one it was initialised
+      with); max_decode_length may be left out, and if given must equal it.
     context_parallel_axis / _strategy / _load_balanced: passed to the self-attention (context-parallel
       attention over that mesh axis).
     Parameter logical axes: see MultiHeadAttention, LayerNormMLP and te_jax/flax/README.md.
@@ -70,11 +84,11 @@ class TransformerLayer(nn.Module):
     hidden_dropout: float = 0.1
     hidden_dropout_dims: tuple = ()
     attention_dropout: float = 0.1
-    intermediate_dropout: float = 0.1
+    intermediate_dropout: float = 0.0
     dropout_rng_name: str = "dropout"
-    mha_kernel_init: Initializer | None = None
+    mha_kernel_init: Initializer | None = None  # None: variance_scaling(1.0, "fan_in", "normal"), as TE
     mlp_kernel_init: Initializer | None = None
-    mlp_activations: tuple = ("relu",)
+    mlp_activations: tuple = ("gelu",)
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
     apply_residual_connection_post_layernorm: bool = False
@@ -143,14 +157,23 @@ class TransformerLayer(nn.Module):
         x_in = constrain(jnp.asarray(inputs, cdt), fmt)
         seq_axis, batch_axis = {"bshd": (1, 0), "sbhd": (0, 1), "thd": (0, None)}[fmt]
 
+        # The self-attention's KV cache (decode): its length and each row's valid length, before this call.
+        cache = self.variables.get("cache", {}).get("attention", {}) if decode else {}
+        cache_index = cache.get("cache_index")
+        max_len = cache["cached_key"].shape[1] if "cached_key" in cache else inputs.shape[seq_axis]
+        if decode and max_decode_length is not None and max_decode_length != max_len:
+            raise ValueError(
+                f"{name}: max_decode_length={max_decode_length} but the KV cache holds {max_len} tokens per row "
+                f"(the length of the input it was initialised with): pass max_decode_length={max_len}, or leave it "
+                f"out (the cache's length is used), or initialise with an input of {max_decode_length} tokens.")
+
         attn_bias = None
         if self.enable_relative_embedding:
             rel_emb = self.relative_embedding or RelativePositionBiases(
                 num_buckets=32, max_distance=128, num_attention_heads=self.num_attention_heads,
                 dtype=self.dtype or jnp.float32, param_dtype=self.param_dtype, name="relpos_bias")
-            length = inputs.shape[seq_axis]
-            if decode and max_decode_length:
-                length = max_decode_length
+            length = max_len if decode else inputs.shape[seq_axis]
+            # decoding: [1, h, max_len, max_len] by token position; the attention takes each row's rows
             attn_bias = rel_emb(length, length, not is_decoder)
 
         mha_common = dict(
@@ -159,7 +182,8 @@ class TransformerLayer(nn.Module):
             layernorm_type=self.layernorm_type, layernorm_epsilon=self.layernorm_epsilon,
             zero_centered_gamma=self.zero_centered_gamma,
             return_layernorm_output=self.apply_residual_connection_post_layernorm, use_bias=self.use_bias,
-            bias_init=self.bias_init, kernel_init=self.mha_kernel_init,
+            bias_init=self.bias_init,
+            kernel_init=self.mha_kernel_init or nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
             enable_rotary_pos_emb=self.enable_rotary_pos_emb, rotary_pos_emb_windows=self.rotary_pos_emb_windows,
             rotary_pos_emb_group_method=self.rotary_pos_emb_group_method, dtype=self.dtype,
             param_dtype=self.param_dtype, fuse_qkv_params=self.fuse_qkv_params, attn_input_format=fmt,
@@ -196,12 +220,19 @@ class TransformerLayer(nn.Module):
         mlp_input = x
         if is_decoder:
             residual = x
+            q_positions = None
+            if self.enable_rotary_pos_emb:  # the decoder tokens' own positions, as in the self-attention
+                b, s = batch_seq(inputs, fmt)
+                q_positions = _query_positions(
+                    fmt, b, s, mask=attention_mask, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                    cache_index=cache_index, module=name)
             y, ln_out = MultiHeadAttention(
                 input_layernorm=True, attn_mask_type="padding", name="encoder_decoder_attention",
                 **mha_common)(x, jnp.asarray(encoded, cdt), encoder_decoder_mask, None,
                               deterministic=deterministic, q_seqlens=encoder_q_seqlens,
                               kv_seqlens=encoder_kv_seqlens, q_segment_ids=encoder_q_segment_ids,
-                              kv_segment_ids=encoder_kv_segment_ids)
+                              kv_segment_ids=encoder_kv_segment_ids, q_positions=q_positions)
             y = hidden_drop(y)
             if self.apply_residual_connection_post_layernorm:
                 residual = ln_out
