@@ -2,7 +2,7 @@
 # One GPU call for the FP8 work (run from the repo root on the device; logs to $OUT):
 #   1. tests/test_fp8.py on the GPU (incl. the cuBLASLt FP8 custom-call check, direct and qdq styles);
 #   2. the HLO custom calls of one FP8 dense fwd+bwd (what XLA made of each GEMM);
-#   3. benchmarks/fp8_layer_gpu.py (bf16 vs DelayedScaling vs Float8CurrentScaling, both GEMM styles).
+#   3. benchmarks.fp8_layer_gpu (bf16 vs DelayedScaling vs Float8CurrentScaling, both GEMM styles).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,4 +26,4 @@ for style in ("direct", "qdq"):
         if "custom_call_target=" in l:
             print("  ", re.search(r'custom_call_target="([^"]+)"', l).group(1), l.strip()[:160])
 PY
-timeout 420 python3 benchmarks/fp8_layer_gpu.py --gemm-style both 2>&1 | tee "$OUT/fp8_layer.txt" | tail -60
+timeout 420 python3 -m benchmarks.fp8_layer_gpu --gemm-style both 2>&1 | tee "$OUT/fp8_layer.txt" | tail -60

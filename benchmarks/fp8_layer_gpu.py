@@ -1,12 +1,12 @@
 """GPU benchmark: a Llama-style te_jax TransformerLayer, fwd+bwd, bf16 vs FP8 (DelayedScaling, Float8CurrentScaling).
 
 Run on the device machine from the repo root:
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/fp8_layer_gpu.py 2>&1 | tee $OUT/fp8_log.txt
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_layer_gpu 2>&1 | tee $OUT/fp8_log.txt
     (--gemm-style qdq adds FP8 variants traced with TE_JAX_FP8_GEMM=qdq; --with-block adds Float8BlockScaling,
      a reference implementation that is NOT an FP8 GEMM; --param-dtype fp32 keeps fp32 parameters)
 CPU smoke test of the script itself (tiny sizes; no cuBLASLt, so the FP8 custom-call count is 0 and the
 f8 converts are counted instead):
-    PYTHONPATH=. python benchmarks/fp8_layer_gpu.py --cpu-smoke
+    PYTHONPATH=. python -m benchmarks.fp8_layer_gpu --cpu-smoke
 
 Layer (TransformerEngine-JAX's FP8 comparison point, 1.62x DelayedScaling / 1.44x Float8CurrentScaling
 over bf16): hidden 4096, 32 query heads / 8 kv heads (head_dim 128), SwiGLU ("silu", "linear") FFN 14336,
@@ -32,18 +32,15 @@ import json
 import os
 import re
 import statistics
-import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import timing  # noqa: E402  benchmarks/timing.py
-
-from te_jax import fp8  # noqa: E402
-from te_jax.flax import TransformerLayer  # noqa: E402
+from benchmarks import timing
+from te_jax import fp8
+from te_jax.flax import TransformerLayer
 
 DATE = str(datetime.date.today())
 F8_CALL = "__cublas$lt$matmul$f8"
