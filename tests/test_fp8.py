@@ -185,7 +185,8 @@ def test_fp8_dot_general_batched_dimension_numbers():
 
 
 def test_block_scaling_beats_per_tensor_on_outlier_rows():
-    x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (8, 32))) * np.logspace(-4, 2, 8)[:, None]
+    x = jnp.asarray(np.asarray(jax.random.normal(jax.random.PRNGKey(0), (8, 32))) * np.logspace(-4, 2, 8)[:, None],
+                    jnp.float32)
     blk = Q.block_qdq(x, (1, 16), jnp.float8_e4m3fn, jnp.float32)
     per = Q.qdq(x, Q.compute_scale(Q.amax(x), 1.0, E4M3_MAX), jnp.float8_e4m3fn)
     err = lambda a: float(jnp.max(jnp.abs(a - x)[0] / jnp.abs(x[0]).max()))  # smallest row
