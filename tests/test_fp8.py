@@ -375,3 +375,22 @@ def test_gpu_compiled_hlo_has_three_cublaslt_fp8_gemms(style, monkeypatch):
                                                     argnums=(0, 1))(v, x))
         hlo = f.lower(v, x).compile().as_text()
     assert hlo.count("__cublas$lt$matmul$f8") == 3, [l for l in hlo.splitlines() if "custom_call_target" in l]
+
+
+def test_train_lm_example_fp8_delayed(tmp_path):
+    """examples/train_lm.py --fp8 delayed: trains, the FP8 state is part of the train state and moves."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm_fp8_test", path)
+    train_lm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train_lm  # dataclasses (the Flax module) look their module up by name
+    spec.loader.exec_module(train_lm)
+    out = train_lm.main(["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq-len", "16",
+                         "--batch", "2", "--lr", "1e-2", "--warmup", "1", "--steps", "3", "--eval-batches", "1",
+                         "--eval-every", "0", "--log-every", "1", "--no-progress", "--dtype", "fp32",
+                         "--no-compile-cache", "--no-ckpt", "--no-plot", "--sample-len", "0", "--fp8", "delayed",
+                         "--out-dir", str(tmp_path)])
+    assert all(np.isfinite(v) for v in out["losses"].values()) and np.isfinite(out["eval_loss"])
