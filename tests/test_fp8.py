@@ -396,3 +396,38 @@ def test_train_lm_example_fp8_delayed(tmp_path):
                          "--no-compile-cache", "--no-ckpt", "--no-plot", "--sample-len", "0", "--fp8", "delayed",
                          "--out-dir", str(tmp_path)])
     assert all(np.isfinite(v) for v in out["losses"].values()) and np.isfinite(out["eval_loss"])
+
+
+def test_fp8_autocast_older_spelling():
+    with fp8.fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        assert fp8.get_autocast() == (True, Float8CurrentScaling())
+    assert fp8.get_autocast()[0] is False
+    with pytest.raises(ValueError, match="mesh_resource"):
+        with fp8.fp8_autocast(enabled=True, mesh_resource=object()):
+            pass
+
+
+def test_fp8_mlp_under_a_data_parallel_mesh_matches_one_device():
+    """Under a mesh (batch over 'data', layernorm_input_axes given) the FP8 MLP runs under XLA's partitioner:
+    the amax is the global max, so outputs, gradients and the new FP8 state equal the one-device run."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    m = LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                     intermediate_dropout_rate=0.0, layernorm_input_axes=("batch", "length", "embed"))
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 16))
+    recipe = DelayedScaling(amax_history_len=3)
+
+    def run(x):
+        with fp8.autocast(recipe=recipe):
+            v = jax.jit(lambda k: m.init(k, x, deterministic=True))(jax.random.PRNGKey(1))
+            f = jax.jit(jax.value_and_grad(lambda v, x: jnp.sum(m.apply(v, x, deterministic=True)[0] ** 2)))
+            return f(v, x)
+
+    loss1, g1 = run(x)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh), nn.logical_axis_rules((("batch", "data"), ("length", None), ("embed", None))):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+        loss2, g2 = run(xs)
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(nn.meta.unbox(g2)), jax.tree_util.tree_leaves(nn.meta.unbox(g1))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -286,6 +286,9 @@ class LayerNormDenseGeneral(nn.Module):
                                    self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
         recipe, why = _fp8_ac.resolve("LayerNormDenseGeneral", self.enable_fp8, self.fp8_recipe)
         if recipe is not None:  # norm, then the FP8 GEMM (no per-shard run: XLA partitions it, amax global)
+            if self.layernorm_input_axes is not None:
+                x = nn.with_logical_constraint(x, _check_input_axes("LayerNormDenseGeneral", x,
+                                                                    self.layernorm_input_axes))
             ln = _norm.norm(x, gamma, beta, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
                             zero_centered_gamma=self.zero_centered_gamma, backend=self.backend)
             y = _fp8.dense(self, ln, kernel, bias, (x.ndim - 1,), x.dtype, recipe, reason=why)
@@ -376,6 +379,8 @@ class LayerNormMLP(nn.Module):
             # FP8: norm + two FP8 GEMMs on the XLA path (the Pallas ln_mlp custom_vjp has bf16 GEMMs inside;
             # te_jax.explain_mlp_backend(..., fp8_recipe=...) says so); no per-shard run (XLA partitions it).
             gamma = beta = None
+            if self.layernorm_input_axes is not None:
+                x = nn.with_logical_constraint(x, tuple(self.layernorm_input_axes))
             if self.enable_layernorm:
                 gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
                                            self.scale_axes, self.ln_bias_init, self.ln_bias_axes,

@@ -59,8 +59,18 @@ def autocast(enabled: bool = True, recipe=None):
         _AUTOCAST.reset(token)
 
 
-# TransformerEngine's older name.
-fp8_autocast = autocast
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = False, fp8_recipe=None, mesh_resource=None):
+    """TransformerEngine-JAX's older spelling: fp8_autocast(enabled=False, fp8_recipe=None, mesh_resource=None).
+
+    mesh_resource must be None: amax reductions need no mesh description here (under a mesh, XLA
+    partitions the FP8 ops and every amax is a global max).
+    """
+    if mesh_resource is not None:
+        raise ValueError("fp8_autocast: mesh_resource is not supported (amax is a global max under XLA's "
+                         "partitioner); pass None.")
+    with autocast(enabled=enabled, recipe=fp8_recipe) as r:
+        yield r
 
 
 def get_autocast():
