@@ -339,6 +339,8 @@ def test_hlo_has_fp8_converts_for_all_three_gemms():
     text = lowered.as_text()
     dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
     assert len(dots) == 3
+    # DEFAULT precision even under conftest's jax_default_matmul_precision="highest" (the FP8 rewrite wants it)
+    assert all("precision = [DEFAULT, DEFAULT]" in d for d in dots), dots
     assert sum("xf8E4M3FN>, tensor<" in d and "xf8E4M3FN>)" in d for d in dots) == 1           # forward
     assert sum(re.search(r"xf8E5M2>, tensor<[0-9x]*xf8E4M3FN>", d) is not None for d in dots) == 2  # dgrad, wgrad
     compiled = lowered.compile().as_text()

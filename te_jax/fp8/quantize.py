@@ -177,11 +177,13 @@ def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
     """GEMM of two FP8 operands with per-tensor scale_invs, output in out_dtype."""
     s = (a_sinv * b_sinv).astype(jnp.float32)
 
+    # precision=DEFAULT explicitly (as flax's fp8_ops does): a global jax_default_matmul_precision="highest"
+    # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
     def gemm(a, b, dims):
         if style == "qdq":
             return lax.dot_general(dequantize(a, a_sinv, out_dtype), dequantize(b, b_sinv, out_dtype), dims,
-                                   preferred_element_type=out_dtype)
-        y = lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+                                   precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+        y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         return (y.astype(jnp.float32) * s).astype(out_dtype)
 
     return gemm
