@@ -67,6 +67,7 @@ import optax  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 import te_jax  # noqa: E402,F401
 from te_jax.flax import DenseGeneral, LayerNorm, TransformerLayer  # noqa: E402
+from te_jax.fp8 import FP8_COLLECTION  # noqa: E402
 
 try:
     from tqdm.auto import tqdm
@@ -94,6 +95,15 @@ STDLIB_FILES = (
 MESH_AXES = {"dp": "data", "cp": "context", "tp": "tensor"}
 
 
+def _fp8_recipes():
+    from te_jax import fp8
+
+    return {"delayed": fp8.DelayedScaling(), "current": fp8.Float8CurrentScaling(), "block": fp8.Float8BlockScaling()}
+
+
+FP8_RECIPES = ("block", "current", "delayed")
+
+
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -112,6 +122,11 @@ def build_parser():
                    help="nn.scan over the layers: one layer is traced and compiled, parameters stacked on a "
                         "leading 'layers' axis (checkpoints of scanned and unscanned models differ)")
     g.add_argument("--dtype", choices=["bf16", "fp32"], help="compute dtype (parameters are always fp32)")
+    g.add_argument("--fp8", choices=sorted(FP8_RECIPES),
+                   help="train with FP8 GEMMs under te_jax.fp8.autocast: delayed = DelayedScaling() (its state "
+                        "is trained through the gradient and checkpointed as state['fp8']), current = "
+                        "Float8CurrentScaling(), block = Float8BlockScaling() (reference numerics, not an FP8 "
+                        "GEMM); sampling at the end runs without FP8")
     g = p.add_argument_group("training")
     g.add_argument("--seq-len", type=int)
     g.add_argument("--batch", type=int, help="global batch size")
@@ -267,7 +282,8 @@ class ByteLM(nn.Module):
             context_parallel_strategy=self.context_parallel_strategy,
             context_parallel_load_balanced=self.context_parallel_load_balanced)
         if self.scan_layers:  # one layer traced and compiled; params and cache stacked on a leading axis
-            layers = nn.scan(ScannedLayer, variable_axes={"params": 0, "cache": 0}, split_rngs={"params": True},
+            layers = nn.scan(ScannedLayer, variable_axes={"params": 0, "cache": 0, FP8_COLLECTION: 0},
+                             split_rngs={"params": True},
                              length=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
             x, _ = layers(layer=tuple(layer.items()), decode=decode, name="layers")(x, None)
         else:
@@ -331,17 +347,27 @@ def build_train_step(model, tx, mesh, rules, batch, seq_len):
 
     def init_state(key):
         dummy = jnp.zeros((batch, seq_len), jnp.int32)
-        params = model.init(key, dummy, jnp.zeros((batch, seq_len), jnp.int32))["params"]
-        return {"params": params, "opt_state": tx.init(params)}  # boxed: the optimiser state inherits the axes
+        variables = model.init(key, dummy, jnp.zeros((batch, seq_len), jnp.int32))
+        params = variables["params"]
+        state = {"params": params, "opt_state": tx.init(params)}  # boxed: the optimiser state inherits the axes
+        if FP8_COLLECTION in variables:  # --fp8 delayed: scales and amax histories (te_jax/fp8/state.py)
+            state["fp8"] = variables[FP8_COLLECTION]
+        return state
 
-    def loss_fn(params, x, y, pos):
-        return cross_entropy(model.apply({"params": params}, x, pos), y)
+    def loss_fn(params, x, y, pos, fp8_state=None):
+        variables = {"params": params} if fp8_state is None else {"params": params, FP8_COLLECTION: fp8_state}
+        return cross_entropy(model.apply(variables, x, pos), y)
 
     def train_step(state, x, y, pos):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], x, y, pos)
+        # under DelayedScaling the gradient with respect to the FP8 state is the next state
+        loss, (grads, fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 4))(state["params"], x, y, pos,
+                                                                                state.get("fp8"))
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {"params": params, "opt_state": opt_state}, loss, _global_norm(grads)
+        new = {"params": params, "opt_state": opt_state}
+        if "fp8" in state:
+            new["fp8"] = fp8_state
+        return new, loss, _global_norm(grads)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract = jax.eval_shape(init_state, jax.random.key(0))
@@ -531,9 +557,9 @@ def train(args):
     eval_batches = [make_batch(*sample_batch(eval_data, B, S, args.seed, i, stream=1))
                     for i in range(args.eval_batches)]
 
-    def evaluate(params):
+    def evaluate(params, fp8_state=None):
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            return float(np.mean([float(eval_loss_fn(params, *b)) for b in eval_batches]))
+            return float(np.mean([float(eval_loss_fn(params, *b, fp8_state)) for b in eval_batches]))
 
     # ---- checkpoint / resume
     ckpt = None
@@ -609,7 +635,7 @@ def train(args):
             bar.update(1)
         if args.eval_every and (step % args.eval_every == 0) and not last:
             t_pause = time.perf_counter()
-            ev = evaluate(state["params"])
+            ev = evaluate(state["params"], state.get("fp8"))
             history["eval"].append([step, ev])
             (bar.write if bar is not None else _log)(f"step {step}: eval loss {ev:.4f}")
             paused += time.perf_counter() - t_pause
@@ -626,7 +652,7 @@ def train(args):
     steady_tokens_per_s = _second_half_rate(clock, steps_timed, elapsed, tokens_per_step)
 
     final_step = max(start, end)
-    eval_loss = evaluate(state["params"])
+    eval_loss = evaluate(state["params"], state.get("fp8"))
     if not history["eval"] or history["eval"][-1][0] != final_step:
         history["eval"].append([final_step, eval_loss])
     _log(f"step {final_step}: eval loss {eval_loss:.4f} (held-out bytes; ln(256) = {math.log(256):.3f} is chance)")
@@ -647,7 +673,10 @@ def train(args):
         else:
             host_params = jax.device_get(state["params"])
     if args.sample_len > 0 and jax.process_index() == 0:
-        sample = generate(args, host_params, args.prompt, args.sample_len, args.seed, args.temperature)
+        from te_jax import fp8
+
+        with fp8.autocast(enabled=False):  # KV-cache decoding without FP8 (no FP8 state in the decode call)
+            sample = generate(args, host_params, args.prompt, args.sample_len, args.seed, args.temperature)
         _log(f"sample (KV-cache decoding, temperature {args.temperature}):\n" + "-" * 60 + "\n" + sample + "\n" + "-" * 60)
 
     final_train = losses.get(final_step, history["train"][-1][1] if history["train"] else float("nan"))
@@ -741,6 +770,13 @@ def generate(args, params, prompt: str, length: int, seed: int, temperature: flo
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.fp8:
+        from te_jax import fp8
+
+        recipe = _fp8_recipes()[args.fp8]
+        _log(f"fp8: {recipe!r} (te_jax.fp8.autocast around training; sampling runs without FP8)")
+        with fp8.autocast(enabled=True, recipe=recipe):
+            return train(args)
     return train(args)
 
 

@@ -116,14 +116,22 @@ def _auto_notes():
 
 def explain_mlp_backend(x, gamma=None, beta=None, w1=None, b1=None, w2=None, b2=None, *,
                         layernorm_type="layernorm", activations=("gelu",), backend="auto", dropout_rate=0.0,
-                        dropout_rng=None, deterministic=True, op="layernorm_mlp", **unused) -> BackendChoice:
-    """Which backend layernorm_mlp / layernorm_dense would use, and why (x may be a ShapeDtypeStruct)."""
+                        dropout_rng=None, deterministic=True, op="layernorm_mlp", fp8_recipe=None,
+                        **unused) -> BackendChoice:
+    """Which backend layernorm_mlp / layernorm_dense would use, and why (x may be a ShapeDtypeStruct).
+
+    fp8_recipe: a te_jax.fp8 recipe in force (autocast / the module's fields): the Flax modules then run the
+    norm and FP8 GEMMs on the XLA path, never the Pallas ln_mlp kernel (bf16 GEMMs in its custom_vjp)."""
     if layernorm_type not in LAYERNORM_TYPES:
         validate_norm_args(op, x, gamma, beta, layernorm_type)
     if w1 is not None and w2 is not None and gamma is not None:
         _validate_mlp(x, gamma, beta, w1, b1, w2, b2, layernorm_type, activations, dropout_rate, dropout_rng,
                       deterministic)
     reasons = {"xla": None, "pallas": _mlp_pallas_reasons(x, dropout_rate, deterministic)}
+    if fp8_recipe is not None:
+        why = (f"FP8 ({type(fp8_recipe).__name__}) runs norm + FP8 GEMMs on the XLA path (te_jax/fp8/state.py); "
+               "the Pallas ln_mlp custom_vjp has bf16 GEMMs inside")
+        reasons["pallas"] = why if reasons["pallas"] is None else reasons["pallas"] + "; " + why
     return select_backend(op, backend, reasons, force_env="TE_JAX_MLP_BACKEND",
                           disable_env="TE_JAX_PALLAS_MLP", pref_key="mlp", auto_notes=_auto_notes())
 

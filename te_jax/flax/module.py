@@ -40,6 +40,8 @@ from jax import lax
 from te_jax import activations as _acts
 from te_jax import mlp as _mlp
 from te_jax import normalization as _norm
+from te_jax.fp8 import context as _fp8_ac
+from te_jax.fp8 import state as _fp8
 from te_jax.flax._common import Initializer, check_rate, default_kernel_init, dropout, flat_init, param
 from te_jax.flax._sharding import partitioned_axes_of, run_per_shard
 
@@ -164,6 +166,15 @@ def _dense(x, kernel, bias, axis: tuple[int, ...], dtype):
     return y
 
 
+def _dense_maybe_fp8(module, x, kernel, bias, axis, dtype):
+    """_dense, or its FP8 version (te_jax/fp8/state.py) when the module's fields / autocast say FP8."""
+    recipe, why = _fp8_ac.resolve(type(module).__name__, module.enable_fp8, module.fp8_recipe)
+    if recipe is None:
+        _fp8_ac.record(module, "kernel", None, why)
+        return _dense(x, kernel, bias, axis, dtype)
+    return _fp8.dense(module, x, kernel, bias, axis, dtype, recipe, reason=why)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -209,6 +220,8 @@ class DenseGeneral(nn.Module):
     axis: int | Sequence[int] = -1
     dtype: Any = None  # compute dtype; None: the input's dtype (as TransformerEngine)
     param_dtype: Any = jnp.float32
+    enable_fp8: bool | None = None  # FP8 GEMM: None follows te_jax.fp8.autocast; True/False force (te_jax/fp8)
+    fp8_recipe: Any = None  # a te_jax.fp8 recipe overriding autocast's when FP8 is on
 
     @nn.compact
     def __call__(self, inputs):
@@ -218,7 +231,7 @@ class DenseGeneral(nn.Module):
         init = flat_init(self.kernel_init or default_kernel_init(), len(in_dims))
         kernel = param(self, "kernel", init, in_dims + features, self.param_dtype, self.kernel_axes)
         bias = param(self, "bias", self.bias_init, features, self.param_dtype, self.bias_axes) if self.use_bias else None
-        return _dense(inputs, kernel, bias, axis, self.dtype)
+        return _dense_maybe_fp8(self, inputs, kernel, bias, axis, self.dtype)
 
 
 class LayerNormDenseGeneral(nn.Module):
@@ -252,6 +265,8 @@ class LayerNormDenseGeneral(nn.Module):
     param_dtype: Any = jnp.float32
     backend: str = "auto"
     layernorm_input_axes: Sequence[str | None] | None = None
+    enable_fp8: bool | None = None  # FP8 GEMM: None follows te_jax.fp8.autocast; True/False force (te_jax/fp8)
+    fp8_recipe: Any = None  # a te_jax.fp8 recipe overriding autocast's when FP8 is on
 
     @nn.compact
     def __call__(self, inputs):
@@ -265,10 +280,20 @@ class LayerNormDenseGeneral(nn.Module):
                        self.param_dtype, self.kernel_axes)
         bias = param(self, "bias", self.bias_init, features, self.param_dtype, self.bias_axes) if self.use_bias else None
         if not self.enable_layernorm:
-            y = _dense(x, kernel, bias, (x.ndim - 1,), self.dtype)
+            y = _dense_maybe_fp8(self, x, kernel, bias, (x.ndim - 1,), self.dtype)
             return y, (x if self.return_layernorm_output else None)
         gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
                                    self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
+        recipe, why = _fp8_ac.resolve("LayerNormDenseGeneral", self.enable_fp8, self.fp8_recipe)
+        if recipe is not None:  # norm, then the FP8 GEMM (no per-shard run: XLA partitions it, amax global)
+            if self.layernorm_input_axes is not None:
+                x = nn.with_logical_constraint(x, _check_input_axes("LayerNormDenseGeneral", x,
+                                                                    self.layernorm_input_axes))
+            ln = _norm.norm(x, gamma, beta, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                            zero_centered_gamma=self.zero_centered_gamma, backend=self.backend)
+            y = _fp8.dense(self, ln, kernel, bias, (x.ndim - 1,), x.dtype, recipe, reason=why)
+            return y, (ln if self.return_layernorm_output else None)
+        _fp8_ac.record(self, "kernel", None, why)
 
         def fn(x, gamma, beta, kernel, bias):
             return _mlp.layernorm_dense(x, gamma, beta, kernel, bias, layernorm_type=self.layernorm_type,
@@ -327,6 +352,8 @@ class LayerNormMLP(nn.Module):
     param_dtype: Any = jnp.float32
     backend: str = "auto"
     layernorm_input_axes: Sequence[str | None] | None = None
+    enable_fp8: bool | None = None  # FP8 GEMMs: None follows te_jax.fp8.autocast; True/False force (te_jax/fp8)
+    fp8_recipe: Any = None  # a te_jax.fp8 recipe overriding autocast's when FP8 is on
 
     @nn.compact
     def __call__(self, inputs, deterministic: bool = False):
@@ -347,6 +374,25 @@ class LayerNormMLP(nn.Module):
             b2 = param(self, "wo_bias", self.bias_init, (d,), self.param_dtype, self.bias_axes_2)
         active = rate > 0.0 and not deterministic
         rng = self.make_rng(self.intermediate_dropout_rng_name) if active else None
+        recipe, why = _fp8_ac.resolve("LayerNormMLP", self.enable_fp8, self.fp8_recipe)
+        if recipe is not None:
+            # FP8: norm + two FP8 GEMMs on the XLA path (the Pallas ln_mlp custom_vjp has bf16 GEMMs inside;
+            # te_jax.explain_mlp_backend(..., fp8_recipe=...) says so); no per-shard run (XLA partitions it).
+            gamma = beta = None
+            if self.layernorm_input_axes is not None:
+                x = nn.with_logical_constraint(x, tuple(self.layernorm_input_axes))
+            if self.enable_layernorm:
+                gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
+                                           self.scale_axes, self.ln_bias_init, self.ln_bias_axes,
+                                           self.param_dtype)
+            y, ln = _fp8.layernorm_mlp(self, x, gamma, beta, w1, b1, w2, b2, recipe=recipe,
+                                       layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                                       zero_centered_gamma=self.zero_centered_gamma, backend=self.backend,
+                                       activations=acts, dropout_rate=rate if active else 0.0, dropout_rng=rng,
+                                       enable_layernorm=self.enable_layernorm, reason=why)
+            return y, (ln if self.return_layernorm_output else None)
+        for gemm in ("wi_kernel", "wo_kernel"):
+            _fp8_ac.record(self, gemm, None, why)
         if not self.enable_layernorm:
             y = _plain_mlp(x, w1, b1, w2, b2, acts, rate if active else 0.0, rng)
             return y, (x if self.return_layernorm_output else None)

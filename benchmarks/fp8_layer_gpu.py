@@ -1,0 +1,208 @@
+"""GPU benchmark: a Llama-style te_jax TransformerLayer, fwd+bwd, bf16 vs FP8 (DelayedScaling, Float8CurrentScaling).
+
+Run on the device machine from the repo root:
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_layer_gpu 2>&1 | tee $OUT/fp8_log.txt
+    (--gemm-style qdq adds FP8 variants traced with TE_JAX_FP8_GEMM=qdq; --with-block adds Float8BlockScaling,
+     a reference implementation that is NOT an FP8 GEMM; --param-dtype fp32 keeps fp32 parameters)
+CPU smoke test of the script itself (tiny sizes; no cuBLASLt, so the FP8 custom-call count is 0 and the
+f8 converts are counted instead):
+    PYTHONPATH=. python -m benchmarks.fp8_layer_gpu --cpu-smoke
+
+Layer (TransformerEngine-JAX's FP8 comparison point, 1.62x DelayedScaling / 1.44x Float8CurrentScaling
+over bf16): hidden 4096, 32 query heads / 8 kv heads (head_dim 128), SwiGLU ("silu", "linear") FFN 14336,
+RoPE, RMSNorm, no biases, no dropout, causal self-attention, bf16 compute, batch 4 x seq 2048.
+Step: jit(value_and_grad(mean loss)) over the parameters and the input (and, under DelayedScaling, the
+FP8 state collection, whose "gradient" is the next state: te_jax/fp8/state.py). Each variant is lowered
+and compiled inside its own te_jax.fp8.autocast, so the compiled step carries its recipe.
+
+Reported per variant: median ms over 5 interleaved rounds (each the median of 10 steps), min/max of the
+rounds, speed-up vs bf16, the number of `__cublas$lt$matmul$f8` custom calls in the compiled HLO
+(expected 15 per layer: 5 GEMM sites -- query (LayerNormDenseGeneral), kv (DenseGeneral; GQA keeps q and
+kv apart), out, wi, wo -- x 3 GEMMs each: forward, dgrad, wgrad), the number of other cuBLAS GEMMs, and
+the temp memory of compiled.memory_analysis(). Correctness: after two state-updating steps, loss and
+input-gradient relative error of each FP8 variant against bf16 (expected ~1e-2 on the loss scale and
+below ~0.1 on gradients). JSON to $OUT/fp8_layer.json.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import statistics
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import timing
+from te_jax import fp8
+from te_jax.flax import TransformerLayer
+
+DATE = str(datetime.date.today())
+F8_CALL = "__cublas$lt$matmul$f8"
+SITES = 5  # query, kv, out, wi, wo
+EXPECTED_F8_GEMMS = 3 * SITES
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, not speed")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round (median taken)")
+    p.add_argument("--gemm-style", choices=["direct", "qdq", "both"], default="direct",
+                   help="FP8 GEMM style (te_jax/fp8/quantize.py): direct f8 dot, qdq pattern, or both as variants")
+    p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling (reference, not an FP8 GEMM)")
+    p.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16")
+    return p.parse_args()
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+@contextlib.contextmanager
+def gemm_style_env(style):
+    old = os.environ.get("TE_JAX_FP8_GEMM")
+    os.environ["TE_JAX_FP8_GEMM"] = style
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TE_JAX_FP8_GEMM", None)
+        else:
+            os.environ["TE_JAX_FP8_GEMM"] = old
+
+
+def count_f8_converts(hlo: str) -> int:
+    return len(re.findall(r"f8e4m3fn\[|f8e5m2\[", hlo))
+
+
+def main():
+    args = parse()
+    smoke = args.cpu_smoke
+    if smoke:
+        B, S, HID, HEADS, KV, FFN = 2, 32, 64, 4, 2, 128
+        args.rounds, args.steps = min(args.rounds, 2), min(args.steps, 2)
+    else:
+        B, S, HID, HEADS, KV, FFN = 4, 2048, 4096, 32, 8, 14336
+    pdt = jnp.bfloat16 if args.param_dtype == "bf16" else jnp.float32
+    out_dir = os.environ.get("OUT", "/tmp")
+    dev = jax.devices()[0]
+    log(f"date {DATE}  device {dev.device_kind}  platform {dev.platform}  jax {jax.__version__}"
+        + ("  [CPU SMOKE: tiny sizes, timings meaningless]" if smoke else ""))
+    log(f"layer: hidden {HID}, heads {HEADS}/{KV} kv, SwiGLU FFN {FFN}, RoPE, RMSNorm, causal, no bias/dropout; "
+        f"batch {B} x seq {S}; bf16 compute, {args.param_dtype} params")
+
+    layer = TransformerLayer(
+        hidden_size=HID, mlp_hidden_size=FFN, num_attention_heads=HEADS, num_gqa_groups=KV,
+        layernorm_type="rmsnorm", mlp_activations=("silu", "linear"), enable_rotary_pos_emb=True,
+        enable_relative_embedding=False, hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
+        self_attn_mask_type="causal", use_bias=False, scale_attn_logits=True, dtype=jnp.bfloat16,
+        param_dtype=pdt, attn_input_format="bshd")
+    kx, kp, kc = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (B, S, HID), jnp.float32).astype(jnp.bfloat16)
+    ct = jax.random.normal(kc, (B, S, HID), jnp.float32)
+
+    variants = {"bf16": (None, "direct")}
+    styles = ["direct", "qdq"] if args.gemm_style == "both" else [args.gemm_style]
+    for st in styles:
+        suffix = "" if len(styles) == 1 else f" [{st}]"
+        variants[f"DelayedScaling(1024, max){suffix}"] = (
+            fp8.DelayedScaling(amax_history_len=1024, amax_compute_algo="max"), st)
+        variants[f"Float8CurrentScaling{suffix}"] = (fp8.Float8CurrentScaling(), st)
+    if args.with_block:
+        variants["Float8BlockScaling (reference)"] = (fp8.Float8BlockScaling(), "direct")
+
+    def loss_fn(params, state, x):
+        v = {"params": params}
+        if state:
+            v[fp8.FP8_COLLECTION] = state
+        y = layer.apply(v, x, deterministic=True)
+        return jnp.mean(y.astype(jnp.float32) * ct)
+
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
+    steps, info = {}, {}
+    for name, (recipe, style) in variants.items():
+        with fp8.autocast(enabled=recipe is not None, recipe=recipe), gemm_style_env(style):
+            variables = jax.jit(lambda k: nn.meta.unbox(layer.init(k, x[:1, :8], deterministic=True)))(kp)
+            params, state = variables["params"], variables.get(fp8.FP8_COLLECTION, {})
+            if name == "bf16":
+                base_params = params
+            params = base_params  # same weights for every variant
+            if recipe is not None:
+                log(f"\n== {name}: te_jax.fp8.explain ==")
+                log(str(fp8.explain(lambda: layer.apply({"params": params, **({fp8.FP8_COLLECTION: state}
+                                                                              if state else {})},
+                                                         x, deterministic=True))))
+            # a fresh function per variant: the GEMM style (an env var read at trace time) is not part of
+            # jit's cache key (autocast's recipe is: te_jax/fp8/context.py)
+            compiled = jax.jit(lambda p, s, x: grad_fn(p, s, x)).lower(params, state, x).compile()
+        hlo = compiled.as_text()
+        mem = compiled.memory_analysis()
+        temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+        n_f8 = hlo.count(F8_CALL)
+        n_other = len(re.findall(r"__cublas\$(?:lt\$matmul|gemm)(?!\$f8)", hlo))
+        # two state-updating steps (calibrated delayed scales), then the values used for correctness
+        loss, (gp, gs, gx) = compiled(params, state, x)
+        for _ in range(2):
+            if state:
+                state = gs
+            loss, (gp, gs, gx) = compiled(params, state, x)
+        steps[name] = (compiled, (params, state, x))
+        info[name] = dict(f8_gemms=n_f8, other_cublas_gemms=n_other, f8_converts=count_f8_converts(hlo),
+                          temp_bytes=temp, loss=float(loss), grad_x=gx, style=style,
+                          recipe=None if recipe is None else repr(recipe))
+        log(f"{name}: compiled; {F8_CALL} x{n_f8} (expected {EXPECTED_F8_GEMMS if recipe is not None and not recipe.float8_block_scaling() else 0}), "
+            f"other cuBLAS GEMMs x{n_other}, f8 converts in HLO x{info[name]['f8_converts']}, "
+            f"temp {temp / 2**20 if temp is not None else float('nan'):.1f} MiB, loss {float(loss):.6f}")
+
+    log("\n== correctness vs bf16 (after 2 state-updating steps) ==")
+    ref = info["bf16"]
+    gref = np.asarray(ref["grad_x"], np.float32)
+    for name, d in info.items():
+        g = np.asarray(d.pop("grad_x"), np.float32)
+        d["grad_x_rel_err_vs_bf16"] = float(np.linalg.norm(g - gref) / (np.linalg.norm(gref) + 1e-30))
+        d["loss_abs_diff_vs_bf16"] = abs(d["loss"] - ref["loss"])
+        if name != "bf16":
+            log(f"{name}: loss {d['loss']:.6f} (bf16 {ref['loss']:.6f}), input-gradient rel. err "
+                f"{d['grad_x_rel_err_vs_bf16']:.3e}, finite {np.isfinite(g).all()}")
+
+    times = {name: [] for name in steps}
+    for r in range(args.rounds):
+        for name, (f, a) in steps.items():
+            times[name].append(timing.measure(f, a, samples=args.steps, warmup=1, inner=1)[0])
+        log(f"round {r + 1}/{args.rounds} done")
+
+    base = statistics.median(times["bf16"])
+    log(f"\n## Llama-style TransformerLayer fwd+bwd, bf16 vs FP8 — {DATE}, {dev.device_kind}, jax {jax.__version__}"
+        + (" (CPU smoke: timings meaningless)" if smoke else ""))
+    log(f"hidden {HID}, {HEADS}/{KV} heads, SwiGLU {FFN}, RoPE, RMSNorm, causal, B{B}xS{S}, bf16; "
+        f"{args.rounds} interleaved rounds x median of {args.steps} steps\n")
+    log(f"| variant | ms (median of rounds) | min | max | x vs bf16 | {F8_CALL} | other cuBLAS GEMMs | temp MiB |")
+    log("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        d = info[name]
+        temp = d["temp_bytes"] / 2**20 if d["temp_bytes"] is not None else float("nan")
+        log(f"| {name} | {med * 1e3:.2f} | {min(ts) * 1e3:.2f} | {max(ts) * 1e3:.2f} | {base / med:.2f}x | "
+            f"{d['f8_gemms']} | {d['other_cublas_gemms']} | {temp:.0f} |")
+        rows.append(dict(name=name, ms=med * 1e3, ms_rounds=[t * 1e3 for t in ts], speedup_vs_bf16=base / med, **d))
+    if not smoke:
+        for name, d in info.items():
+            if name != "bf16" and "Block" not in name and d["f8_gemms"] != EXPECTED_F8_GEMMS:
+                log(f"WARNING: {name}: {d['f8_gemms']} FP8 cuBLASLt GEMMs, expected {EXPECTED_F8_GEMMS}")
+    os.makedirs(out_dir, exist_ok=True)
+    res = dict(date=DATE, device=dev.device_kind, jax=jax.__version__, smoke=smoke, expected_f8_gemms=EXPECTED_F8_GEMMS,
+               shape=dict(batch=B, seq=S, hidden=HID, heads=HEADS, kv_heads=KV, ffn=FFN), rows=rows)
+    with open(os.path.join(out_dir, "fp8_layer.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"wrote {os.path.join(out_dir, 'fp8_layer.json')}")
+
+
+if __name__ == "__main__":
+    main()

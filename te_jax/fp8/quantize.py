@@ -1,0 +1,354 @@
+"""FP8 quantization math and the FP8 GEMM with its custom VJP (TransformerEngine's `jax/quantize` role).
+
+Conventions (TransformerEngine's): a per-tensor `scale` MULTIPLIES before the cast,
+    q = saturate(x * scale) -> float8,   x ~= q * scale_inv,   scale_inv = 1 / scale,
+    scale = fp8_max / amax / 2**margin.
+flax's fp8_ops stores the reciprocal (its "scale" divides); the numbers are the same.
+
+Saturating casts: x * scale is clipped to [-fp8_max, fp8_max] before the convert, so an overflow
+(amax grown past what a delayed scale expected) saturates instead of giving inf/NaN. A zero, tiny (the
+scale would be inf) or non-finite amax keeps the previous scale (TE's rule, `compute_scale`).
+
+Delayed scaling (`delayed_update`, TE's amax-history rule): this step's amax goes to amax_history[0];
+the NEXT step's scale is computed from the whole window (max over it, or amax_history[0] for
+"most_recent"); the history then rotates by -1 and slot 0 is zeroed:
+    [a_t, a_1, ..., a_{L-1}] -> scale_{t+1} = f(window) -> [0, a_2, ..., a_{L-1}, a_t]
+A non-finite amax is not recorded (0 is written instead) and leaves the scale as it was.
+
+fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with FP8 operands:
+  forward   y    = dot(q(x) [fwd dtype], q(w) [fwd dtype]) * scale_inv_x * scale_inv_w
+  backward  dx   = dot(q(g) [bwd dtype], q(w)) * scale_inv_g * scale_inv_w          (dgrad, FP8)
+            dw   = dot(q(x), q(g)) * scale_inv_x * scale_inv_g                     (wgrad, FP8)
+  HYBRID: fwd dtype float8_e4m3fn, bwd (the output gradient g) float8_e5m2; E4M3: both e4m3fn.
+  The residuals saved for the backward are q(x) and q(w) in FP8 (half the bytes of bf16).
+  Two GEMM styles (module variable GEMM_STYLE, env TE_JAX_FP8_GEMM):
+    "direct": dot_general on the float8 operands (preferred_element_type = the compute dtype), then the
+              product of the two scale_invs: XLA's GPU GEMM rewriter turns an f8 x f8 dot into
+              __cublas$lt$matmul$f8 (flax's Fp8DirectDotGeneralOp);
+    "qdq":    dot_general on dequantized operands (convert(f8) -> compute dtype -> * scale_inv), the
+              pattern the rewriter folds into the same FP8 custom call (flax's Fp8DotGeneralOp).
+  On CPU both run as upcast GEMMs; the HLO still carries the f8 converts.
+  state (DelayedScaling only; None otherwise): a dict of fp32 arrays
+      input_scale (1,), input_amax_history (L,), kernel_scale (1,), kernel_amax_history (L,),
+      output_grad_scale (1,), output_grad_amax_history (L,)
+  (flax's Fp8DotGeneralBase names). The custom_vjp returns the UPDATED state as the "gradient" of
+  `state`: the forward's new input/kernel scales and histories are computed in the forward and handed
+  out by the backward; the output-gradient ones are computed in the backward. This is how flax's
+  Fp8DotGeneralOp moves values out of a backward pass (its OVERWRITE_WITH_GRADIENT collection), and
+  TransformerEngine-JAX's fp8_meta handling before it: the train step replaces the collection by its
+  gradient (te_jax.fp8.flax.update_fp8_state). Consequences: the state only advances when gradients
+  are taken; a GEMM used twice in one step sums its two "gradients" (do not share FP8 state); a scale
+  that arrives as 0 or non-finite (a GEMM whose output did not reach the loss gets a zero "gradient")
+  is read as 1.
+  Float8CurrentScaling: the amax of x, w (forward) and g (backward) is computed on the spot.
+  Float8BlockScaling: a reference implementation (blockwise quantize -> dequantize -> GEMM in the
+  compute dtype); NOT an FP8 GEMM. Only dense dimension numbers (x's trailing axes with w's leading
+  axes, no batch axes).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, check_recipe
+
+GEMM_STYLES = ("direct", "qdq")
+#: Default GEMM style (see the module docstring); TE_JAX_FP8_GEMM overrides it at trace time.
+GEMM_STYLE = "direct"
+
+STATE_KEYS = ("input_scale", "input_amax_history", "kernel_scale", "kernel_amax_history",
+              "output_grad_scale", "output_grad_amax_history")
+
+
+def gemm_style() -> str:
+    style = os.environ.get("TE_JAX_FP8_GEMM", GEMM_STYLE)
+    if style not in GEMM_STYLES:
+        raise ValueError(f"TE_JAX_FP8_GEMM={style!r} must be one of {GEMM_STYLES}.")
+    return style
+
+
+def fp8_max(dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def amax(x) -> jax.Array:
+    """max |x| as an fp32 scalar."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def compute_scale(amax_value, scale, fmax, margin=0):
+    """fp8_max / amax / 2**margin, or `scale` where amax is 0 or non-finite or the result is not finite."""
+    amax_value = jnp.asarray(amax_value, jnp.float32)
+    scale = jnp.asarray(scale, jnp.float32)
+    safe = jnp.where(amax_value > 0, amax_value, 1.0)
+    sf = (jnp.float32(fmax) / safe) / jnp.float32(2.0 ** margin)
+    ok = (amax_value > 0) & jnp.isfinite(amax_value) & jnp.isfinite(sf)
+    return jnp.where(ok, sf, scale)
+
+
+def delayed_update(amax_history, scale, new_amax, fmax, margin=0, algo="max"):
+    """One delayed-scaling update (TE's rule; see the module docstring).
+
+    amax_history [L] fp32, scale [1] or scalar fp32, new_amax this step's amax (scalar).
+    Returns (next_scale like scale, next_history [L]).
+    """
+    new_amax = jnp.asarray(new_amax, jnp.float32)
+    finite = jnp.isfinite(new_amax)
+    h = amax_history.astype(jnp.float32).at[0].set(jnp.where(finite, new_amax, 0.0))
+    window = jnp.max(h) if algo == "max" else h[0]
+    nxt = jnp.where(finite, compute_scale(window, scale, fmax, margin), jnp.asarray(scale, jnp.float32))
+    h = jnp.roll(h, -1).at[0].set(0.0)
+    return nxt, h
+
+
+def quantize(x, scale, dtype):
+    """Saturating cast: clip(x * scale, -fp8_max, fp8_max) -> dtype (math in fp32: never inf/NaN from range)."""
+    m = fp8_max(dtype)
+    y = x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32).reshape(())
+    return jnp.clip(y, -m, m).astype(dtype)
+
+
+def dequantize(q, scale_inv, dtype):
+    """q (FP8) -> dtype, times scale_inv: the convert-then-multiply pattern XLA's GEMM rewriter matches."""
+    return q.astype(dtype) * jnp.asarray(scale_inv, jnp.float32).reshape(()).astype(dtype)
+
+
+def qdq(x, scale, dtype):
+    """Quantize then dequantize back to x.dtype (what the FP8 GEMM sees of x)."""
+    return dequantize(quantize(x, scale, dtype), 1.0 / jnp.asarray(scale, jnp.float32), x.dtype)
+
+
+def init_state(amax_history_len: int) -> dict:
+    """Initial delayed-scaling state of one GEMM: scales 1, histories 0 (TE's and flax's init)."""
+    ones = jnp.ones((1,), jnp.float32)
+    zeros = jnp.zeros((amax_history_len,), jnp.float32)
+    return {k: (ones if k.endswith("scale") else zeros) for k in STATE_KEYS}
+
+
+def _read_scale(s):
+    """A stored scale; 0 or non-finite (e.g. a zero 'gradient' of the state) reads as 1."""
+    s = jnp.asarray(s, jnp.float32).reshape(())
+    return jnp.where((s > 0) & jnp.isfinite(s), s, 1.0)
+
+
+# --- dimension numbers of the two backward GEMMs (after flax.linen.fp8_ops, which follows jax's
+# dot_general transpose rules) ---------------------------------------------------------------------
+
+def _ranges_like(*xs):
+    start = 0
+    for x in xs:
+        yield range(start, start + len(x))
+        start += len(x)
+
+
+def _remaining(original, *removed_lists):
+    removed = set(a for lst in removed_lists for a in lst)
+    return [i for i in original if i not in removed]
+
+
+def _transpose_lhs(g, y, x_ndim, dimension_numbers, gemm, swap_ans=False):
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(range(x_ndim), x_contract, x_batch)
+    y_kept = _remaining(range(y.ndim), y_contract, y_batch)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+    x_contract_sorted_by_y = list(np.take(x_contract, np.argsort(y_contract)))
+    out_axes = np.argsort(list(x_batch) + x_kept + x_contract_sorted_by_y)
+    return lax.transpose(gemm(g, y, dims), tuple(int(a) for a in out_axes))
+
+
+def _transpose_rhs(g, x, y_ndim, dimension_numbers, gemm):
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    swapped = ((y_contract, x_contract), (y_batch, x_batch))
+    return _transpose_lhs(g, x, y_ndim, swapped, gemm, swap_ans=True)
+
+
+def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
+    """GEMM of two FP8 operands with per-tensor scale_invs, output in out_dtype."""
+    s = (a_sinv * b_sinv).astype(jnp.float32)
+
+    # precision=DEFAULT explicitly (as flax's fp8_ops does): a global jax_default_matmul_precision="highest"
+    # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
+    def gemm(a, b, dims):
+        if style == "qdq":
+            return lax.dot_general(dequantize(a, a_sinv, out_dtype), dequantize(b, b_sinv, out_dtype), dims,
+                                   precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+        y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+        return (y.astype(jnp.float32) * s).astype(out_dtype)
+
+    return gemm
+
+
+def _canonical_dn(dimension_numbers):
+    (xc, wc), (xb, wb) = dimension_numbers
+    return ((tuple(int(a) for a in xc), tuple(int(a) for a in wc)), (tuple(int(a) for a in xb),
+                                                                     tuple(int(a) for a in wb)))
+
+
+# --- per-tensor recipes (delayed, current) ---------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _per_tensor_dot(x, w, state, dn, recipe, dtypes, style):
+    return _per_tensor_fwd(x, w, state, dn, recipe, dtypes, style)[0]
+
+
+def _per_tensor_fwd(x, w, state, dn, recipe, dtypes, style):
+    fmt = recipe.fp8_format
+    fdt, fmax = fmt.fwd_dtype, fmt.max_fwd
+    ax, aw = amax(x), amax(w)
+    if isinstance(recipe, DelayedScaling):
+        sx, sw = _read_scale(state["input_scale"]), _read_scale(state["kernel_scale"])
+        nx, hx = delayed_update(state["input_amax_history"], sx, ax, fmax, recipe.margin, recipe.amax_compute_algo)
+        nw, hw = delayed_update(state["kernel_amax_history"], sw, aw, fmax, recipe.margin,
+                                recipe.amax_compute_algo)
+        fwd_state = (nx.reshape(1), hx, nw.reshape(1), hw)
+        g_state = (state["output_grad_scale"], state["output_grad_amax_history"])
+    else:  # current scaling: this tensor's own amax
+        sx, sw = compute_scale(ax, 1.0, fmax), compute_scale(aw, 1.0, fmax)
+        fwd_state = g_state = None
+    xq, wq = quantize(x, sx, fdt), quantize(w, sw, fdt)
+    sxi, swi = 1.0 / sx, 1.0 / sw
+    y = _scaled_gemm(style, dtypes[2], sxi, swi)(xq, wq, dn)
+    return y, (xq, sxi, wq, swi, fwd_state, g_state)
+
+
+def _per_tensor_bwd(dn, recipe, dtypes, style, res, g):
+    xq, sxi, wq, swi, fwd_state, g_state = res
+    fmt = recipe.fp8_format
+    bdt, bmax = fmt.bwd_dtype, fmt.max_bwd
+    ag = amax(g)
+    if isinstance(recipe, DelayedScaling):
+        sg = _read_scale(g_state[0])
+        ng, hg = delayed_update(g_state[1], sg, ag, bmax, recipe.margin, recipe.amax_compute_algo)
+        state_ct = dict(zip(STATE_KEYS, fwd_state + (ng.reshape(1), hg)))
+    else:
+        sg = compute_scale(ag, 1.0, bmax)
+        state_ct = None
+    gq = quantize(g, sg, bdt)
+    sgi = 1.0 / sg
+    dx = _transpose_lhs(gq, wq, xq.ndim, dn, _scaled_gemm(style, dtypes[0], sgi, swi))
+    dw = _transpose_rhs(gq, xq, wq.ndim, dn, _scaled_gemm(style, dtypes[1], sxi, sgi))
+    return dx.astype(dtypes[0]), dw.astype(dtypes[1]), state_ct
+
+
+_per_tensor_dot.defvjp(_per_tensor_fwd, _per_tensor_bwd)
+
+
+# --- block scaling (reference implementation) ------------------------------------------------------
+
+def block_qdq(a, tile, dtype, out_dtype):
+    """Quantize a 2D array with one scale per (tile[0] x tile[1]) tile (amax of the tile), dequantize.
+
+    Edges that do not fill a tile are padded with zeros (which do not change a tile's amax).
+    An all-zero tile gets scale 1. Returns an array of a's shape in out_dtype.
+    """
+    r, c = a.shape
+    tr, tc = min(tile[0], r), min(tile[1], c)
+    pr, pc = -r % tr, -c % tc
+    ap = jnp.pad(a.astype(jnp.float32), ((0, pr), (0, pc)))
+    t = ap.reshape((r + pr) // tr, tr, (c + pc) // tc, tc)
+    am = jnp.max(jnp.abs(t), axis=(1, 3), keepdims=True)
+    scale = compute_scale(am, jnp.ones_like(am), fp8_max(dtype))
+    q = jnp.clip(t * scale, -fp8_max(dtype), fp8_max(dtype)).astype(dtype)
+    dq = (q.astype(jnp.float32) / scale).reshape(r + pr, c + pc)[:r, :c]
+    return dq.astype(out_dtype)
+
+
+def _dense_split(dn, x_ndim, w_ndim):
+    """For dense dimension numbers (x's trailing axes with w's leading axes, in order, no batch):
+    the number of contracted axes; else None."""
+    (xc, wc), (xb, wb) = dn
+    n = len(xc)
+    if xb or wb or tuple(xc) != tuple(range(x_ndim - n, x_ndim)) or tuple(wc) != tuple(range(n)):
+        return None
+    return n
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _block_dot(x, w, dn, recipe, dtypes):
+    return _block_fwd(x, w, dn, recipe, dtypes)[0]
+
+
+def _block_fwd(x, w, dn, recipe, dtypes):
+    """x [..., K...] and w [K..., N...] flattened to x2 [M, K], w2 [K, N]."""
+    fdt = recipe.fp8_format.fwd_dtype
+    n = _dense_split(dn, x.ndim, w.ndim)
+    k = math.prod(x.shape[x.ndim - n:])
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    xd = block_qdq(x2, (1, recipe.x_block), fdt, dtypes[2])               # 1 x 128 tiles along K
+    wd = block_qdq(w2, (recipe.w_block, recipe.w_block), fdt, dtypes[2])  # 128 x 128 tiles
+    y = jnp.dot(xd, wd, preferred_element_type=dtypes[2])
+    return y.reshape(x.shape[:x.ndim - n] + w.shape[n:]), (x2, wd)
+
+
+def _block_bwd(dn, recipe, dtypes, res, g):
+    x2, wd = res
+    dtypes, x_shape, w_shape = dtypes[:3], dtypes[3], dtypes[4]
+    fdt, bdt = recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    g2 = g.reshape(x2.shape[0], wd.shape[1])
+    gd_row = block_qdq(g2, (1, recipe.x_block), bdt, dtypes[0])   # dgrad g @ w^T: 1 x 128 tiles along N
+    dx = jnp.dot(gd_row, wd.T.astype(dtypes[0]), preferred_element_type=dtypes[0])
+    xd_col = block_qdq(x2, (recipe.x_block, 1), fdt, dtypes[1])   # wgrad x^T @ g: 128 x 1 tiles along M
+    gd_col = block_qdq(g2, (recipe.x_block, 1), bdt, dtypes[1])
+    dw = jnp.dot(xd_col.T, gd_col, preferred_element_type=dtypes[1])
+    return dx.reshape(x_shape).astype(dtypes[0]), dw.reshape(w_shape).astype(dtypes[1])
+
+
+_block_dot.defvjp(_block_fwd, _block_bwd)
+
+
+# --- public entry point ----------------------------------------------------------------------------
+
+def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_element_type=None,
+                    gemm_style_override: str | None = None):
+    """lax.dot_general(x, w, dimension_numbers) with FP8 operands under `recipe` (see the module docstring).
+
+    x, w: floating arrays (the compute dtype, e.g. bf16; fp32 works). Output dtype:
+    preferred_element_type or x.dtype. dx has x.dtype, dw has w.dtype.
+    state: DelayedScaling's dict (init_state(recipe.amax_history_len)); None for the other recipes.
+    The updated state comes back as the gradient with respect to `state`.
+    """
+    check_recipe(recipe, "fp8_dot_general: recipe")
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or jnp.dtype(a.dtype).itemsize < 2:
+            raise ValueError(f"fp8_dot_general: {name} has dtype {a.dtype}; expected a float dtype of >= 16 bits "
+                             "(the compute dtype; quantization to FP8 happens inside).")
+    dn = _canonical_dn(dimension_numbers)
+    out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    dtypes = (jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype)
+    if isinstance(recipe, Float8BlockScaling):
+        if _dense_split(dn, x.ndim, w.ndim) is None:
+            raise ValueError(f"fp8_dot_general: Float8BlockScaling supports dense dimension_numbers only (x's "
+                             f"trailing axes with w's leading axes, no batch axes); got {dn}.")
+        return _block_dot(x, w, dn, recipe, dtypes + (tuple(x.shape), tuple(w.shape)))
+    if isinstance(recipe, DelayedScaling):
+        if state is None or set(state) != set(STATE_KEYS):
+            raise ValueError(f"fp8_dot_general: DelayedScaling needs state, a dict with keys {STATE_KEYS} "
+                             "(te_jax.fp8.quantize.init_state(recipe.amax_history_len)).")
+        L = recipe.amax_history_len
+        for k in STATE_KEYS:
+            want = (L,) if k.endswith("history") else (1,)
+            if tuple(jnp.shape(state[k])) != want:
+                raise ValueError(f"fp8_dot_general: state[{k!r}] has shape {tuple(jnp.shape(state[k]))}; expected "
+                                 f"{want} for amax_history_len={L} (was the state made with another recipe?).")
+        state = {k: jnp.asarray(state[k], jnp.float32) for k in STATE_KEYS}
+    else:
+        state = None
+    style = gemm_style_override or gemm_style()
+    if style not in GEMM_STYLES:
+        raise ValueError(f"fp8_dot_general: gemm_style_override={style!r} must be one of {GEMM_STYLES}.")
+    return _per_tensor_dot(x, w, state, dn, recipe, dtypes, style)
+
+
+__all__ = ["fp8_dot_general", "quantize", "dequantize", "qdq", "compute_scale", "delayed_update", "amax",
+           "fp8_max", "init_state", "block_qdq", "STATE_KEYS", "GEMM_STYLES", "GEMM_STYLE", "gemm_style"]

@@ -1,0 +1,129 @@
+"""FP8 state as a Flax variable collection, and the FP8 GEMM paths of the te_jax Flax modules.
+
+Collection: FP8_COLLECTION = flax's OVERWRITE_WITH_GRADIENT ("_overwrite_with_gradient"), the name
+flax's Fp8DotGeneralOp, MaxText and praxis use. Under DelayedScaling each FP8 GEMM owns a submodule
+`Fp8Meta` (named "fp8_meta", or "wi_fp8_meta" / "wo_fp8_meta" in LayerNormMLP) holding flax's six
+variables: input_scale (1,), input_amax_history (L,), kernel_scale (1,), kernel_amax_history (L,),
+output_grad_scale (1,), output_grad_amax_history (L,), all fp32 (scales init 1, histories 0).
+The backward amax travels through the gradient of this collection as in flax's Fp8DotGeneralOp: take
+gradients with respect to it too, and replace it by its gradient (update_fp8_state). Float8CurrentScaling
+and Float8BlockScaling have no state.
+
+Train step:
+    def loss_fn(params, fp8_state):
+        return loss(model.apply({"params": params, FP8_COLLECTION: fp8_state}, x))
+    loss, (g_params, new_fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, fp8_state)
+or, with one variables dict: grads = jax.grad(f)(variables); variables = update_fp8_state(new_variables, grads).
+nn.scan over layers: variable_axes={"params": 0, FP8_COLLECTION: 0} (one state per layer); nn.remat needs nothing.
+A checkpoint stores the collection like any other (flax.serialization.to_state_dict / orbax).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from te_jax import activations as _acts
+from te_jax import normalization as _norm
+from te_jax.fp8 import context as _ac
+from te_jax.fp8.quantize import STATE_KEYS, fp8_dot_general
+from te_jax.fp8.recipe import DelayedScaling
+
+try:
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as FP8_COLLECTION
+except ImportError:  # pragma: no cover - flax without fp8_ops
+    FP8_COLLECTION = "_overwrite_with_gradient"
+
+
+class Fp8Meta(nn.Module):
+    """The delayed-scaling state of one GEMM (variables in FP8_COLLECTION); returns it as a dict."""
+
+    amax_history_len: int = 1024
+
+    @nn.compact
+    def __call__(self):
+        L = self.amax_history_len
+        out = {}
+        for k in STATE_KEYS:
+            shape = (L,) if k.endswith("history") else (1,)
+            fill = jnp.zeros if k.endswith("history") else jnp.ones
+            if (not self.is_initializing() and not self.has_variable(FP8_COLLECTION, k)
+                    and not self.is_mutable_collection(FP8_COLLECTION)):
+                raise ValueError(
+                    f"{'/'.join(self.path)}: FP8 DelayedScaling state {FP8_COLLECTION!r}/{k} is missing from the "
+                    "variables. Fix: run model.init under the same te_jax.fp8.autocast(recipe=DelayedScaling(...)) "
+                    f"and pass the {FP8_COLLECTION!r} collection to apply.")
+            v = self.variable(FP8_COLLECTION, k, lambda s=shape, f=fill: f(s, jnp.float32)).value
+            if tuple(v.shape) != shape:
+                raise ValueError(f"{'/'.join(self.path)}: FP8 state {k} has shape {tuple(v.shape)}; the recipe's "
+                                 f"amax_history_len={L} wants {shape}. Fix: initialize with the same recipe.")
+            out[k] = v
+        return out
+
+
+def update_fp8_state(variables, grads):
+    """variables with its FP8_COLLECTION replaced by grads[FP8_COLLECTION] (the new scales and histories)."""
+    if FP8_COLLECTION not in grads:
+        return variables
+    out = dict(variables)
+    out[FP8_COLLECTION] = grads[FP8_COLLECTION]
+    return type(variables)(out) if not isinstance(variables, dict) else out
+
+
+def split_fp8_state(variables):
+    """(variables without FP8_COLLECTION, the FP8 collection or {})."""
+    rest = {k: v for k, v in dict(variables).items() if k != FP8_COLLECTION}
+    return rest, dict(variables).get(FP8_COLLECTION, {})
+
+
+def _state(recipe, name):
+    if isinstance(recipe, DelayedScaling):
+        return Fp8Meta(amax_history_len=recipe.amax_history_len, name=name)()
+    return None
+
+
+def dense(module, x, kernel, bias, axis, dtype, recipe, *, meta_name="fp8_meta", gemm="kernel", reason=""):
+    """FP8 version of te_jax.flax.module._dense: x [..., *in] . kernel [*in, *features] (+ bias, fp32 add).
+
+    The GEMM output is in the compute dtype; dx/dw come back in the compute dtype (dw then to param dtype).
+    """
+    x = jnp.asarray(x, dtype)
+    dtype = x.dtype
+    axis = tuple(axis)
+    n_in = len(axis)
+    k = 1
+    for a in axis:
+        k *= x.shape[a]
+    _ac.record(module, gemm, recipe, reason, k=k, n=kernel.size // max(k, 1),
+               shape=f"x{tuple(x.shape)} . {gemm}{tuple(kernel.shape)}")
+    dn = ((axis, tuple(range(n_in))), ((), ()))
+    y = fp8_dot_general(x, kernel.astype(dtype), dn, recipe, _state(recipe, meta_name))
+    if bias is not None:
+        y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
+    return y
+
+
+def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_type, epsilon, zero_centered_gamma,
+                  backend, activations, dropout_rate, dropout_rng, enable_layernorm=True, reason=""):
+    """norm (te_jax.normalization.norm, its own backend) -> FP8 GEMM wi -> activation(s) -> dropout -> FP8 GEMM wo.
+
+    x [..., D]; w1 [D, n_act, F]; b1 [n_act, F] | None; w2 [F, D]; b2 [D] | None. Returns (y, ln_out).
+    The Pallas ln_mlp path (bf16 GEMMs inside its custom_vjp) is not used under FP8.
+    """
+    dt = x.dtype
+    ln = _norm.norm(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
+                    zero_centered_gamma=zero_centered_gamma, backend=backend) if enable_layernorm else x
+    h = dense(module, ln, w1, None, (ln.ndim - 1,), dt, recipe, meta_name="wi_fp8_meta", gemm="wi_kernel",
+              reason=reason).astype(jnp.float32)
+    if b1 is not None:
+        h = h + b1.astype(jnp.float32)
+    a = _acts.apply_activations(h.astype(dt).astype(jnp.float32), activations)
+    if dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, a.shape)
+        a = jnp.where(keep, a / (1.0 - dropout_rate), 0.0)
+    y = dense(module, a.astype(dt), w2, b2, (a.ndim - 1,), dt, recipe, meta_name="wo_fp8_meta", gemm="wo_kernel",
+              reason=reason)
+    return y, ln
+
+
+__all__ = ["FP8_COLLECTION", "Fp8Meta", "update_fp8_state", "split_fp8_state", "dense", "layernorm_mlp"]

@@ -1,0 +1,435 @@
+"""FP8 (te_jax/fp8): recipes, scaling math against a numpy model, saturation, fp8_dot_general numerics,
+Flax integration (autocast, state collection through jit / nn.scan / nn.remat / checkpoints), HLO converts.
+
+Tiny shapes; the whole file runs in well under a minute on 2 CPU cores.
+"""
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import serialization
+
+import te_jax
+from te_jax import fp8
+from te_jax.fp8 import quantize as Q
+from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
+from te_jax.flax import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP, TransformerLayer
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+DENSE_DN = (((2,), (0,)), ((), ()))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a).astype(np.float64), np.asarray(b).astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# --- recipes ---------------------------------------------------------------------------------------
+
+def test_recipe_defaults_match_transformer_engine():
+    r = DelayedScaling()
+    assert (r.margin, r.fp8_format, r.amax_history_len, r.amax_compute_algo) == (0, Format.HYBRID, 1024, "max")
+    assert Float8CurrentScaling().fp8_format is Format.HYBRID
+    assert Float8BlockScaling().fp8_format is Format.E4M3
+    assert Format.HYBRID.fwd_dtype == jnp.float8_e4m3fn and Format.HYBRID.bwd_dtype == jnp.float8_e5m2
+    assert Format.E4M3.bwd_dtype == jnp.float8_e4m3fn
+    assert (Format.HYBRID.max_fwd, Format.HYBRID.max_bwd) == (E4M3_MAX, E5M2_MAX)
+    hash(r)  # frozen: usable as a static argument
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(margin=-1), "margin"), (dict(amax_history_len=0), "amax_history_len"),
+    (dict(amax_compute_algo="mean"), "amax_compute_algo"), (dict(fp8_format="HYBRID"), "fp8_format")])
+def test_recipe_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        DelayedScaling(**kwargs)
+
+
+def test_other_recipe_validation():
+    with pytest.raises(ValueError, match="fp8_format"):
+        Float8CurrentScaling(fp8_format=1)
+    with pytest.raises(ValueError, match="x_block"):
+        Float8BlockScaling(x_block=0)
+    with pytest.raises(ValueError, match="recipe"):
+        with fp8.autocast(recipe="delayed"):
+            pass
+
+
+# --- scaling math against a numpy model ------------------------------------------------------------
+
+def _np_delayed(hist, scale, a, fmax, margin, algo):
+    """TE's delayed-scaling update, written independently in numpy."""
+    hist = hist.copy()
+    hist[0] = a if np.isfinite(a) else 0.0
+    window = hist.max() if algo == "max" else hist[0]
+    new = scale
+    if np.isfinite(a) and window > 0 and np.isfinite(window):
+        cand = fmax / window / 2.0 ** margin
+        if np.isfinite(cand):
+            new = cand
+    hist = np.roll(hist, -1)
+    hist[0] = 0.0
+    return np.float32(new), hist
+
+
+def test_delayed_update_explicit_history_roll():
+    h, s = jnp.zeros(3), jnp.ones(1)
+    expect = [(448.0, [0, 0, 1]), (112.0, [0, 1, 4]), (112.0, [0, 4, 2]), (112.0, [0, 2, 0.5]), (224.0, [0, 0.5, 0.25])]
+    for a, (scale, hist) in zip([1.0, 4.0, 2.0, 0.5, 0.25], expect):
+        s, h = Q.delayed_update(h, s, a, E4M3_MAX, 0, "max")
+        np.testing.assert_allclose(s, [scale], rtol=1e-6)
+        np.testing.assert_allclose(h, hist)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_update_matches_numpy_model(algo, margin):
+    rng = np.random.default_rng(0)
+    amaxes = list(np.exp(rng.normal(0, 2, 12)).astype(np.float32)) + [0.0, np.inf, np.nan, 3.0]
+    L = 5
+    h, s = jnp.zeros(L), jnp.ones(1)
+    nh, ns = np.zeros(L, np.float32), np.float32(1.0)
+    for a in amaxes:
+        s, h = Q.delayed_update(h, s, a, E5M2_MAX, margin, algo)
+        ns, nh = _np_delayed(nh, ns, np.float32(a), E5M2_MAX, margin, algo)
+        np.testing.assert_allclose(np.asarray(s).reshape(()), ns, rtol=1e-6)
+        np.testing.assert_allclose(h, nh, rtol=1e-6)
+        assert np.all(np.isfinite(h)) and np.isfinite(np.asarray(s)).all()
+
+
+def test_compute_scale_keeps_previous_on_bad_amax():
+    prev = jnp.float32(7.0)
+    for bad in [0.0, np.inf, -np.inf, np.nan, 1e-45]:  # 1e-45: fmax / amax overflows to inf
+        assert float(Q.compute_scale(bad, prev, E4M3_MAX)) == 7.0
+    np.testing.assert_allclose(Q.compute_scale(2.0, prev, E4M3_MAX, margin=1), 448.0 / 2 / 2)
+
+
+def test_current_scaling_scale_is_fmax_over_amax():
+    x = jnp.array([[0.5, -3.0], [1.0, 2.0]])
+    np.testing.assert_allclose(Q.compute_scale(Q.amax(x), 1.0, E4M3_MAX), 448.0 / 3.0, rtol=1e-6)
+
+
+# --- saturation / overflow -------------------------------------------------------------------------
+
+def test_saturating_cast_never_inf_or_nan():
+    x = jnp.array([1e30, -1e30, 5e5, -5e5, 3.0, 0.0], jnp.float32)
+    q4 = Q.quantize(x, 1.0, jnp.float8_e4m3fn).astype(jnp.float32)
+    q5 = Q.quantize(x, 1.0, jnp.float8_e5m2).astype(jnp.float32)
+    assert np.all(np.isfinite(q4)) and np.all(np.isfinite(q5))
+    np.testing.assert_array_equal(q4[:4], [448, -448, 448, -448])
+    np.testing.assert_array_equal(q5[:2], [57344, -57344])
+    np.testing.assert_array_equal(q4[4:], [3.0, 0.0])
+
+
+def test_growing_amax_under_delayed_scaling_stays_finite():
+    """x grows 16x per step: the delayed scale is stale every step (saturation), outputs stay finite."""
+    r = DelayedScaling(amax_history_len=4)
+    st = Q.init_state(4)
+    w = jax.random.normal(jax.random.PRNGKey(1), (32, 16))
+    x0 = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 32))
+    @jax.jit
+    def f(x, st, gscale):
+        y, vjp = jax.vjp(lambda x, w, st: Q.fp8_dot_general(x, w, DENSE_DN, r, st), x, w, st)
+        return (y, *vjp(jnp.ones_like(y) * gscale))
+
+    for step in range(6):
+        x = x0 * (16.0 ** step)
+        y, dx, dw, st = f(x, st, 8.0 ** step)
+        for a in (y, dx, dw, *st.values()):
+            assert np.all(np.isfinite(np.asarray(a, np.float32)))
+    # the history recorded the last amax; the next scale follows the largest amax of the window
+    assert float(st["input_amax_history"][-1]) == pytest.approx(float(jnp.max(jnp.abs(x0))) * 16.0 ** 5, rel=1e-6)
+
+
+# --- fp8_dot_general numerics ----------------------------------------------------------------------
+
+def _dot_case(dn, xs, ws, seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x, w = jax.random.normal(k1, xs), jax.random.normal(k2, ws)
+    ref = lambda x, w: jax.lax.dot_general(x, w, dn, precision="highest")
+    y0, vjp0 = jax.vjp(ref, x, w)
+    g = jax.random.normal(k3, y0.shape)
+    return x, w, g, y0, vjp0(g)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(),
+                                    Float8CurrentScaling(Format.E4M3), Float8BlockScaling(x_block=16, w_block=16)],
+                         ids=["delayed", "current", "current_e4m3", "block"])
+@pytest.mark.parametrize("style", ["direct", "qdq"])
+def test_fp8_dot_general_forward_and_grads(recipe, style):
+    x, w, g, y0, (dx0, dw0) = _dot_case(DENSE_DN, (4, 8, 64), (64, 48))
+    st = Q.init_state(4) if isinstance(recipe, DelayedScaling) else None
+    f = lambda x, w, st: Q.fp8_dot_general(x, w, DENSE_DN, recipe, st, gemm_style_override=style)
+    fg = jax.jit(lambda x, w, st, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(f, x, w, st)))
+    for _ in range(2):  # delayed: step 1 with scale 1, step 2 with the scales learnt in step 1
+        y, dx, dw, new_st = fg(x, w, st, g)
+        assert _rel(y, y0) < 2.0 ** -4
+        assert _rel(dx, dx0) < 2.0 ** -3 and _rel(dw, dw0) < 2.0 ** -3
+        st = new_st
+    if isinstance(recipe, DelayedScaling):
+        np.testing.assert_allclose(st["input_scale"], E4M3_MAX / float(jnp.max(jnp.abs(x))), rtol=1e-6)
+        np.testing.assert_allclose(st["kernel_scale"], E4M3_MAX / float(jnp.max(jnp.abs(w))), rtol=1e-6)
+        np.testing.assert_allclose(st["output_grad_scale"], E5M2_MAX / float(jnp.max(jnp.abs(g))), rtol=1e-6)
+        np.testing.assert_allclose(st["output_grad_amax_history"][-1], float(jnp.max(jnp.abs(g))), rtol=1e-6)
+    else:
+        assert st is None
+
+
+def test_fp8_dot_general_batched_dimension_numbers():
+    dn = (((2,), (1,)), ((0,), (0,)))  # [b, m, k] x [b, k, n] contracted k, batch b
+    x, w, g, y0, (dx0, dw0) = _dot_case(dn, (3, 8, 32), (3, 32, 16), seed=3)
+    y, dx, dw = jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(
+        *jax.vjp(lambda x, w: Q.fp8_dot_general(x, w, dn, Float8CurrentScaling()), x, w)))(x, w, g)
+    assert y.shape == y0.shape and dx.shape == x.shape and dw.shape == w.shape
+    assert _rel(y, y0) < 2.0 ** -4 and _rel(dx, dx0) < 2.0 ** -3 and _rel(dw, dw0) < 2.0 ** -3
+
+
+def test_block_scaling_beats_per_tensor_on_outlier_rows():
+    x = jnp.asarray(np.asarray(jax.random.normal(jax.random.PRNGKey(0), (8, 32))) * np.logspace(-4, 2, 8)[:, None],
+                    jnp.float32)
+    blk = Q.block_qdq(x, (1, 16), jnp.float8_e4m3fn, jnp.float32)
+    per = Q.qdq(x, Q.compute_scale(Q.amax(x), 1.0, E4M3_MAX), jnp.float8_e4m3fn)
+    err = lambda a: float(jnp.max(jnp.abs(a - x)[0] / jnp.abs(x[0]).max()))  # smallest row
+    assert err(blk) < 0.1 < err(per)
+
+
+def test_fp8_dot_general_errors():
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+    with pytest.raises(ValueError, match="state"):
+        Q.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), DelayedScaling())
+    with pytest.raises(ValueError, match="amax_history_len"):
+        Q.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), DelayedScaling(amax_history_len=8), Q.init_state(4))
+    with pytest.raises(ValueError, match="dense"):
+        Q.fp8_dot_general(x, w.T, (((1,), (1,)), ((), ())), Float8BlockScaling())
+
+
+# --- Flax: autocast, explain, state collection -----------------------------------------------------
+
+def _tiny_layer(**kw):
+    return TransformerLayer(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, num_gqa_groups=2,
+                            layernorm_type="rmsnorm", mlp_activations=("silu", "linear"), hidden_dropout=0.0,
+                            attention_dropout=0.0, intermediate_dropout=0.0, enable_relative_embedding=False,
+                            enable_rotary_pos_emb=True, self_attn_mask_type="causal", use_bias=False, **kw)
+
+
+def test_explain_reports_each_gemm():
+    layer = _tiny_layer()
+    x = jnp.ones((1, 8, 32))
+    off = fp8.explain(lambda: layer.init(jax.random.PRNGKey(0), x, deterministic=True))
+    assert [g.gemm for g in off] == ["kernel", "kernel", "kernel", "wi_kernel", "wo_kernel"]
+    assert not any(g.fp8 for g in off) and "autocast" in off[0].reason
+    with fp8.autocast(recipe=Float8CurrentScaling()):
+        on = fp8.explain(lambda: layer.init(jax.random.PRNGKey(0), x, deterministic=True))
+    assert all(g.fp8 for g in on) and {g.module for g in on} == {"attention/query", "attention/kv",
+                                                                 "attention/out", "mlp"}
+    assert "CPU" in str(on)  # on CPU the FP8 GEMM is an upcast GEMM, and the explanation says so
+    with fp8.autocast(recipe=Float8BlockScaling()):
+        blk = fp8.explain(lambda: layer.init(jax.random.PRNGKey(0), x, deterministic=True))
+    assert all(g.fp8 and not g.fp8_gemm and "not an FP8 GEMM" in g.reason for g in blk)
+    # per-module override: enable_fp8=False wins over autocast
+    d = DenseGeneral(features=16, enable_fp8=False)
+    with fp8.autocast():
+        info = fp8.explain(lambda: d.init(jax.random.PRNGKey(0), x))
+    assert not info[0].fp8 and "enable_fp8=False" in info[0].reason
+    # enable_fp8=True with a module recipe, no autocast
+    d = DenseGeneral(features=16, enable_fp8=True, fp8_recipe=Float8CurrentScaling())
+    info = fp8.explain(lambda: d.init(jax.random.PRNGKey(0), x))
+    assert info[0].fp8 and info[0].recipe == "Float8CurrentScaling"
+
+
+def test_explain_mlp_backend_says_fp8_takes_xla():
+    x, g = jax.ShapeDtypeStruct((8, 32), jnp.bfloat16), jax.ShapeDtypeStruct((32,), jnp.float32)
+    choice = te_jax.explain_mlp_backend(x, g, backend="auto", fp8_recipe=DelayedScaling())
+    assert choice.selected == "xla" and "FP8" in str(choice)
+
+
+def test_transformer_layer_trains_under_delayed_scaling():
+    """A few SGD steps under autocast(DelayedScaling): finite, falling loss within 10% of the fp32 loss of the
+    same parameters (computed in the same jitted step with FP8 off), and the FP8 state moving every step."""
+    layer = _tiny_layer(dtype=jnp.float32)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 32))
+    tgt = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 32))
+    init = jax.jit(lambda k: layer.init(k, x, deterministic=True))  # jitted: eager init is op-by-op (slow)
+    base = init(jax.random.PRNGKey(0))
+    recipe = DelayedScaling(amax_history_len=4)
+    with fp8.autocast(recipe=recipe):
+        v = init(jax.random.PRNGKey(0))  # autocast is part of jit's cache key: traced again, with FP8 state
+    assert set(v) == {"params", fp8.FP8_COLLECTION}
+    jax.tree_util.tree_map(np.testing.assert_array_equal, v["params"], base["params"])
+
+    def loss_fn(variables):
+        return jnp.mean((layer.apply(variables, x, deterministic=True) - tgt) ** 2)
+
+    @jax.jit
+    def step(v):
+        loss, g = jax.value_and_grad(loss_fn)(v)
+        with fp8.autocast(enabled=False):  # traced without FP8: the fp32 reference at the same parameters
+            ref = loss_fn({"params": v["params"]})
+        params = jax.tree_util.tree_map(lambda p, d: p - 0.05 * d, v["params"], g["params"])
+        return loss, ref, fp8.update_fp8_state({**v, "params": params}, g)
+
+    losses, states = [], []
+    with fp8.autocast(recipe=recipe):
+        for _ in range(4):
+            loss, ref, v = step(v)
+            losses.append(float(loss))
+            states.append(v[fp8.FP8_COLLECTION]["mlp"]["wi_fp8_meta"])
+            assert np.isfinite(float(loss)) and abs(float(loss) - float(ref)) / float(ref) < 0.1, (loss, ref)
+    assert losses[-1] < losses[0]
+    for s1, s2 in zip(states, states[1:]):
+        assert not np.array_equal(s1["input_amax_history"], s2["input_amax_history"])
+    assert float(states[0]["output_grad_scale"][0]) != 1.0  # the backward amax came back through the gradient
+
+
+def test_missing_state_is_a_clear_error():
+    d = DenseGeneral(features=16)
+    x = jnp.ones((2, 32))
+    v = d.init(jax.random.PRNGKey(0), x)  # no autocast: no FP8 state
+    with fp8.autocast():
+        with pytest.raises(ValueError, match="autocast"):
+            d.apply(v, x)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        y, _ = LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                            intermediate_dropout_rate=0.0)(x, deterministic=True)
+        return x + y, None
+
+
+def test_state_through_scan_remat_and_checkpoint():
+    stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0, fp8.FP8_COLLECTION: 0},
+                    split_rngs={"params": True}, length=3, metadata_params={nn.PARTITION_NAME: "layers"})
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 16))
+    recipe = DelayedScaling(amax_history_len=5)
+
+    def f(v):
+        return jnp.sum(stack().apply(v, x, None)[0] ** 2)
+
+    with fp8.autocast(recipe=recipe):
+        v = jax.jit(lambda k: stack().init(k, x, None))(jax.random.PRNGKey(1))
+        meta = v[fp8.FP8_COLLECTION]["LayerNormMLP_0"]["wo_fp8_meta"]
+        assert meta["input_amax_history"].shape == (3, 5) and meta["input_scale"].shape == (3, 1)
+        g = jax.jit(jax.grad(f))(v)
+        v2 = fp8.update_fp8_state(v, g)
+        new = v2[fp8.FP8_COLLECTION]["LayerNormMLP_0"]["wo_fp8_meta"]
+        # one state per layer: three different amaxes recorded, three different scales learnt
+        amaxes = np.asarray(new["input_amax_history"][:, -1])
+        assert np.all(amaxes > 0) and len(set(amaxes.tolist())) == 3
+        assert np.all(np.asarray(new["output_grad_amax_history"][:, -1]) > 0)
+        # checkpoint round trip (flax.serialization)
+        blob = serialization.msgpack_serialize(serialization.to_state_dict(v2))
+        v3 = serialization.from_state_dict(jax.tree_util.tree_map(jnp.zeros_like, v2),
+                                           serialization.msgpack_restore(blob))
+        jax.tree_util.tree_map(np.testing.assert_array_equal, v3, v2)
+        np.testing.assert_array_equal(f(v3), f(v2))
+
+
+def test_hlo_has_fp8_converts_for_all_three_gemms():
+    m = DenseGeneral(features=32, use_bias=False, dtype=jnp.bfloat16)
+    x = jnp.ones((4, 16, 64), jnp.bfloat16)
+    with fp8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        v = m.init(jax.random.PRNGKey(0), x)
+        f = jax.jit(jax.value_and_grad(lambda v, x: jnp.sum(m.apply(v, x).astype(jnp.float32)), argnums=(0, 1)))
+        lowered = f.lower(v, x)
+    text = lowered.as_text()
+    dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+    assert len(dots) == 3
+    # DEFAULT precision even under conftest's jax_default_matmul_precision="highest" (the FP8 rewrite wants it)
+    assert all("precision = [DEFAULT, DEFAULT]" in d for d in dots), dots
+    assert sum("xf8E4M3FN>, tensor<" in d and "xf8E4M3FN>)" in d for d in dots) == 1           # forward
+    assert sum(re.search(r"xf8E5M2>, tensor<[0-9x]*xf8E4M3FN>", d) is not None for d in dots) == 2  # dgrad, wgrad
+    compiled = lowered.compile().as_text()
+    assert "f8e4m3fn" in compiled and "f8e5m2" in compiled
+
+
+def test_autocast_is_part_of_the_jit_cache_key():
+    """One jitted function called outside and inside autocast is traced for each setting (no stale trace)."""
+    d = DenseGeneral(features=16, use_bias=False)
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 32))
+    v = d.init(jax.random.PRNGKey(1), x)
+    f = jax.jit(lambda v, x: d.apply(v, x))
+    y_off = f(v, x)
+    with fp8.autocast(recipe=Float8CurrentScaling()):
+        y_on = f(v, x)
+    y_off2 = f(v, x)
+    np.testing.assert_array_equal(y_off, y_off2)
+    assert not np.array_equal(y_on, y_off) and _rel(y_on, y_off) < 2.0 ** -4
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuBLASLt FP8 GEMMs need a GPU (compute capability >= 8.9)")
+@pytest.mark.parametrize("style", ["direct", "qdq"])
+def test_gpu_compiled_hlo_has_three_cublaslt_fp8_gemms(style, monkeypatch):
+    """On an FP8-capable GPU the forward, dgrad and wgrad of one FP8 dense layer are cuBLASLt FP8 GEMMs."""
+    from te_jax._compat import gpu_compute_capability
+
+    if (gpu_compute_capability() or (0, 0)) < (8, 9):
+        pytest.skip("GPU without FP8 tensor cores")
+    monkeypatch.setenv("TE_JAX_FP8_GEMM", style)
+    m = DenseGeneral(features=256, use_bias=False, dtype=jnp.bfloat16)
+    x = jnp.ones((4, 64, 128), jnp.bfloat16)
+    with fp8.autocast(recipe=DelayedScaling(amax_history_len=16)):
+        v = m.init(jax.random.PRNGKey(0), x)
+        f = jax.jit(lambda v, x: jax.value_and_grad(lambda v, x: jnp.sum(m.apply(v, x).astype(jnp.float32)),
+                                                    argnums=(0, 1))(v, x))
+        hlo = f.lower(v, x).compile().as_text()
+    assert hlo.count("__cublas$lt$matmul$f8") == 3, [l for l in hlo.splitlines() if "custom_call_target" in l]
+
+
+@pytest.mark.slow  # CI runs -m "not slow"; the TransformerLayer training test above covers the same path
+def test_train_lm_example_fp8_delayed(tmp_path):
+    """examples/train_lm.py --fp8 delayed: trains, the FP8 state is part of the train state and moves."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm_fp8_test", path)
+    train_lm = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train_lm  # dataclasses (the Flax module) look their module up by name
+    spec.loader.exec_module(train_lm)
+    out = train_lm.main(["--layers", "1", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq-len", "16",
+                         "--batch", "2", "--lr", "1e-2", "--warmup", "1", "--steps", "3", "--eval-batches", "1",
+                         "--eval-every", "0", "--log-every", "1", "--no-progress", "--dtype", "fp32",
+                         "--no-compile-cache", "--no-ckpt", "--no-plot", "--sample-len", "0", "--fp8", "delayed",
+                         "--out-dir", str(tmp_path)])
+    assert all(np.isfinite(v) for v in out["losses"].values()) and np.isfinite(out["eval_loss"])
+
+
+def test_fp8_autocast_older_spelling():
+    with fp8.fp8_autocast(enabled=True, fp8_recipe=Float8CurrentScaling()):
+        assert fp8.get_autocast() == (True, Float8CurrentScaling())
+    assert fp8.get_autocast()[0] is False
+    with pytest.raises(ValueError, match="mesh_resource"):
+        with fp8.fp8_autocast(enabled=True, mesh_resource=object()):
+            pass
+
+
+def test_fp8_mlp_under_a_data_parallel_mesh_matches_one_device():
+    """Under a mesh (batch over 'data', layernorm_input_axes given) the FP8 MLP runs under XLA's partitioner:
+    the amax is the global max, so outputs, gradients and the new FP8 state equal the one-device run."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    m = LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                     intermediate_dropout_rate=0.0, layernorm_input_axes=("batch", "length", "embed"))
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 16))
+    recipe = DelayedScaling(amax_history_len=3)
+
+    def run(x):
+        with fp8.autocast(recipe=recipe):
+            v = jax.jit(lambda k: m.init(k, x, deterministic=True))(jax.random.PRNGKey(1))
+            f = jax.jit(jax.value_and_grad(lambda v, x: jnp.sum(m.apply(v, x, deterministic=True)[0] ** 2)))
+            return f(v, x)
+
+    loss1, g1 = run(x)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh), nn.logical_axis_rules((("batch", "data"), ("length", None), ("embed", None))):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+        loss2, g2 = run(xs)
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(nn.meta.unbox(g2)), jax.tree_util.tree_leaves(nn.meta.unbox(g1))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
