@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from te_jax import layouts, masks
 from te_jax.backends import policy
+from te_jax.backends.base import Reason, ReasonKind
 from te_jax.backends.call import AttentionCall, current_platform
 from te_jax.backends.selection import BACKENDS, BackendChoice, choose_backend, unavailable_error
 
@@ -199,7 +200,7 @@ def _mask_kw(mask):
 def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None):
     """Run the chosen backend; in auto mode a trace-time refusal falls back to the next one."""
     order = [choice.selected] + [n for n, why in choice.reasons.items()
-                                 if n != choice.selected and why is not None and why.startswith("serves the call")]
+                                 if n != choice.selected and isinstance(why, Reason) and why.fallback_allowed]
     last_err = None
     for name in order:
         try:
@@ -211,7 +212,7 @@ def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None
             if choice.source != "auto":
                 raise ValueError(f"backend {name!r} refused the call: {type(e).__name__}: {e}") from e
             last_err = e
-            choice.reasons[name] = f"refused at trace time: {type(e).__name__}: {e}"
+            choice.reasons[name] = Reason(f"refused at trace time: {type(e).__name__}: {e}", ReasonKind.REFUSED)
     raise ValueError(f"every backend refused the call; last error: {last_err}\n{choice}")
 
 
@@ -274,12 +275,12 @@ def _plan_packed(qkv, *, qkv_layout, num_attention_heads, num_gqa_groups, attn_i
         choice.packed = f"qkv_layout={qkv_layout!r} is not packed: q, k and v are passed as they are"
     elif choice.selected is None:
         choice.packed = "no backend serves the call"
-    elif choice.selected != "pallas":
+    elif not BACKENDS[choice.selected].capabilities.packed_inputs:
         choice.packed = (f"split into q, k, v by XLA slicing (a copy) before the call: the {choice.selected!r} "
                          f"backend takes separate q, k, v; only te_jax's portable Pallas kernel reads packed input "
                          f"in place")
     else:
-        why = BACKENDS["pallas"].packed_input_reason(call, qkv_layout, tensors, h, g)
+        why = BACKENDS[choice.selected].packed_input_reason(call, qkv_layout, tensors, h, g)
         in_place = why is None
         choice.packed = ("read in place by the portable Pallas kernel: the packed tensor is one operand of the "
                          "kernels, which address q, k and v by head offsets (no slice, no copy)" if in_place
@@ -332,14 +333,14 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
     fmt = call.attn_input_format
     if plan.in_place:
         try:
-            out = BACKENDS["pallas"].forward_packed(
+            out = BACKENDS[choice.selected].forward_packed(
                 call, plan.layout.name, plan.tensors, plan.token_mask, plan.bias, num_heads=plan.num_heads,
                 num_gqa_groups=plan.num_gqa_groups, scale=plan.scale, softcap=plan.softcap,
                 causal=call.mask.causal, window=plan.window, **_mask_kw(plan.mask))
             return layouts.from_bshd(out, fmt)
         except (NotImplementedError, RuntimeError) as e:
             if choice.source != "auto":
-                raise ValueError(f"backend 'pallas' refused the packed call: {type(e).__name__}: {e}") from e
+                raise ValueError(f"backend {choice.selected!r} refused the packed call: {type(e).__name__}: {e}") from e
             choice.packed = f"split after the in-place call was refused at trace time: {type(e).__name__}: {e}"
     q, k, v = layouts.unpack_qkv(*plan.tensors, qkv_layout=plan.layout.name, num_attention_heads=plan.num_heads,
                                  num_gqa_groups=plan.num_gqa_groups)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+from te_jax.backends.base import Capabilities
+
 _SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 MAX_HEAD_DIM = 256
 
@@ -57,6 +59,8 @@ def _import(name):
 
 class PallasBackend:
     name = "pallas"
+    capabilities = Capabilities(split_backward=True, ring_blocks=True, packed_inputs=True, dense_mask=True,
+                                opaque_kernel=True)
 
     def unsupported_reason(self, call, forced: bool = False) -> str | None:
         d = call.dims
@@ -150,6 +154,16 @@ class PallasBackend:
         """Mask-free block backward (Hopper kernel) from the final out/lse: (dq, dk, dv)."""
         from pallas_kernels import flash_attention_hopper as fh
         return fh.hopper_attention_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal)
+
+    def choice_detail(self, call) -> str:
+        """Which Pallas kernel runs the call, and why not the Hopper kernel when it does not."""
+        hr = self.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
+        if hr is not None:
+            return f"portable Triton-lowered kernel (Hopper kernel not used: {hr})"
+        from pallas_kernels import flash_attention_hopper as fh
+
+        d = call.dims
+        return f"Hopper (Mosaic GPU) kernel: {fh.describe_plan(d.head_dim_qk, d.kv_len, call.mask.causal, call.dtype)}"
 
     def kernel_name(self, call) -> str:
         if call.platform == "gpu" and self.hopper_reason(call) is None:

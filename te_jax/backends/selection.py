@@ -15,14 +15,29 @@ from __future__ import annotations
 import dataclasses
 
 from te_jax.backends import policy
+from te_jax.backends.base import Reason, ReasonKind, check_backend, reason
 from te_jax.backends.cudnn import CudnnBackend
 from te_jax.backends.pallas import PallasBackend
 from te_jax.backends.xla import XlaBackend
 
-BACKENDS = {b.name: b for b in (PallasBackend(), CudnnBackend(), XlaBackend())}
+
+def _register(*backends) -> dict:
+    """The attention backends by name, each checked against te_jax.backends.base.AttentionBackend."""
+    for b in backends:
+        check_backend(b)
+    return {b.name: b for b in backends}
+
+
+# Registration: a new backend is one file in te_jax/backends/ plus its instance here (and its place in the
+# automatic preference below).
+BACKENDS = _register(PallasBackend(), CudnnBackend(), XlaBackend())
 BACKEND_NAMES = tuple(BACKENDS)
-_DISABLE_ENV = {"pallas": "TE_JAX_PALLAS_ATTN", "cudnn": "TE_JAX_CUDNN_ATTN", "xla": "TE_JAX_XLA_ATTN"}
 FORCE_ENV = "TE_JAX_ATTN_BACKEND"
+
+
+def disable_env(name: str) -> str:
+    """The variable that disables backend `name` (TE_JAX_PALLAS_ATTN=0, TE_JAX_CUDNN_ATTN=0, ...)."""
+    return f"TE_JAX_{name.upper()}_ATTN"
 
 # Automatic preference, fastest first, from forward+backward timings on the H100
 # (benchmarks/results/flash_attention_h100.md, attention_hopper_h100_run4/5/6.md).
@@ -63,19 +78,12 @@ def gpu_preference(call) -> tuple[tuple[str, ...], str]:
     return ("cudnn", "pallas", "xla"), why
 
 
-def _hopper_detail(call) -> str:
-    from pallas_kernels import flash_attention_hopper as fh
-
-    d = call.dims
-    return f"Hopper (Mosaic GPU) kernel: {fh.describe_plan(d.head_dim_qk, d.kv_len, call.mask.causal, call.dtype)}"
-
-
 @dataclasses.dataclass
 class BackendChoice:
     """Which backend runs a call and, for every backend, why it was or was not taken."""
 
     selected: str | None
-    reasons: dict[str, str | None]  # None: serves the call
+    reasons: dict[str, Reason | None]  # None: serves the call; a Reason is a str with a `kind`
     source: str  # "argument" | "environment" | "auto"
     detail: str = ""  # e.g. which Pallas kernel
     packed: str = ""  # packed-input entry only: read in place or split, and why
@@ -99,14 +107,11 @@ class BackendChoice:
 def choose_backend(call, backend: str = "auto") -> BackendChoice:
     """Decide which backend serves `call` and record the reason for every other one."""
     forced, source = policy.resolve_request("attention", backend, BACKEND_NAMES, FORCE_ENV)
-    reasons: dict[str, str | None] = {}
+    reasons: dict[str, Reason | None] = {}
     for name, b in BACKENDS.items():
-        why = policy.disabled_by_env(_DISABLE_ENV[name])
+        why = reason(policy.disabled_by_env(disable_env(name)), ReasonKind.DISABLED)
         if why is None:
-            if name == "pallas":
-                why = b.unsupported_reason(call, forced=(forced == "pallas"))
-            else:
-                why = b.unsupported_reason(call)
+            why = reason(b.unsupported_reason(call, forced=(forced == name)), ReasonKind.UNSUPPORTED)
         reasons[name] = why
 
     notes = []
@@ -115,12 +120,15 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
         selected = forced if reasons[forced] is None else None
         for name in BACKENDS:
             if name != forced and reasons[name] is None:
-                reasons[name] = f"serves the call, but {forced!r} was forced by {source}"
-        if selected == "pallas" and mesh_axes:
+                reasons[name] = Reason(f"serves the call, but {forced!r} was forced by {source}",
+                                       ReasonKind.FALLBACK_ALLOWED)
+        if selected is not None and mesh_axes and BACKENDS[selected].capabilities.opaque_kernel:
             notes.append(policy.pallas_forced_replicated_note(mesh_axes))
     else:
-        if mesh_axes and reasons["pallas"] is None:
-            reasons["pallas"] = policy.pallas_replicated_reason(mesh_axes)
+        if mesh_axes:
+            for name, b in BACKENDS.items():
+                if b.capabilities.opaque_kernel and reasons[name] is None:
+                    reasons[name] = Reason(policy.pallas_replicated_reason(mesh_axes), ReasonKind.AVOIDED)
         if call.platform == "gpu":
             order, why = gpu_preference(call)
         else:
@@ -130,13 +138,9 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
             why = f"{why}; {order[0]!r}, first in that order, is not taken here (see its reason)"
         for name in order:
             if name != selected and reasons[name] is None and selected is not None:
-                reasons[name] = f"serves the call, but {selected!r} is preferred: {why}"
-    detail = ""
-    if selected == "pallas":
-        pb = BACKENDS["pallas"]
-        hr = pb.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
-        detail = (_hopper_detail(call) if hr is None
-                  else f"portable Triton-lowered kernel (Hopper kernel not used: {hr})")
+                reasons[name] = Reason(f"serves the call, but {selected!r} is preferred: {why}",
+                                       ReasonKind.FALLBACK_ALLOWED)
+    detail = BACKENDS[selected].choice_detail(call) if selected is not None else ""
     choice = BackendChoice(selected, reasons, source, detail, notes=notes)
     policy.log_choice(choice)
     return choice

@@ -1,0 +1,93 @@
+"""The declared backend interface (te_jax/backends/base.py): every registered backend satisfies it,
+capabilities replace hasattr probes, and reasons carry a kind that fallback reads instead of text."""
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+import te_jax
+from te_jax.backends import base, selection
+
+
+@pytest.mark.parametrize("name", list(selection.BACKENDS))
+def test_registered_backend_satisfies_protocol(name):
+    b = selection.BACKENDS[name]
+    assert isinstance(b, base.AttentionBackend)
+    assert isinstance(b.capabilities, base.Capabilities) and b.name == name
+    for cap, proto in base.CAPABILITY_PROTOCOLS.items():
+        if getattr(b.capabilities, cap):
+            assert isinstance(b, proto), (name, cap)
+    base.check_backend(b)
+
+
+def test_declared_capabilities():
+    caps = {n: b.capabilities for n, b in selection.BACKENDS.items()}
+    assert caps["pallas"].split_backward and caps["pallas"].ring_blocks and caps["pallas"].packed_inputs
+    assert caps["pallas"].opaque_kernel and caps["pallas"].dense_mask
+    assert caps["xla"].split_backward and caps["xla"].dense_mask and not caps["xla"].ring_blocks
+    assert caps["cudnn"] == base.Capabilities()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        caps["xla"].split_backward = False
+
+
+def test_check_backend_refuses_undeclared_methods():
+    class Half:
+        name = "half"
+        capabilities = base.Capabilities(split_backward=True)
+
+        def unsupported_reason(self, call, forced=False):
+            return None
+
+        def choice_detail(self, call):
+            return ""
+
+        def forward(self, *a, **k):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match="declares split_backward but does not implement SplitBackward"):
+        base.check_backend(Half())
+    with pytest.raises(TypeError, match="does not satisfy"):
+        base.check_backend(object())
+
+
+def test_disable_env_names():
+    assert [selection.disable_env(n) for n in selection.BACKEND_NAMES] == [
+        "TE_JAX_PALLAS_ATTN", "TE_JAX_CUDNN_ATTN", "TE_JAX_XLA_ATTN"]
+
+
+def _qkv(dtype=jnp.float32):
+    q = jnp.zeros((1, 8, 2, 16), dtype)
+    return q, q, q
+
+
+def test_reasons_carry_kinds(monkeypatch):
+    choice = te_jax.explain_attention_backend(*_qkv())  # CPU: xla first, pallas needs forcing
+    assert choice.selected == "xla"
+    assert choice.reasons["pallas"].kind is base.ReasonKind.UNSUPPORTED
+    assert choice.reasons["cudnn"].kind is base.ReasonKind.UNSUPPORTED
+    forced = te_jax.explain_attention_backend(*_qkv(), backend="pallas")
+    assert forced.reasons["xla"].kind is base.ReasonKind.FALLBACK_ALLOWED and forced.reasons["xla"].fallback_allowed
+    assert forced.reasons["xla"] == "serves the call, but 'pallas' was forced by argument"  # still a str
+    monkeypatch.setenv("TE_JAX_CUDNN_ATTN", "0")
+    off = te_jax.explain_attention_backend(*_qkv())
+    assert off.reasons["cudnn"].kind is base.ReasonKind.DISABLED
+    assert off.reasons["cudnn"] == "disabled by environment TE_JAX_CUDNN_ATTN=0"
+
+
+def test_fallback_follows_kind_not_text(monkeypatch):
+    """A reason whose text starts like a fallback but whose kind is not FALLBACK_ALLOWED is not tried."""
+    choice = te_jax.explain_attention_backend(*_qkv())
+    choice.reasons["pallas"] = base.Reason("serves the call, but no", base.ReasonKind.UNSUPPORTED)
+    from te_jax import attention
+
+    prep = attention.prepare_attention(*_qkv())
+    xla = selection.BACKENDS["xla"]
+
+    def refuse(*a, **k):
+        raise NotImplementedError("stand-in refusal")
+
+    monkeypatch.setattr(xla, "forward", refuse)
+    with pytest.raises(ValueError, match="every backend refused the call") as e:
+        attention.run_backend(choice, prep)
+    assert choice.reasons["xla"].kind is base.ReasonKind.REFUSED
+    assert "refused at trace time: NotImplementedError: stand-in refusal" in str(e.value)
