@@ -21,7 +21,6 @@ TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax"; shared polic
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -30,7 +29,8 @@ import numpy as np
 
 from pallas_kernels.norms import norm as _pallas_norm
 from pallas_kernels.norms import reference as _ref
-from te_jax.backends import policy
+from te_jax.backends import choice as _choice
+from te_jax.backends import ops as _ops
 
 MAX_HIDDEN = 32768  # == pallas_kernels.norms.MAX_HIDDEN (checked in tests)
 
@@ -60,92 +60,10 @@ _PALLAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # ----------------------------------------------------------------------------- backend choice
 
 
-@dataclasses.dataclass
-class BackendChoice:
-    """Result of a backend selection.
-
-    selected: the backend that runs the call ("pallas" / "xla"), or None when a forced
-      backend cannot serve it (then `error` says why and the op raises ValueError).
-    reasons: backend -> None if it can serve this call, else why not.
-    notes: how the choice was made (argument, env var, auto preference).
-    """
-
-    op: str
-    requested: str
-    selected: str | None
-    reasons: dict
-    notes: list
-    error: str | None = None
-
-    def __str__(self):
-        lines = [f"{self.op}: backend={self.requested!r} -> {self.selected!r}"]
-        for b in BACKENDS:
-            r = self.reasons.get(b)
-            lines.append(f"  {b}: {'can serve' if r is None else 'cannot serve: ' + r}")
-        for n in self.notes:
-            lines.append(f"  note: {n}")
-        if self.error:
-            lines.append(f"  error: {self.error}")
-        return "\n".join(lines)
-
-
-def _evidence(key) -> str:
-    return f" ({GPU_EVIDENCE[key]}; {GPU_EVIDENCE_FILE})" if key in GPU_EVIDENCE else ""
-
-
-def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, disable_env: str,
-                   pref_key: str, auto_notes: tuple = ()) -> BackendChoice:
-    """The shared policy (te_jax/backends/policy.py) applied to the norm and MLP ops.
-
-    reasons: backend -> None (can serve) or a reason string; updated here with env/platform facts.
-    """
-    forced, source = policy.resolve_request(op, requested, BACKENDS, force_env)
-    reasons = dict(reasons)
-    disabled = policy.disabled_by_env(disable_env)
-    if disabled:
-        reasons["pallas"] = (reasons.get("pallas") + "; " if reasons.get("pallas") else "") + disabled
-    notes = [] if source == "auto" else [f"backend {forced!r} forced by the {source}"]
-
-    on_gpu = jax.default_backend() == "gpu"
-    mesh_axes = policy.partitioned_mesh_axes()
-    if forced is None:
-        if reasons.get("pallas") is None and on_gpu and GPU_MEASURED_FASTER.get(pref_key) == "pallas":
-            if mesh_axes:
-                selected = "xla"
-                notes.append(f"auto: pallas not taken: {policy.pallas_replicated_reason(mesh_axes)}; so xla "
-                             "(which XLA partitions). The Flax modules given layernorm_input_axes run pallas per "
-                             "shard")
-            else:
-                selected = "pallas"
-                notes.append("auto: on GPU pallas serves this call and was measured faster than xla"
-                             + _evidence(pref_key))
-        else:
-            selected = "xla"
-            if not on_gpu:
-                notes.append(f"auto: default backend is {jax.default_backend()!r}, not a GPU; the Pallas "
-                             "kernels would run only in interpret mode (for tests), so xla")
-            elif reasons.get("pallas") is not None:
-                notes.append("auto: pallas cannot serve this call, so xla")
-            else:
-                notes.append("auto: on GPU xla was measured faster than pallas for this op"
-                             + _evidence(pref_key))
-        notes.extend(auto_notes)
-        choice = BackendChoice(op, requested, selected, reasons, notes)
-    else:
-        error = None
-        selected = forced
-        if reasons.get(forced) is not None:
-            error = (f"{op}: backend {forced!r} was forced but cannot serve this call: "
-                     f"{reasons[forced]}. Fix: use backend='auto' or 'xla'" +
-                     (f" (and unset {force_env})" if requested == "auto" else "") + ".")
-            selected = None
-        elif forced == "pallas" and not on_gpu:
-            notes.append("pallas on a non-GPU backend runs in interpret mode (slow; meant for tests)")
-        if forced == "pallas" and mesh_axes:
-            notes.append(policy.pallas_forced_replicated_note(mesh_axes))
-        choice = BackendChoice(op, requested, selected, reasons, notes, error)
-    policy.log_choice(choice)
-    return choice
+# One selector and one choice type for every op (te_jax/backends/choice.py); the norm/MLP table is in
+# te_jax/backends/ops.py.
+BackendChoice = _choice.BackendChoice
+select_backend = _ops.select_backend
 
 
 # ----------------------------------------------------------------------------- validation

@@ -91,3 +91,36 @@ def test_fallback_follows_kind_not_text(monkeypatch):
         attention.run_backend(choice, prep)
     assert choice.reasons["xla"].kind is base.ReasonKind.REFUSED
     assert "refused at trace time: NotImplementedError: stand-in refusal" in str(e.value)
+
+
+def test_one_choice_type_for_every_op():
+    """Attention, norms and MLP go through one selector (choice.choose) and return one BackendChoice."""
+    import jax
+
+    from te_jax.backends import choice, ops
+
+    x = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
+    got = [te_jax.explain_norm_backend(x), te_jax.explain_mlp_backend(x), te_jax.explain_attention_backend(*_qkv())]
+    assert all(type(c) is choice.BackendChoice for c in got)
+    assert te_jax.BackendChoice is choice.BackendChoice and te_jax.normalization.BackendChoice is choice.BackendChoice
+    assert [c.op for c in got] == ["layernorm", "layernorm_mlp", "attention"]
+    assert ops.NORM.names == ops.MLP.names == ("pallas", "xla") and selection.ATTENTION.names == selection.BACKEND_NAMES
+    forced = te_jax.explain_norm_backend(jax.ShapeDtypeStruct((4, 40000), jnp.bfloat16), backend="pallas")
+    assert forced.selected is None and forced.reasons["pallas"].kind is base.ReasonKind.UNSUPPORTED
+    assert forced.reasons["xla"] is None
+
+
+def test_choose_with_a_new_table(monkeypatch):
+    from te_jax.backends import choice
+
+    table = choice.OpTable("toy", ("a", "b"), "TE_JAX_TOY_BACKEND", {"a": "TE_JAX_A_TOY"},
+                           auto=lambda ctx, reasons: choice.Decision(next(n for n in ("a", "b") if reasons[n] is None)),
+                           forced=lambda ctx, name, source, requested, reasons: choice.Decision(name))
+    assert choice.choose(table, "auto", lambda n, f: None).selected == "a"
+    monkeypatch.setenv("TE_JAX_A_TOY", "off")
+    c = choice.choose(table, "auto", lambda n, f: None)
+    assert c.selected == "b" and c.reasons["a"].kind is base.ReasonKind.DISABLED
+    monkeypatch.setenv("TE_JAX_TOY_BACKEND", "b")
+    assert choice.choose(table, "auto", lambda n, f: None).source == "environment TE_JAX_TOY_BACKEND=b"
+    with pytest.raises(ValueError, match="toy: backend='c' is not known"):
+        choice.choose(table, "c", lambda n, f: None)

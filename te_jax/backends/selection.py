@@ -12,10 +12,9 @@ forced pallas is honoured, with a note saying it runs replicated.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from te_jax.backends import policy
-from te_jax.backends.base import Reason, ReasonKind, check_backend, reason
+from te_jax.backends.base import Reason, ReasonKind, check_backend
+from te_jax.backends.choice import BackendChoice, Decision, OpTable, choose
 from te_jax.backends.cudnn import CudnnBackend
 from te_jax.backends.pallas import PallasBackend
 from te_jax.backends.xla import XlaBackend
@@ -78,72 +77,48 @@ def gpu_preference(call) -> tuple[tuple[str, ...], str]:
     return ("cudnn", "pallas", "xla"), why
 
 
-@dataclasses.dataclass
-class BackendChoice:
-    """Which backend runs a call and, for every backend, why it was or was not taken."""
+def _auto(call, reasons) -> Decision:
+    """auto: the measured preference order; a Pallas-style opaque kernel is avoided under a mesh XLA
+    partitions; every other serving backend is recorded as a fallback."""
+    mesh_axes = call.partitioned_axes
+    if mesh_axes:
+        for name, b in BACKENDS.items():
+            if b.capabilities.opaque_kernel and reasons[name] is None:
+                reasons[name] = Reason(policy.pallas_replicated_reason(mesh_axes), ReasonKind.AVOIDED)
+    if call.platform == "gpu":
+        order, why = gpu_preference(call)
+    else:
+        order, why = OTHER_PREFERENCE, f"the xla backend comes first on {call.platform}"
+    selected = next((n for n in order if reasons[n] is None), None)
+    if selected is not None and selected != order[0]:
+        why = f"{why}; {order[0]!r}, first in that order, is not taken here (see its reason)"
+    for name in order:
+        if name != selected and reasons[name] is None and selected is not None:
+            reasons[name] = Reason(f"serves the call, but {selected!r} is preferred: {why}",
+                                   ReasonKind.FALLBACK_ALLOWED)
+    return Decision(selected)
 
-    selected: str | None
-    reasons: dict[str, Reason | None]  # None: serves the call; a Reason is a str with a `kind`
-    source: str  # "argument" | "environment" | "auto"
-    detail: str = ""  # e.g. which Pallas kernel
-    packed: str = ""  # packed-input entry only: read in place or split, and why
-    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. a forced Pallas kernel running replicated
 
-    def __str__(self):
-        head = (f"attention backend: {self.selected} ({self.source})" if self.selected
-                else f"attention backend: none can serve this call ({self.source})")
-        if self.detail:
-            head += f" — {self.detail}"
-        lines = [head]
-        for name, why in self.reasons.items():
-            mark = "selected" if name == self.selected else ("serves, not chosen" if why is None else "not taken")
-            lines.append(f"  {name:7s} {mark}" + (f": {why}" if why else ""))
-        if self.packed:
-            lines.append(f"  packed input: {self.packed}")
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
+def _forced(call, forced, source, requested, reasons) -> Decision:
+    selected = forced if reasons[forced] is None else None
+    for name in BACKENDS:
+        if name != forced and reasons[name] is None:
+            reasons[name] = Reason(f"serves the call, but {forced!r} was forced by {source}",
+                                   ReasonKind.FALLBACK_ALLOWED)
+    notes = ()
+    if selected is not None and call.partitioned_axes and BACKENDS[selected].capabilities.opaque_kernel:
+        notes = (policy.pallas_forced_replicated_note(call.partitioned_axes),)
+    return Decision(selected, notes)
+
+
+ATTENTION = OpTable("attention", BACKEND_NAMES, FORCE_ENV, {n: disable_env(n) for n in BACKEND_NAMES},
+                    auto=_auto, forced=_forced)
 
 
 def choose_backend(call, backend: str = "auto") -> BackendChoice:
     """Decide which backend serves `call` and record the reason for every other one."""
-    forced, source = policy.resolve_request("attention", backend, BACKEND_NAMES, FORCE_ENV)
-    reasons: dict[str, Reason | None] = {}
-    for name, b in BACKENDS.items():
-        why = reason(policy.disabled_by_env(disable_env(name)), ReasonKind.DISABLED)
-        if why is None:
-            why = reason(b.unsupported_reason(call, forced=(forced == name)), ReasonKind.UNSUPPORTED)
-        reasons[name] = why
-
-    notes = []
-    mesh_axes = call.partitioned_axes
-    if forced is not None:
-        selected = forced if reasons[forced] is None else None
-        for name in BACKENDS:
-            if name != forced and reasons[name] is None:
-                reasons[name] = Reason(f"serves the call, but {forced!r} was forced by {source}",
-                                       ReasonKind.FALLBACK_ALLOWED)
-        if selected is not None and mesh_axes and BACKENDS[selected].capabilities.opaque_kernel:
-            notes.append(policy.pallas_forced_replicated_note(mesh_axes))
-    else:
-        if mesh_axes:
-            for name, b in BACKENDS.items():
-                if b.capabilities.opaque_kernel and reasons[name] is None:
-                    reasons[name] = Reason(policy.pallas_replicated_reason(mesh_axes), ReasonKind.AVOIDED)
-        if call.platform == "gpu":
-            order, why = gpu_preference(call)
-        else:
-            order, why = OTHER_PREFERENCE, f"the xla backend comes first on {call.platform}"
-        selected = next((n for n in order if reasons[n] is None), None)
-        if selected is not None and selected != order[0]:
-            why = f"{why}; {order[0]!r}, first in that order, is not taken here (see its reason)"
-        for name in order:
-            if name != selected and reasons[name] is None and selected is not None:
-                reasons[name] = Reason(f"serves the call, but {selected!r} is preferred: {why}",
-                                       ReasonKind.FALLBACK_ALLOWED)
-    detail = BACKENDS[selected].choice_detail(call) if selected is not None else ""
-    choice = BackendChoice(selected, reasons, source, detail, notes=notes)
-    policy.log_choice(choice)
-    return choice
+    return choose(ATTENTION, backend, lambda name, forced: BACKENDS[name].unsupported_reason(call, forced=forced),
+                  ctx=call, detail=lambda name: BACKENDS[name].choice_detail(call))
 
 
 def unavailable_error(choice: BackendChoice) -> ValueError:
