@@ -31,6 +31,7 @@ from pallas_kernels.norms import norm as _pallas_norm
 from pallas_kernels.norms import reference as _ref
 from te_jax.backends import choice as _choice
 from te_jax.backends import ops as _ops
+from te_jax.backends import tuning as _tuning
 
 MAX_HIDDEN = 32768  # == pallas_kernels.norms.MAX_HIDDEN (checked in tests)
 
@@ -38,21 +39,12 @@ MAX_HIDDEN = 32768  # == pallas_kernels.norms.MAX_HIDDEN (checked in tests)
 BACKENDS = ("pallas", "xla")
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
-#: What the GPU benchmark measured as faster, per op (benchmarks/results/norms_mlp_h100.md).
-#: auto uses pallas on a GPU only where this says "pallas".
-# H100, jax 0.11.2, 2026-11-22 (run 2): layernorm Pallas fwd 2.49 vs XLA 2.10 TB/s, fwd+bwd 2.03 vs 1.02;
-# rmsnorm Pallas fwd 2.64 vs 2.60, fwd+bwd 2.14 vs 2.17 (XLA a little faster for training);
-# layernorm_mlp recompute path 0.968x (gelu) / 0.997x (SwiGLU) plain-JAX time, 0.12x / 0.18x saved residuals.
-GPU_MEASURED_FASTER = {"layernorm": "pallas", "rmsnorm": "xla", "mlp": "pallas"}
-# What the choice above rests on (H100, bf16, GPU kernel time, 11 shapes from 8192x768 to 32768x8192 and
-# 16384x12288; quoted in explanations).
-GPU_EVIDENCE = {
-    "layernorm": "pallas/xla fwd+bwd 1.32-1.99x at every shape measured; forward alone 1.01-1.11x, except "
-                 "0.87x at 8192x768, where a forward-only call would be faster on xla",
-    "rmsnorm": "pallas/xla fwd+bwd 0.76-1.00x at every shape measured (forward alone 0.96-1.05x); a training "
-               "step runs both, so xla",
-}
-GPU_EVIDENCE_FILE = "benchmarks/results/norm_shapes_h100.md"
+#: The measured preference (value, evidence, results file) lives in te_jax/backends/tuning.py; these names
+#: are views of it.
+GPU_MEASURED_FASTER = {**{k: r.value for k, r in _tuning.NORM_GPU_PREFERENCE.items()},
+                       "mlp": _tuning.MLP_GPU_PREFERENCE.value}
+GPU_EVIDENCE = {k: r.evidence for k, r in _tuning.NORM_GPU_PREFERENCE.items()}
+GPU_EVIDENCE_FILE = _tuning.NORM_RESULTS
 
 _PALLAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

@@ -124,3 +124,21 @@ def test_choose_with_a_new_table(monkeypatch):
     assert choice.choose(table, "auto", lambda n, f: None).source == "environment TE_JAX_TOY_BACKEND=b"
     with pytest.raises(ValueError, match="toy: backend='c' is not known"):
         choice.choose(table, "c", lambda n, f: None)
+
+
+def test_tuning_is_data():
+    """te_jax's measured choices are Tuned records (value, one line of evidence, a current results file)."""
+    import os
+
+    from te_jax.backends import tuning
+
+    recs = [v for v in vars(tuning).values() if isinstance(v, tuning.Tuned)]
+    recs += [r for d in (tuning.HOPPER_FASTER_MAX_LEN, tuning.NORM_GPU_PREFERENCE) for r in d.values()]
+    assert len(recs) >= 10
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tuning.__file__ + "/..")))
+    for r in recs:
+        assert r.evidence and "\n" not in r.evidence
+        assert r.results.startswith("benchmarks/results/") and os.path.exists(os.path.join(root, r.results)), r
+    assert tuning.HISTORY_TAG == "benchmarks-history-2026-11-24"
+    assert tuning.HOPPER_FASTER_MAX_LEN[(128, True)].value == 16384
+    assert te_jax.mlp.GPU_FIRST_GEMM == tuning.MLP_FIRST_GEMM.value == "xla"

@@ -1,7 +1,7 @@
 """The norm and MLP ops' backend tables for the shared selector (te_jax/backends/choice.py).
 
 Backends "pallas" (Triton-lowered Pallas kernels; interpret mode off-GPU, for tests) and "xla". auto
-takes pallas on a GPU where it serves and was measured faster (normalization.GPU_MEASURED_FASTER), xla
+takes pallas on a GPU where it serves and was measured faster (te_jax/backends/tuning.py), xla
 elsewhere, and xla under a mesh whose axes XLA partitions (the kernel would run replicated).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import dataclasses
 
 import jax
 
-from te_jax.backends import policy
+from te_jax.backends import policy, tuning
 from te_jax.backends.choice import BackendChoice, Decision, OpTable, choose
 
 NAMES = ("pallas", "xla")
@@ -23,19 +23,20 @@ class _Ctx:
     auto_notes: tuple
 
 
-def _evidence(key) -> str:
-    from te_jax import normalization as N
+def _preference(key) -> tuning.Tuned | None:
+    return tuning.MLP_GPU_PREFERENCE if key == "mlp" else tuning.NORM_GPU_PREFERENCE.get(key)
 
-    return f" ({N.GPU_EVIDENCE[key]}; {N.GPU_EVIDENCE_FILE})" if key in N.GPU_EVIDENCE else ""
+
+def _evidence(key) -> str:
+    rec = tuning.NORM_GPU_PREFERENCE.get(key)  # the MLP's evidence is in its own auto notes (mlp.py)
+    return f" ({rec.evidence}; {rec.results})" if rec is not None else ""
 
 
 def _auto(ctx: _Ctx, reasons) -> Decision:
-    from te_jax import normalization as N
-
     notes = []
     on_gpu = jax.default_backend() == "gpu"
     mesh_axes = policy.partitioned_mesh_axes()
-    if reasons.get("pallas") is None and on_gpu and N.GPU_MEASURED_FASTER.get(ctx.pref_key) == "pallas":
+    if reasons.get("pallas") is None and on_gpu and getattr(_preference(ctx.pref_key), "value", None) == "pallas":
         if mesh_axes:
             selected = "xla"
             notes.append(f"auto: pallas not taken: {policy.pallas_replicated_reason(mesh_axes)}; so xla "

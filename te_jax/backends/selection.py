@@ -12,7 +12,7 @@ forced pallas is honoured, with a note saying it runs replicated.
 """
 from __future__ import annotations
 
-from te_jax.backends import policy
+from te_jax.backends import policy, tuning
 from te_jax.backends.base import Reason, ReasonKind, check_backend
 from te_jax.backends.choice import BackendChoice, Decision, OpTable, choose
 from te_jax.backends.cudnn import CudnnBackend
@@ -38,43 +38,27 @@ def disable_env(name: str) -> str:
     """The variable that disables backend `name` (TE_JAX_PALLAS_ATTN=0, TE_JAX_CUDNN_ATTN=0, ...)."""
     return f"TE_JAX_{name.upper()}_ATTN"
 
-# Automatic preference, fastest first, from forward+backward timings on the H100
-# (benchmarks/results/flash_attention_h100.md, attention_hopper_h100_run4/5/6.md).
-OTHER_PREFERENCE = ("xla", "pallas", "cudnn")
-# (head_dim, causal) → longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100, with
-# the measurement (0: never).
-# hd128: runs 4-10.  1k +1-24%, 4k +1-7%.  16k causal: run 10 (the dK/dV launch order fixed) 1.02 by kernel
-# time, 1.05 by the host clock (attention_hopper_h100_run10.md).  16k non-causal: a tie (1.02 kernel,
-# 0.98 host), so cuDNN keeps it.
-# hd64: run 10 (in-kernel dQ): fwd+bwd 1.01-1.14 on every row 1k-16k by both clocks.
-# hd256: run 7 (attention_hopper_h100_run7_hd64_hd256.md): 1k +5-6% (4k 0.88-0.97).
-HOPPER_FASTER_MAX_LEN = {(128, False): 4096, (128, True): 16384,
-                         (64, False): 16384, (64, True): 16384,
-                         (256, False): 1024, (256, True): 1024}
-HOPPER_RESULTS = {128: "benchmarks/results/attention_hopper_h100_run9.md and attention_hopper_h100_run10.md",
-                  64: "benchmarks/results/attention_hopper_h100_run10.md",
-                  256: "benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md"}
-
-
 def gpu_preference(call) -> tuple[tuple[str, ...], str]:
-    """Backend order on a GPU for this call, with the measurement that justifies it."""
+    """Backend order on a GPU for this call, with the measurement that justifies it (te_jax/backends/tuning.py)."""
     hopper = BACKENDS["pallas"].hopper_reason(call) is None
     d, causal = call.dims.head_dim_qk, call.mask.causal
     kind = f"head_dim {d} {'causal' if causal else 'non-causal'}"
-    limit = HOPPER_FASTER_MAX_LEN.get((d, causal), 0)
-    results = HOPPER_RESULTS.get(d, HOPPER_RESULTS[128])
+    rec = tuning.HOPPER_FASTER_MAX_LEN.get((d, causal))
+    limit = rec.value if rec is not None else 0
+    evidence = (f"{rec.evidence}; {rec.results}" if rec is not None
+                else f"no measurement for head_dim {d}; {tuning.ATTENTION_HOPPER_RESULTS}")
     if hopper and call.dims.q_len <= limit:
-        return ("pallas", "cudnn", "xla"), (
+        return ("pallas",) + tuple(n for n in tuning.ATTENTION_GPU_PREFERENCE.value if n != "pallas"), (
             f"te_jax's Hopper kernel measured faster than cuDNN forward+backward on H100 for "
-            f"{kind} q_len <= {limit} ({results})")
+            f"{kind} q_len <= {limit} ({evidence})")
+    portable = tuning.ATTENTION_GPU_PREFERENCE
     if hopper:
         scope = f"q_len > {limit}" if limit else "any q_len measured (1k-16k)"
         why = (f"cuDNN measured as fast or faster forward+backward than te_jax's Hopper kernel on H100 for "
-               f"{kind} {scope} ({results})")
+               f"{kind} {scope} ({evidence})")
     else:
-        why = ("cuDNN measured faster than the portable Pallas kernel on H100 "
-               "(benchmarks/results/flash_attention_h100.md)")
-    return ("cudnn", "pallas", "xla"), why
+        why = f"{portable.evidence} ({portable.results})"
+    return portable.value, why
 
 
 def _auto(call, reasons) -> Decision:
@@ -88,7 +72,7 @@ def _auto(call, reasons) -> Decision:
     if call.platform == "gpu":
         order, why = gpu_preference(call)
     else:
-        order, why = OTHER_PREFERENCE, f"the xla backend comes first on {call.platform}"
+        order, why = tuning.ATTENTION_OTHER_PREFERENCE.value, f"the xla backend comes first on {call.platform}"
     selected = next((n for n in order if reasons[n] is None), None)
     if selected is not None and selected != order[0]:
         why = f"{why}; {order[0]!r}, first in that order, is not taken here (see its reason)"
