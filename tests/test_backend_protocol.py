@@ -142,3 +142,56 @@ def test_tuning_is_data():
     assert tuning.HISTORY_TAG == "benchmarks-history-2026-11-24"
     assert tuning.HOPPER_FASTER_MAX_LEN[(128, True)].value == 16384
     assert te_jax.mlp.GPU_FIRST_GEMM == tuning.MLP_FIRST_GEMM.value == "xla"
+
+
+# ----------------------------------------------------------------------------- kernel configurations
+
+
+def test_block_sizes_config_reaches_the_portable_kernel(monkeypatch):
+    import jax
+    import numpy as np
+
+    import pallas_kernels.flash_attention as fa
+    from pallas_kernels.flash_attention import BlockSizes
+
+    cfg = BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)
+    seen = []
+    real = fa.flash_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("block_sizes"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fa, "flash_attention", spy)
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (1, 32, 2, 16), jnp.float32) for kk in ks)
+    out = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="pallas", config=cfg)
+    assert seen == [cfg]
+    ref = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="xla")
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    choice = te_jax.explain_attention_backend(q, k, v, backend="pallas", config=cfg)
+    assert choice.selected == "pallas" and "config=BlockSizes(block_q=16" in choice.detail
+    assert "portable Triton-lowered kernel" in choice.detail
+    # the other backends say why they take no config; auto on CPU has no backend for it
+    assert "takes no kernel configuration" in choice.reasons["xla"]
+    with pytest.raises(ValueError, match="No attention backend can serve"):
+        te_jax.dot_product_attention(q, k, v, config=cfg)
+
+
+def test_wrong_config_type_is_a_value_error_naming_config():
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"^config: got dict; expected .*BlockSizes.*HopperConfig"):
+        te_jax.dot_product_attention(q, q, q, backend="pallas", config={"block_q": 16})
+    with pytest.raises(ValueError, match="^config: got int"):
+        te_jax.explain_attention_backend(q, q, q, config=3)
+
+
+def test_hopper_config_needs_the_hopper_kernel():
+    from pallas_kernels.flash_attention_hopper import HopperConfig
+
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    choice = te_jax.explain_attention_backend(q, q, q, backend="pallas", config=HopperConfig())
+    assert choice.selected is None
+    assert choice.reasons["pallas"] == ("config is a HopperConfig, but the Hopper kernel does not serve this call: "
+                                        "not a GPU")
+    assert choice.reasons["pallas"].kind is base.ReasonKind.UNSUPPORTED

@@ -22,6 +22,7 @@ class Capabilities:
     packed_inputs: bool = False  # reads packed q/k/v in place: PackedInputs
     dense_mask: bool = False  # forward takes a dense boolean mask=
     opaque_kernel: bool = False  # an opaque custom call: runs replicated under a mesh XLA partitions
+    kernel_config: bool = False  # takes a kernel configuration (dot_product_attention(config=...))
 
 
 @runtime_checkable

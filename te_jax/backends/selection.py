@@ -101,8 +101,14 @@ ATTENTION = OpTable("attention", BACKEND_NAMES, FORCE_ENV, {n: disable_env(n) fo
 
 def choose_backend(call, backend: str = "auto") -> BackendChoice:
     """Decide which backend serves `call` and record the reason for every other one."""
-    return choose(ATTENTION, backend, lambda name, forced: BACKENDS[name].unsupported_reason(call, forced=forced),
-                  ctx=call, detail=lambda name: BACKENDS[name].choice_detail(call))
+    def unsupported(name, forced):
+        b = BACKENDS[name]
+        if call.kernel_config is not None and not b.capabilities.kernel_config:
+            return (f"config={type(call.kernel_config).__name__}(...) configures a Pallas kernel; the {name} "
+                    f"backend takes no kernel configuration")
+        return b.unsupported_reason(call, forced=forced)
+
+    return choose(ATTENTION, backend, unsupported, ctx=call, detail=lambda name: BACKENDS[name].choice_detail(call))
 
 
 def unavailable_error(choice: BackendChoice) -> ValueError:
