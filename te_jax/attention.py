@@ -9,7 +9,9 @@ import jax.numpy as jnp
 
 from te_jax import layouts, masks
 from te_jax.backends import policy
+from te_jax.backends.base import Reason, ReasonKind
 from te_jax.backends.call import AttentionCall, current_platform
+from te_jax.backends.pallas import check_kernel_config
 from te_jax.backends.selection import BACKENDS, BackendChoice, choose_backend, unavailable_error
 
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32")
@@ -86,7 +88,8 @@ def _check_scalars(scale, softcap, dropout_rate, dropout_rng, head_dim):
 def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",
                       q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
                       window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
-                      dropout_rng=None, needs_split_vjp=False, runs_per_shard=False, mask=None) -> PreparedAttention:
+                      dropout_rng=None, needs_split_vjp=False, runs_per_shard=False, mask=None,
+                      config=None) -> PreparedAttention:
     """Validate every argument and bring the call to canonical form (shared by all entry points).
 
     runs_per_shard: the caller runs the backend inside its own shard_map over every mesh axis
@@ -96,7 +99,8 @@ def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_
         query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, needs_split_vjp=needs_split_vjp, runs_per_shard=runs_per_shard, mask=mask)
+        dropout_rng=dropout_rng, needs_split_vjp=needs_split_vjp, runs_per_shard=runs_per_shard, mask=mask,
+        config=config)
     q, k, v = (layouts.to_bshd(t, call.attn_input_format) for t in (query, key, value))
     return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window, mask)
 
@@ -104,8 +108,9 @@ def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_
 def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask", q_seqlens=None,
                    kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None, bias=None,
                    softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None, needs_split_vjp=False,
-                   runs_per_shard=False, mask=None):
+                   runs_per_shard=False, mask=None, config=None):
     """Every check of `prepare_attention`; q/k/v only need .shape and .dtype (ShapeDtypeStructs do)."""
+    config = check_kernel_config(config)
     dense_mask, mask = mask, None  # `mask` below is the MaskSpec of attn_mask_type
     fmt = layouts.check_format(attn_input_format)
     dims = layouts.check_qkv(query, key, value, fmt)
@@ -130,7 +135,7 @@ def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_typ
     partitioned = () if runs_per_shard else tuple(policy.partitioned_mesh_axes())
     call = AttentionCall(fmt, dims, dtype, mask, padding_source, window,
                          None if bias is None else tuple(bias.shape), softcap, dropout_rate, platform, cc,
-                         needs_split_vjp, partitioned, None if dense is None else tuple(dense.shape))
+                         needs_split_vjp, partitioned, None if dense is None else tuple(dense.shape), config)
     return call, tm, bias, scale, softcap, window, dense
 
 
@@ -152,7 +157,7 @@ def explain_attention_backend(query, key, value, *, backend="auto", **kwargs) ->
 def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",
                           q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
                           window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
-                          dropout_rng=None, backend="auto", mask=None):
+                          dropout_rng=None, backend="auto", mask=None, config=None):
     """Scaled dot-product attention with masks, GQA, bias, softcap and dropout.
 
     query: [b, s_q, h, d_qk] ("bshd"), [s_q, b, h, d_qk] ("sbhd") or [t_q, h, d_qk] ("thd").
@@ -174,6 +179,10 @@ def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_m
     backend: "auto", "pallas", "cudnn" or "xla"; see `explain_attention_backend`. Under a mesh whose
       axes XLA partitions (jax.set_mesh, outside shard_map) auto does not take pallas: the kernel would
       run replicated; call inside shard_map, or through the te_jax.flax modules, which do.
+    config: a kernel configuration for the pallas backend, validated and recorded in the explanation:
+      pallas_kernels.flash_attention.BlockSizes (the portable kernel) or
+      pallas_kernels.flash_attention_hopper.HopperConfig (the Hopper kernel, sm90); None for the defaults.
+      Only pallas takes one: the other backends give it as their reason.
     Rows with no visible key give zeros (and finite gradients). A row emptied by the mask gives zeros;
     one emptied by a bias (every visible key at the same huge negative value: finfo.min, -1e9) gives the
     uniform mean of value over the keys the mask allows, as fp32 softmax does (all logits round to the
@@ -183,7 +192,7 @@ def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_m
         query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, mask=mask)
+        dropout_rng=dropout_rng, mask=mask, config=config)
     choice = _choose(prep, backend)
     if choice.selected is None:
         raise unavailable_error(choice)
@@ -199,7 +208,7 @@ def _mask_kw(mask):
 def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None):
     """Run the chosen backend; in auto mode a trace-time refusal falls back to the next one."""
     order = [choice.selected] + [n for n, why in choice.reasons.items()
-                                 if n != choice.selected and why is not None and why.startswith("serves the call")]
+                                 if n != choice.selected and isinstance(why, Reason) and why.fallback_allowed]
     last_err = None
     for name in order:
         try:
@@ -211,7 +220,7 @@ def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None
             if choice.source != "auto":
                 raise ValueError(f"backend {name!r} refused the call: {type(e).__name__}: {e}") from e
             last_err = e
-            choice.reasons[name] = f"refused at trace time: {type(e).__name__}: {e}"
+            choice.reasons[name] = Reason(f"refused at trace time: {type(e).__name__}: {e}", ReasonKind.REFUSED)
     raise ValueError(f"every backend refused the call; last error: {last_err}\n{choice}")
 
 
@@ -274,12 +283,12 @@ def _plan_packed(qkv, *, qkv_layout, num_attention_heads, num_gqa_groups, attn_i
         choice.packed = f"qkv_layout={qkv_layout!r} is not packed: q, k and v are passed as they are"
     elif choice.selected is None:
         choice.packed = "no backend serves the call"
-    elif choice.selected != "pallas":
+    elif not BACKENDS[choice.selected].capabilities.packed_inputs:
         choice.packed = (f"split into q, k, v by XLA slicing (a copy) before the call: the {choice.selected!r} "
                          f"backend takes separate q, k, v; only te_jax's portable Pallas kernel reads packed input "
                          f"in place")
     else:
-        why = BACKENDS["pallas"].packed_input_reason(call, qkv_layout, tensors, h, g)
+        why = BACKENDS[choice.selected].packed_input_reason(call, qkv_layout, tensors, h, g)
         in_place = why is None
         choice.packed = ("read in place by the portable Pallas kernel: the packed tensor is one operand of the "
                          "kernels, which address q, k and v by head offsets (no slice, no copy)" if in_place
@@ -332,14 +341,14 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
     fmt = call.attn_input_format
     if plan.in_place:
         try:
-            out = BACKENDS["pallas"].forward_packed(
+            out = BACKENDS[choice.selected].forward_packed(
                 call, plan.layout.name, plan.tensors, plan.token_mask, plan.bias, num_heads=plan.num_heads,
                 num_gqa_groups=plan.num_gqa_groups, scale=plan.scale, softcap=plan.softcap,
                 causal=call.mask.causal, window=plan.window, **_mask_kw(plan.mask))
             return layouts.from_bshd(out, fmt)
         except (NotImplementedError, RuntimeError) as e:
             if choice.source != "auto":
-                raise ValueError(f"backend 'pallas' refused the packed call: {type(e).__name__}: {e}") from e
+                raise ValueError(f"backend {choice.selected!r} refused the packed call: {type(e).__name__}: {e}") from e
             choice.packed = f"split after the in-place call was refused at trace time: {type(e).__name__}: {e}"
     q, k, v = layouts.unpack_qkv(*plan.tensors, qkv_layout=plan.layout.name, num_attention_heads=plan.num_heads,
                                  num_gqa_groups=plan.num_gqa_groups)

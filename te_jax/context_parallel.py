@@ -512,7 +512,7 @@ def _prepare(query, key, value, *, cp_axis, mesh, strategy, load_balanced, attn_
     choice = choose_backend(prep.call, backend)
     if choice.selected is None:
         raise unavailable_error(choice)
-    if not hasattr(BACKENDS[choice.selected], "forward_only"):
+    if not BACKENDS[choice.selected].capabilities.split_backward:
         raise ValueError(
             f"context_parallel_attention: backend {choice.selected!r} has no split forward/backward, which "
             f"context parallelism needs; use backend='pallas' or 'xla'.\n{choice}")
@@ -526,7 +526,7 @@ def _inner_kernel(backend, call, strategy, cp_size):
     """(dense, detail): whether the per-block calls run mask-free on the backend's dense kernel
     (the Hopper kernel for pallas on sm90), and the explanation line."""
     b = BACKENDS[backend]
-    if not hasattr(b, "ring_block_reason"):
+    if not b.capabilities.ring_blocks:
         return False, ""
     d = call.dims
     q_blk = (d.batch, d.q_len // cp_size, d.num_heads, d.head_dim_qk)

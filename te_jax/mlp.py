@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from pallas_kernels.ln_mlp import ln_mlp as _kern
 from pallas_kernels.ln_mlp import reference as _ref
 from te_jax.activations import validate_activations
+from te_jax.backends import tuning as _tuning
 from te_jax.normalization import (
     LAYERNORM_TYPES,
     BackendChoice,
@@ -44,8 +45,8 @@ from te_jax.normalization import (
 )
 
 #: Which first-GEMM implementation the pallas backend uses on a GPU ("xla": cuBLAS via XLA;
-#: "pallas": the fused LN-prologue Pallas GEMM). Set from benchmarks/results/norms_mlp_h100.md.
-GPU_FIRST_GEMM = "xla"
+#: "pallas": the fused LN-prologue Pallas GEMM): te_jax/backends/tuning.py MLP_FIRST_GEMM.
+GPU_FIRST_GEMM = _tuning.MLP_FIRST_GEMM.value
 
 
 def _dropout_active(dropout_rate, deterministic):

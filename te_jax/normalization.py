@@ -21,7 +21,6 @@ TE_JAX_DEBUG=1 logs every choice with its reasons (logger "te_jax"; shared polic
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -30,7 +29,9 @@ import numpy as np
 
 from pallas_kernels.norms import norm as _pallas_norm
 from pallas_kernels.norms import reference as _ref
-from te_jax.backends import policy
+from te_jax.backends import choice as _choice
+from te_jax.backends import ops as _ops
+from te_jax.backends import tuning as _tuning
 
 MAX_HIDDEN = 32768  # == pallas_kernels.norms.MAX_HIDDEN (checked in tests)
 
@@ -38,21 +39,12 @@ MAX_HIDDEN = 32768  # == pallas_kernels.norms.MAX_HIDDEN (checked in tests)
 BACKENDS = ("pallas", "xla")
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
-#: What the GPU benchmark measured as faster, per op (benchmarks/results/norms_mlp_h100.md).
-#: auto uses pallas on a GPU only where this says "pallas".
-# H100, jax 0.11.2, 2026-11-22 (run 2): layernorm Pallas fwd 2.49 vs XLA 2.10 TB/s, fwd+bwd 2.03 vs 1.02;
-# rmsnorm Pallas fwd 2.64 vs 2.60, fwd+bwd 2.14 vs 2.17 (XLA a little faster for training);
-# layernorm_mlp recompute path 0.968x (gelu) / 0.997x (SwiGLU) plain-JAX time, 0.12x / 0.18x saved residuals.
-GPU_MEASURED_FASTER = {"layernorm": "pallas", "rmsnorm": "xla", "mlp": "pallas"}
-# What the choice above rests on (H100, bf16, GPU kernel time, 11 shapes from 8192x768 to 32768x8192 and
-# 16384x12288; quoted in explanations).
-GPU_EVIDENCE = {
-    "layernorm": "pallas/xla fwd+bwd 1.32-1.99x at every shape measured; forward alone 1.01-1.11x, except "
-                 "0.87x at 8192x768, where a forward-only call would be faster on xla",
-    "rmsnorm": "pallas/xla fwd+bwd 0.76-1.00x at every shape measured (forward alone 0.96-1.05x); a training "
-               "step runs both, so xla",
-}
-GPU_EVIDENCE_FILE = "benchmarks/results/norm_shapes_h100.md"
+#: The measured preference (value, evidence, results file) lives in te_jax/backends/tuning.py; these names
+#: are views of it.
+GPU_MEASURED_FASTER = {**{k: r.value for k, r in _tuning.NORM_GPU_PREFERENCE.items()},
+                       "mlp": _tuning.MLP_GPU_PREFERENCE.value}
+GPU_EVIDENCE = {k: r.evidence for k, r in _tuning.NORM_GPU_PREFERENCE.items()}
+GPU_EVIDENCE_FILE = _tuning.NORM_RESULTS
 
 _PALLAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -60,92 +52,10 @@ _PALLAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # ----------------------------------------------------------------------------- backend choice
 
 
-@dataclasses.dataclass
-class BackendChoice:
-    """Result of a backend selection.
-
-    selected: the backend that runs the call ("pallas" / "xla"), or None when a forced
-      backend cannot serve it (then `error` says why and the op raises ValueError).
-    reasons: backend -> None if it can serve this call, else why not.
-    notes: how the choice was made (argument, env var, auto preference).
-    """
-
-    op: str
-    requested: str
-    selected: str | None
-    reasons: dict
-    notes: list
-    error: str | None = None
-
-    def __str__(self):
-        lines = [f"{self.op}: backend={self.requested!r} -> {self.selected!r}"]
-        for b in BACKENDS:
-            r = self.reasons.get(b)
-            lines.append(f"  {b}: {'can serve' if r is None else 'cannot serve: ' + r}")
-        for n in self.notes:
-            lines.append(f"  note: {n}")
-        if self.error:
-            lines.append(f"  error: {self.error}")
-        return "\n".join(lines)
-
-
-def _evidence(key) -> str:
-    return f" ({GPU_EVIDENCE[key]}; {GPU_EVIDENCE_FILE})" if key in GPU_EVIDENCE else ""
-
-
-def select_backend(op: str, requested: str, reasons: dict, *, force_env: str, disable_env: str,
-                   pref_key: str, auto_notes: tuple = ()) -> BackendChoice:
-    """The shared policy (te_jax/backends/policy.py) applied to the norm and MLP ops.
-
-    reasons: backend -> None (can serve) or a reason string; updated here with env/platform facts.
-    """
-    forced, source = policy.resolve_request(op, requested, BACKENDS, force_env)
-    reasons = dict(reasons)
-    disabled = policy.disabled_by_env(disable_env)
-    if disabled:
-        reasons["pallas"] = (reasons.get("pallas") + "; " if reasons.get("pallas") else "") + disabled
-    notes = [] if source == "auto" else [f"backend {forced!r} forced by the {source}"]
-
-    on_gpu = jax.default_backend() == "gpu"
-    mesh_axes = policy.partitioned_mesh_axes()
-    if forced is None:
-        if reasons.get("pallas") is None and on_gpu and GPU_MEASURED_FASTER.get(pref_key) == "pallas":
-            if mesh_axes:
-                selected = "xla"
-                notes.append(f"auto: pallas not taken: {policy.pallas_replicated_reason(mesh_axes)}; so xla "
-                             "(which XLA partitions). The Flax modules given layernorm_input_axes run pallas per "
-                             "shard")
-            else:
-                selected = "pallas"
-                notes.append("auto: on GPU pallas serves this call and was measured faster than xla"
-                             + _evidence(pref_key))
-        else:
-            selected = "xla"
-            if not on_gpu:
-                notes.append(f"auto: default backend is {jax.default_backend()!r}, not a GPU; the Pallas "
-                             "kernels would run only in interpret mode (for tests), so xla")
-            elif reasons.get("pallas") is not None:
-                notes.append("auto: pallas cannot serve this call, so xla")
-            else:
-                notes.append("auto: on GPU xla was measured faster than pallas for this op"
-                             + _evidence(pref_key))
-        notes.extend(auto_notes)
-        choice = BackendChoice(op, requested, selected, reasons, notes)
-    else:
-        error = None
-        selected = forced
-        if reasons.get(forced) is not None:
-            error = (f"{op}: backend {forced!r} was forced but cannot serve this call: "
-                     f"{reasons[forced]}. Fix: use backend='auto' or 'xla'" +
-                     (f" (and unset {force_env})" if requested == "auto" else "") + ".")
-            selected = None
-        elif forced == "pallas" and not on_gpu:
-            notes.append("pallas on a non-GPU backend runs in interpret mode (slow; meant for tests)")
-        if forced == "pallas" and mesh_axes:
-            notes.append(policy.pallas_forced_replicated_note(mesh_axes))
-        choice = BackendChoice(op, requested, selected, reasons, notes, error)
-    policy.log_choice(choice)
-    return choice
+# One selector and one choice type for every op (te_jax/backends/choice.py); the norm/MLP table is in
+# te_jax/backends/ops.py.
+BackendChoice = _choice.BackendChoice
+select_backend = _ops.select_backend
 
 
 # ----------------------------------------------------------------------------- validation

@@ -180,7 +180,10 @@ def test_gpu_preference_follows_measurements(fake_h100, monkeypatch):
     assert "_run10.md" in hd64.reasons["cudnn"] and "dQ accumulated in the dK/dV kernel" in hd64.detail
     hd64_32k = te_jax.explain_attention_backend(*_qkv(b=1, sq=32768, skv=32768, d=64))
     assert hd64_32k.selected == "cudnn" and "head_dim 64 non-causal q_len > 16384" in hd64_32k.reasons["pallas"]
-    monkeypatch.setitem(selection.HOPPER_FASTER_MAX_LEN, (64, False), 0)  # a (head_dim, mask) never faster
+    from te_jax.backends import tuning
+
+    monkeypatch.setitem(tuning.HOPPER_FASTER_MAX_LEN, (64, False),  # a (head_dim, mask) never faster
+                        tuning.Tuned(0, "stand-in", tuning.ATTENTION_HOPPER_RESULTS))
     never = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64))
     assert never.selected == "cudnn" and "head_dim 64 non-causal any q_len measured" in never.reasons["pallas"]
     hd64c = te_jax.explain_attention_backend(*_qkv(b=1, sq=1024, skv=1024, d=64), attn_mask_type="causal")
@@ -212,7 +215,9 @@ def test_trace_time_refusal_falls_back_in_auto_and_is_explained(monkeypatch):
         raise NotImplementedError("no valid execution plan")
 
     monkeypatch.setattr(pallas, "forward", refuse)
-    monkeypatch.setattr(selection, "OTHER_PREFERENCE", ("pallas", "xla", "cudnn"))
+    from te_jax.backends import tuning
+
+    monkeypatch.setattr(tuning, "ATTENTION_OTHER_PREFERENCE", tuning.Tuned(("pallas", "xla", "cudnn"), "stand-in", ""))
     monkeypatch.setattr(pallas, "unsupported_reason", lambda call, forced=False: None)
     out = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal")
     np.testing.assert_allclose(out, te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="xla"),

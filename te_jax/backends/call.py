@@ -33,6 +33,9 @@ class AttentionCall:
     partitioned_axes: tuple[str, ...] = ()
     # Shape of a dense boolean `mask` ([B|1, H|1, Sq, Skv], True = masked out), None without one.
     mask_shape: tuple[int, ...] | None = None
+    # A kernel configuration the caller passed (dot_product_attention(config=...)): the portable kernel's
+    # BlockSizes or the Hopper kernel's HopperConfig, served by the pallas backend only. None: defaults.
+    kernel_config: object | None = None
 
     @property
     def dtype_name(self) -> str:

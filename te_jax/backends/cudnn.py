@@ -4,11 +4,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from te_jax.backends.base import Capabilities
+
 
 class CudnnBackend:
     name = "cudnn"
+    capabilities = Capabilities()  # forward only: no split backward, no packed input, no dense mask
 
-    def unsupported_reason(self, call) -> str | None:
+    def choice_detail(self, call) -> str:
+        return ""
+
+    def unsupported_reason(self, call, forced: bool = False) -> str | None:
+        del forced  # the same either way
         d = call.dims
         if call.platform != "gpu":
             return f"not a GPU (default backend is {call.platform!r}); cuDNN attention needs an NVIDIA GPU"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 
+from te_jax.backends.base import Capabilities
+
 _SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 MAX_HEAD_DIM = 256
 
@@ -48,6 +50,33 @@ def hopper_device_reason() -> str | None:
     return None
 
 
+def _config_kind(call) -> str | None:
+    """"portable" (BlockSizes), "hopper" (HopperConfig) or None: the kernel a call's config names."""
+    cfg = call.kernel_config
+    if cfg is None:
+        return None
+    return "hopper" if type(cfg).__name__ == "HopperConfig" else "portable"
+
+
+def _block_sizes(call):
+    return call.kernel_config if _config_kind(call) == "portable" else None
+
+
+def check_kernel_config(config):
+    """config as dot_product_attention takes it: None, the portable kernel's BlockSizes or the Hopper
+    kernel's HopperConfig; anything else is a ValueError naming `config`."""
+    if config is None:
+        return None
+    from pallas_kernels.flash_attention import BlockSizes
+    from pallas_kernels.flash_attention_hopper import HopperConfig
+
+    if not isinstance(config, (BlockSizes, HopperConfig)):
+        raise ValueError(
+            f"config: got {type(config).__name__}; expected pallas_kernels.flash_attention.BlockSizes (the portable "
+            f"kernel) or pallas_kernels.flash_attention_hopper.HopperConfig (the Hopper kernel), or None.")
+    return config
+
+
 def _import(name):
     try:
         return importlib.import_module(name), None
@@ -57,6 +86,8 @@ def _import(name):
 
 class PallasBackend:
     name = "pallas"
+    capabilities = Capabilities(split_backward=True, ring_blocks=True, packed_inputs=True, dense_mask=True,
+                                opaque_kernel=True, kernel_config=True)
 
     def unsupported_reason(self, call, forced: bool = False) -> str | None:
         d = call.dims
@@ -76,6 +107,10 @@ class PallasBackend:
         elif not forced:
             return (f"not a GPU (default backend is {call.platform!r}): the Pallas kernel would run in interpret "
                     f"mode, which is for tests; pass backend='pallas' to force it")
+        if _config_kind(call) == "hopper":
+            why = self.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
+            if why is not None:
+                return f"config is a HopperConfig, but the Hopper kernel does not serve this call: {why}"
         return None
 
     @staticmethod
@@ -104,6 +139,8 @@ class PallasBackend:
 
     def hopper_reason(self, call) -> str | None:
         """Why the Hopper kernel does not serve this call (None when it does)."""
+        if _config_kind(call) == "portable":
+            return "config is the portable kernel's BlockSizes"
         mod, why = self._hopper_feature_reason(call)
         if why is not None:
             return why
@@ -151,6 +188,18 @@ class PallasBackend:
         from pallas_kernels import flash_attention_hopper as fh
         return fh.hopper_attention_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal)
 
+    def choice_detail(self, call) -> str:
+        """Which Pallas kernel runs the call, and why not the Hopper kernel when it does not."""
+        hr = self.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
+        cfg = "" if call.kernel_config is None else f"; config={call.kernel_config!r}"
+        if hr is not None:
+            return f"portable Triton-lowered kernel (Hopper kernel not used: {hr}){cfg}"
+        from pallas_kernels import flash_attention_hopper as fh
+
+        d = call.dims
+        plan = fh.describe_plan(d.head_dim_qk, d.kv_len, call.mask.causal, call.dtype, call.kernel_config)
+        return f"Hopper (Mosaic GPU) kernel: {plan}{cfg}"
+
     def kernel_name(self, call) -> str:
         if call.platform == "gpu" and self.hopper_reason(call) is None:
             return "hopper"
@@ -181,12 +230,13 @@ class PallasBackend:
             bias, rows = self._fold_mask(tm, bias, mask, causal=causal, window=window)
         if self.kernel_name(call) == "hopper":
             from pallas_kernels import flash_attention_hopper as fh
-            out, _ = fh.hopper_attention(q, k, v, scale=scale, causal=causal)
+            out, _ = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config)
             return out
         from pallas_kernels import flash_attention as fa
         out, _ = fa.flash_attention(
             q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
-            scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1])
+            scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1],
+            block_sizes=_block_sizes(call))
         return self._zero_hidden_rows(out, rows)
 
     def packed_input_reason(self, call, qkv_layout: str, tensors, num_heads: int, num_gqa_groups: int):

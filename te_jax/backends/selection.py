@@ -12,134 +12,103 @@ forced pallas is honoured, with a note saying it runs replicated.
 """
 from __future__ import annotations
 
-import dataclasses
-
-from te_jax.backends import policy
+from te_jax.backends import policy, tuning
+from te_jax.backends.base import Reason, ReasonKind, check_backend
+from te_jax.backends.choice import BackendChoice, Decision, OpTable, choose
 from te_jax.backends.cudnn import CudnnBackend
 from te_jax.backends.pallas import PallasBackend
 from te_jax.backends.xla import XlaBackend
 
-BACKENDS = {b.name: b for b in (PallasBackend(), CudnnBackend(), XlaBackend())}
+
+def _register(*backends) -> dict:
+    """The attention backends by name, each checked against te_jax.backends.base.AttentionBackend."""
+    for b in backends:
+        check_backend(b)
+    return {b.name: b for b in backends}
+
+
+# Registration: a new backend is one file in te_jax/backends/ plus its instance here (and its place in the
+# automatic preference below).
+BACKENDS = _register(PallasBackend(), CudnnBackend(), XlaBackend())
 BACKEND_NAMES = tuple(BACKENDS)
-_DISABLE_ENV = {"pallas": "TE_JAX_PALLAS_ATTN", "cudnn": "TE_JAX_CUDNN_ATTN", "xla": "TE_JAX_XLA_ATTN"}
 FORCE_ENV = "TE_JAX_ATTN_BACKEND"
 
-# Automatic preference, fastest first, from forward+backward timings on the H100
-# (benchmarks/results/flash_attention_h100.md, attention_hopper_h100_run4/5/6.md).
-OTHER_PREFERENCE = ("xla", "pallas", "cudnn")
-# (head_dim, causal) → longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100, with
-# the measurement (0: never).
-# hd128: runs 4-10.  1k +1-24%, 4k +1-7%.  16k causal: run 10 (the dK/dV launch order fixed) 1.02 by kernel
-# time, 1.05 by the host clock (attention_hopper_h100_run10.md).  16k non-causal: a tie (1.02 kernel,
-# 0.98 host), so cuDNN keeps it.
-# hd64: run 10 (in-kernel dQ): fwd+bwd 1.01-1.14 on every row 1k-16k by both clocks.
-# hd256: run 7 (attention_hopper_h100_run7_hd64_hd256.md): 1k +5-6% (4k 0.88-0.97).
-HOPPER_FASTER_MAX_LEN = {(128, False): 4096, (128, True): 16384,
-                         (64, False): 16384, (64, True): 16384,
-                         (256, False): 1024, (256, True): 1024}
-HOPPER_RESULTS = {128: "benchmarks/results/attention_hopper_h100_run9.md and attention_hopper_h100_run10.md",
-                  64: "benchmarks/results/attention_hopper_h100_run10.md",
-                  256: "benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md"}
 
+def disable_env(name: str) -> str:
+    """The variable that disables backend `name` (TE_JAX_PALLAS_ATTN=0, TE_JAX_CUDNN_ATTN=0, ...)."""
+    return f"TE_JAX_{name.upper()}_ATTN"
 
 def gpu_preference(call) -> tuple[tuple[str, ...], str]:
-    """Backend order on a GPU for this call, with the measurement that justifies it."""
+    """Backend order on a GPU for this call, with the measurement that justifies it (te_jax/backends/tuning.py)."""
     hopper = BACKENDS["pallas"].hopper_reason(call) is None
     d, causal = call.dims.head_dim_qk, call.mask.causal
     kind = f"head_dim {d} {'causal' if causal else 'non-causal'}"
-    limit = HOPPER_FASTER_MAX_LEN.get((d, causal), 0)
-    results = HOPPER_RESULTS.get(d, HOPPER_RESULTS[128])
+    rec = tuning.HOPPER_FASTER_MAX_LEN.get((d, causal))
+    limit = rec.value if rec is not None else 0
+    evidence = (f"{rec.evidence}; {rec.results}" if rec is not None
+                else f"no measurement for head_dim {d}; {tuning.ATTENTION_HOPPER_RESULTS}")
     if hopper and call.dims.q_len <= limit:
-        return ("pallas", "cudnn", "xla"), (
+        return ("pallas",) + tuple(n for n in tuning.ATTENTION_GPU_PREFERENCE.value if n != "pallas"), (
             f"te_jax's Hopper kernel measured faster than cuDNN forward+backward on H100 for "
-            f"{kind} q_len <= {limit} ({results})")
+            f"{kind} q_len <= {limit} ({evidence})")
+    portable = tuning.ATTENTION_GPU_PREFERENCE
     if hopper:
         scope = f"q_len > {limit}" if limit else "any q_len measured (1k-16k)"
         why = (f"cuDNN measured as fast or faster forward+backward than te_jax's Hopper kernel on H100 for "
-               f"{kind} {scope} ({results})")
+               f"{kind} {scope} ({evidence})")
     else:
-        why = ("cuDNN measured faster than the portable Pallas kernel on H100 "
-               "(benchmarks/results/flash_attention_h100.md)")
-    return ("cudnn", "pallas", "xla"), why
+        why = f"{portable.evidence} ({portable.results})"
+    return portable.value, why
 
 
-def _hopper_detail(call) -> str:
-    from pallas_kernels import flash_attention_hopper as fh
+def _auto(call, reasons) -> Decision:
+    """auto: the measured preference order; a Pallas-style opaque kernel is avoided under a mesh XLA
+    partitions; every other serving backend is recorded as a fallback."""
+    mesh_axes = call.partitioned_axes
+    if mesh_axes:
+        for name, b in BACKENDS.items():
+            if b.capabilities.opaque_kernel and reasons[name] is None:
+                reasons[name] = Reason(policy.pallas_replicated_reason(mesh_axes), ReasonKind.AVOIDED)
+    if call.platform == "gpu":
+        order, why = gpu_preference(call)
+    else:
+        order, why = tuning.ATTENTION_OTHER_PREFERENCE.value, f"the xla backend comes first on {call.platform}"
+    selected = next((n for n in order if reasons[n] is None), None)
+    if selected is not None and selected != order[0]:
+        why = f"{why}; {order[0]!r}, first in that order, is not taken here (see its reason)"
+    for name in order:
+        if name != selected and reasons[name] is None and selected is not None:
+            reasons[name] = Reason(f"serves the call, but {selected!r} is preferred: {why}",
+                                   ReasonKind.FALLBACK_ALLOWED)
+    return Decision(selected)
 
-    d = call.dims
-    return f"Hopper (Mosaic GPU) kernel: {fh.describe_plan(d.head_dim_qk, d.kv_len, call.mask.causal, call.dtype)}"
+
+def _forced(call, forced, source, requested, reasons) -> Decision:
+    selected = forced if reasons[forced] is None else None
+    for name in BACKENDS:
+        if name != forced and reasons[name] is None:
+            reasons[name] = Reason(f"serves the call, but {forced!r} was forced by {source}",
+                                   ReasonKind.FALLBACK_ALLOWED)
+    notes = ()
+    if selected is not None and call.partitioned_axes and BACKENDS[selected].capabilities.opaque_kernel:
+        notes = (policy.pallas_forced_replicated_note(call.partitioned_axes),)
+    return Decision(selected, notes)
 
 
-@dataclasses.dataclass
-class BackendChoice:
-    """Which backend runs a call and, for every backend, why it was or was not taken."""
-
-    selected: str | None
-    reasons: dict[str, str | None]  # None: serves the call
-    source: str  # "argument" | "environment" | "auto"
-    detail: str = ""  # e.g. which Pallas kernel
-    packed: str = ""  # packed-input entry only: read in place or split, and why
-    notes: list[str] = dataclasses.field(default_factory=list)  # e.g. a forced Pallas kernel running replicated
-
-    def __str__(self):
-        head = (f"attention backend: {self.selected} ({self.source})" if self.selected
-                else f"attention backend: none can serve this call ({self.source})")
-        if self.detail:
-            head += f" — {self.detail}"
-        lines = [head]
-        for name, why in self.reasons.items():
-            mark = "selected" if name == self.selected else ("serves, not chosen" if why is None else "not taken")
-            lines.append(f"  {name:7s} {mark}" + (f": {why}" if why else ""))
-        if self.packed:
-            lines.append(f"  packed input: {self.packed}")
-        lines.extend(f"  note: {n}" for n in self.notes)
-        return "\n".join(lines)
+ATTENTION = OpTable("attention", BACKEND_NAMES, FORCE_ENV, {n: disable_env(n) for n in BACKEND_NAMES},
+                    auto=_auto, forced=_forced)
 
 
 def choose_backend(call, backend: str = "auto") -> BackendChoice:
     """Decide which backend serves `call` and record the reason for every other one."""
-    forced, source = policy.resolve_request("attention", backend, BACKEND_NAMES, FORCE_ENV)
-    reasons: dict[str, str | None] = {}
-    for name, b in BACKENDS.items():
-        why = policy.disabled_by_env(_DISABLE_ENV[name])
-        if why is None:
-            if name == "pallas":
-                why = b.unsupported_reason(call, forced=(forced == "pallas"))
-            else:
-                why = b.unsupported_reason(call)
-        reasons[name] = why
+    def unsupported(name, forced):
+        b = BACKENDS[name]
+        if call.kernel_config is not None and not b.capabilities.kernel_config:
+            return (f"config={type(call.kernel_config).__name__}(...) configures a Pallas kernel; the {name} "
+                    f"backend takes no kernel configuration")
+        return b.unsupported_reason(call, forced=forced)
 
-    notes = []
-    mesh_axes = call.partitioned_axes
-    if forced is not None:
-        selected = forced if reasons[forced] is None else None
-        for name in BACKENDS:
-            if name != forced and reasons[name] is None:
-                reasons[name] = f"serves the call, but {forced!r} was forced by {source}"
-        if selected == "pallas" and mesh_axes:
-            notes.append(policy.pallas_forced_replicated_note(mesh_axes))
-    else:
-        if mesh_axes and reasons["pallas"] is None:
-            reasons["pallas"] = policy.pallas_replicated_reason(mesh_axes)
-        if call.platform == "gpu":
-            order, why = gpu_preference(call)
-        else:
-            order, why = OTHER_PREFERENCE, f"the xla backend comes first on {call.platform}"
-        selected = next((n for n in order if reasons[n] is None), None)
-        if selected is not None and selected != order[0]:
-            why = f"{why}; {order[0]!r}, first in that order, is not taken here (see its reason)"
-        for name in order:
-            if name != selected and reasons[name] is None and selected is not None:
-                reasons[name] = f"serves the call, but {selected!r} is preferred: {why}"
-    detail = ""
-    if selected == "pallas":
-        pb = BACKENDS["pallas"]
-        hr = pb.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
-        detail = (_hopper_detail(call) if hr is None
-                  else f"portable Triton-lowered kernel (Hopper kernel not used: {hr})")
-    choice = BackendChoice(selected, reasons, source, detail, notes=notes)
-    policy.log_choice(choice)
-    return choice
+    return choose(ATTENTION, backend, unsupported, ctx=call, detail=lambda name: BACKENDS[name].choice_detail(call))
 
 
 def unavailable_error(choice: BackendChoice) -> ValueError:

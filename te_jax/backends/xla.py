@@ -4,13 +4,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from te_jax import masks, reference
+from te_jax.backends.base import Capabilities
 
 
 class XlaBackend:
     name = "xla"
+    capabilities = Capabilities(split_backward=True, dense_mask=True)
 
-    def unsupported_reason(self, call) -> str | None:
+    def unsupported_reason(self, call, forced: bool = False) -> str | None:
         return None
+
+    def choice_detail(self, call) -> str:
+        return ""
 
     def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng,
                 mask=None):

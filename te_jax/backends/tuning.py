@@ -1,0 +1,81 @@
+"""te_jax's measured choices, as data: each a `Tuned` record (value, one line of evidence, results file).
+
+`results` is the current results file of the benchmark (benchmarks/results/); measurements of older runs
+that a line quotes are kept under the git tag HISTORY_TAG (`git show benchmarks-history-2026-11-24:<path>`).
+The Hopper kernel's own defaults (e.g. ATOMIC_DQ_AUTO_MIN_KV, FWD_SPLIT_TAIL_AUTO_MIN_KV) stay in
+pallas_kernels/flash_attention_hopper/config.py: the kernels import nothing from te_jax.
+Change a value here only with a device run that shows it (CONTRIBUTING.md, "GPU runs").
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+HISTORY_TAG = "benchmarks-history-2026-11-24"
+
+ATTENTION_HOPPER_RESULTS = "benchmarks/results/attention_hopper_h100_run12.md"
+ATTENTION_PORTABLE_RESULTS = "benchmarks/results/flash_attention_h100.md"
+NORM_RESULTS = "benchmarks/results/norm_shapes_h100.md"
+NORM_MLP_RESULTS = "benchmarks/results/norms_mlp_h100.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuned:
+    """A measured choice: `value`, the `evidence` for it (one line), and the `results` file that holds it."""
+
+    value: Any
+    evidence: str
+    results: str
+
+
+# ----------------------------------------------------------------------------- attention (selection.py)
+
+#: Backend order off the GPU: the compiled xla reference first; pallas would run in interpret mode.
+ATTENTION_OTHER_PREFERENCE = Tuned(
+    ("xla", "pallas", "cudnn"),
+    "off-GPU the Pallas kernels run only in interpret mode (for tests) and cuDNN not at all",
+    ATTENTION_PORTABLE_RESULTS)
+
+#: Backend order on a GPU where the Hopper kernel does not serve (or is slower there).
+ATTENTION_GPU_PREFERENCE = Tuned(
+    ("cudnn", "pallas", "xla"),
+    "cuDNN measured faster than the portable Pallas kernel on H100",
+    ATTENTION_PORTABLE_RESULTS)
+
+#: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100
+#: (0: never). auto takes the Hopper kernel up to it, cuDNN beyond.
+HOPPER_FASTER_MAX_LEN = {
+    (128, False): Tuned(4096, "runs 4-10: 1k +1-24%, 4k +1-7%; 16k a tie in run 10 (1.02 kernel, 0.98 host), "
+                              "so cuDNN keeps it", ATTENTION_HOPPER_RESULTS),
+    (128, True): Tuned(16384, "run 10 (dK/dV launch order fixed): 16k 1.02 by kernel time, 1.05 by the host "
+                              "clock; 1k-4k +1-24% (runs 4-9)", ATTENTION_HOPPER_RESULTS),
+    (64, False): Tuned(16384, "run 10 (in-kernel dQ, attention_hopper_h100_run10.md): fwd+bwd 1.01-1.14 on "
+                              "every row 1k-16k by both clocks", ATTENTION_HOPPER_RESULTS),
+    (64, True): Tuned(16384, "run 10 (in-kernel dQ, attention_hopper_h100_run10.md): fwd+bwd 1.01-1.14 on "
+                             "every row 1k-16k by both clocks", ATTENTION_HOPPER_RESULTS),
+    (256, False): Tuned(1024, "run 7 (attention_hopper_h100_run7_hd64_hd256.md): 1k +5-6%, 4k 0.88-0.97",
+                        ATTENTION_HOPPER_RESULTS),
+    (256, True): Tuned(1024, "run 7 (attention_hopper_h100_run7_hd64_hd256.md): 1k +5-6%, 4k 0.88-0.97",
+                       ATTENTION_HOPPER_RESULTS),
+}
+
+# ----------------------------------------------------------------------------- norms and MLP (ops.py, mlp.py)
+
+#: What the GPU benchmark measured as faster per norm; auto takes pallas on a GPU only where it says "pallas".
+#: (H100, bf16, GPU kernel time, 11 shapes from 8192x768 to 32768x8192 and 16384x12288.)
+NORM_GPU_PREFERENCE = {
+    "layernorm": Tuned(
+        "pallas", "pallas/xla fwd+bwd 1.32-1.99x at every shape measured; forward alone 1.01-1.11x, except "
+                  "0.87x at 8192x768, where a forward-only call would be faster on xla", NORM_RESULTS),
+    "rmsnorm": Tuned(
+        "xla", "pallas/xla fwd+bwd 0.76-1.00x at every shape measured (forward alone 0.96-1.05x); a training "
+               "step runs both, so xla", NORM_RESULTS),
+}
+
+#: LayerNormMLP on a GPU: the pallas path (Pallas norm + first GEMM + XLA second GEMM, recompute backward).
+MLP_GPU_PREFERENCE = Tuned(
+    "pallas", "8192 tok, 4096/16384, bf16: 0.968x (gelu) / 0.997x (SwiGLU) plain-XLA fwd+bwd time, 0.12x / 0.18x "
+              "saved residuals", NORM_MLP_RESULTS)
+
+#: The pallas MLP path's first GEMM on a GPU ("xla": cuBLAS via XLA; "pallas": the fused LN-prologue GEMM).
+MLP_FIRST_GEMM = Tuned("xla", "the fused LN-prologue Pallas GEMM was 1.24-1.39x slower than XLA's", NORM_MLP_RESULTS)
