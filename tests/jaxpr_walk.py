@@ -18,3 +18,22 @@ def walk(jaxpr):
         if eqn.primitive.name != "pallas_call":
             for sub in _sub_jaxprs(eqn):
                 yield from walk(sub)
+
+
+def walk_resolved(jaxpr, env=None):
+    """(eqn, origin) for every equation, recursively as `walk`; origin(v) is the outermost variable that v
+    stands for: a sub-jaxpr's inputs are its caller's operands at the same positions (a nested jit, a
+    custom_vjp call), so one array passed three times to a jitted kernel is one origin."""
+    env = env or {}
+
+    def origin(v):
+        return v if isinstance(v, jex_core.Literal) else env.get(v, v)
+
+    for eqn in jaxpr.eqns:
+        yield eqn, origin
+        if eqn.primitive.name != "pallas_call":
+            for sub in _sub_jaxprs(eqn):
+                aligned = len(sub.invars) == len(eqn.invars)
+                sub_env = ({iv: origin(ov) for iv, ov in zip(sub.invars, eqn.invars)
+                            if not isinstance(iv, jex_core.Literal)} if aligned else {})
+                yield from walk_resolved(sub, sub_env)

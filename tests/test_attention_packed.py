@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import te_jax
-from jaxpr_walk import walk
+from jaxpr_walk import walk, walk_resolved
 from naive_attention import naive_attention, naive_mask
 from tolerance import rel_err
 from pallas_kernels.flash_attention import flash_attention_packed, packed_in_place_reason
@@ -60,10 +60,10 @@ def reference(tensors, layout, h, g, mask, fmt):
 def pallas_operands(jaxpr):
     """{kernel name: [(q, k, v) operand vars]} of every pallas_call (operands 1..3 follow the block bounds)."""
     out = {}
-    for eqn in walk(jaxpr):
+    for eqn, origin in walk_resolved(jaxpr):  # through nested jits: the kernels are lowered once (jit)
         if eqn.primitive.name == "pallas_call":
             name = str(getattr(eqn.params.get("name_and_src_info"), "name", eqn.params.get("name")))
-            out.setdefault(name, []).append(tuple(eqn.invars[1:4]))
+            out.setdefault(name, []).append(tuple(origin(v) for v in eqn.invars[1:4]))
     return out
 
 

@@ -58,7 +58,7 @@ def test_nnx_decoding_needs_mutable_cache():
     steps = [layer(x[:, t:t + 1], decode=True, max_decode_length=S, deterministic=True, mutable=["cache"])
              for t in range(S)]
     assert_close(jnp.concatenate(steps, axis=1), full, 3e-5, "NNX step-by-step decode")
-    assert int(nnx.state(layer, nnx.Cache)["attention"]["cache_index"].get_value()) == S
+    assert (nnx.state(layer, nnx.Cache)["attention"]["cache_index"].get_value() == S).all()  # per-row lengths
     nnx.update(layer, empty_cache)  # a new sequence starts from the empty cache
     again = layer(x[:, :1], decode=True, max_decode_length=S, deterministic=True, mutable=["cache"])
     assert_close(again, steps[0], 1e-6, "after resetting the cache")

@@ -13,7 +13,7 @@ from typing import Any
 
 HISTORY_TAG = "benchmarks-history-2026-11-24"
 
-ATTENTION_HOPPER_RESULTS = "benchmarks/results/attention_hopper_h100_run12.md"
+ATTENTION_HOPPER_RESULTS = "benchmarks/results/attention_hopper_h100_run12f_rounds5_log.txt"
 ATTENTION_PORTABLE_RESULTS = "benchmarks/results/flash_attention_h100.md"
 NORM_RESULTS = "benchmarks/results/norm_shapes_h100.md"
 NORM_MLP_RESULTS = "benchmarks/results/norms_mlp_h100.md"
