@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
+
 from pallas_kernels.ln_mlp.activations import (  # the math lives beside the kernels
     ACTIVATIONS,
     GATED_PAIRS,
@@ -76,4 +79,19 @@ __all__ = [
     "validate_activations",
     "get_activation",
     "apply_activations",
+    "biased_activation_dropout",
 ]
+
+
+def biased_activation_dropout(h, b1, activations, dropout_rate, dropout_rng, dtype):
+    """The MLP's middle: (h [..., n_act, F] + b1) -> activation(s) in fp32 -> dropout; returns dtype.
+
+    h is the first GEMM's output, rounded to `dtype` before the activation as a kernel would store it."""
+    h = h.astype(jnp.float32)
+    if b1 is not None:
+        h = h + b1.astype(jnp.float32)
+    a = apply_activations(h.astype(dtype).astype(jnp.float32), activations)
+    if dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, a.shape)
+        a = jnp.where(keep, a / (1.0 - dropout_rate), 0.0)
+    return a.astype(dtype)

@@ -452,14 +452,9 @@ def _plain_mlp(x, w1, b1, w2, b2, acts, rate, rng):
 
     GEMM outputs are in x.dtype (see _dense: an fp32-output dot makes the backward GEMMs fp32)."""
     dt = x.dtype
-    h = jnp.einsum("...d,daf->...af", x, w1.astype(dt), preferred_element_type=dt).astype(jnp.float32)
-    if b1 is not None:
-        h = h + b1.astype(jnp.float32)
-    a = _acts.apply_activations(h.astype(dt).astype(jnp.float32), acts)
-    if rate > 0.0:
-        keep = jax.random.bernoulli(rng, 1.0 - rate, a.shape)
-        a = jnp.where(keep, a / (1.0 - rate), 0.0)
-    y = jnp.einsum("...f,fd->...d", a.astype(dt), w2.astype(dt), preferred_element_type=dt)
+    h = jnp.einsum("...d,daf->...af", x, w1.astype(dt), preferred_element_type=dt)
+    a = _acts.biased_activation_dropout(h, b1, acts, rate, rng, dt)
+    y = jnp.einsum("...f,fd->...d", a, w2.astype(dt), preferred_element_type=dt)
     if b2 is not None:
         y = y.astype(jnp.float32) + b2.astype(jnp.float32)
     return y.astype(dt)

@@ -114,14 +114,9 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
     ln = _norm.norm(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
                     zero_centered_gamma=zero_centered_gamma, backend=backend) if enable_layernorm else x
     h = dense(module, ln, w1, None, (ln.ndim - 1,), dt, recipe, meta_name="wi_fp8_meta", gemm="wi_kernel",
-              reason=reason).astype(jnp.float32)
-    if b1 is not None:
-        h = h + b1.astype(jnp.float32)
-    a = _acts.apply_activations(h.astype(dt).astype(jnp.float32), activations)
-    if dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, a.shape)
-        a = jnp.where(keep, a / (1.0 - dropout_rate), 0.0)
-    y = dense(module, a.astype(dt), w2, b2, (a.ndim - 1,), dt, recipe, meta_name="wo_fp8_meta", gemm="wo_kernel",
+              reason=reason)
+    a = _acts.biased_activation_dropout(h, b1, activations, dropout_rate, dropout_rng, dt)
+    y = dense(module, a, w2, b2, (a.ndim - 1,), dt, recipe, meta_name="wo_fp8_meta", gemm="wo_kernel",
               reason=reason)
     return y, ln
 
