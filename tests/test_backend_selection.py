@@ -11,6 +11,10 @@ import te_jax.attention as attention_mod
 
 
 def _qkv(b=2, sq=8, skv=8, h=4, g=2, d=64, dv=None, dtype=jnp.bfloat16, fmt="bshd"):
+    """q, k, v; long ones as shapes only (the explanation reads shapes: no 32k-token arrays drawn)."""
+    if b * max(sq, skv) * h * d > 2**20:
+        shapes = ((b, sq, h, d), (b, skv, g, d), (b, skv, g, dv or d))
+        return tuple(jax.eval_shape(lambda: te_jax.from_bshd(jnp.zeros(s, dtype), fmt)) for s in shapes)
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (b, sq, h, d)).astype(dtype)
     k = jax.random.normal(ks[1], (b, skv, g, d)).astype(dtype)

@@ -9,7 +9,7 @@ from flax.core import meta
 from te_jax.flax import TransformerLayer
 from tolerance import assert_close
 
-N, B, S, D, H, F = 3, 2, 8, 32, 4, 64
+N, B, S, D, H, F = 2, 2, 8, 32, 4, 64
 LAYER = dict(hidden_size=D, mlp_hidden_size=F, num_attention_heads=H, num_gqa_groups=2)
 
 
