@@ -16,7 +16,7 @@ try:
 
     _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                    print_blob=True)
-    settings.register_profile("ci", max_examples=6, derandomize=True, **_common)
+    settings.register_profile("ci", max_examples=4, derandomize=True, **_common)
     settings.register_profile("long", max_examples=300, derandomize=False, **_common)
     if os.environ.get("TE_JAX_HYPOTHESIS_EXAMPLES"):  # e.g. a time-boxed GPU run
         settings.register_profile("custom", max_examples=int(os.environ["TE_JAX_HYPOTHESIS_EXAMPLES"]),

@@ -100,7 +100,11 @@ def test_dp_cp_step_is_a_quarter_of_the_work_per_device(pallas_norms):
     assert any(k == "collective-permute" for k, _ in collectives), "the ring's K/V exchange is missing"
 
 
-@pytest.mark.parametrize("spec", ["dp=2,cp=2", "dp=2,tp=2"])
+@pytest.mark.parametrize("spec", [
+    # dp x cp against one device also runs in CI as tests/test_examples.py (dp=2,cp=4): slow here
+    pytest.param("dp=2,cp=2", marks=pytest.mark.slow),
+    "dp=2,tp=2",
+])
 def test_sharded_step_matches_single_device(pallas_norms, spec):
     """The per-shard Pallas kernels give the single-device loss and gradient norm (fp32); under dp x tp the
     QKV LayerNormDenseGeneral and the LayerNormMLP run tensor-parallel per shard (test_sharded_tensor_parallel.py)."""
