@@ -180,8 +180,8 @@ def _decode_validity(module, b, sq, mask=None, q_seqlens=None, kv_seqlens=None, 
                 f"{module}: decoding, mask has shape {shape} but this call gives {sq} tokens per row for a batch "
                 f"of {b}: the mask must be [batch, 1 or heads, chunk, chunk] = [{b}, 1, {sq}, {sq}] (always "
                 f"batch-first) and describes this call's tokens only (the cache keeps the earlier ones' padding).")
-        visible = jnp.logical_not(jnp.asarray(mask).astype(bool))
-        return jnp.any(visible, axis=(1, 3)) & jnp.any(visible, axis=(1, 2))
+        q_seg, kv_seg = _padding_from_mask(mask, "bshd", b, sq, sq, module)
+        return (q_seg != 0) & (kv_seg != 0)
     valid = jnp.ones((b, sq), bool)
     for argname, seg in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
         if seg is None:
