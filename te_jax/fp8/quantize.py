@@ -25,8 +25,9 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
     "direct": dot_general on the float8 operands (preferred_element_type = the compute dtype), then the
               product of the two scale_invs: XLA's GPU GEMM rewriter turns an f8 x f8 dot into
               __cublas$lt$matmul$f8 (flax's Fp8DirectDotGeneralOp);
-    "qdq":    dot_general on dequantized operands (convert(f8) -> compute dtype -> * scale_inv), the
-              pattern the rewriter folds into the same FP8 custom call (flax's Fp8DotGeneralOp).
+    "qdq":    dot_general on dequantized operands (convert(f8) -> compute dtype -> * scale_inv), flax's
+              Fp8DotGeneralOp pattern. On the H100 with jax 0.11.2 XLA dropped the convert pairs instead of
+              forming FP8 GEMMs (benchmarks/results/fp8_layer_h100.md: 0 FP8 GEMMs, 0.95x bf16); kept for A/B.
   On CPU both run as upcast GEMMs; the HLO still carries the f8 converts.
   state (DelayedScaling only; None otherwise): a dict of fp32 arrays
       input_scale (1,), input_amax_history (L,), kernel_scale (1,), kernel_amax_history (L,),
