@@ -157,9 +157,28 @@ class _nullcontext:
         return False
 
 
-def run_subprocess(args, timeout):
+XLA_TIMER_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0",
+                 "TF_CPP_VMODULE": "gpu_compiler=1,nvptx_compiler=1,compile_module_to_llvm_ir=1,autotuner_pass=1"}
+_TIMER_RE = re.compile(r"\]\s*(.+?)\s+time:\s+([\d.]+)\s*(s|ms|us|min)\b")
+
+
+def xla_phase_seconds(stderr: str) -> dict:
+    """Sum XLA's scoped logging timers ("<label> time: 1.23 s") per label, numbers and ids stripped."""
+    unit = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "min": 60.0}
+    out = {}
+    for m in _TIMER_RE.finditer(stderr):
+        label = re.sub(r"\[.*?\]", "[]", m.group(1))
+        label = re.sub(r"\b(for|of)\b.*$", "", label).strip()
+        label = re.sub(r"[\d.]+", "#", label)[:90]
+        out[label] = out.get(label, 0.0) + float(m.group(2)) * unit[m.group(3)]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def run_subprocess(args, timeout, xla_timers=False):
     cmd = [sys.executable, os.path.abspath(__file__)] + args
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if xla_timers:
+        env.update(XLA_TIMER_ENV)
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     wall = time.perf_counter() - t
@@ -173,7 +192,7 @@ def part_stacks(opts):
     rows = []
     plan = []
     for scanned in {"no": (False,), "yes": (True,), "both": (False, True)}[opts.scanned]:
-        for config in CONFIGS:
+        for config in opts.configs.split(","):
             if opts.cpu_smoke and config == "cudnn/xla":
                 continue  # no cuDNN on the CPU
             for n in opts.layers:
@@ -185,7 +204,7 @@ def part_stacks(opts):
         args = ["--one", str(n), config, "1" if scanned else "0", "1" if unshared else "0"]
         if opts.cpu_smoke:
             args.append("--cpu-smoke")
-        p, wall = run_subprocess(args, opts.timeout)
+        p, wall = run_subprocess(args, opts.timeout, xla_timers=opts.xla_timers)
         line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         if p.returncode != 0 or not line:
             print(f"FAILED {n} {config} scanned={scanned} unshared={unshared}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}",
@@ -193,9 +212,22 @@ def part_stacks(opts):
             continue
         r = json.loads(line[0][len("RESULT "):])
         r["process_wall_s"] = wall
+        if opts.xla_timers:
+            r["xla_phases_s"] = xla_phase_seconds(p.stderr)
+            tag = f"{n}_{config.replace('/', '-')}_{'scan' if scanned else 'unscan'}{'_unshared' if unshared else ''}"
+            out_dir = os.environ.get("OUT")
+            if out_dir:
+                with open(os.path.join(out_dir, f"xla_timers_{tag}.txt"), "w") as f:
+                    f.write(p.stderr)
         rows.append(r)
         print(json.dumps(r), flush=True)
     _print_stack_table(rows)
+    if opts.xla_timers:
+        print("\nXLA compile phases (seconds, summed per timer label; nested timers overlap):")
+        for r in rows:
+            top = list(r.get("xla_phases_s", {}).items())[:14]
+            print(f"- {r['layers']} layers {r['config']} scanned={r['scanned']}: "
+                  + "; ".join(f"{k} {v:.2f}" for k, v in top))
     _dump(opts, "compile_time_stacks.json", rows)
 
 
@@ -351,6 +383,9 @@ def main():
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=400, help="seconds for one subprocess")
     ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"backend sets, comma-separated, of {list(CONFIGS)}")
+    ap.add_argument("--xla-timers", action="store_true",
+                    help="log XLA's per-phase compile timers (TF_CPP_VMODULE) and sum them per phase")
     opts = ap.parse_args()
     opts.layers = [int(v) for v in opts.layers.split(",") if v]
     opts.unshared_layers = [int(v) for v in opts.unshared_layers.split(",") if v]

@@ -57,6 +57,11 @@ def parse():
                    help="FP8 GEMM style (te_jax/fp8/quantize.py): direct f8 dot, qdq pattern, or both as variants")
     p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling (reference, not an FP8 GEMM)")
     p.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--trace", action="store_true",
+                   help="profile 3 steps of each variant: device time per kernel category and the top ops; "
+                        "optimized HLO to $OUT/fp8_hlo_<variant>.txt.gz")
+    p.add_argument("--probe-small", action="store_true",
+                   help="print the GEMM custom calls of one small FP8 DenseGeneral (K 128, N 256) step")
     return p.parse_args()
 
 
@@ -199,7 +204,20 @@ def main():
             if name != "bf16" and "Block" not in name and d["f8_gemms"] != EXPECTED_F8_GEMMS:
                 log(f"WARNING: {name}: {d['f8_gemms']} FP8 cuBLASLt GEMMs, expected {EXPECTED_F8_GEMMS}")
     os.makedirs(out_dir, exist_ok=True)
-    res = dict(date=DATE, device=dev.device_kind, jax=jax.__version__, smoke=smoke, expected_f8_gemms=EXPECTED_F8_GEMMS,
+    traces = {}
+    if args.trace:
+        from benchmarks.fp8_trace import category_table, trace_categories
+        for name, (f, a) in steps.items():
+            tag = re.sub(r"[^\w]+", "_", name).strip("_")
+            try:
+                traces[name] = trace_categories(f, a, os.path.join(out_dir, f"fp8_hlo_{tag}.txt.gz"))
+            except Exception as e:  # a failed trace must not lose the timings above
+                traces[name] = {"error": repr(e)}
+        log(category_table(traces))
+    if args.probe_small:
+        from benchmarks.fp8_trace import probe_small_dense
+        log(probe_small_dense())
+    res = dict(traces=traces, date=DATE, device=dev.device_kind, jax=jax.__version__, smoke=smoke, expected_f8_gemms=EXPECTED_F8_GEMMS,
                shape=dict(batch=B, seq=S, hidden=HID, heads=HEADS, kv_heads=KV, ffn=FFN), rows=rows)
     with open(os.path.join(out_dir, "fp8_layer.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -73,7 +73,7 @@ AP.add_argument("--budget", type=float, default=150.0,
 AP.add_argument("--no-trace", action="store_true", help="skip the profiler trace")
 AP.add_argument("--layers-only", action="store_true",
                 help="whole-layer variants only (more samples, plain timed twice), no sub-blocks")
-ARGS = AP.parse_args()
+ARGS = AP.parse_args() if __name__ == "__main__" else AP.parse_args([])  # importable for its helpers
 SMOKE = ARGS.cpu_smoke
 DATE = str(datetime.date.today())
 OUT = os.environ.get("OUT", "/tmp/te_profile_out")
@@ -421,7 +421,8 @@ def trace_summary(compiled, args, name, n_steps=3):
     res = {"module": mod_name, "source": source, "filter": module_filter,
            "device_ms_per_step": sum(per_op.values()) / 1e6,
            "regions_ms": {k: v / 1e6 for k, v in sorted(regions.items())}, "top_ops": top,
-           "top_kernels_us": {k[:120]: v / 1e3 for k, v in per_kernel.most_common(15)}}
+           "top_kernels_us": {k[:120]: v / 1e3 for k, v in per_kernel.most_common(15)},
+           "all_ops_us": {op: ns / 1e3 for op, ns in per_op.items()}}
     return res, (files[0], d)
 
 
