@@ -182,6 +182,10 @@ def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
     # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
     def gemm(a, b, dims):
         if style == "qdq":
+            # The barrier keeps XLA from folding convert(convert(x -> f8) -> bf16) back to x (its excess-precision
+            # simplification), which left the dequantized dot a plain bf16 GEMM; behind it the GEMM rewriter sees
+            # dot(convert(f8) * scale_inv, convert(f8) * scale_inv), its pattern for a scaled cuBLASLt FP8 GEMM.
+            a, b = lax.optimization_barrier((a, b))
             return lax.dot_general(dequantize(a, a_sinv, out_dtype), dequantize(b, b_sinv, out_dtype), dims,
                                    precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
