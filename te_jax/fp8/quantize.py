@@ -182,10 +182,6 @@ def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
     # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
     def gemm(a, b, dims):
         if style == "qdq":
-            # The barrier keeps XLA from folding convert(convert(x -> f8) -> bf16) back to x (its excess-precision
-            # simplification), which left the dequantized dot a plain bf16 GEMM; behind it the GEMM rewriter sees
-            # dot(convert(f8) * scale_inv, convert(f8) * scale_inv), its pattern for a scaled cuBLASLt FP8 GEMM.
-            a, b = lax.optimization_barrier((a, b))
             return lax.dot_general(dequantize(a, a_sinv, out_dtype), dequantize(b, b_sinv, out_dtype), dims,
                                    precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
@@ -207,20 +203,35 @@ def _per_tensor_dot(x, w, state, dn, recipe, dtypes, style):
     return _per_tensor_fwd(x, w, state, dn, recipe, dtypes, style)[0]
 
 
-def _per_tensor_fwd(x, w, state, dn, recipe, dtypes, style):
-    fmt = recipe.fp8_format
-    fdt, fmax = fmt.fwd_dtype, fmt.max_fwd
+def _forward_scales(recipe, state, x, w):
+    """(scale of x, scale of w, the forward's updated state or None, the output-gradient state or None)."""
+    fmax = recipe.fp8_format.max_fwd
     ax, aw = amax(x), amax(w)
     if isinstance(recipe, DelayedScaling):
         sx, sw = _read_scale(state["input_scale"]), _read_scale(state["kernel_scale"])
         nx, hx = delayed_update(state["input_amax_history"], sx, ax, fmax, recipe.margin, recipe.amax_compute_algo)
         nw, hw = delayed_update(state["kernel_amax_history"], sw, aw, fmax, recipe.margin,
                                 recipe.amax_compute_algo)
-        fwd_state = (nx.reshape(1), hx, nw.reshape(1), hw)
-        g_state = (state["output_grad_scale"], state["output_grad_amax_history"])
-    else:  # current scaling: this tensor's own amax
-        sx, sw = compute_scale(ax, 1.0, fmax), compute_scale(aw, 1.0, fmax)
-        fwd_state = g_state = None
+        return sx, sw, (nx.reshape(1), hx, nw.reshape(1), hw), (state["output_grad_scale"],
+                                                                 state["output_grad_amax_history"])
+    # current scaling: this tensor's own amax
+    return compute_scale(ax, 1.0, fmax), compute_scale(aw, 1.0, fmax), None, None
+
+
+def _grad_scale(recipe, g_state, fwd_state, g):
+    """(scale of the output gradient g, the state's "gradient": the updated state, or None)."""
+    bmax = recipe.fp8_format.max_bwd
+    ag = amax(g)
+    if isinstance(recipe, DelayedScaling):
+        sg = _read_scale(g_state[0])
+        ng, hg = delayed_update(g_state[1], sg, ag, bmax, recipe.margin, recipe.amax_compute_algo)
+        return sg, dict(zip(STATE_KEYS, fwd_state + (ng.reshape(1), hg)))
+    return compute_scale(ag, 1.0, bmax), None
+
+
+def _per_tensor_fwd(x, w, state, dn, recipe, dtypes, style):
+    fdt = recipe.fp8_format.fwd_dtype
+    sx, sw, fwd_state, g_state = _forward_scales(recipe, state, x, w)
     xq, wq = quantize(x, sx, fdt), quantize(w, sw, fdt)
     sxi, swi = 1.0 / sx, 1.0 / sw
     y = _scaled_gemm(style, dtypes[2], sxi, swi)(xq, wq, dn)
@@ -229,16 +240,8 @@ def _per_tensor_fwd(x, w, state, dn, recipe, dtypes, style):
 
 def _per_tensor_bwd(dn, recipe, dtypes, style, res, g):
     xq, sxi, wq, swi, fwd_state, g_state = res
-    fmt = recipe.fp8_format
-    bdt, bmax = fmt.bwd_dtype, fmt.max_bwd
-    ag = amax(g)
-    if isinstance(recipe, DelayedScaling):
-        sg = _read_scale(g_state[0])
-        ng, hg = delayed_update(g_state[1], sg, ag, bmax, recipe.margin, recipe.amax_compute_algo)
-        state_ct = dict(zip(STATE_KEYS, fwd_state + (ng.reshape(1), hg)))
-    else:
-        sg = compute_scale(ag, 1.0, bmax)
-        state_ct = None
+    bdt = recipe.fp8_format.bwd_dtype
+    sg, state_ct = _grad_scale(recipe, g_state, fwd_state, g)
     gq = quantize(g, sg, bdt)
     sgi = 1.0 / sg
     dx = _transpose_lhs(gq, wq, xq.ndim, dn, _scaled_gemm(style, dtypes[0], sgi, swi))
@@ -312,6 +315,55 @@ def _block_bwd(dn, recipe, dtypes, res, g):
 _block_dot.defvjp(_block_fwd, _block_bwd)
 
 
+# --- dense GEMMs with every FP8 operand K-major ("TN", what cuBLASLt's FP8 GEMM takes) ----------------
+#
+# x [..., K...] . w [K..., N...] flattened to x2 [M, K], w2 [K, N]. Each of the three GEMMs contracts the
+# minor (last) axis of both operands, so XLA inserts no transpose of an FP8 array (its transposes of 1-byte
+# arrays ran at a tenth of the copy bandwidth on the H100: benchmarks/results/fp8_layer_h100.md). The transposed
+# FP8 copies come from quantizing a transposed view of the bf16 input instead, which XLA fuses into the cast:
+#   forward  y  = x2_q [M, K] . (w2^T)_q [N, K]
+#   dgrad    dx = g_q  [M, N] . w2_q     [K, N]      (w2_q saved from the forward)
+#   wgrad    dw = (x2^T)_q [K, M] . (g^T)_q [N, M]   ((x2^T)_q saved from the forward)
+
+_TN = (((1,), (1,)), ((), ()))
+
+
+def _tn_gemm(a, b, out_dtype, a_sinv, b_sinv):
+    y = lax.dot_general(a, b, _TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+    return (y.astype(jnp.float32) * (a_sinv * b_sinv).astype(jnp.float32)).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dense_tn_dot(x, w, state, n_contract, recipe, dtypes):
+    return _dense_tn_fwd(x, w, state, n_contract, recipe, dtypes)[0]
+
+
+def _dense_tn_fwd(x, w, state, n_contract, recipe, dtypes):
+    fdt = recipe.fp8_format.fwd_dtype
+    k = math.prod(x.shape[x.ndim - n_contract:])
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    sx, sw, fwd_state, g_state = _forward_scales(recipe, state, x2, w2)
+    sxi, swi = 1.0 / sx, 1.0 / sw
+    y = _tn_gemm(quantize(x2, sx, fdt), quantize(w2.T, sw, fdt), dtypes[2], sxi, swi)
+    res = (quantize(x2.T, sx, fdt), sxi, quantize(w2, sw, fdt), swi, fwd_state, g_state)
+    return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:]), res
+
+
+def _dense_tn_bwd(n_contract, recipe, dtypes, res, g):
+    """dtypes = (x dtype, w dtype, output dtype, x shape, w shape)."""
+    xtq, sxi, wq, swi, fwd_state, g_state = res
+    bdt = recipe.fp8_format.bwd_dtype
+    g2 = g.reshape(xtq.shape[1], wq.shape[1])
+    sg, state_ct = _grad_scale(recipe, g_state, fwd_state, g2)
+    sgi = 1.0 / sg
+    dx = _tn_gemm(quantize(g2, sg, bdt), wq, dtypes[0], sgi, swi)
+    dw = _tn_gemm(xtq, quantize(g2.T, sg, bdt), dtypes[1], sxi, sgi)
+    return dx.reshape(dtypes[3]), dw.reshape(dtypes[4]), state_ct
+
+
+_dense_tn_dot.defvjp(_dense_tn_fwd, _dense_tn_bwd)
+
+
 # --- public entry point ----------------------------------------------------------------------------
 
 def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_element_type=None,
@@ -352,6 +404,9 @@ def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_el
     style = gemm_style_override or gemm_style()
     if style not in GEMM_STYLES:
         raise ValueError(f"fp8_dot_general: gemm_style_override={style!r} must be one of {GEMM_STYLES}.")
+    if style == "direct" and _dense_split(dn, x.ndim, w.ndim) is not None:
+        return _dense_tn_dot(x, w, state, _dense_split(dn, x.ndim, w.ndim), recipe,
+                             dtypes + (tuple(x.shape), tuple(w.shape)))
     return _per_tensor_dot(x, w, state, dn, recipe, dtypes, style)
 
 
