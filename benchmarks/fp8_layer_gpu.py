@@ -62,6 +62,8 @@ def parse():
     p.add_argument("--trace", action="store_true",
                    help="profile 3 steps of each variant: device time per kernel category and the top ops; "
                         "optimized HLO to $OUT/fp8_hlo_<variant>.txt.gz")
+    p.add_argument("--flax-peer", action="store_true",
+                   help="add the same block in plain Flax with nn.Fp8DotGeneralOp Dense layers (and bf16), cuDNN attention")
     p.add_argument("--probe-small", action="store_true",
                    help="print the GEMM custom calls of one small FP8 DenseGeneral (K 128, N 256) step")
     return p.parse_args()
@@ -124,24 +126,37 @@ def main():
     if args.with_block:
         variants["Float8BlockScaling (reference)"] = (fp8.Float8BlockScaling(), "direct")
 
-    def loss_fn(params, state, x, ct):
-        v = {"params": params}
-        if state:
-            v[fp8.FP8_COLLECTION] = state
-        y = layer.apply(v, x, deterministic=True)
-        return jnp.mean(y.astype(jnp.float32) * ct)
+    peers = {}
+    if args.flax_peer:
+        from benchmarks.flax_fp8_peer import FlaxLlamaBlock
+        impl = None if smoke else "cudnn"
+        for label, on in (("flax bf16 Dense (peer)", False), ("flax nn.Fp8DotGeneralOp Dense (peer)", True)):
+            variants[label] = (None, "direct")
+            peers[label] = FlaxLlamaBlock(hidden=HID, heads=HEADS, kv_heads=KV, ffn=FFN, fp8=on, attn_impl=impl)
 
-    # ct is an argument, not a closed-over constant: as a constant, XLA constant-folds the amax of the output
-    # gradient (a reduction over B*S*HID elements), which took 79 s of compile time per FP8 variant.
-    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
+    def make_grad_fn(module):
+        def loss_fn(params, state, x, ct):
+            v = {"params": params}
+            if state:
+                v[fp8.FP8_COLLECTION] = state
+            y = module.apply(v, x, deterministic=True)
+            return jnp.mean(y.astype(jnp.float32) * ct)
+
+        # ct is an argument, not a closed-over constant: as a constant, XLA constant-folds the amax of the output
+        # gradient (a reduction over B*S*HID elements), which took 79 s of compile time per FP8 variant.
+        return jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
+
     steps, info = {}, {}
     for name, (recipe, style) in variants.items():
+        module = peers.get(name, layer)
+        grad_fn = make_grad_fn(module)
         with fp8.autocast(enabled=recipe is not None, recipe=recipe), gemm_style_env(style):
-            variables = jax.jit(lambda k: nn.meta.unbox(layer.init(k, x[:1, :8], deterministic=True)))(kp)
+            variables = jax.jit(lambda k: nn.meta.unbox(module.init(k, x[:1, :8], deterministic=True)))(kp)
             params, state = variables["params"], variables.get(fp8.FP8_COLLECTION, {})
             if name == "bf16":
                 base_params = params
-            params = base_params  # same weights for every variant
+            if name not in peers:
+                params = base_params  # same weights for every te_jax variant
             if recipe is not None:
                 log(f"\n== {name}: te_jax.fp8.explain ==")
                 log(str(fp8.explain(lambda: layer.apply({"params": params, **({fp8.FP8_COLLECTION: state}
