@@ -215,6 +215,28 @@ def import_tokamax(impl):
                      + (", xprof stand-in" if standin else ""))
 
 
+def import_fa3():
+    """(flash_attn3_jax module or None, one line saying what was found or why not). An optional peer: carry the
+    wheel from benchmarks/fetch_peer_wheels.sh and install it with benchmarks/install_peers.sh."""
+    try:
+        import flash_attn3_jax
+    except Exception as e:  # noqa: BLE001
+        return None, f"FlashAttention-3 (flash-attn3-jax) not importable: {type(e).__name__}: {str(e)[:200]}"
+    return flash_attn3_jax, f"FlashAttention-3: flash-attn3-jax {getattr(flash_attn3_jax, '__version__', '?')}"
+
+
+def make_fa3(fa3, scale, causal):
+    """flash_attn3_jax.flash_mha takes [B, S, H, D] and a Python-float softmax_scale."""
+    def f(q, k, v):
+        return fa3.flash_mha(q, k, v, softmax_scale=float(scale), is_causal=causal)
+
+    def fb(q, k, v, do):
+        out, vjp = jax.vjp(f, q, k, v)
+        return vjp(do)
+
+    return jax.jit(f), jax.jit(fb)
+
+
 def make_tokamax(tk, impl, scale, causal):
     """tokamax.dot_product_attention takes [B, S, H, D] like jax.nn.dot_product_attention."""
     def f(q, k, v):

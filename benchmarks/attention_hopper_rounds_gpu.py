@@ -9,7 +9,7 @@ implementation is timed once per round, `rounds` rounds in turn, and each cell i
 rounds. Three clocks per measurement: the host clock around back-to-back calls (`timing.measure`, as
 in attention_hopper_gpu.py), and from a profiler trace (`device_time.profiled`) the sum of GPU kernel
 durations ("kernel") and first-kernel-start to last-kernel-end per call ("span": gaps included). Implementations: the Hopper kernel (library defaults), cuDNN through
-jax.nn.dot_product_attention, and tokamax (mosaic) when importable. Before timing, each row checks the
+jax.nn.dot_product_attention, tokamax (mosaic) and FlashAttention-3 (flash-attn3-jax) when importable. Before timing, each row checks the
 Hopper kernel's output and gradients against cuDNN's (bf16: relative error well under 1e-2).
 TFLOP/s counts 4*B*H*S^2*D for the forward (half when causal), 3.5x that for forward+backward.
 """
@@ -41,6 +41,8 @@ def main():
     H = cases.ATTENTION_HIDDEN // D
     tk, tk_info = ahg.import_tokamax("mosaic")
     print(tk_info, flush=True)
+    fa3, fa3_info = ahg.import_fa3()
+    print(fa3_info, flush=True)
     ahg.gpu_warmup()
     scale = D ** -0.5
     table = []
@@ -52,6 +54,8 @@ def main():
                  "cuDNN": ahg.make_jax_nn("cudnn", scale, causal)}
         if tk is not None:
             impls["tokamax"] = ahg.make_tokamax(tk, "mosaic", scale, causal)
+        if fa3 is not None:
+            impls["FA3"] = ahg.make_fa3(fa3, scale, causal)
         ours, ref = impls["te_jax hopper"], impls["cuDNN"]
         errs = [ahg.rel(ours[0](q, k, v), ref[0](q, k, v))]
         errs += [ahg.rel(a, b) for a, b in zip(ours[1](q, k, v, do), ref[1](q, k, v, do))]
@@ -79,9 +83,9 @@ def main():
           f"bf16, H={H}, B*S={TOKENS}; median of {args.rounds} interleaved rounds; TFLOP/s; ratio = te_jax / best peer\n")
     for clock in CLOCKS:
         print(f"\n## clock: {clock}\n")
-        print("| seq | causal | te_jax fwd | cuDNN fwd | tokamax fwd | ratio fwd | te_jax fwd+bwd | cuDNN fwd+bwd "
-              "| tokamax fwd+bwd | ratio fwd+bwd |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| seq | causal | te_jax fwd | cuDNN fwd | tokamax fwd | FA3 fwd | ratio fwd | te_jax fwd+bwd "
+              "| cuDNN fwd+bwd | tokamax fwd+bwd | FA3 fwd+bwd | ratio fwd+bwd |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for S, causal, names, med in table:
             cells = []
             for d in ("fwd", "fwd+bwd"):
@@ -89,6 +93,7 @@ def main():
                 best = max(v for n, v in vals.items() if n != "te_jax hopper")
                 cells += [f"{vals['te_jax hopper']:.0f}", f"{vals['cuDNN']:.0f}",
                           f"{vals['tokamax']:.0f}" if "tokamax" in vals else "-",
+                          f"{vals['FA3']:.0f}" if "FA3" in vals else "-",
                           f"{vals['te_jax hopper'] / best:.2f}"]
             print(f"| {S} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
     return 0

@@ -10,6 +10,8 @@
 # benchmark puts a stand-in for `xprof.cli.tools` into sys.modules.  typing-extensions is fetched
 # because pydantic 2.14 asks for >= 4.16 and the image's version is not recorded (4.15 also
 # worked in a local import test).  Pins keep one version of each (two stop the install there).
+# FlashAttention-3 for JAX (flash-attn3-jax 0.2.3, a 23 MB cp312 wheel with its CUDA kernels; needs einops) is
+# the other attention peer: `flash_mha` / `flash_mha_varlen`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.whl}
@@ -24,6 +26,8 @@ PKGS=(
   annotated-types==0.8.0
   typing-inspection==0.4.5
   typing-extensions==4.16.0
+  flash-attn3-jax==0.2.3
+  einops==0.8.1
 )
 mkdir -p "$DEST"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
