@@ -252,3 +252,23 @@ def test_pytree_round_trip_under_jit():
     np.testing.assert_array_equal(np.asarray(dense_c), np.asarray(dense) & np.tril(np.ones((8, 8), bool)))
     f(m.replace(window=(2, -1)))
     assert len(traces) == 3
+
+
+# ----------------------------------------------------------------------------- a new mask kind at the front door
+def test_backends_that_list_mask_kinds_refuse_a_new_one():
+    """CONTRIBUTING's "Adding a mask kind": a kind added to te_jax/masks.py is refused by name where a backend
+    serves only some kinds (cudnn, the Hopper kernel), instead of being run as the causal mask its name suggests."""
+    import dataclasses
+
+    from te_jax import masks
+    from te_jax.attention import prepare_attention
+    from te_jax.backends.selection import BACKENDS
+
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+    call = prepare_attention(q, q, q, attn_mask_type="causal").call
+    gpu = dataclasses.replace(call, platform="gpu", compute_capability=(9, 0))
+    assert BACKENDS["cudnn"].unsupported_reason(gpu) is None  # the known kind is served
+    new = dataclasses.replace(gpu, mask=masks.MaskSpec("chunked_causal"))
+    assert new.mask.causal  # what a name-based check would have believed
+    assert "chunked_causal" in BACKENDS["cudnn"].unsupported_reason(new)
+    assert "chunked_causal" in BACKENDS["pallas"].hopper_reason(new)
