@@ -144,13 +144,11 @@ def make_jax_nn(impl, scale, causal):
 
 
 def make_portable(scale, causal):
-    from pallas_kernels.flash_attention import flash_attention
+    from pallas_kernels.flash_attention import AttentionMask, flash_attention
 
     def f(q, k, v):
-        B, S = q.shape[:2]
-        seg = jnp.ones((B, S), jnp.int32)
-        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        return flash_attention(q, k, v, seg, pos, seg, pos, scale=scale, causal=causal)[0]
+        mask = AttentionMask.full(q.shape[0], q.shape[1], k.shape[1], causal=causal)
+        return flash_attention(q, k, v, mask, scale=scale)[0]
 
     def fb(q, k, v, do):
         out, vjp = jax.vjp(f, q, k, v)

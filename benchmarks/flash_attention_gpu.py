@@ -30,6 +30,7 @@ import numpy as np
 from benchmarks import cases
 from benchmarks import timing as bench_timing
 from pallas_kernels.flash_attention import (
+    AttentionMask,
     BlockSizes,
     default_block_sizes,
     flash_attention,
@@ -71,6 +72,14 @@ def seg_pos(B, S, offset=0):
             jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) + offset, (B, S)))
 
 
+def mask_and_kwargs(qs, qp, ks, kp, kw):
+    """A case's kwargs split into its AttentionMask (causal, window_left/right) and the kernel's own."""
+    kw = dict(kw)
+    mask = AttentionMask(qs, qp, ks, kp, causal=kw.pop("causal", False),
+                         window=(kw.pop("window_left", -1), kw.pop("window_right", -1)))
+    return mask, kw
+
+
 def timeit(f, *args, n=20):
     """Median seconds per call, each call blocked on (benchmarks/timing.py, one call per sample)."""
     return bench_timing.measure(f, args, samples=n, warmup=1, inner=1)[0]
@@ -103,11 +112,12 @@ def correctness(tiny=False):
             qs, qp = seg_pos(B, Sq, off)
             ks, kp = seg_pos(B, Skv)
             scale = 1.0 / np.sqrt(Dqk)
+            mask, fkw = mask_and_kwargs(qs, qp, ks, kp, kw)
 
             def run(fn):
                 def f(q, k, v, do):
                     (o, lse), vjp = jax.vjp(
-                        lambda q, k, v: fn(q, k, v, qs, qp, ks, kp, scale=scale, **kw), q, k, v)
+                        lambda q, k, v: fn(q, k, v, mask, scale=scale, **fkw), q, k, v)
                     dlse = jnp.zeros_like(lse) + 0.1 * (lse > -jnp.inf)
                     return o, lse, vjp((do, dlse))
                 return jax.jit(f)(q, k, v, do)
@@ -131,11 +141,10 @@ def correctness(tiny=False):
 # ------------------------------------------------------------------------------ timing
 def attn_fns(impl, B, S, H, G, D, causal, block_sizes=None):
     scale = 1.0 / np.sqrt(D)
-    seg, pos = seg_pos(B, S)
+    mask = AttentionMask(*seg_pos(B, S), *seg_pos(B, S), causal=causal)
     if impl == "pallas":
         def fwd(q, k, v):
-            return flash_attention(q, k, v, seg, pos, seg, pos, scale=scale, causal=causal,
-                                   block_sizes=block_sizes)[0]
+            return flash_attention(q, k, v, mask, scale=scale, block_sizes=block_sizes)[0]
     else:
         def fwd(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
@@ -223,7 +232,7 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
     for causal in causals:
         for D in dims:
             q, k, v, do = inputs(B, S, S, H, H, D, D)
-            seg, pos = seg_pos(B, S)
+            mask = AttentionMask(*seg_pos(B, S), *seg_pos(B, S), causal=causal)
             scale = 1.0 / np.sqrt(D)
             ff = flops_fwd(B, S, H, D, causal)
             base = default_block_sizes(D, D, jnp.bfloat16)
@@ -240,8 +249,7 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
                                          num_stages=st)
                 try:
                     f = jax.jit(lambda q, k, v, bs=bs: flash_attention_fwd(
-                        q, k, v, seg, pos, seg, pos, scale=scale, causal=causal,
-                        block_sizes=bs))
+                        q, k, v, mask, scale=scale, block_sizes=bs))
                     t = timeit(f, q, k, v, n=n)
                     res.append((ff / t / 1e12, (bq, bk, w, st)))
                     log(f"[sweep] fwd D{D} causal={causal} bq{bq} bk{bk} w{w} s{st}: "
@@ -253,8 +261,7 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
                 best[("fwd", D, causal)] = max(res)
                 log(f"[sweep] BEST fwd D{D} causal={causal}: {max(res)}")
             # backward kernels: vary the dK/dV and the dQ parameters separately
-            o, lse = jax.jit(lambda q, k, v: flash_attention_fwd(
-                q, k, v, seg, pos, seg, pos, scale=scale, causal=causal))(q, k, v)
+            o, lse = jax.jit(lambda q, k, v: flash_attention_fwd(q, k, v, mask, scale=scale))(q, k, v)
             dkv_c = DKV_CANDIDATES_256 if big else [c + (False,) for c in DKV_CANDIDATES]
             dq_c = [c + (False,) for c in (DQ_CANDIDATES_256 if big else DQ_CANDIDATES)]
             for which, cands in (("dkv", dkv_c), ("dq", dq_c)):
@@ -277,8 +284,7 @@ def sweep(budget_s, B=4, S=4096, H=16, dims=(128, 64, 256), causals=(False, True
                                                  num_warps_dq=w, num_stages_bwd=st)
                     try:
                         f = jax.jit(lambda q, k, v, o, lse, do, bs=bs: flash_attention_bwd(
-                            q, k, v, seg, pos, seg, pos, None, o, lse, do, scale=scale,
-                            causal=causal, block_sizes=bs))
+                            q, k, v, mask, None, o, lse, do, scale=scale, block_sizes=bs))
                         t = timeit(f, q, k, v, o, lse, do, n=n)
                         res.append((2.5 * ff / t / 1e12, (bq, bk, w, st, split)))
                         log(f"[sweep] bwd({which} varied) D{D} causal={causal} bq{bq} bk{bk} "

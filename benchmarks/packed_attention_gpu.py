@@ -26,7 +26,8 @@ import re
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention import flash_attention, flash_attention_packed, packed_in_place_reason
+from pallas_kernels.flash_attention import (AttentionMask, flash_attention, flash_attention_packed,
+                                            packed_in_place_reason)
 from pallas_kernels.flash_attention.kernel import _Packed
 
 from benchmarks import timing
@@ -85,9 +86,8 @@ def main():
     log(f"# packed attention, {datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
     if jax.default_backend() != "gpu":
         log("# not a GPU: interpret mode, so the HLO consumers and timings below say nothing about the kernels")
-    seg = jnp.ones((B, S), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    kw = dict(scale=D ** -0.5, causal=True)
+    mask = AttentionMask.full(B, S, S, causal=True)
+    kw = dict(scale=D ** -0.5)
     rows = []
     for layout, h, g in (("bs3hd", 16, 16), ("bs(h+2g)d", 16, 4), ("bshd_bs2hd", 16, 4)):
         pk = _Packed(layout, h, g)
@@ -99,12 +99,11 @@ def main():
         ct = jax.random.normal(k3, (B, S, h, D), jnp.float32).astype(dt)
 
         def in_place(x):
-            return flash_attention_packed(x, seg, pos, seg, pos, layout=layout, num_heads=h, num_kv_heads=g,
-                                          **kw)[0]
+            return flash_attention_packed(x, mask, layout=layout, num_heads=h, num_kv_heads=g, **kw)[0]
 
         def split(x):
             q, kk, v = pk.split(x if pk.has_q else x[1])
-            return flash_attention(q if pk.has_q else x[0], kk, v, seg, pos, seg, pos, **kw)[0]
+            return flash_attention(q if pk.has_q else x[0], kk, v, mask, **kw)[0]
 
         def fwd_bwd(f):
             return jax.jit(lambda x: jax.vjp(f, x)[1](ct))

@@ -166,8 +166,7 @@ def te_attn_portable(q, k, v):
     from pallas_kernels import flash_attention as fa
 
     tm = masks.build_token_mask(masks.MaskSpec("causal"), "bshd", q.shape[0], q.shape[1], k.shape[1])
-    out, _ = fa.flash_attention(q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions,
-                                None, scale=SCALE, causal=True)
+    out, _ = fa.flash_attention(q, k, v, tm.with_rule(True, (-1, -1)), None, scale=SCALE)
     return out
 
 

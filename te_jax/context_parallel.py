@@ -12,13 +12,14 @@ Public functions:
 
 Ring (`strategy="ring"`): each device keeps its query block; K/V (with kv segment ids/positions)
 move one device along the ring per step with `lax.ppermute`, the next block being sent before the
-current one is computed on. Partial results merge exactly through the logsumexp. Per step a
-cheap test on the positions/segments of the two blocks (conservative: it may only compute too
-much, never too little) picks one of: skip the step, the full block pair, the query block against
-the first half of the K/V block, or the second half of the query block against the full K/V
-block. With the zig-zag layout (device r holds chunks r and 2N-1-r) this reproduces the classic
-schedule: step 0 is the causal diagonal, earlier K/V → all queries × first K/V half, later K/V →
-second query half × all K/V, so every device does the same work per step. The backward (a
+current one is computed on. Partial results merge exactly through the logsumexp. Per step the
+kernels' block classification (`pallas_kernels.mask.AttentionMask.block_classes` on the two local
+blocks, one tile per block half; conservative: it may only compute too much, never too little)
+picks one of: skip the step, the full block pair, the query block against the first half of the
+K/V block, or the second half of the query block against the full K/V block. With the zig-zag
+layout (device r holds chunks r and 2N-1-r) this reproduces the classic schedule: step 0 is the
+causal diagonal, earlier K/V → all queries × first K/V half, later K/V → second query half × all
+K/V, so every device does the same work per step. The backward (a
 `jax.custom_vjp`) runs the same ring: dQ accumulates locally, dK/dV accumulators (fp32) travel
 one step behind their K/V block and arrive home after a full turn; each step calls the inner
 backend's `backward` with the final out/lse. Memory per device is O(local sequence).
@@ -44,6 +45,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_kernels.mask import EMPTY, AttentionMask
 from te_jax import _compat, layouts, masks
 from te_jax.attention import prepare_attention
 from te_jax.backends.selection import BACKENDS, choose_backend, unavailable_error
@@ -145,47 +147,20 @@ class _Cfg:
     dense: bool = False  # ring: blocks run mask-free (diagonal causal, others full): the Hopper kernel
 
 
-_BIG = np.int32(2 ** 30)
-
-
-def _stats(seg, pos):
-    """Over the valid (segment != 0) tokens of a block: any, min/max position, min/max segment."""
-    valid = seg != 0
-    anyv = jnp.any(valid)
-    pmin = jnp.min(jnp.where(valid, pos, _BIG))
-    pmax = jnp.max(jnp.where(valid, pos, -_BIG))
-    smin = jnp.min(jnp.where(valid, seg, _BIG))
-    smax = jnp.max(jnp.where(valid, seg, -_BIG))
-    return anyv, pmin, pmax, smin, smax
-
-
-def _possible(cfg: _Cfg, qs, ks):
-    """False only if no query of block qs can see any key of block ks (a conservative bound)."""
-    qa, qpmin, qpmax, qsmin, qsmax = qs
-    ka, kpmin, kpmax, ksmin, ksmax = ks
-    ok = qa & ka & (ksmin <= qsmax) & (qsmin <= ksmax)
-    if cfg.causal:
-        ok &= kpmin <= qpmax
-    left, right = cfg.window
-    if left >= 0:
-        ok &= kpmax >= qpmin - left
-    if right >= 0:
-        ok &= kpmin <= qpmax + right
-    return ok
-
-
 def _branch(cfg: _Cfg, qseg, qpos, kseg, kpos):
-    """0: skip, 1: full block pair, 2: all queries × first K/V half, 3: second query half × all K/V."""
-    q_all, k_all = _stats(qseg, qpos), _stats(kseg, kpos)
-    full = _possible(cfg, q_all, k_all)
+    """0: skip, 1: full block pair, 2: all queries × first K/V half, 3: second query half × all K/V.
+
+    The block pair is classified as the kernels classify their tiles, one tile per block (per half of
+    each block with `halves`); a tile pair counts when it is not EMPTY in any batch row."""
+    sq, skv = qseg.shape[1], kseg.shape[1]
+    mask = AttentionMask(qseg, qpos, kseg, kpos, causal=cfg.causal, window=cfg.window)
     if not cfg.halves:
-        return full.astype(jnp.int32)
-    hq, hk = qseg.shape[1] // 2, kseg.shape[1] // 2
-    k2 = _stats(kseg[:, hk:], kpos[:, hk:])
-    q1 = _stats(qseg[:, :hq], qpos[:, :hq])
-    need_k2 = _possible(cfg, q_all, k2)
-    need_q1 = _possible(cfg, q1, k_all)
-    return jnp.where(~full, 0, jnp.where(~need_k2, 2, jnp.where(~need_q1, 3, 1))).astype(jnp.int32)
+        return jnp.any(mask.block_classes(sq, skv) != EMPTY).astype(jnp.int32)
+    need = jnp.any(mask.block_classes(sq // 2, skv // 2) != EMPTY, axis=0)  # [q half, kv half]
+    any_pair = jnp.any(need)
+    need_k2 = jnp.any(need[:, 1])  # some query sees the second K/V half
+    need_q1 = jnp.any(need[0, :])  # the first query half sees some key
+    return jnp.where(~any_pair, 0, jnp.where(~need_k2, 2, jnp.where(~need_q1, 3, 1))).astype(jnp.int32)
 
 
 def _fwd_call(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, diagonal=False):

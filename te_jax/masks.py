@@ -1,11 +1,9 @@
 """Mask types, and the per-token arrays every backend masks with.
 
-Every mask type reduces to four int32 arrays in canonical [batch, seq] form and a flag:
-
-  key j is visible to query i  iff  q_seg[i] == kv_seg[j] != 0
-                                  and (not causal or kv_pos[j] <= q_pos[i])
-                                  and (left < 0  or kv_pos[j] >= q_pos[i] - left)
-                                  and (right < 0 or kv_pos[j] <= q_pos[i] + right)
+Every mask type reduces to four int32 arrays in canonical [batch, seq] form (a `TokenMask`) and
+the call's causal flag and window; together they are a `pallas_kernels.mask.AttentionMask`
+(`TokenMask.with_rule`; re-exported here), whose module states the one visibility rule (same
+segment, not padding, and the causal / window bounds on positions) and implements it (`visible`).
 
 Segment id 0 is padding. Positions count from the start of each segment (top-left alignment)
 or, for the `*_bottom_right` types, from its end (q_pos = index - q_segment_end, likewise for
@@ -18,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.mask import AttentionMask, segment_positions, visible  # noqa: F401  (re-exported)
 
 MASK_TYPES = (
     "no_mask",
@@ -51,12 +51,18 @@ class MaskSpec:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TokenMask:
-    """Per-token segment ids and positions, [batch, seq] int32 each."""
+    """Per-token segment ids and positions, [batch, seq] int32 each: the data of an AttentionMask,
+    without the call's causal flag and window (backends receive those as arguments)."""
 
     q_segment_ids: jax.Array
     q_positions: jax.Array
     kv_segment_ids: jax.Array
     kv_positions: jax.Array
+
+    def with_rule(self, causal: bool, window) -> AttentionMask:
+        """The AttentionMask of these arrays under `causal` and `window` ((left, right), -1 unbounded)."""
+        return AttentionMask(self.q_segment_ids, self.q_positions, self.kv_segment_ids, self.kv_positions,
+                             causal=causal, window=window)
 
 
 def check_mask_type(attn_mask_type: str) -> MaskSpec:
@@ -109,21 +115,9 @@ def _check_seqlens_values(lens, argname, max_len, what):
                 f"Each length must be at most the padded sequence length.")
 
 
-def _segment_runs(seg):
-    """Start and (exclusive) end index of the run each token belongs to; seg [B, S]."""
-    s = seg.shape[1]
-    idx = jnp.arange(s, dtype=jnp.int32)[None, :]
-    new_run = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    start = jax.lax.cummax(jnp.where(new_run, idx, 0), axis=1)
-    run_end = jnp.concatenate([seg[:, 1:] != seg[:, :-1], jnp.ones_like(seg[:, :1], bool)], axis=1)
-    end = jax.lax.cummin(jnp.where(run_end, idx + 1, s), axis=1, reverse=True)
-    return start, end
-
-
 def _positions(seg, bottom_right: bool):
-    start, end = _segment_runs(seg)
-    idx = jnp.arange(seg.shape[1], dtype=jnp.int32)[None, :]
-    return (idx - end) if bottom_right else (idx - start)
+    """Positions within each run of equal segment ids (`pallas_kernels.mask.segment_positions`)."""
+    return segment_positions(seg, bottom_right=bottom_right)
 
 
 def _seqlens_to_batch_segments(lens, batch, seq_len):
@@ -281,9 +275,6 @@ def fold_dense_mask(bias, mask, neg):
 
 def dense_mask_rows_visible(tm: TokenMask, mask, *, causal, window):
     """[B, Sq, H|1, 1] bool: the query row sees at least one key under the token mask AND the dense mask."""
-    from pallas_kernels.flash_attention.reference import visibility_mask
-
-    vis = visibility_mask(tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, causal=causal,
-                          window_left=window[0], window_right=window[1])  # [B, Sq, Skv]
+    vis = tm.with_rule(causal, window).dense()  # [B, Sq, Skv]
     rows = jnp.any(vis[:, None] & jnp.logical_not(mask), axis=-1)  # [B, H|1, Sq]
     return jnp.transpose(rows, (0, 2, 1))[..., None]

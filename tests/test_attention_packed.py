@@ -18,7 +18,7 @@ import te_jax
 from jaxpr_walk import walk, walk_resolved
 from naive_attention import naive_attention, naive_mask
 from tolerance import rel_err
-from pallas_kernels.flash_attention import flash_attention_packed, packed_in_place_reason
+from pallas_kernels.flash_attention import AttentionMask, flash_attention_packed, packed_in_place_reason
 from pallas_kernels.flash_attention.kernel import _Packed
 
 B, H, D = 2, 4, 16
@@ -196,11 +196,11 @@ def test_head_dim_padding_falls_back_in_kernel():
     x = jax.random.normal(jax.random.key(0), pk.expected_shape(1, 16, 24))
     why = packed_in_place_reason(x, layout="bs3hd", num_heads=2)
     assert "head_dim 24" in why and "padded to 32" in why
-    seg, pos = jnp.ones((1, 16), jnp.int32), jnp.arange(16, dtype=jnp.int32)[None]
-    kw = dict(scale=0.2, causal=True, interpret=True)
-    out, lse = flash_attention_packed(x, seg, pos, seg, pos, layout="bs3hd", num_heads=2, **kw)
+    am = AttentionMask.full(1, 16, 16, causal=True)
+    kw = dict(scale=0.2, interpret=True)
+    out, lse = flash_attention_packed(x, am, layout="bs3hd", num_heads=2, **kw)
     from pallas_kernels.flash_attention import flash_attention
-    rout, rlse = flash_attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], seg, pos, seg, pos, **kw)
+    rout, rlse = flash_attention(x[:, :, 0], x[:, :, 1], x[:, :, 2], am, **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(rout))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(rlse))
 
@@ -208,18 +208,17 @@ def test_head_dim_padding_falls_back_in_kernel():
 def test_interleaved_forms_forward_equal_split():
     """bsh3d / bshd_bsh2d (head stride 3 / 2 in the index maps), forward: the same numbers as slicing."""
     from pallas_kernels.flash_attention import flash_attention
-    seg, pos = jnp.ones((1, 16), jnp.int32), jnp.arange(16, dtype=jnp.int32)[None]
-    kw = dict(scale=0.25, causal=True, interpret=True)
+    am = AttentionMask.full(1, 16, 16, causal=True)
+    kw = dict(scale=0.25, interpret=True)
     x = jax.random.normal(jax.random.key(0), (1, 16, 2, 3, D))
     assert packed_in_place_reason(x, layout="bsh3d", num_heads=2) is None
-    out, _ = flash_attention_packed(x, seg, pos, seg, pos, layout="bsh3d", num_heads=2, **kw)
-    rout, _ = flash_attention(x[..., 0, :], x[..., 1, :], x[..., 2, :], seg, pos, seg, pos, **kw)
+    out, _ = flash_attention_packed(x, am, layout="bsh3d", num_heads=2, **kw)
+    rout, _ = flash_attention(x[..., 0, :], x[..., 1, :], x[..., 2, :], am, **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(rout))
     q = jax.random.normal(jax.random.key(1), (1, 16, 4, D))
     kv = jax.random.normal(jax.random.key(2), (1, 16, 2, 2, D))
-    out, _ = flash_attention_packed((q, kv), seg, pos, seg, pos, layout="bshd_bsh2d", num_heads=4,
-                                    num_kv_heads=2, **kw)
-    rout, _ = flash_attention(q, kv[..., 0, :], kv[..., 1, :], seg, pos, seg, pos, **kw)
+    out, _ = flash_attention_packed((q, kv), am, layout="bshd_bsh2d", num_heads=4, num_kv_heads=2, **kw)
+    rout, _ = flash_attention(q, kv[..., 0, :], kv[..., 1, :], am, **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(rout))
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.flash_attention import (
+    AttentionMask,
     BlockSizes,
     block_schedule,
     default_block_sizes,
@@ -104,11 +105,11 @@ def check(*, B=2, Sq=48, Skv=48, H=4, G=4, Dqk=32, Dv=32, dtype=jnp.float32, cau
     scale = 1.0 / np.sqrt(Dqk)
     if mask is None:
         mask = dense_mask(qseg, qpos, kseg, kpos, causal, wl, wr)
-    kw = dict(scale=scale, softcap=softcap, causal=causal, window_left=wl, window_right=wr)
+    am = AttentionMask(qseg, qpos, kseg, kpos, causal=causal, window=(wl, wr))
 
     def flash(q, k, v, bias):
-        return flash_attention(q, k, v, qseg, qpos, kseg, kpos, bias, block_sizes=blocks,
-                               interpret=True, **kw)
+        return flash_attention(q, k, v, am, bias, scale=scale, softcap=softcap, block_sizes=blocks,
+                               interpret=True)
 
     def naive(q, k, v, bias):
         return naive_attention(q, k, v, mask, bias, scale, softcap)
@@ -272,22 +273,21 @@ def test_fwd_bwd_entry_points_with_dlse():
     B, S, H, G, D = 2, 40, 4, 2, 32
     q, k, v, _, dout, dlse = make_inputs(3, B, S, S, H, G, D, D, jnp.float32)
     seg, pos = jnp.ones((B, S), jnp.int32), iota(B, S)
-    kw = dict(scale=0.3, causal=True, window_left=17, block_sizes=SMALL, interpret=True)
-    out, lse = flash_attention_fwd(q, k, v, seg, pos, seg, pos, **kw)
-    out2, lse2 = flash_attention(q, k, v, seg, pos, seg, pos, **kw)
+    am = AttentionMask(seg, pos, seg, pos, causal=True, window=(17, -1))
+    kw = dict(scale=0.3, block_sizes=SMALL, interpret=True)
+    out, lse = flash_attention_fwd(q, k, v, am, **kw)
+    out2, lse2 = flash_attention(q, k, v, am, **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
-    dq, dk, dv, db = flash_attention_bwd(q, k, v, seg, pos, seg, pos, None, out, lse, dout,
-                                         dlse, **kw)
+    dq, dk, dv, db = flash_attention_bwd(q, k, v, am, None, out, lse, dout, dlse, **kw)
     assert db is None
     mask = dense_mask(seg, pos, seg, pos, True, 17, -1)
     _, vjp = jax.vjp(lambda q, k, v: naive_attention(q, k, v, mask, None, 0.3, None), q, k, v)
     for a, b in zip((dq, dk, dv), vjp((dout, dlse))):
         assert rel_err(a, b) < 1e-4
     # dlse=None equals dlse=0
-    g0 = flash_attention_bwd(q, k, v, seg, pos, seg, pos, None, out, lse, dout, None, **kw)
-    g1 = flash_attention_bwd(q, k, v, seg, pos, seg, pos, None, out, lse, dout,
-                             jnp.zeros_like(lse), **kw)
+    g0 = flash_attention_bwd(q, k, v, am, None, out, lse, dout, None, **kw)
+    g1 = flash_attention_bwd(q, k, v, am, None, out, lse, dout, jnp.zeros_like(lse), **kw)
     for a, b in zip(g0[:3], g1[:3]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
@@ -298,8 +298,8 @@ def test_reference_attention_matches_naive():
                                       (1, H, Sq, Skv))
     seg, qpos, kpos = jnp.ones((B, Sq), jnp.int32).at[0, -3:].set(0), iota(B, Sq, 8), iota(B, Skv)
     kseg = jnp.ones((B, Skv), jnp.int32)
-    out, lse = reference_attention(q, k, v, seg, qpos, kseg, kpos, bias, scale=0.2, softcap=3.0,
-                                   causal=True, window_left=6)
+    out, lse = reference_attention(q, k, v, AttentionMask(seg, qpos, kseg, kpos, causal=True, window=(6, -1)),
+                                   bias, scale=0.2, softcap=3.0)
     mask = dense_mask(seg, qpos, kseg, kpos, True, 6, -1)
     rout, rlse = naive_attention(q, k, v, mask, bias, 0.2, 3.0)
     assert rel_err(out, rout) < 1e-5
@@ -312,22 +312,22 @@ def test_block_schedule_counts():
     pos = iota(B, S)
     seg = jnp.ones((B, S), jnp.int32)
     nb = S // 16
-    causal = np.asarray(block_schedule(seg, pos, seg, pos, causal=True))[0]
+    causal = np.asarray(block_schedule(AttentionMask(seg, pos, seg, pos, causal=True)))[0]
     # q block i visits kv blocks 0..i; only the diagonal one is masked.
     np.testing.assert_array_equal(causal[:, 3] - causal[:, 0], np.arange(1, nb + 1))
     np.testing.assert_array_equal(causal[:, 2] - causal[:, 1], np.arange(nb))
-    causal_t = np.asarray(block_schedule(seg, pos, seg, pos, causal=True, transpose=True))[0]
+    causal_t = np.asarray(block_schedule(AttentionMask(seg, pos, seg, pos, causal=True), transpose=True))[0]
     np.testing.assert_array_equal(causal_t[:, 3] - causal_t[:, 0], np.arange(nb, 0, -1))
     # sliding window of 16 keys (left 15): at most 2 kv blocks per q block.
-    win = np.asarray(block_schedule(seg, pos, seg, pos, causal=True, window_left=15))[0]
+    win = np.asarray(block_schedule(AttentionMask(seg, pos, seg, pos, causal=True, window=(15, -1))))[0]
     assert np.all(win[:, 3] - win[:, 0] <= 2)
     assert np.all(win[:, 2] == win[:, 1])  # no full blocks: all masked
     # no mask: everything full.
-    nomask = np.asarray(block_schedule(seg, pos, seg, pos))[0]
+    nomask = np.asarray(block_schedule(AttentionMask(seg, pos, seg, pos)))[0]
     np.testing.assert_array_equal(nomask, np.tile([0, 0, nb, nb], (nb, 1)))
     # padding rows (segment 0) visit nothing.
     seg_p = seg.at[:, 96:].set(0)
-    pad = np.asarray(block_schedule(seg_p, pos, seg_p, pos))[0]
+    pad = np.asarray(block_schedule(AttentionMask(seg_p, pos, seg_p, pos)))[0]
     np.testing.assert_array_equal(pad[6:, 3] - pad[6:, 0], 0)
     np.testing.assert_array_equal(pad[:6], np.tile([0, 0, 6, 6], (6, 1)))
 
@@ -340,22 +340,23 @@ def test_skipped_blocks_are_not_touched():
     pos, seg = iota(B, S), jnp.ones((B, S), jnp.int32)
     k_bad = k.at[:, 48:].set(jnp.nan)
     v_bad = v.at[:, 48:].set(jnp.nan)
-    kw = dict(scale=0.2, causal=True, block_sizes=SMALL, interpret=True)
-    out, lse = flash_attention(q, k_bad, v_bad, seg, pos, seg, pos, **kw)
-    rout, rlse = flash_attention(q, k, v, seg, pos, seg, pos, **kw)
+    am = AttentionMask(seg, pos, seg, pos, causal=True)
+    kw = dict(scale=0.2, block_sizes=SMALL, interpret=True)
+    out, lse = flash_attention(q, k_bad, v_bad, am, **kw)
+    rout, rlse = flash_attention(q, k, v, am, **kw)
     np.testing.assert_allclose(np.asarray(out[:, :48]), np.asarray(rout[:, :48]), atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse[:, :, :48]), np.asarray(rlse[:, :, :48]),
                                atol=1e-6)
     # dQ kernel skips the same blocks.
     w = w_out.at[:, 48:].set(0.0)
     dq = jax.grad(lambda q: jnp.sum(
-        flash_attention(q, k_bad, v_bad, seg, pos, seg, pos, **kw)[0][:, :48] * w[:, :48]))(q)
+        flash_attention(q, k_bad, v_bad, am, **kw)[0][:, :48] * w[:, :48]))(q)
     assert np.all(np.isfinite(np.asarray(dq[:, :48])))
     # dK/dV kernel: with causal, keys j >= 16 never see queries < 16, so NaN queries there
     # must not reach those keys' gradients.
     q_bad = q.at[:, :16].set(jnp.nan)
     dk = jax.grad(lambda k: jnp.sum(
-        flash_attention(q_bad, k, v, seg, pos, seg, pos, **kw)[0][:, 16:] * w_out[:, 16:]))(k)
+        flash_attention(q_bad, k, v, am, **kw)[0][:, 16:] * w_out[:, 16:]))(k)
     assert np.all(np.isfinite(np.asarray(dk[:, 16:])))
 
 

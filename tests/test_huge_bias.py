@@ -14,7 +14,7 @@ import pytest
 
 import te_jax
 from naive_attention import naive_mask
-from pallas_kernels.flash_attention import flash_attention_fwd, reference_attention
+from pallas_kernels.flash_attention import AttentionMask, flash_attention_fwd, reference_attention
 
 S, D = 64, 32
 F32 = jnp.finfo(jnp.float32)
@@ -133,8 +133,9 @@ def test_huge_bias_lse_and_packed_input():
     bias = 0.5 * jax.random.normal(jax.random.key(9), (1, 1, S, S))
     bias = bias.at[:, :, 3, :].set(F32.min).at[:, :, 4, :].set(-1e9).at[:, :, 5, :].set(-jnp.inf)
     bias = bias.at[:, :, 6, ::2].set(-2.0 ** 27)
-    out, lse = flash_attention_fwd(q, k, v, seg, pos, seg, pos, bias, scale=D ** -0.5)
-    rout, rlse = reference_attention(q, k, v, seg, pos, seg, pos, bias, scale=D ** -0.5)
+    am = AttentionMask(seg, pos, seg, pos)
+    out, lse = flash_attention_fwd(q, k, v, am, bias, scale=D ** -0.5)
+    rout, rlse = reference_attention(q, k, v, am, bias, scale=D ** -0.5)
     _close("out", out, rout, 1e-5)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(rlse))
     fin = np.isfinite(np.asarray(rlse))

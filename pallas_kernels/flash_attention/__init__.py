@@ -1,6 +1,7 @@
 """Portable (Triton-lowered) Pallas flash attention, forward and backward.
 
-See kernel.py for the design (mask rule, block skipping, padding).
+See kernel.py for the design (block skipping, padding) and pallas_kernels/mask.py for the mask
+(`AttentionMask`, re-exported here) that every entry point takes.
 """
 from pallas_kernels.flash_attention.kernel import (
     BlockSizes,
@@ -13,9 +14,11 @@ from pallas_kernels.flash_attention.kernel import (
     packed_in_place_reason,
     PACKED_LAYOUTS,
 )
-from pallas_kernels.flash_attention.reference import reference_attention, visibility_mask
+from pallas_kernels.flash_attention.reference import reference_attention
+from pallas_kernels.mask import AttentionMask
 
 __all__ = [
+    "AttentionMask",
     "BlockSizes",
     "block_schedule",
     "default_block_sizes",
@@ -26,5 +29,4 @@ __all__ = [
     "packed_in_place_reason",
     "PACKED_LAYOUTS",
     "reference_attention",
-    "visibility_mask",
 ]

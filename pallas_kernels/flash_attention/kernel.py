@@ -4,14 +4,14 @@ Layout (canonical): q [B, Sq, H, Dqk], k [B, Skv, G, Dqk], v [B, Skv, G, Dv], H 
 query head h reads kv head h // (H // G) through the BlockSpec index maps (K/V are never
 repeated in memory).
 
-Masking: one rule for every mask type. Key j is visible to query i iff
-``q_seg[i] == kv_seg[j] != 0`` and (not causal or ``kv_pos[j] <= q_pos[i]``) and the
-window conditions on positions hold.
+Masking: the entry points take a `pallas_kernels.mask.AttentionMask` (segment ids and positions
+per token, a static causal flag and window). Its rule, `mask.visible` (same nonzero segment, and
+the causal / window bounds on positions), is applied to every tile computed with a mask.
 
-Block skipping: before each pallas_call the wrapper computes, in XLA, per-block min/max of
-segment ids and positions and classifies every (q block, kv block) pair as *empty* (no
-visible key possible), *full* (every key visible) or *partial*. For each row of blocks it
-passes four int32 loop bounds ``lo <= flo <= fhi <= hi`` to the kernel: blocks outside
+Block skipping: before each pallas_call the wrapper classifies, in XLA, every (q block, kv block)
+pair as *empty* (no visible key possible), *full* (every key visible) or *partial*
+(`AttentionMask.block_classes`, from per-block ranges of segment ids and positions of the
+non-padding tokens). For each row of blocks it passes four int32 loop bounds ``lo <= flo <= fhi <= hi`` to the kernel: blocks outside
 ``[lo, hi)`` are never loaded nor computed; ``[flo, fhi)`` is a run of full blocks computed
 without any mask arithmetic; the rest of ``[lo, hi)`` is computed with the per-element mask.
 The forward and dQ kernels loop over kv blocks with these bounds, the dK/dV kernel loops over
@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import default_interpret, pl, triton_params
-
 from .._lower_once import lower_once
+from ..mask import EMPTY, FULL, AttentionMask, visible
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -94,15 +94,14 @@ class BlockSizes:
                 self.num_warps_dq or self.num_warps_bwd)
 
 
-# (max head dim, 2-byte dtype?) -> BlockSizes, measured on H100 (jax 0.11.2, Triton lowering);
-# see benchmarks/flash_attention_gpu.py --sweep and benchmarks/results/flash_attention_h100.md.
+# (max head dim, 2-byte dtype?) -> BlockSizes, tuned on the H100 with benchmarks/flash_attention_gpu.py --sweep
+# (results: benchmarks/results/flash_attention_h100.md).
 _TABLE_16BIT = (
     (64, BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3, num_warps_bwd=4,
                     num_stages_bwd=2)),
     (128, BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=2, num_warps_bwd=4,
                      num_stages_bwd=2)),
-    # hd > 128: split dK/dV kernels (one accumulator each): backward 15.6 -> 11.0 ms at
-    # B4 S4096 H16 D256 (H100 sweep, run 3).
+    # hd > 128: split dK/dV kernels, one fp32 accumulator each, which relieves register pressure.
     (256, BlockSizes(64, 64, 64, 64, num_warps=4, num_stages=3, num_warps_bwd=4,
                      num_stages_bwd=2, block_q_dq=64, block_kv_dq=64, num_warps_dq=4,
                      split_dkv=True)),
@@ -138,20 +137,29 @@ def _next_pow2(x: int) -> int:
 class _Cfg:
     scale: float
     softcap: float | None
-    causal: bool
-    window_left: int
-    window_right: int
+    causal: bool  # the mask's static rule (AttentionMask.causal / .window), for the in-kernel mask
+    window: tuple[int, int]
     blocks: BlockSizes
     interpret: bool
 
 
-def _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes, interpret):
+def _make_cfg(q, v, mask: AttentionMask | None, scale, softcap, block_sizes, interpret):
     if block_sizes is None:
         block_sizes = default_block_sizes(q.shape[-1], v.shape[-1], q.dtype)
     if interpret is None:
         interpret = default_interpret()
-    return _Cfg(float(scale), None if softcap is None else float(softcap), bool(causal),
-                int(window_left), int(window_right), block_sizes, bool(interpret))
+    causal, window = (False, (-1, -1)) if mask is None else (mask.causal, mask.window)
+    return _Cfg(float(scale), None if softcap is None else float(softcap), causal, window, block_sizes,
+                bool(interpret))
+
+
+def _check_mask(mask, fn: str) -> AttentionMask:
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(
+            f"{fn}: mask must be a pallas_kernels.mask.AttentionMask (segment ids and positions [batch, seq], "
+            f"causal, window), got {type(mask).__name__}; e.g. AttentionMask(q_segment_ids, q_positions, "
+            f"kv_segment_ids, kv_positions, causal=True) or AttentionMask.full(batch, q_len, kv_len)")
+    return mask
 
 
 def _seq_block(block: int, seq: int) -> int:
@@ -267,36 +275,11 @@ class _Heads:
 # --------------------------------------------------------------------------------------
 # Block schedule (computed in XLA from the dynamic segment ids / positions)
 # --------------------------------------------------------------------------------------
-def _block_stats(seg, pos, block):
-    B, S = seg.shape
-    s = seg.reshape(B, S // block, block)
-    p = pos.reshape(B, S // block, block)
-    return s.min(-1), s.max(-1), p.min(-1), p.max(-1)
-
-
-def _block_classes(cfg: _Cfg, qseg, qpos, kseg, kpos, bq, bk):
-    """(possible, full), bool [B, nq, nk]: some / every (query, key) pair of a block visible."""
-    qsmin, qsmax, qpmin, qpmax = (x[:, :, None] for x in _block_stats(qseg, qpos, bq))
-    ksmin, ksmax, kpmin, kpmax = (x[:, None, :] for x in _block_stats(kseg, kpos, bk))
-    q_all_pad = (qsmin == 0) & (qsmax == 0)
-    k_all_pad = (ksmin == 0) & (ksmax == 0)
-    possible = (qsmin <= ksmax) & (ksmin <= qsmax) & ~q_all_pad & ~k_all_pad
-    full = (qsmin == qsmax) & (ksmin == ksmax) & (qsmin == ksmin) & (qsmin != 0)
-    if cfg.causal:
-        possible &= kpmin <= qpmax
-        full &= kpmax <= qpmin
-    if cfg.window_left >= 0:
-        possible &= kpmax >= qpmin - cfg.window_left
-        full &= kpmin >= qpmax - cfg.window_left
-    if cfg.window_right >= 0:
-        possible &= kpmin <= qpmax + cfg.window_right
-        full &= kpmax <= qpmin + cfg.window_right
-    return possible, full & possible
-
-
-def _loop_bounds(possible, full):
-    """Reduce the last axis to int32 [..., 4] = (lo, flo, fhi, hi), see module docstring."""
-    n = possible.shape[-1]
+def _loop_bounds(classes):
+    """Reduce the last axis of int8 block classes (`AttentionMask.block_classes`) to int32
+    [..., 4] = (lo, flo, fhi, hi), see module docstring."""
+    possible, full = classes != EMPTY, classes == FULL
+    n = classes.shape[-1]
     idx = jnp.arange(n, dtype=jnp.int32)
     hi = jnp.max(jnp.where(possible, idx + 1, 0), axis=-1)
     lo = jnp.minimum(jnp.min(jnp.where(possible, idx, n), axis=-1), hi)
@@ -308,20 +291,14 @@ def _loop_bounds(possible, full):
     return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
 
 
-def block_schedule(q_segment_ids, q_positions, kv_segment_ids, kv_positions, *, causal=False,
-                   window_left=-1, window_right=-1, block_q=16, block_kv=16,
-                   transpose=False):
+def block_schedule(mask: AttentionMask, *, block_q=16, block_kv=16, transpose=False):
     """Debug hook: the (lo, flo, fhi, hi) loop bounds the kernels use, int32 [B, n_rows, 4].
 
     Rows are q blocks (forward / dQ) or, with transpose=True, kv blocks (dK/dV). Sequence
-    lengths must be multiples of the blocks. ``hi - lo`` is the number of blocks visited.
+    lengths are padded to multiples of the blocks. ``hi - lo`` is the number of blocks visited.
     """
-    cfg = _Cfg(1.0, None, causal, window_left, window_right, BlockSizes(), True)
-    possible, full = _block_classes(cfg, q_segment_ids, q_positions, kv_segment_ids,
-                                    kv_positions, block_q, block_kv)
-    if transpose:
-        possible, full = possible.swapaxes(1, 2), full.swapaxes(1, 2)
-    return _loop_bounds(possible, full)
+    classes = _check_mask(mask, "block_schedule").block_classes(block_q, block_kv)
+    return _loop_bounds(classes.swapaxes(1, 2) if transpose else classes)
 
 
 # --------------------------------------------------------------------------------------
@@ -366,19 +343,12 @@ def _bwd_probs(s, shift, ll):
 
 
 def _mask(cfg: _Cfg, qseg, qpos, kseg, kpos, transpose=False):
-    """Visibility for a [len(q), len(k)] tile (or [len(k), len(q)] if transpose)."""
+    """`mask.visible` on a [len(q), len(k)] tile (or [len(k), len(q)] if transpose)."""
     if transpose:
         qs, qp, ks, kp = qseg[None, :], qpos[None, :], kseg[:, None], kpos[:, None]
     else:
         qs, qp, ks, kp = qseg[:, None], qpos[:, None], kseg[None, :], kpos[None, :]
-    mask = (qs == ks) & (qs != 0)
-    if cfg.causal:
-        mask &= kp <= qp
-    if cfg.window_left >= 0:
-        mask &= kp >= qp - cfg.window_left
-    if cfg.window_right >= 0:
-        mask &= kp <= qp + cfg.window_right
-    return mask
+    return visible(qs, qp, ks, kp, causal=cfg.causal, window=cfg.window)
 
 
 def _run_schedule(meta_ref, body, carry):
@@ -461,8 +431,8 @@ def _bias_spec(bias, block, index):
                                                         i, j))(*index(*g)))
 
 
-def _prepare(cfg, heads: _Heads, q, k, v, qseg, qpos, kseg, kpos, bias):
-    """Pad sequences/head dims; returns padded arrays and geometry.
+def _prepare(cfg, heads: _Heads, q, k, v, mask: AttentionMask, bias):
+    """Pad sequences/head dims; returns the geometry, the padded arrays and the padded mask.
 
     An array that needs no padding is returned as is (the same traced value): a packed tensor
     passed as q, k and v stays one operand of the kernels.
@@ -479,16 +449,21 @@ def _prepare(cfg, heads: _Heads, q, k, v, qseg, qpos, kseg, kpos, bias):
     q = _pad_axis(_pad_axis(q, 1, geo.sq_pad), 3, geo.dqk_pad)
     k = _pad_axis(_pad_axis(k, 1, geo.skv_pad), 3, geo.dqk_pad)
     v = _pad_axis(_pad_axis(v, 1, geo.skv_pad), 3, geo.dv_pad)
-    qseg = _pad_axis(qseg.astype(jnp.int32), 1, geo.sq_pad)
-    kseg = _pad_axis(kseg.astype(jnp.int32), 1, geo.skv_pad)
-    qpos = _pad_axis(qpos.astype(jnp.int32), 1, geo.sq_pad)
-    kpos = _pad_axis(kpos.astype(jnp.int32), 1, geo.skv_pad)
+    if (mask.batch, mask.q_len, mask.kv_len) != (B, Sq, Skv):
+        raise ValueError(f"mask arrays [{mask.batch}, {mask.q_len}] / [{mask.batch}, {mask.kv_len}] do not "
+                         f"match q{q.shape} k{k.shape}: expected [{B}, {Sq}] / [{B}, {Skv}]")
+    mask = mask.pad(geo.sq_pad, geo.skv_pad)  # padded tokens get segment 0: the mask hides them
     if bias is not None:
         if bias.ndim != 4 or bias.shape[0] not in (1, B) or bias.shape[1] not in (1, H) or \
                 bias.shape[2:] != (Sq, Skv):
             raise ValueError(f"bias shape {bias.shape} is not [1|B, 1|H, Sq, Skv]")
         bias = _pad_axis(_pad_axis(bias, 2, geo.sq_pad), 3, geo.skv_pad)
-    return geo, q, k, v, qseg, qpos, kseg, kpos, bias
+    return geo, q, k, v, mask, bias
+
+
+def _mask_arrays(mask: AttentionMask):
+    """The four arrays the kernels take, in their operand order."""
+    return [mask.q_segment_ids, mask.q_positions, mask.kv_segment_ids, mask.kv_positions]
 
 
 def _q_row_specs(nq, bq, skv, dqk, dv, heads: _Heads):
@@ -508,19 +483,18 @@ def _q_row_specs(nq, bq, skv, dqk, dv, heads: _Heads):
     ]
 
 
-def _fwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg, kpos, bias):
+def _fwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, mask: AttentionMask, bias):
     B, Sqp, _, Dqk = q.shape
     H = heads.h
     Skvp, Dv = k.shape[1], v.shape[-1]
     bq, bk = geo.bq, geo.bk
     nq = Sqp // bq
-    possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
-    meta = _loop_bounds(possible, full)  # [B, nq, 4]
+    meta = _loop_bounds(mask.block_classes(bq, bk))  # [B, nq, 4]
     # Program i handles q block nq-1-i: under a causal mask the longest rows start first,
     # which shortens the tail of the launch.
     grid = (nq, B, H)
     in_specs = _q_row_specs(nq, bq, Skvp, Dqk, Dv, heads)
-    args = [meta, q, k, v, qseg, qpos, kseg, kpos]
+    args = [meta, q, k, v, *_mask_arrays(mask)]
     if bias is not None:
         in_specs.append(_bias_spec(bias, (bq, Skvp), lambda i, b, h: (b, h, nq - 1 - i, 0)))
         args.append(bias)
@@ -543,13 +517,13 @@ def _fwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
 
 
 @lower_once(static_argnames=("cfg", "heads", "with_stats"))
-def _fwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, heads: _Heads | None = None,
+def _fwd_impl(cfg: _Cfg, q, k, v, mask: AttentionMask, bias, heads: _Heads | None = None,
               with_stats: bool = False):
     """(out, lse), or (out, lse, stats) with with_stats: stats is the (row max, log l) pair
     the backward needs with a bias (natural units, [B, H, Sq] f32 each), None without one."""
     heads = heads or _Heads.of(q, k)
     Sq, Dv = q.shape[1], v.shape[-1]
-    geo, *padded = _prepare(cfg, heads, q, k, v, qseg, qpos, kseg, kpos, bias)
+    geo, *padded = _prepare(cfg, heads, q, k, v, mask, bias)
     out, lse, stats = _fwd_padded(cfg, geo, heads, *padded)
     out, lse = out[:, :Sq, :, :Dv], lse[:, :, :Sq]
     if not with_stats:
@@ -689,7 +663,7 @@ def _bwd_stats(lse, stats, has_bias):
             jnp.where(empty, 0.0, ll).astype(jnp.float32))
 
 
-def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg, kpos, bias, out,
+def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, mask: AttentionMask, bias, out,
                 lse2, ll, dout, dlse):
     """lse2, ll: `_bwd_stats` (padded rows 0)."""
     B, Sqp, _, Dqk = q.shape
@@ -706,8 +680,7 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
     # ---- dK / dV: grid over (kv blocks, B, kv heads), loop over q heads of the group.
     bq, bk = geo.bq_b, geo.bk_b
     nk = Skvp // bk
-    possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
-    meta_kv = _loop_bounds(possible.swapaxes(1, 2), full.swapaxes(1, 2))  # [B, nk, 4]
+    meta_kv = _loop_bounds(mask.block_classes(bq, bk).swapaxes(1, 2))  # [B, nk, 4]
     in_specs = [
         pl.BlockSpec((None, None, 4), lambda j, b, g: (b, j, 0)),
         pl.BlockSpec((None, Sqp, rep, Dqk), lambda j, b, g: (b, 0, heads.q_group(g), 0)),
@@ -721,7 +694,7 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
         pl.BlockSpec((None, rep, Sqp), lambda j, b, g: (b, g, 0)),
         pl.BlockSpec((None, rep, Sqp), lambda j, b, g: (b, g, 0)),
     ]
-    args = [meta_kv, q, k, v, qseg, qpos, kseg, kpos, dout, lse2, delta]
+    args = [meta_kv, q, k, v, *_mask_arrays(mask), dout, lse2, delta]
     if has_bias:
         in_specs.append(pl.BlockSpec((None, rep, Sqp), lambda j, b, g: (b, g, 0)))
         args.append(ll)
@@ -762,14 +735,13 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
     # ---- dQ (and per-element dS for the bias gradient): grid over (q blocks, B, H).
     bq, bk, warps_dq = geo.bq_dq, geo.bk_dq, blocks.dq_blocks[2]
     nq, nk = Sqp // bq, Skvp // bk
-    possible, full = _block_classes(cfg, qseg, qpos, kseg, kpos, bq, bk)
-    meta_q = _loop_bounds(possible, full)  # [B, nq, 4]
+    meta_q = _loop_bounds(mask.block_classes(bq, bk))  # [B, nq, 4]
     in_specs = _q_row_specs(nq, bq, Skvp, Dqk, Dv, heads) + [
         pl.BlockSpec((None, bq, None, Dv), lambda i, b, h: (b, nq - 1 - i, h, 0)),
         pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)),
         pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i)),
     ]
-    args = [meta_q, q, k, v, qseg, qpos, kseg, kpos, dout, lse2, delta]
+    args = [meta_q, q, k, v, *_mask_arrays(mask), dout, lse2, delta]
     out_specs = [pl.BlockSpec((None, bq, None, Dqk), lambda i, b, h: (b, nq - 1 - i, h, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, Sqp, H, Dqk), q.dtype)]
     if has_bias:
@@ -802,20 +774,19 @@ def _bwd_padded(cfg: _Cfg, geo: _Geom, heads: _Heads, q, k, v, qseg, qpos, kseg,
 
 
 @lower_once(static_argnames=("cfg", "heads"))
-def _bwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse,
+def _bwd_impl(cfg: _Cfg, q, k, v, mask: AttentionMask, bias, out, lse, dout, dlse,
               heads: _Heads | None = None, stats=None):
     heads = heads or _Heads.of(q, k)
     Sq, Skv, Dqk, Dv = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-    geo, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp = _prepare(
-        cfg, heads, q, k, v, qseg, qpos, kseg, kpos, bias)
+    geo, qp, kp, vp, maskp, biasp = _prepare(cfg, heads, q, k, v, mask, bias)
     outp = _pad_axis(_pad_axis(out, 1, geo.sq_pad), 3, geo.dv_pad)
     doutp = _pad_axis(_pad_axis(dout.astype(out.dtype), 1, geo.sq_pad), 3, geo.dv_pad)
     shift, ll = _bwd_stats(lse, stats, bias is not None)
     shift = _pad_axis(shift, 2, geo.sq_pad)
     ll = None if ll is None else _pad_axis(ll, 2, geo.sq_pad)
     dlsep = None if dlse is None else _pad_axis(dlse, 2, geo.sq_pad)
-    dq, dk, dv, dbias = _bwd_padded(cfg, geo, heads, qp, kp, vp, qsegp, qposp, ksegp, kposp, biasp,
-                                    outp, shift, ll, doutp, dlsep)
+    dq, dk, dv, dbias = _bwd_padded(cfg, geo, heads, qp, kp, vp, maskp, biasp, outp, shift, ll, doutp,
+                                    dlsep)
     dq = dq[:, :Sq, :, :Dqk]
     dk = dk[:, :Skv, :, :Dqk]
     dv = dv[:, :Skv, :, :Dv]
@@ -828,63 +799,56 @@ def _bwd_impl(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout, 
 # custom_vjp and public entry points
 # --------------------------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
-    return _fwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias)
+def _flash(cfg, q, k, v, mask, bias):
+    return _fwd_impl(cfg, q, k, v, mask, bias)
 
 
-def _flash_fwd(cfg, q, k, v, qseg, qpos, kseg, kpos, bias):
-    out, lse, stats = _fwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias, with_stats=True)
-    return (out, lse), (q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, stats)
+def _flash_fwd(cfg, q, k, v, mask, bias):
+    out, lse, stats = _fwd_impl(cfg, q, k, v, mask, bias, with_stats=True)
+    return (out, lse), (q, k, v, mask, bias, out, lse, stats)
 
 
 def _flash_bwd(cfg, res, cts):
-    q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, stats = res
+    q, k, v, mask, bias, out, lse, stats = res
     dout, dlse = cts
-    dq, dk, dv, dbias = _bwd_impl(cfg, q, k, v, qseg, qpos, kseg, kpos, bias, out, lse, dout,
-                                  dlse, stats=stats)
-    return dq, dk, dv, None, None, None, None, dbias
+    dq, dk, dv, dbias = _bwd_impl(cfg, q, k, v, mask, bias, out, lse, dout, dlse, stats=stats)
+    return dq, dk, dv, None, dbias  # None: no cotangent for the (integer) mask
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
-_STATIC = ("scale", "softcap", "causal", "window_left", "window_right", "block_sizes",
-           "interpret")
+_STATIC = ("scale", "softcap", "block_sizes", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def flash_attention(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
-                    bias=None, *, scale: float, softcap: float | None = None,
-                    causal: bool = False, window_left: int = -1, window_right: int = -1,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+def flash_attention(q, k, v, mask: AttentionMask, bias=None, *, scale: float,
+                    softcap: float | None = None, block_sizes: BlockSizes | None = None,
+                    interpret: bool | None = None):
     """Flash attention with a custom VJP. Returns (out [B,Sq,H,Dv] q.dtype, lse [B,H,Sq] f32).
 
+    mask: an `AttentionMask` ([B, Sq] / [B, Skv] segment ids and positions, causal, window).
     Differentiable in q, k, v, bias, including through lse (a nonzero lse cotangent enters
     the backward as delta = rowsum(dout * out) - dlse).
     """
-    cfg = _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes,
-                    interpret)
-    return _flash(cfg, q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
-                  bias)
+    mask = _check_mask(mask, "flash_attention")
+    cfg = _make_cfg(q, v, mask, scale, softcap, block_sizes, interpret)
+    return _flash(cfg, q, k, v, mask, bias)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def flash_attention_fwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
-                        bias=None, *, scale: float, softcap: float | None = None,
-                        causal: bool = False, window_left: int = -1, window_right: int = -1,
-                        block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+def flash_attention_fwd(q, k, v, mask: AttentionMask, bias=None, *, scale: float,
+                        softcap: float | None = None, block_sizes: BlockSizes | None = None,
+                        interpret: bool | None = None):
     """Forward only (no custom_vjp): (out, lse). For context parallelism."""
-    cfg = _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes,
-                    interpret)
-    return _fwd_impl(cfg, q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
-                     bias)
+    mask = _check_mask(mask, "flash_attention_fwd")
+    cfg = _make_cfg(q, v, mask, scale, softcap, block_sizes, interpret)
+    return _fwd_impl(cfg, q, k, v, mask, bias)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def flash_attention_bwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
-                        bias, out, lse, dout, dlse=None, *, scale: float,
-                        softcap: float | None = None, causal: bool = False,
-                        window_left: int = -1, window_right: int = -1,
-                        block_sizes: BlockSizes | None = None, interpret: bool | None = None):
+def flash_attention_bwd(q, k, v, mask: AttentionMask, bias, out, lse, dout, dlse=None, *, scale: float,
+                        softcap: float | None = None, block_sizes: BlockSizes | None = None,
+                        interpret: bool | None = None):
     """Gradients (dq, dk, dv, dbias or None) given the saved out/lse and the cotangents.
 
     ``out``/``lse`` may come from a larger computation (e.g. merged across context-parallel
@@ -892,10 +856,9 @@ def flash_attention_bwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_
     that it fills a whole row (|m| >~ 1e7), fp32 ``lse = m + log l`` has lost ``log l`` and this
     entry cannot recover it; `flash_attention` (whose residuals keep m and log l apart) is exact there.
     """
-    cfg = _make_cfg(q, v, scale, softcap, causal, window_left, window_right, block_sizes,
-                    interpret)
-    return _bwd_impl(cfg, q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
-                     bias, out, lse, dout, dlse)
+    mask = _check_mask(mask, "flash_attention_bwd")
+    cfg = _make_cfg(q, v, mask, scale, softcap, block_sizes, interpret)
+    return _bwd_impl(cfg, q, k, v, mask, bias, out, lse, dout, dlse)
 
 
 # --------------------------------------------------------------------------------------
@@ -1010,7 +973,7 @@ def packed_in_place_reason(qkv, *, layout: str, num_heads: int, num_kv_heads: in
     """
     pk, q, packed = _check_packed(qkv, layout, num_heads, num_kv_heads)
     S, D = packed.shape[1], packed.shape[-1]
-    cfg = _make_cfg(packed, packed, 1.0, None, False, -1, -1, block_sizes, True)
+    cfg = _make_cfg(packed, packed, None, 1.0, None, block_sizes, True)
     sq = S if q is None else q.shape[1]
     geo = _geometry(cfg, sq, S, D, D)
     why = []
@@ -1023,8 +986,8 @@ def packed_in_place_reason(qkv, *, layout: str, num_heads: int, num_kv_heads: in
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash_packed(cfg, pk: _Packed, q, packed, qseg, qpos, kseg, kpos, bias):
-    return _flash_packed_fwd(cfg, pk, q, packed, qseg, qpos, kseg, kpos, bias)[0]
+def _flash_packed(cfg, pk: _Packed, q, packed, mask, bias):
+    return _flash_packed_fwd(cfg, pk, q, packed, mask, bias)[0]
 
 
 def _packed_operands(pk: _Packed, q, packed):
@@ -1032,33 +995,30 @@ def _packed_operands(pk: _Packed, q, packed):
     return (view if q is None else q), view, view
 
 
-def _flash_packed_fwd(cfg, pk, q, packed, qseg, qpos, kseg, kpos, bias):
+def _flash_packed_fwd(cfg, pk, q, packed, mask, bias):
     qa, ka, va = _packed_operands(pk, q, packed)
-    out, lse, stats = _fwd_impl(cfg, qa, ka, va, qseg, qpos, kseg, kpos, bias, heads=pk.heads(),
-                                with_stats=True)
-    return (out, lse), (q, packed, qseg, qpos, kseg, kpos, bias, out, lse, stats)
+    out, lse, stats = _fwd_impl(cfg, qa, ka, va, mask, bias, heads=pk.heads(), with_stats=True)
+    return (out, lse), (q, packed, mask, bias, out, lse, stats)
 
 
 def _flash_packed_bwd(cfg, pk, res, cts):
-    q, packed, qseg, qpos, kseg, kpos, bias, out, lse, stats = res
+    q, packed, mask, bias, out, lse, stats = res
     dout, dlse = cts
     qa, ka, va = _packed_operands(pk, q, packed)
-    dq, dk, dv, dbias = _bwd_impl(cfg, qa, ka, va, qseg, qpos, kseg, kpos, bias, out, lse, dout, dlse,
-                                  heads=pk.heads(), stats=stats)
+    dq, dk, dv, dbias = _bwd_impl(cfg, qa, ka, va, mask, bias, out, lse, dout, dlse, heads=pk.heads(),
+                                  stats=stats)
     if q is None:
-        return None, pk.assemble(dq, dk, dv), None, None, None, None, dbias
-    return dq, pk.assemble(None, dk, dv), None, None, None, None, dbias
+        return None, pk.assemble(dq, dk, dv), None, dbias
+    return dq, pk.assemble(None, dk, dv), None, dbias
 
 
 _flash_packed.defvjp(_flash_packed_fwd, _flash_packed_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("layout", "num_heads", "num_kv_heads"))
-def flash_attention_packed(qkv, q_segment_ids, q_positions, kv_segment_ids, kv_positions, bias=None, *,
-                           layout: str, num_heads: int, num_kv_heads: int | None = None, scale: float,
-                           softcap: float | None = None, causal: bool = False, window_left: int = -1,
-                           window_right: int = -1, block_sizes: BlockSizes | None = None,
-                           interpret: bool | None = None):
+def flash_attention_packed(qkv, mask: AttentionMask, bias=None, *, layout: str, num_heads: int,
+                           num_kv_heads: int | None = None, scale: float, softcap: float | None = None,
+                           block_sizes: BlockSizes | None = None, interpret: bool | None = None):
     """`flash_attention` on packed inputs. Returns (out [B, Sq, H, D], lse [B, H, Sq] f32).
 
     qkv: the packed tensor for "bs3hd" [B, S, 3, H, D], "bsh3d" [B, S, H, 3, D] and
@@ -1077,12 +1037,10 @@ def flash_attention_packed(qkv, q_segment_ids, q_positions, kv_segment_ids, kv_p
     kernels separately and stacked/concatenated into the packed shape).
     """
     pk, q, packed = _check_packed(qkv, layout, num_heads, num_kv_heads)
-    cfg = _make_cfg(packed, packed, scale, softcap, causal, window_left, window_right, block_sizes,
-                    interpret)
+    mask = _check_mask(mask, "flash_attention_packed")
+    cfg = _make_cfg(packed, packed, mask, scale, softcap, block_sizes, interpret)
     if packed_in_place_reason(qkv, layout=layout, num_heads=num_heads, num_kv_heads=num_kv_heads,
                               block_sizes=cfg.blocks) is None:
-        return _flash_packed(cfg, pk, q, packed, q_segment_ids, q_positions, kv_segment_ids,
-                             kv_positions, bias)
+        return _flash_packed(cfg, pk, q, packed, mask, bias)
     qs, k, v = pk.split(packed)
-    return _flash(cfg, qs if q is None else q, k, v, q_segment_ids, q_positions, kv_segment_ids,
-                  kv_positions, bias)
+    return _flash(cfg, qs if q is None else q, k, v, mask, bias)

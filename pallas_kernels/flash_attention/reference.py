@@ -2,29 +2,15 @@
 
 The one attention reference of the project: the kernels' tests, te_jax's `xla` backend
 (te_jax/reference.py adapts it to a TokenMask) and the Hopper kernel's tests all use it.
-Materialises the full [B, H, Sq, Skv] logits: small shapes and the 'xla' path only.
+Materialises the full [B, H, Sq, Skv] logits: small shapes and the 'xla' path only. The mask is
+an `AttentionMask`, materialised by `AttentionMask.dense()` (the rule of pallas_kernels/mask.py).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-
-def visibility_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, *,
-                    causal=False, window_left=-1, window_right=-1):
-    """Boolean [B, Sq, Skv]: key j is visible to query i (the one mask rule of te_jax)."""
-    qs = q_segment_ids[:, :, None]
-    ks = kv_segment_ids[:, None, :]
-    qp = q_positions[:, :, None]
-    kp = kv_positions[:, None, :]
-    mask = (qs == ks) & (qs != 0)
-    if causal:
-        mask &= kp <= qp
-    if window_left >= 0:
-        mask &= kp >= qp - window_left
-    if window_right >= 0:
-        mask &= kp <= qp + window_right
-    return mask
+from ..mask import AttentionMask
 
 
 def _precision(dtype):
@@ -46,10 +32,9 @@ def _logits(q, k, bias, *, scale, softcap):
     return s_raw, s
 
 
-def reference_attention(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions,
-                        bias=None, *, scale: float, softcap: float | None = None,
-                        causal: bool = False, window_left: int = -1, window_right: int = -1,
-                        dropout_rate: float = 0.0, dropout_rng=None, block_sizes=None, interpret=None):
+def reference_attention(q, k, v, mask: AttentionMask, bias=None, *, scale: float,
+                        softcap: float | None = None, dropout_rate: float = 0.0, dropout_rng=None,
+                        block_sizes=None, interpret=None):
     """(out [B, Sq, H, Dv] in q.dtype, lse [B, H, Sq] fp32); empty rows give 0 / -inf.
 
     Dropout (rate > 0) drops probabilities with `dropout_rng` and rescales by 1/(1-rate); the
@@ -59,8 +44,7 @@ def reference_attention(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_
     b, sq, h, _ = q.shape
     g = k.shape[2]
     _, s = _logits(q, k, bias, scale=scale, softcap=softcap)
-    visible = visibility_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal=causal,
-                              window_left=window_left, window_right=window_right)[:, None, None]
+    visible = mask.dense()[:, None, None]
     # Mask before exp: a hidden logit far above the row max must not overflow into the gradient.
     s = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -79,9 +63,8 @@ def reference_attention(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_
     return out, lse
 
 
-def reference_attention_bwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids, kv_positions, bias,
-                            out, lse, dout, dlse=None, *, scale: float, softcap: float | None = None,
-                            causal: bool = False, window_left: int = -1, window_right: int = -1):
+def reference_attention_bwd(q, k, v, mask: AttentionMask, bias, out, lse, dout, dlse=None, *,
+                            scale: float, softcap: float | None = None):
     """Gradients given the saved logsumexp, as a flash backward computes them.
 
     `out`, `lse`, `dout` may come from a larger computation (ring attention merges blocks with the
@@ -94,8 +77,7 @@ def reference_attention_bwd(q, k, v, q_segment_ids, q_positions, kv_segment_ids,
     r = h // g
     prec = _precision(q.dtype)
     s_raw, s = _logits(q, k, bias, scale=scale, softcap=softcap)
-    visible = visibility_mask(q_segment_ids, q_positions, kv_segment_ids, kv_positions, causal=causal,
-                              window_left=window_left, window_right=window_right)[:, None, None]
+    visible = mask.dense()[:, None, None]
     lse_g = lse.reshape(b, g, r, sq)[..., None]
     finite = jnp.isfinite(lse_g)
     p = jnp.exp(jnp.where(visible & finite, s - jnp.where(finite, lse_g, 0.0), -jnp.inf))

@@ -5,13 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_kernels.flash_attention.reference import reference_attention
+from pallas_kernels.mask import AttentionMask
 
 
 def attention_reference(q, k, v, *, scale: float, causal: bool = False):
     """q [B,S,H,D], k/v [B,S,G,D] (GQA) -> (out [B,S,H,D] float32, lse [B,H,S] float32)."""
-    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
-    seg_q, seg_kv = jnp.ones((b, sq), jnp.int32), jnp.ones((b, skv), jnp.int32)
-    pos_q = jnp.broadcast_to(jnp.arange(sq, dtype=jnp.int32), (b, sq))
-    pos_kv = jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv))
-    return reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), seg_q, pos_q,
-                               seg_kv, pos_kv, scale=scale, causal=causal)
+    mask = AttentionMask.full(q.shape[0], q.shape[1], k.shape[1], causal=causal)
+    return reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask,
+                               scale=scale)

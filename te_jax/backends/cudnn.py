@@ -6,6 +6,11 @@ import jax.numpy as jnp
 
 from te_jax.backends.base import Capabilities
 
+# The mask types jax.nn's cuDNN path can express (causal flags and seqlens); any other kind is refused by name,
+# so a mask type added to te_jax/masks.py is never served here by accident.
+_SERVED_MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
+                      "padding_causal_bottom_right")
+
 
 class CudnnBackend:
     name = "cudnn"
@@ -38,6 +43,9 @@ class CudnnBackend:
                     f"into a finite large negative bias in the input dtype, so a row the mask hides entirely "
                     f"gives an average of the values, not te_jax's zeros; express padding with q_seqlens/kv_seqlens "
                     f"and causality with attn_mask_type to use cuDNN")
+        if call.mask.mask_type not in _SERVED_MASK_TYPES:
+            return (f"attn_mask_type={call.mask.mask_type!r}: jax.nn's cuDNN path serves "
+                    f"{', '.join(_SERVED_MASK_TYPES)} only")
         if call.attn_input_format == "thd":
             return "attn_input_format='thd' (packed sequences) is not exposed by jax.nn.dot_product_attention"
         if call.padding_source == "segment_ids":

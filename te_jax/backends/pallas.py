@@ -233,10 +233,8 @@ class PallasBackend:
             out, _ = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config)
             return out
         from pallas_kernels import flash_attention as fa
-        out, _ = fa.flash_attention(
-            q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
-            scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1],
-            block_sizes=_block_sizes(call))
+        out, _ = fa.flash_attention(q, k, v, tm.with_rule(causal, window), bias, scale=scale, softcap=softcap,
+                                    block_sizes=_block_sizes(call))
         return self._zero_hidden_rows(out, rows)
 
     def packed_input_reason(self, call, qkv_layout: str, tensors, num_heads: int, num_gqa_groups: int):
@@ -271,21 +269,16 @@ class PallasBackend:
         if mask is not None:
             bias, rows = self._fold_mask(tm, bias, mask, causal=causal, window=window)
         out, _ = fa.flash_attention_packed(
-            _kernel_qkv(_batched(tensors, call.attn_input_format)), tm.q_segment_ids, tm.q_positions,
-            tm.kv_segment_ids, tm.kv_positions, bias, layout=KERNEL_PACKED_LAYOUTS[qkv_layout],
-            num_heads=num_heads, num_kv_heads=num_gqa_groups, scale=scale, softcap=softcap, causal=causal,
-            window_left=window[0], window_right=window[1])
+            _kernel_qkv(_batched(tensors, call.attn_input_format)), tm.with_rule(causal, window), bias,
+            layout=KERNEL_PACKED_LAYOUTS[qkv_layout], num_heads=num_heads, num_kv_heads=num_gqa_groups,
+            scale=scale, softcap=softcap)
         return self._zero_hidden_rows(out, rows)
 
     def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):
         from pallas_kernels import flash_attention as fa
-        return fa.flash_attention_fwd(
-            q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
-            scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1])
+        return fa.flash_attention_fwd(q, k, v, tm.with_rule(causal, window), bias, scale=scale, softcap=softcap)
 
     def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window):
         from pallas_kernels import flash_attention as fa
-        return fa.flash_attention_bwd(
-            q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
-            out, lse, dout, dlse, scale=scale, softcap=softcap, causal=causal,
-            window_left=window[0], window_right=window[1])
+        return fa.flash_attention_bwd(q, k, v, tm.with_rule(causal, window), bias, out, lse, dout, dlse,
+                                      scale=scale, softcap=softcap)
