@@ -51,6 +51,9 @@ from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 FUSED_ENV = "TE_JAX_FP8_FUSED_MLP"
 FUSED_SETTINGS = ("auto", "0", "1")
 _TN = (((1,), (1,)), ((), ()))
+#: Launch options of the cast kernels per kind (block_m, block_n, num_warps: pallas_kernels/fp8_cast), read at trace
+#: time; empty = the kernels' defaults, not yet tuned on a GPU (benchmarks/fp8_cast_gpu.py --sweep times others).
+KERNEL_OPTIONS = {"act": {}, "dact": {}, "cast": {}}
 
 
 def fused_setting() -> str:
@@ -114,8 +117,9 @@ def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
     fdt, fmax = recipe.fp8_format.fwd_dtype, recipe.fp8_format.max_fwd
     d, n, f = w1.shape
     w1f = w1.reshape(d, n * f)
-    kw = dict(interpret=cfg.interpret)
-    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, **kw)
+    kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])
+    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret,
+               **KERNEL_OPTIONS["act"])
     delayed = isinstance(recipe, DelayedScaling)
     if delayed:
         sx, sw1 = _read_scale(wi_state["input_scale"]), _read_scale(wi_state["kernel_scale"])
@@ -149,8 +153,9 @@ def _mlp_bwd(cfg, res, dy):
     xqT, w1q, w2q, aqT, gu, sxi, sw1i, sai, sw2i, new_fwd, grad_state = res
     recipe, dt = cfg.recipe, gu.dtype
     bdt, bmax = recipe.fp8_format.bwd_dtype, recipe.fp8_format.max_bwd
-    kw = dict(interpret=cfg.interpret)
-    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, **kw)
+    kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])
+    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret,
+               **KERNEL_OPTIONS["dact"])
     dy = dy.astype(dt)
     delayed = grad_state is not None
     if delayed:
@@ -207,4 +212,4 @@ def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activation
     return y.reshape(x.shape[:-1] + (w2.shape[1],))
 
 
-__all__ = ["fused_fp8_mlp", "fused_mlp_unavailable", "fused_setting", "FUSED_ENV", "FUSED_SETTINGS"]
+__all__ = ["fused_fp8_mlp", "fused_mlp_unavailable", "fused_setting", "FUSED_ENV", "FUSED_SETTINGS", "KERNEL_OPTIONS"]
