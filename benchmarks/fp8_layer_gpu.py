@@ -3,7 +3,8 @@
 Run on the device machine from the repo root:
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_layer_gpu 2>&1 | tee $OUT/fp8_log.txt
     (--gemm-style qdq adds FP8 variants traced with TE_JAX_FP8_GEMM=qdq; --with-block adds Float8BlockScaling,
-     a reference implementation that is NOT an FP8 GEMM; --param-dtype fp32 keeps fp32 parameters)
+     a reference implementation that is NOT an FP8 GEMM; --param-dtype fp32 keeps fp32 parameters;
+     --fused-mlp both adds each per-tensor FP8 variant with the MLP unfused, TE_JAX_FP8_FUSED_MLP=0 at trace time)
 CPU smoke test of the script itself (tiny sizes; no cuBLASLt, so the FP8 custom-call count is 0 and the
 f8 converts are counted instead):
     PYTHONPATH=. python -m benchmarks.fp8_layer_gpu --cpu-smoke
@@ -59,6 +60,9 @@ def parse():
                    help="FP8 GEMM style (te_jax/fp8/quantize.py): direct f8 dot, qdq pattern, or both as variants")
     p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling (reference, not an FP8 GEMM)")
     p.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--fused-mlp", choices=["on", "off", "both"], default="on",
+                   help="LayerNormMLP's fused FP8 path (te_jax/fp8/mlp.py; TE_JAX_FP8_FUSED_MLP): on, off, or both "
+                        "as variants (A/B)")
     p.add_argument("--trace", action="store_true",
                    help="profile 3 steps of each variant: device time per kernel category and the top ops; "
                         "optimized HLO to $OUT/fp8_hlo_<variant>.txt.gz")
@@ -74,16 +78,16 @@ def log(*a):
 
 
 @contextlib.contextmanager
-def gemm_style_env(style):
-    old = os.environ.get("TE_JAX_FP8_GEMM")
-    os.environ["TE_JAX_FP8_GEMM"] = style
+def env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("TE_JAX_FP8_GEMM", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["TE_JAX_FP8_GEMM"] = old
+            os.environ[name] = old
 
 
 def count_f8_converts(hlo: str) -> int:
@@ -116,22 +120,25 @@ def main():
     x = jax.random.normal(kx, (B, S, HID), jnp.float32).astype(jnp.bfloat16)
     ct = jax.random.normal(kc, (B, S, HID), jnp.float32)
 
-    variants = {"bf16": (None, "direct")}
+    variants = {"bf16": (None, "direct", "1")}
     styles = ["direct", "qdq"] if args.gemm_style == "both" else [args.gemm_style]
+    fused = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.fused_mlp]
     for st in styles:
-        suffix = "" if len(styles) == 1 else f" [{st}]"
-        variants[f"DelayedScaling(1024, max){suffix}"] = (
-            fp8.DelayedScaling(amax_history_len=1024, amax_compute_algo="max"), st)
-        variants[f"Float8CurrentScaling{suffix}"] = (fp8.Float8CurrentScaling(), st)
+        for fu in fused:
+            suffix = "" if len(styles) == 1 else f" [{st}]"
+            suffix += " [unfused MLP]" if fu == "0" and len(fused) > 1 else ""
+            variants[f"DelayedScaling(1024, max){suffix}"] = (
+                fp8.DelayedScaling(amax_history_len=1024, amax_compute_algo="max"), st, fu)
+            variants[f"Float8CurrentScaling{suffix}"] = (fp8.Float8CurrentScaling(), st, fu)
     if args.with_block:
-        variants["Float8BlockScaling (reference)"] = (fp8.Float8BlockScaling(), "direct")
+        variants["Float8BlockScaling (reference)"] = (fp8.Float8BlockScaling(), "direct", "1")
 
     peers = {}
     if args.flax_peer:
         from benchmarks.flax_fp8_peer import FlaxLlamaBlock
         impl = None if smoke else "cudnn"
         for label, on in (("flax bf16 Dense (peer)", False), ("flax nn.Fp8DotGeneralOp Dense (peer)", True)):
-            variants[label] = (None, "direct")
+            variants[label] = (None, "direct", "1")
             peers[label] = FlaxLlamaBlock(hidden=HID, heads=HEADS, kv_heads=KV, ffn=FFN, fp8=on, attn_impl=impl)
 
     def make_grad_fn(module):
@@ -147,10 +154,11 @@ def main():
         return jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
 
     steps, info = {}, {}
-    for name, (recipe, style) in variants.items():
+    for name, (recipe, style, fused_mlp) in variants.items():
         module = peers.get(name, layer)
         grad_fn = make_grad_fn(module)
-        with fp8.autocast(enabled=recipe is not None, recipe=recipe), gemm_style_env(style):
+        with (fp8.autocast(enabled=recipe is not None, recipe=recipe), env("TE_JAX_FP8_GEMM", style),
+              env("TE_JAX_FP8_FUSED_MLP", fused_mlp)):
             variables = jax.jit(lambda k: nn.meta.unbox(module.init(k, x[:1, :8], deterministic=True)))(kp)
             params, state = variables["params"], variables.get(fp8.FP8_COLLECTION, {})
             if name == "bf16":
@@ -162,8 +170,8 @@ def main():
                 log(str(fp8.explain(lambda: layer.apply({"params": params, **({fp8.FP8_COLLECTION: state}
                                                                               if state else {})},
                                                          x, deterministic=True))))
-            # a fresh function per variant: the GEMM style (an env var read at trace time) is not part of
-            # jit's cache key (autocast's recipe is: te_jax/fp8/context.py)
+            # a fresh function per variant: the GEMM style and the fused-MLP switch (env vars read at trace time)
+            # are not part of jit's cache key (autocast's recipe is: te_jax/fp8/context.py)
             compiled = jax.jit(lambda p, s, x, c: grad_fn(p, s, x, c)).lower(params, state, x, ct).compile()
         hlo = compiled.as_text()
         mem = compiled.memory_analysis()
@@ -179,7 +187,7 @@ def main():
             loss, (gp, gs, gx) = compiled(params, state, x, ct)
         steps[name] = (compiled, (params, state, x, ct))
         info[name] = dict(f8_gemms=n_f8, other_cublas_gemms=n_other, f8_converts=count_f8_converts(hlo),
-                          temp_bytes=temp, loss=float(loss), grad_x=gx, style=style,
+                          temp_bytes=temp, loss=float(loss), grad_x=gx, style=style, fused_mlp=fused_mlp == "1",
                           recipe=None if recipe is None else repr(recipe))
         log(f"{name}: compiled; FP8 GEMMs x{n_f8} (at most {EXPECTED_F8_GEMMS if recipe is not None and not recipe.float8_block_scaling() else 0}), "
             f"GEMMs not in FP8 x{n_other}, f8 converts in HLO x{info[name]['f8_converts']}, "

@@ -130,7 +130,8 @@ def explain_mlp_backend(x, gamma=None, beta=None, w1=None, b1=None, w2=None, b2=
                       deterministic)
     reasons = {"xla": None, "pallas": _mlp_pallas_reasons(x, dropout_rate, deterministic)}
     if fp8_recipe is not None:
-        why = (f"FP8 ({type(fp8_recipe).__name__}) runs norm + FP8 GEMMs on the XLA path (te_jax/fp8/state.py); "
+        why = (f"FP8 ({type(fp8_recipe).__name__}) runs norm + FP8 GEMMs on the XLA path (te_jax/fp8/state.py; "
+               "on a GPU with its own fused Pallas cast kernels, te_jax/fp8/mlp.py: te_jax.fp8.explain says which); "
                "the Pallas ln_mlp custom_vjp has bf16 GEMMs inside")
         reasons["pallas"] = why if reasons["pallas"] is None else reasons["pallas"] + "; " + why
     return select_backend(op, backend, reasons, force_env="TE_JAX_MLP_BACKEND",

@@ -7,7 +7,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _CHECK = (
-    "import sys, pallas_kernels.flash_attention, pallas_kernels.norms, pallas_kernels.ln_mlp, "
+    "import sys, pallas_kernels.flash_attention, pallas_kernels.norms, pallas_kernels.ln_mlp, pallas_kernels.fp8_cast, "
     "pallas_kernels.flash_attention_hopper; "
     "bad = sorted(m for m in sys.modules if m == 'te_jax' or m.startswith('te_jax.')); "
     "assert not bad, bad"

@@ -1,5 +1,6 @@
 """FP8 training for te_jax, after TransformerEngine: recipes (recipe.py), quantization math and the FP8
-GEMM (quantize.py), autocast and explanations (context.py), Flax state helpers (state.py).
+GEMM (quantize.py), autocast and explanations (context.py), Flax state helpers (state.py), the MLP with fused
+quantization (mlp.py, over the pallas_kernels/fp8_cast kernels).
 
     from te_jax import fp8
     with fp8.autocast(recipe=fp8.DelayedScaling()):

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from te_jax import activations as _acts
 from te_jax import normalization as _norm
 from te_jax.fp8 import context as _ac
+from te_jax.fp8 import mlp as _fp8_mlp
 from te_jax.fp8.quantize import STATE_KEYS, fp8_dot_general
 from te_jax.fp8.recipe import DelayedScaling
 
@@ -108,11 +109,30 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
     """norm (te_jax.normalization.norm, its own backend) -> FP8 GEMM wi -> activation(s) -> dropout -> FP8 GEMM wo.
 
     x [..., D]; w1 [D, n_act, F]; b1 [n_act, F] | None; w2 [F, D]; b2 [D] | None. Returns (y, ln_out).
-    The Pallas ln_mlp path (bf16 GEMMs inside its custom_vjp) is not used under FP8.
+    Two paths, the same math (te_jax/fp8/README.md, "Fused quantization"):
+      fused (te_jax.fp8.mlp.fused_fp8_mlp): a per-tensor recipe, no biases, no active dropout, no mesh XLA
+        partitions, a GPU (or TE_JAX_FP8_FUSED_MLP=1), TE_JAX_FP8_FUSED_MLP not 0: the activation, its gradient
+        and every cast run in Pallas kernels that also write the transposed FP8 operands and the amaxes;
+      unfused: two `dense` calls (fp8_dot_general) with te_jax's activation between, all on XLA.
+    te_jax.fp8.explain says which one ran and why. The Pallas ln_mlp path (bf16 GEMMs inside its custom_vjp) is
+    not used under FP8.
     """
     dt = x.dtype
     ln = _norm.norm(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
                     zero_centered_gamma=zero_centered_gamma, backend=backend) if enable_layernorm else x
+    why_not = _fp8_mlp.fused_mlp_unavailable(recipe, has_bias=b1 is not None or b2 is not None,
+                                              dropout_rate=dropout_rate)
+    if why_not is None:
+        d, n_act, f = w1.shape
+        path = "fused FP8 MLP (te_jax.fp8.mlp: cast/activation kernels write FP8 operands, transposes and amaxes)"
+        _ac.record(module, "wi_kernel", recipe, f"{reason}; {path}", k=d, n=n_act * f,
+                   shape=f"x{tuple(ln.shape)} . wi_kernel{tuple(w1.shape)}")
+        _ac.record(module, "wo_kernel", recipe, f"{reason}; {path}", k=f, n=w2.shape[-1],
+                   shape=f"x{tuple(ln.shape[:-1]) + (f,)} . wo_kernel{tuple(w2.shape)}")
+        y = _fp8_mlp.fused_fp8_mlp(ln.astype(dt), w1, w2, recipe, _state(recipe, "wi_fp8_meta"),
+                                   _state(recipe, "wo_fp8_meta"), activations=activations)
+        return y, ln
+    reason = f"{reason}; unfused FP8 MLP: {why_not}"
     h = dense(module, ln, w1, None, (ln.ndim - 1,), dt, recipe, meta_name="wi_fp8_meta", gemm="wi_kernel",
               reason=reason)
     a = _acts.biased_activation_dropout(h, b1, activations, dropout_rate, dropout_rng, dt)

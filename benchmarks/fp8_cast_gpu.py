@@ -1,0 +1,125 @@
+"""GPU benchmark of the FP8 cast kernels (pallas_kernels/fp8_cast) against XLA doing the same math.
+
+Run on the device machine from the repo root:
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_cast_gpu 2>&1 | tee $OUT/fp8_cast_log.txt
+    (--sweep also times every (block_m, block_n, num_warps) of a small grid per kernel)
+CPU smoke test of the script itself (tiny sizes, interpret mode):
+    PYTHONPATH=. python -m benchmarks.fp8_cast_gpu --cpu-smoke
+
+Shapes: the Llama MLP of benchmarks/fp8_layer_gpu.py (tokens M = 4 x 2048, hidden 4096, SwiGLU FFN 14336), bf16:
+  act_cast             gu [M, 2, F] -> a_q [M, F], a_qT [F, M], amax          (forward, after the wi GEMM)
+  dact_cast_transpose  dh [M, F], gu -> dgu_q [M, 2F], dgu_qT [2F, M], amax   (backward, before the wi GEMMs)
+  cast_transpose       x [M, D] -> x_q, x_qT, amax                            (the norm output; dy likewise)
+"xla" is the same math as whole-array jnp (pallas_kernels/fp8_cast/reference.py) under jit: XLA's own fusions,
+the unfused path's passes. Reported: ms (median of interleaved rounds) and TB/s of the fused kernel's minimal
+traffic (each input read once, each output written once), so both variants are rated on the same bytes.
+Correctness: kernel vs xla outputs at most one FP8 step apart, amax within fp32 rounding. JSON to $OUT.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import timing
+from pallas_kernels import fp8_cast as K
+from pallas_kernels.fp8_cast import reference as R
+
+E4, E5, BF = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
+
+
+def _ulps(a, b):
+    def ordinal(x):
+        bits = np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8)).astype(np.int32)
+        return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)
+
+    return np.abs(ordinal(a) - ordinal(b))
+
+
+def cases(M, D, F):
+    k = jax.random.split(jax.random.key(0), 3)
+    gu = jax.random.normal(k[0], (M, 2, F), jnp.float32).astype(BF)
+    dh = jax.random.normal(k[1], (M, F), jnp.float32).astype(BF)
+    x = jax.random.normal(k[2], (M, D), jnp.float32).astype(BF)
+    s = jnp.float32(100.0)
+    act = dict(activation="silu", gated=True, round_to=BF)
+    return {
+        "act_cast": dict(
+            args=(gu, s), nbytes=M * 2 * F * 2 + 2 * M * F,
+            kernel=lambda cfg: jax.jit(lambda gu, s: K.act_cast(gu, s, out_dtype=E4, transpose=True, **act, **cfg)),
+            xla=jax.jit(lambda gu, s: R.act_cast(gu, s, out_dtype=E4, transpose=True, **act))),
+        "dact_cast_transpose": dict(
+            args=(dh, gu, s), nbytes=M * F * 2 + M * 2 * F * 2 + 2 * M * 2 * F,
+            kernel=lambda cfg: jax.jit(lambda dh, gu, s: K.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act, **cfg)),
+            xla=jax.jit(lambda dh, gu, s: R.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act))),
+        "cast_transpose": dict(
+            args=(x, s), nbytes=M * D * 2 + 2 * M * D,
+            kernel=lambda cfg: jax.jit(lambda x, s: K.cast_transpose(x, s, out_dtype=E4, **cfg)),
+            xla=jax.jit(lambda x, s: R.cast_transpose(x, s, out_dtype=E4))),
+    }
+
+
+def check(name, got, want):
+    *qs, amax = got
+    *rqs, ramax = want
+    worst = 0
+    for q, rq in zip(qs, rqs):
+        u = _ulps(q.reshape(rq.shape), rq)
+        worst = max(worst, int(u.max()))
+    rel = abs(float(amax) - float(ramax)) / max(abs(float(ramax)), 1e-30)
+    ok = worst <= 1 and rel < 1e-5
+    print(f"{name}: max FP8 steps vs xla {worst}, amax rel diff {rel:.2e} -> {'ok' if ok else 'MISMATCH'}", flush=True)
+    return ok
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--samples", type=int, default=20)
+    p.add_argument("--sweep", action="store_true", help="also time a grid of block sizes and warps per kernel")
+    args = p.parse_args()
+    M, D, F = (48, 32, 40) if args.cpu_smoke else (8192, 4096, 14336)
+    if args.cpu_smoke:
+        args.rounds, args.samples = 1, 2
+    dev = jax.devices()[0]
+    print(f"{datetime.date.today()} {dev.device_kind} jax {jax.__version__}; M {M}, D {D}, F {F}, bf16"
+          + ("  [CPU SMOKE: timings meaningless]" if args.cpu_smoke else ""), flush=True)
+    configs = [dict()]
+    if args.sweep:
+        configs += [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in
+                    itertools.product((32, 64, 128), (32, 64, 128), (4, 8)) if bm * bn >= 2048]
+    results, all_ok = {}, True
+    for name, c in cases(M, D, F).items():
+        variants = {"xla": c["xla"]}
+        for cfg in configs:
+            variants["pallas " + (",".join(f"{k}={v}" for k, v in cfg.items()) or "default")] = c["kernel"](cfg)
+        all_ok &= check(name, variants["pallas default"](*c["args"]), variants["xla"](*c["args"]))
+        times = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for v, f in variants.items():
+                times[v].append(timing.measure(f, c["args"], samples=args.samples, warmup=2)[0])
+        rows = sorted(((statistics.median(ts), v) for v, ts in times.items()))
+        print(f"\n### {name} ({c['nbytes'] / 1e9:.3f} GB minimal traffic)\n\n| variant | ms | TB/s |\n|---|---|---|")
+        for t, v in rows[:12]:
+            print(f"| {v} | {t * 1e3:.3f} | {c['nbytes'] / t / 1e12:.2f} |")
+        results[name] = {v: dict(ms=statistics.median(ts) * 1e3, tbps=c["nbytes"] / statistics.median(ts) / 1e12)
+                         for v, ts in times.items()}
+    out_dir = os.environ.get("OUT", "/tmp")
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, "fp8_cast.json")
+    with open(out, "w") as f:
+        json.dump(dict(device=dev.device_kind, jax=jax.__version__, shape=dict(M=M, D=D, F=F), correct=all_ok,
+                       results=results), f, indent=1)
+    print(f"\nwrote {out}; correctness {'ok' if all_ok else 'MISMATCH'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""FP8 cast kernels (Triton-lowered Pallas): fused activation + cast, dActivation + cast + transpose, cast +
+transpose. Each also hands out the amax of what it cast.
+
+    act_cast(gu, scale, ...)              gu [M, 2, F] (gated) | [M, F] -> a_q [M, F] (, a_qT [F, M]), amax
+    act_amax(gu, ...)                     amax of a only (current scaling: the scale before the cast)
+    dact_cast_transpose(dh, gu, scale)    dh [M, F], gu -> dgu_q [gu's shape], dgu_qT [n*F, M], amax
+    dact_amax(dh, gu, ...)                amax of dgu only
+    cast_transpose(x, scale)              x [M, N] -> x_q [M, N], x_qT [N, M], amax
+
+a = act(gate) * up (gated; gate = gu[:, 0], up = gu[:, 1]) or act(gu); dgu = d a / d(gate, up) * dh, all in
+fp32; values are cast with common.saturate (clip(v * scale) -> FP8, scale multiplies) after the optional
+rounding to `round_to` (common.py). The amax is max |v| over the whole tensor as an fp32 scalar (NaN reads as
++inf): each program writes its tile's max to a partials vector, reduced by jnp.max outside the kernel.
+
+One program per (block_m x block_n) tile of the [M, F] (or [M, N]) index space, masked at the ragged edges
+(any M, F). A transposed output is written by the same program from the same registers: the store addresses
+[col, row] (the compiler picks a layout whose consecutive threads write consecutive rows). block_m and
+block_n must be powers of two; they shrink to the next power of two of small dimensions. Every operand must
+have fewer than 2**31 elements (int32 indexing).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .._compat import default_interpret, pl, pltriton, triton_params
+from .._lower_once import lower_once
+from . import common as C
+
+_STATIC = ("activation", "gated", "out_dtype", "round_to", "interpret", "block_m", "block_n", "num_warps",
+           "num_stages")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _block(requested, dim, where, name):
+    if not isinstance(requested, int) or requested < 1 or requested & (requested - 1):
+        raise ValueError(f"{where}: {name}={requested!r} must be a power of two.")
+    return min(requested, max(16, _next_pow2(dim)))
+
+
+def _launch(where, kernel, args, out_shape, m, n, block_m, block_n, num_warps, num_stages, interpret, name):
+    for a in list(args) + list(out_shape):
+        if a.size >= 2 ** 31:  # the kernels index with int32
+            raise ValueError(f"{where}: an operand of shape {tuple(a.shape)} has 2**31 or more elements; split it.")
+    bm, bn = _block(block_m, m, where, "block_m"), _block(block_n, n, where, "block_n")
+    gm, gn = pl.cdiv(m, bm), pl.cdiv(n, bn)
+    warps = num_warps or (8 if bm * bn >= 8192 else 4 if bm * bn >= 2048 else 2)
+    outs = pl.pallas_call(
+        functools.partial(kernel, bm=bm, bn=bn, gn=gn),
+        out_shape=list(out_shape) + [jax.ShapeDtypeStruct((gm * gn,), jnp.float32)],
+        grid=(gm, gn),
+        compiler_params=triton_params(warps, num_stages),
+        interpret=default_interpret() if interpret is None else interpret,
+        name=name,
+    )(*args)
+    return outs[:-1], jnp.max(outs[-1])
+
+
+def _tile(m, n, bm, bn):
+    rows = pl.program_id(0) * bm + jnp.arange(bm)
+    cols = pl.program_id(1) * bn + jnp.arange(bn)
+    mask = (rows < m)[:, None] & (cols < n)[None, :]
+    return rows[:, None], cols[None, :], mask
+
+
+def _load(ref, rows, cols, mask):
+    return pltriton.load(ref.at[rows, cols], mask=mask, other=0.0).astype(jnp.float32)
+
+
+def _tile_amax(vals, mask, amax_ref, gn):
+    t = C.abs_for_amax(vals[0])
+    for v in vals[1:]:
+        t = jnp.maximum(t, C.abs_for_amax(v))  # elementwise first: one reduction per tile
+    amax_ref[pl.program_id(0) * gn + pl.program_id(1)] = jnp.max(jnp.where(mask, t, 0.0))
+
+
+# ----------------------------------------------------------------------------- activation + cast
+
+
+def _act_kernel(*refs, m, f, act, gated, round_to, out_dtype, mode, bm, bn, gn):
+    gu_ref, scale_ref, *outs = refs
+    rows, cols, mask = _tile(m, f, bm, bn)
+    g = _load(gu_ref, rows, cols, mask)
+    a = act(g, _load(gu_ref, rows, f + cols, mask)) if gated else act(g)
+    a = C.maybe_round(a, round_to)
+    _tile_amax([a], mask, outs[-1], gn)
+    if mode == "amax":
+        return
+    q = C.saturate(a, scale_ref[0], out_dtype)
+    pltriton.store(outs[0].at[rows, cols], q, mask=mask)
+    if mode == "cast_t":
+        pltriton.store(outs[1].at[cols, rows], q, mask=mask)
+
+
+def _act_call(gu, scale, mode, activation, gated, out_dtype, round_to, interpret, block_m, block_n, num_warps,
+              num_stages):
+    where = "act_cast" if mode != "amax" else "act_amax"
+    C.check_common(where, activation=activation, gated=gated, out_dtype=out_dtype, round_to=round_to,
+                   arrays=[("gu", gu)])
+    gu2, m, f, _ = C.split_gated(gu, gated, where)
+    out_shape = []
+    if mode != "amax":
+        out_shape.append(jax.ShapeDtypeStruct((m, f), out_dtype))
+    if mode == "cast_t":
+        out_shape.append(jax.ShapeDtypeStruct((f, m), out_dtype))
+    kernel = functools.partial(_act_kernel, m=m, f=f, act=C.act_fn(activation, gated), gated=gated,
+                               round_to=round_to, out_dtype=out_dtype, mode=mode)
+    return _launch(where, kernel, (gu2, C.scale_array(scale)), out_shape, m, f, block_m, block_n, num_warps,
+                   num_stages, interpret, f"te_fp8_act_{activation}{'_glu' if gated else ''}_{mode}")
+
+
+@lower_once(static_argnames=_STATIC + ("transpose",))
+def act_cast(gu, scale, *, activation, gated, out_dtype, round_to=None, transpose=False, interpret=None,
+             block_m=128, block_n=64, num_warps=None, num_stages=1):
+    """gu [M, 2, F] (gated) or [M, F]; scale an fp32 scalar (multiplies before the cast).
+
+    Returns (a_q [M, F] out_dtype, amax f32 scalar), or with transpose=True (a_q, a_qT [F, M], amax): a_qT is
+    a_q transposed, written by the same program (the operand layout of a wgrad GEMM that contracts M)."""
+    outs, amax = _act_call(gu, scale, "cast_t" if transpose else "cast", activation, gated, out_dtype, round_to,
+                           interpret, block_m, block_n, num_warps, num_stages)
+    return (*outs, amax)
+
+
+@lower_once(static_argnames=("activation", "gated", "round_to", "interpret", "block_m", "block_n", "num_warps",
+                             "num_stages"))
+def act_amax(gu, *, activation, gated, round_to=None, interpret=None, block_m=128, block_n=64, num_warps=None,
+             num_stages=1):
+    """max |a| (f32 scalar) of the a that act_cast would cast; reads gu, writes only per-tile maxima."""
+    return _act_call(gu, 1.0, "amax", activation, gated, None, round_to, interpret, block_m, block_n, num_warps,
+                     num_stages)[1]
+
+
+# ----------------------------------------------------------------------------- dActivation + cast + transpose
+
+
+def _dact_kernel(*refs, m, f, activation, gated, round_to, out_dtype, mode, bm, bn, gn):
+    dh_ref, gu_ref, scale_ref, *outs = refs
+    rows, cols, mask = _tile(m, f, bm, bn)
+    dh = _load(dh_ref, rows, cols, mask)
+    g = _load(gu_ref, rows, cols, mask)
+    u = _load(gu_ref, rows, f + cols, mask) if gated else None
+    grads = [C.maybe_round(d, round_to) for d in C.dact(activation, gated, dh, g, u)]
+    _tile_amax(grads, mask, outs[-1], gn)
+    if mode == "amax":
+        return
+    q_ref, qt_ref, _ = outs
+    scale = scale_ref[0]
+    for i, d in enumerate(grads):  # i = 0: d/dgate (columns [0, F)), i = 1: d/dup (columns [F, 2F))
+        q = C.saturate(d, scale, out_dtype)
+        pltriton.store(q_ref.at[rows, i * f + cols], q, mask=mask)
+        pltriton.store(qt_ref.at[i * f + cols, rows], q, mask=mask)
+
+
+def _dact_call(dh, gu, scale, mode, activation, gated, out_dtype, round_to, interpret, block_m, block_n, num_warps,
+               num_stages):
+    where = "dact_cast_transpose" if mode != "amax" else "dact_amax"
+    C.check_common(where, activation=activation, gated=gated, out_dtype=out_dtype, round_to=round_to,
+                   arrays=[("dh", dh), ("gu", gu)])
+    gu2, m, f, n = C.split_gated(gu, gated, where)
+    if tuple(dh.shape) != (m, f):
+        raise ValueError(f"{where}: dh has shape {tuple(dh.shape)}; expected {(m, f)} for gu {tuple(gu.shape)}.")
+    out_shape = []
+    if mode != "amax":
+        out_shape = [jax.ShapeDtypeStruct((m, n * f), out_dtype), jax.ShapeDtypeStruct((n * f, m), out_dtype)]
+    kernel = functools.partial(_dact_kernel, m=m, f=f, activation=activation, gated=gated, round_to=round_to,
+                               out_dtype=out_dtype, mode=mode)
+    return _launch(where, kernel, (dh, gu2, C.scale_array(scale)), out_shape, m, f, block_m, block_n, num_warps,
+                   num_stages, interpret, f"te_fp8_dact_{activation}{'_glu' if gated else ''}_{mode}")
+
+
+@lower_once(static_argnames=_STATIC)
+def dact_cast_transpose(dh, gu, scale, *, activation, gated, out_dtype, round_to=None, interpret=None,
+                        block_m=128, block_n=64, num_warps=None, num_stages=1):
+    """dh [M, F] (the cotangent of a), gu as act_cast's; scale an fp32 scalar.
+
+    Returns (dgu_q [gu's shape] out_dtype, dgu_qT [n*F, M] out_dtype (n = 2 gated, else 1; row i*F + j is
+    dgu_q[:, i, j]), amax f32 scalar of |dgu|)."""
+    (q, qt), amax = _dact_call(dh, gu, scale, "cast_t", activation, gated, out_dtype, round_to, interpret,
+                               block_m, block_n, num_warps, num_stages)
+    return q.reshape(gu.shape), qt, amax
+
+
+@lower_once(static_argnames=("activation", "gated", "round_to", "interpret", "block_m", "block_n", "num_warps",
+                             "num_stages"))
+def dact_amax(dh, gu, *, activation, gated, round_to=None, interpret=None, block_m=128, block_n=64,
+              num_warps=None, num_stages=1):
+    """max |dgu| (f32 scalar) of the dgu that dact_cast_transpose would cast; writes only per-tile maxima."""
+    return _dact_call(dh, gu, 1.0, "amax", activation, gated, None, round_to, interpret, block_m, block_n,
+                      num_warps, num_stages)[1]
+
+
+# ----------------------------------------------------------------------------- cast + transpose
+
+
+def _cast_t_kernel(x_ref, scale_ref, q_ref, qt_ref, amax_ref, *, m, n, round_to, out_dtype, bm, bn, gn):
+    rows, cols, mask = _tile(m, n, bm, bn)
+    x = C.maybe_round(_load(x_ref, rows, cols, mask), round_to)
+    _tile_amax([x], mask, amax_ref, gn)
+    q = C.saturate(x, scale_ref[0], out_dtype)
+    pltriton.store(q_ref.at[rows, cols], q, mask=mask)
+    pltriton.store(qt_ref.at[cols, rows], q, mask=mask)
+
+
+@lower_once(static_argnames=("out_dtype", "round_to", "interpret", "block_m", "block_n", "num_warps",
+                             "num_stages"))
+def cast_transpose(x, scale, *, out_dtype, round_to=None, interpret=None, block_m=128, block_n=64,
+                   num_warps=None, num_stages=1):
+    """x [M, N] (bf16 / fp16 / fp32); scale an fp32 scalar. Returns (x_q [M, N], x_qT [N, M], amax of |x|)."""
+    C.check_common("cast_transpose", out_dtype=out_dtype, round_to=round_to, arrays=[("x", x)])
+    if x.ndim != 2:
+        raise ValueError(f"cast_transpose: x must be 2-D [M, N]; got shape {tuple(x.shape)}.")
+    m, n = x.shape
+    out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype), jax.ShapeDtypeStruct((n, m), out_dtype)]
+    kernel = functools.partial(_cast_t_kernel, m=m, n=n, round_to=round_to, out_dtype=out_dtype)
+    (q, qt), amax = _launch("cast_transpose", kernel, (x, C.scale_array(scale)), out_shape, m, n, block_m, block_n,
+                            num_warps, num_stages, interpret, "te_fp8_cast_transpose")
+    return q, qt, amax

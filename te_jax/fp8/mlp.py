@@ -1,0 +1,215 @@
+"""The FP8 MLP with fused quantization (TransformerEngine's layernorm_mlp under a per-tensor recipe).
+
+    x [M, D] (compute dtype dt) -- cast_transpose --> x_q [M, D], x_qT [D, M]           (amax(x))
+    w1 [D, n*F] (param dtype)   -- cast_transpose --> w1_q [D, n*F], w1_qT [n*F, D]     (amax(w1 in dt))
+    w2 [F, D]                   -- cast_transpose --> w2_q [F, D], w2_qT [D, F]         (amax(w2 in dt))
+    gu [M, n*F] dt = x_q . w1_qT                                      (FP8 GEMM, wi fprop)
+    a_q [M, F], a_qT [F, M], amax(a) = act_cast(gu)                   (activation + cast + transpose, 1 pass)
+    y [M, D] dt = a_q . w2_qT                                         (FP8 GEMM, wo fprop)
+  backward, dy [M, D]:
+    dy_q [M, D], dy_qT [D, M], amax(dy) = cast_transpose(dy)
+    dh [M, F] dt    = dy_q . w2_q                                     (wo dgrad)
+    dw2 [F, D]      = a_qT . dy_qT                                    (wo wgrad)
+    dgu_q [M, n*F], dgu_qT [n*F, M], amax(dgu) = dact_cast_transpose(dh, gu)   (1 pass)
+    dx [M, D] dt    = dgu_q . w1_q                                    (wi dgrad)
+    dw1 [D, n*F]    = x_qT . dgu_qT                                   (wi wgrad)
+n = 2 for a gated pair (act, "linear"), else 1. Every GEMM is `a . b` = lax.dot_general(a [m, k], b [n, k],
+(((1,), (1,)), ((), ()))) on float8 operands ("TN": both contracting dims minor, the layout cuBLASLt's FP8 GEMM
+takes, so XLA inserts no transposes), through quantize._scaled_gemm (preferred_element_type dt, precision
+DEFAULT, then the product of the two scale_invs). Forward operands are in the recipe's fwd dtype (E4M3 under
+HYBRID), the gradients dy and dgu in its bwd dtype (E5M2). Every transposed operand is written by the kernel
+that casts it, from the same registers; residuals kept for the backward: x_qT, w1_q, w2_q, a_qT (FP8) and gu (dt).
+
+Numerics are those of the unfused path (quantize.fp8_dot_general around te_jax's activation): a and dgu are
+rounded to dt before their amax and cast (the unfused path stores them in dt), the weights are rounded to dt
+before theirs, dw1 / dw2 come out of the GEMM in dt and are then cast to the weights' dtype.
+
+Scales (quantize.py's conventions and helpers): under DelayedScaling from the two Fp8Meta states (wi: input x,
+kernel w1, output_grad dgu; wo: input a, kernel w2, output_grad dy), updated with the amaxes the kernels hand
+out and returned as the states' "gradient" exactly as quantize._per_tensor_dot does. Under Float8CurrentScaling
+each tensor's own amax comes first: amax(x), amax(w1), amax(w2) and amax(dy) in XLA (a plain reduction, fused
+with its producer where XLA can), amax(a) and amax(dgu) from the kernels' amax-only mode (act_amax,
+dact_amax: the same in-kernel activation math as the cast, one more read of gu (and dh), no write).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import fp8_cast as _k
+from te_jax.backends import policy
+from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
+                                 gemm_style)
+from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
+
+#: Environment switch, read at trace time: "0" keeps LayerNormMLP's FP8 path unfused (for A/B timing), "1" takes
+#: the fused path on any backend (off a GPU its kernels run in interpret mode), unset or "auto": on a GPU only.
+FUSED_ENV = "TE_JAX_FP8_FUSED_MLP"
+FUSED_SETTINGS = ("auto", "0", "1")
+_TN = (((1,), (1,)), ((), ()))
+#: Launch options of the cast kernels per kind (block_m, block_n, num_warps: pallas_kernels/fp8_cast), read at trace
+#: time; empty = the kernels' defaults, not yet tuned on a GPU (benchmarks/fp8_cast_gpu.py --sweep times others).
+KERNEL_OPTIONS = {"act": {}, "dact": {}, "cast": {}}
+
+
+def fused_setting() -> str:
+    v = os.environ.get(FUSED_ENV, "auto")
+    if v not in FUSED_SETTINGS:
+        raise ValueError(f"{FUSED_ENV}={v!r} must be one of {FUSED_SETTINGS} (unset: 'auto').")
+    return v
+
+
+def fused_mlp_unavailable(recipe, *, has_bias: bool, dropout_rate: float) -> str | None:
+    """Why LayerNormMLP's FP8 path would NOT run fused (None: it does)."""
+    setting = fused_setting()
+    if setting == "0":
+        return f"{FUSED_ENV}=0"
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        return f"{type(recipe).__name__} is not a per-tensor recipe"
+    if has_bias:
+        return "biases (use_bias=True)"
+    if dropout_rate > 0.0:
+        return "intermediate dropout is active"
+    axes = policy.partitioned_mesh_axes()
+    if axes:
+        return policy.pallas_replicated_reason(axes)
+    backend = jax.default_backend()
+    if setting == "auto" and backend != "gpu":
+        return (f"backend {backend}: the Pallas cast kernels would run in interpret mode, slower than XLA's fusions "
+                f"({FUSED_ENV}=1 forces them)")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+    recipe: object
+    activation: str
+    gated: bool
+    style: str  # quantize.gemm_style(): "direct" (dot on float8 operands) or "qdq"
+    w1_dtype: object
+    w2_dtype: object
+    interpret: bool | None
+
+
+def _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b):
+    """a [m, k] . b [n, k] -> [m, n] in out_dtype (FP8 operands, per-tensor scale_invs)."""
+    return _scaled_gemm(cfg.style, out_dtype, a_sinv, b_sinv)(a, b, _TN)
+
+
+def _update(recipe, history, scale, new_amax, fmax):
+    """quantize.delayed_update -> (next scale (1,), next history (L,))."""
+    s, h = delayed_update(history, scale, new_amax, fmax, recipe.margin, recipe.amax_compute_algo)
+    return s.reshape(1), h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mlp(x, w1, w2, wi_state, wo_state, cfg):
+    return _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg)[0]
+
+
+def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
+    """x [M, D] dt, w1 [D, n, F], w2 [F, Dout] -> y [M, Dout] dt."""
+    recipe, dt = cfg.recipe, x.dtype
+    fdt, fmax = recipe.fp8_format.fwd_dtype, recipe.fp8_format.max_fwd
+    d, n, f = w1.shape
+    w1f = w1.reshape(d, n * f)
+    kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])
+    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret,
+               **KERNEL_OPTIONS["act"])
+    delayed = isinstance(recipe, DelayedScaling)
+    if delayed:
+        sx, sw1 = _read_scale(wi_state["input_scale"]), _read_scale(wi_state["kernel_scale"])
+        sa, sw2 = _read_scale(wo_state["input_scale"]), _read_scale(wo_state["kernel_scale"])
+    else:  # current scaling: the amax first (the unfused path's compute_scale(amax, 1, fmax))
+        sx, sw1, sw2 = (compute_scale(amax(t), 1.0, fmax) for t in (x, w1f.astype(dt), w2.astype(dt)))
+    xq, xqT, ax = _k.cast_transpose(x, sx, out_dtype=fdt, **kw)
+    w1q, w1qT, aw1 = _k.cast_transpose(w1f, sw1, out_dtype=fdt, round_to=dt, **kw)
+    w2q, w2qT, aw2 = _k.cast_transpose(w2, sw2, out_dtype=fdt, round_to=dt, **kw)
+    gu = _gemm(cfg, dt, 1.0 / sx, 1.0 / sw1, xq, w1qT)                    # [M, n*F]  wi fprop
+    gu = gu.reshape(-1, n, f) if cfg.gated else gu
+    if not delayed:
+        sa = compute_scale(_k.act_amax(gu, **act), 1.0, fmax)
+    aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, **act)
+    y = _gemm(cfg, dt, 1.0 / sa, 1.0 / sw2, aq, w2qT)                     # [M, Dout] wo fprop
+    new_fwd = None
+    if delayed:  # the forward halves of the two states' updates (input_*, kernel_*), handed out by the backward
+        new_fwd = (_update(recipe, wi_state["input_amax_history"], sx, ax, fmax)
+                   + _update(recipe, wi_state["kernel_amax_history"], sw1, aw1, fmax),
+                   _update(recipe, wo_state["input_amax_history"], sa, aa, fmax)
+                   + _update(recipe, wo_state["kernel_amax_history"], sw2, aw2, fmax))
+        grad_state = ((wi_state["output_grad_scale"], wi_state["output_grad_amax_history"]),
+                      (wo_state["output_grad_scale"], wo_state["output_grad_amax_history"]))
+    else:
+        grad_state = None
+    res = (xqT, w1q, w2q, aqT, gu, 1.0 / sx, 1.0 / sw1, 1.0 / sa, 1.0 / sw2, new_fwd, grad_state)
+    return y, res
+
+
+def _mlp_bwd(cfg, res, dy):
+    xqT, w1q, w2q, aqT, gu, sxi, sw1i, sai, sw2i, new_fwd, grad_state = res
+    recipe, dt = cfg.recipe, gu.dtype
+    bdt, bmax = recipe.fp8_format.bwd_dtype, recipe.fp8_format.max_bwd
+    kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])
+    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret,
+               **KERNEL_OPTIONS["dact"])
+    dy = dy.astype(dt)
+    delayed = grad_state is not None
+    if delayed:
+        (wi_gs, wi_gh), (wo_gs, wo_gh) = grad_state
+        sdgu, sdy = _read_scale(wi_gs), _read_scale(wo_gs)
+    else:
+        sdy = compute_scale(amax(dy), 1.0, bmax)
+    dyq, dyqT, ady = _k.cast_transpose(dy, sdy, out_dtype=bdt, **kw)
+    dh = _gemm(cfg, dt, 1.0 / sdy, sw2i, dyq, w2q)                        # [M, F]     wo dgrad
+    dw2 = _gemm(cfg, dt, sai, 1.0 / sdy, aqT, dyqT)                       # [F, Dout]  wo wgrad
+    if not delayed:
+        sdgu = compute_scale(_k.dact_amax(dh, gu, **act), 1.0, bmax)
+    dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **act)
+    dx = _gemm(cfg, dt, 1.0 / sdgu, sw1i, dguq.reshape(dh.shape[0], -1), w1q)   # [M, D]     wi dgrad
+    dw1 = _gemm(cfg, dt, sxi, 1.0 / sdgu, xqT, dguqT)                    # [D, n*F]   wi wgrad
+    wi_ct = wo_ct = None
+    if delayed:
+        wi_ct = dict(zip(STATE_KEYS, new_fwd[0] + _update(recipe, wi_gh, sdgu, adgu, bmax)))
+        wo_ct = dict(zip(STATE_KEYS, new_fwd[1] + _update(recipe, wo_gh, sdy, ady, bmax)))
+    dw1 = dw1.reshape(xqT.shape[0], -1, w2q.shape[0]).astype(cfg.w1_dtype)
+    return dx, dw1, dw2.astype(cfg.w2_dtype), wi_ct, wo_ct
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activations, interpret=None):
+    """y = act(x . w1) . w2 with FP8 GEMMs and fused quantization (see the module docstring).
+
+    x [..., D] in the compute dtype; w1 [D, n_act, F], w2 [F, Dout] in any float dtype (cast to x's dtype before
+    quantization, gradients returned in their own dtypes); activations: a te_jax name tuple, (act,) or
+    (act, "linear"); recipe DelayedScaling (wi_state, wo_state: quantize.init_state dicts, their updates come
+    back as their gradients) or Float8CurrentScaling (no state). Returns y [..., Dout] in x's dtype.
+    """
+    acts = tuple(activations)
+    if not (len(acts) == 1 or (len(acts) == 2 and acts[1] == "linear")):
+        raise ValueError(f"fused_fp8_mlp: activations={acts!r} must be (act,) or (act, 'linear').")
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise ValueError(f"fused_fp8_mlp: recipe {type(recipe).__name__} is not per-tensor (DelayedScaling or "
+                         "Float8CurrentScaling).")
+    delayed = isinstance(recipe, DelayedScaling)
+    if delayed:
+        if wi_state is None or wo_state is None:
+            raise ValueError("fused_fp8_mlp: DelayedScaling needs wi_state and wo_state.")
+        wi_state, wo_state = ({k: jnp.asarray(s[k], jnp.float32) for k in STATE_KEYS} for s in (wi_state, wo_state))
+    else:
+        wi_state = wo_state = None
+    d, n, f = w1.shape
+    if n != len(acts) or x.shape[-1] != d or w2.ndim != 2 or w2.shape[0] != f:
+        raise ValueError(f"fused_fp8_mlp: shapes x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
+                         f"do not fit activations {acts} (w1 [D, {len(acts)}, F], w2 [F, Dout]).")
+    cfg = _Cfg(recipe, acts[0], len(acts) == 2, gemm_style(), jnp.dtype(w1.dtype), jnp.dtype(w2.dtype), interpret)
+    y = _mlp(x.reshape(-1, d), w1, w2, wi_state, wo_state, cfg)
+    return y.reshape(x.shape[:-1] + (w2.shape[1],))
+
+
+__all__ = ["fused_fp8_mlp", "fused_mlp_unavailable", "fused_setting", "FUSED_ENV", "FUSED_SETTINGS", "KERNEL_OPTIONS"]

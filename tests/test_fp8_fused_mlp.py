@@ -1,0 +1,380 @@
+"""Fused FP8 quantization: the Pallas cast kernels (pallas_kernels/fp8_cast) against their jnp reference, and the
+fused FP8 MLP (te_jax/fp8/mlp.py) against the unfused FP8 path and an fp32 non-FP8 reference.
+
+Small ragged shapes (M = 48 tokens, D = 32, F = 40); kernels run in interpret mode on the CPU.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from pallas_kernels import fp8_cast as K
+from pallas_kernels.fp8_cast import reference as R
+from te_jax import activations as A
+from te_jax import fp8
+from te_jax.fp8 import quantize as Q
+from te_jax.fp8.mlp import FUSED_ENV, fused_fp8_mlp
+from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
+from te_jax.flax import LayerNormMLP
+
+E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+M, D, F = 48, 32, 40
+#: XLA's default excess precision drops convert pairs (a bf16 rounding between two fp32 ops) in the unfused
+#: path's fusions, so which roundings happen there depends on the compiler; with it off both paths round
+#: exactly where their code says and must agree bit for bit.
+EXACT = {"xla_allow_excess_precision": False}
+
+
+ON_GPU = jax.default_backend() == "gpu"  # there the kernels run compiled (Triton), elsewhere in interpret mode
+#: The activation's fp32 math compiled in another order (XLA's whole-array fusion vs the kernel's tile; on a GPU
+#: Triton's exp / tanh vs XLA's): the amax of a / dgu may differ in its last bits.
+_AMAX_RTOL = 2.0 ** -20 if ON_GPU else 2.0 ** -22
+
+
+def _f32(a):
+    return np.asarray(jnp.asarray(a).astype(F32))
+
+
+def _fp8_ulps(a, b):
+    """Distance in FP8 steps between two FP8 arrays of the same dtype (sign-magnitude bits -> ordinals)."""
+    def ordinal(x):
+        bits = np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8)).astype(np.int32)
+        return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)
+
+    return np.abs(ordinal(a) - ordinal(b))
+
+
+def _assert_fp8_close(got, want):
+    """Equal, or one FP8 step apart where the fp32 value before the cast differs in its last bits (activation
+    math compiled in another order), and then rarely."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    ulps = _fp8_ulps(got, want)
+    assert ulps.max() <= 1 and ulps.mean() < 0.01, (ulps.max(), ulps.mean())
+
+
+def _rand(key, shape, dtype, scale=2.0):
+    return (jax.random.normal(key, shape) * scale).astype(dtype)
+
+
+def _scale_for(amax_value, out_dtype):
+    # 1.5x past fp8_max / amax: the largest values saturate, the rest spread over the FP8 range
+    return 1.5 * float(jnp.finfo(out_dtype).max) / float(amax_value)
+
+
+# --- the kernels against the reference ------------------------------------------------------------
+
+ACT_CASES = [  # activation, gated, input dtype, output dtype, round_to, (block_m, block_n)
+    ("silu", True, BF, E4, None, (16, 16)),
+    ("gelu", True, F16, E4, F16, (128, 64)),
+    ("gelu", False, BF, E5, BF, (32, 16)),
+    ("relu", False, F32, E4, None, (16, 32)),
+    ("linear", True, F32, E5, None, (64, 16)),
+]
+
+
+@pytest.mark.parametrize("activation, gated, dtype, out_dtype, round_to, blocks", ACT_CASES)
+def test_act_cast_matches_reference(activation, gated, dtype, out_dtype, round_to, blocks):
+    gu = _rand(jax.random.PRNGKey(1), (M, 2, F) if gated else (M, F), dtype)
+    kw = dict(activation=activation, gated=gated, round_to=round_to)
+    ref_amax = R.act_amax(gu, **kw)
+    scale = _scale_for(ref_amax, out_dtype)
+    bm, bn = blocks
+    q, qt, amax = K.act_cast(gu, scale, out_dtype=out_dtype, transpose=True, block_m=bm, block_n=bn, **kw)
+    rq, _ = R.act_cast(gu, scale, out_dtype=out_dtype, **kw)
+    _assert_fp8_close(q, rq)
+    np.testing.assert_array_equal(_f32(qt), _f32(q).T)  # the same values, transposed by the same program
+    np.testing.assert_allclose(amax, ref_amax, rtol=_AMAX_RTOL)
+    np.testing.assert_array_equal(K.act_amax(gu, block_m=bm, block_n=bn, **kw), amax)
+    if blocks == (128, 64):  # the defaults: one program covers the whole array; also without the transpose
+        q2, amax2 = K.act_cast(gu, scale, out_dtype=out_dtype, **kw)
+        np.testing.assert_array_equal(_f32(q2), _f32(q))
+        np.testing.assert_array_equal(amax2, amax)
+    assert np.abs(_f32(q)).max() == float(jnp.finfo(out_dtype).max)  # the largest values saturated
+
+
+@pytest.mark.parametrize("activation, gated, dtype, out_dtype, round_to, blocks", ACT_CASES)
+def test_dact_cast_transpose_matches_reference(activation, gated, dtype, out_dtype, round_to, blocks):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(2))
+    gu = _rand(k1, (M, 2, F) if gated else (M, F), dtype)
+    dh = _rand(k2, (M, F), dtype, scale=1.0)
+    kw = dict(activation=activation, gated=gated, round_to=round_to)
+    ref_amax = R.dact_amax(dh, gu, **kw)
+    scale = _scale_for(ref_amax, out_dtype)
+    bm, bn = blocks
+    q, qt, amax = K.dact_cast_transpose(dh, gu, scale, out_dtype=out_dtype, block_m=bm, block_n=bn, **kw)
+    rq, rqt, _ = R.dact_cast_transpose(dh, gu, scale, out_dtype=out_dtype, **kw)
+    assert q.shape == gu.shape and qt.shape == ((2 if gated else 1) * F, M)
+    _assert_fp8_close(q, rq)
+    np.testing.assert_array_equal(_f32(qt), _f32(q).reshape(M, -1).T)
+    np.testing.assert_allclose(amax, ref_amax, rtol=_AMAX_RTOL)
+    np.testing.assert_array_equal(K.dact_amax(dh, gu, block_m=bm, block_n=bn, **kw), amax)
+
+
+@pytest.mark.parametrize("dtype, out_dtype, round_to, blocks", [
+    (BF, E4, None, (16, 16)), (F32, E4, BF, (32, 64)), (F16, E5, None, (128, 64)), (F32, E5, None, (16, 32))])
+def test_cast_transpose_matches_reference(dtype, out_dtype, round_to, blocks):
+    x = _rand(jax.random.PRNGKey(3), (M, F), dtype)
+    ref_amax = R.cast_transpose(x, 1.0, out_dtype=out_dtype, round_to=round_to)[2]
+    scale = _scale_for(ref_amax, out_dtype)
+    q, qt, amax = K.cast_transpose(x, scale, out_dtype=out_dtype, round_to=round_to, block_m=blocks[0],
+                                   block_n=blocks[1])
+    rq, rqt, _ = R.cast_transpose(x, scale, out_dtype=out_dtype, round_to=round_to)
+    np.testing.assert_array_equal(_f32(q), _f32(rq))  # no activation math: bit for bit
+    np.testing.assert_array_equal(_f32(qt), _f32(rqt))
+    np.testing.assert_array_equal(amax, ref_amax)
+    # the same as te_jax's quantize (the unfused path's cast)
+    want = Q.quantize(x if round_to is None else x.astype(round_to), scale, out_dtype)
+    np.testing.assert_array_equal(_f32(q), _f32(want))
+
+
+def test_saturation_nan_and_inf():
+    x = jnp.array([[1e30, -1e30, 3.0, 0.0], [np.nan, 2.0, -np.inf, 1.0]], F32)
+    q, qt, amax = K.cast_transpose(x, 1.0, out_dtype=E4)
+    qf = _f32(q)
+    np.testing.assert_array_equal(qf[0], [448, -448, 3, 0])
+    assert np.isnan(qf[1, 0]) and qf[1, 2] == -448  # NaN stays NaN, -inf saturates
+    assert float(amax) == np.inf  # a NaN reads as +inf: non-finite, as the recipes need
+    gu = jnp.zeros((2, 2, 4), BF).at[0, 0, 0].set(np.nan)
+    assert float(K.act_amax(gu, activation="silu", gated=True)) == np.inf
+    assert float(K.act_amax(jnp.zeros((2, 2, 4), BF), activation="silu", gated=True)) == 0.0
+
+
+def test_bad_arguments_are_clear_errors():
+    gu = jnp.ones((8, 2, 16), BF)
+    with pytest.raises(ValueError, match="power of two"):
+        K.act_cast(gu, 1.0, activation="silu", gated=True, out_dtype=E4, block_m=24)
+    with pytest.raises(ValueError, match=r"\[M, 2, F\]"):
+        K.act_cast(gu[:, 0], 1.0, activation="silu", gated=True, out_dtype=E4)
+    with pytest.raises(ValueError, match="activation"):
+        K.act_cast(gu, 1.0, activation="swish", gated=True, out_dtype=E4)
+    with pytest.raises(ValueError, match="out_dtype"):
+        K.cast_transpose(gu[:, 0], 1.0, out_dtype=BF)
+    with pytest.raises(ValueError, match="dh has shape"):
+        K.dact_cast_transpose(gu[:, 0, :8], gu, 1.0, activation="gelu", gated=True, out_dtype=E5)
+
+
+# --- the fused MLP --------------------------------------------------------------------------------
+
+def _unfused(x, w1, w2, s1, s2, recipe, acts):
+    """Today's unfused path: fp8_dot_general, te_jax's activation (stored in x.dtype), fp8_dot_general."""
+    dt = x.dtype
+    h = Q.fp8_dot_general(x, w1.astype(dt), (((x.ndim - 1,), (0,)), ((), ())), recipe, s1)
+    a = A.biased_activation_dropout(h, None, acts, 0.0, None, dt)
+    return Q.fp8_dot_general(a, w2.astype(dt), (((a.ndim - 1,), (0,)), ((), ())), recipe, s2)
+
+
+def _fused(x, w1, w2, s1, s2, recipe, acts):
+    return fused_fp8_mlp(x, w1, w2, recipe, s1, s2, activations=acts)
+
+
+def _fp32_mlp(x, w1, w2, acts):
+    hp = lax.Precision.HIGHEST
+    h = jnp.einsum("btd,dnf->btnf", x, w1, precision=hp)
+    return jnp.einsum("btf,fe->bte", A.apply_activations(h, acts), w2, precision=hp)
+
+
+def _problem(acts, dtype, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(ks[0], (2, M // 2, D)).astype(dtype)
+    w1 = jax.random.normal(ks[1], (D, len(acts), F)) * D ** -0.5
+    w2 = jax.random.normal(ks[2], (F, D)) * F ** -0.5
+    g = jax.random.normal(ks[3], (2, M // 2, D)).astype(dtype)
+    return x, w1, w2, g
+
+
+def _steps(fn, recipe, acts, x, w1, w2, g, n=2, **jit_kw):
+    """n consecutive steps (each one's new delayed-scaling state feeds the next): [(y, dx, dw1, dw2, s1, s2)]."""
+    step = jax.jit(lambda x, w1, w2, s1, s2, g: (lambda y, vjp: (y, *vjp(g)))(
+        *jax.vjp(lambda *a: fn(*a, recipe, acts), x, w1, w2, s1, s2)), **jit_kw)
+    s1 = s2 = Q.init_state(recipe.amax_history_len) if isinstance(recipe, DelayedScaling) else None
+    out = []
+    for _ in range(n):
+        y, dx, dw1, dw2, s1, s2 = step(x, w1, w2, s1, s2, g)
+        out.append((y, dx, dw1, dw2, s1, s2))
+    return out
+
+
+def _rel(a, b):
+    a, b = _f32(a).astype(np.float64), _f32(b).astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("acts, recipe", [
+    (("silu", "linear"), DelayedScaling(amax_history_len=3)),
+    (("gelu", "linear"), Float8CurrentScaling()),
+    (("gelu",), DelayedScaling(amax_history_len=2, margin=1, amax_compute_algo="most_recent")),
+], ids=["swiglu-delayed", "geglu-current", "gelu-delayed"])
+def test_fused_mlp_equals_the_unfused_fp8_path(acts, recipe):
+    """Same quantized math: output, dx, dw1, dw2 and the updated delayed-scaling state are bitwise equal over
+    two state-updating steps (under jit, XLA's excess precision off in both; on a GPU within rounding noise)."""
+    x, w1, w2, g = _problem(acts, BF)
+    fused = _steps(_fused, recipe, acts, x, w1, w2, g, compiler_options=EXACT)
+    unfused = _steps(_unfused, recipe, acts, x, w1, w2, g, compiler_options=EXACT)
+    for step_f, step_u in zip(fused, unfused):
+        for name, a, b in zip(("y", "dx", "dw1", "dw2"), step_f, step_u):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            if ON_GPU:  # Triton's exp / tanh are not XLA's: an FP8 step apart here and there
+                assert _rel(a, b) < 2.0 ** -5, (name, _rel(a, b))
+            else:
+                np.testing.assert_array_equal(_f32(a), _f32(b), err_msg=name)
+        check = (lambda a, b: np.testing.assert_allclose(a, b, rtol=2.0 ** -6)) if ON_GPU else (
+            np.testing.assert_array_equal)
+        jax.tree_util.tree_map(check, step_f[4:], step_u[4:])
+    _assert_near_fp32(fused, acts, x, w1, w2, g)
+    if isinstance(recipe, DelayedScaling):
+        s1, s2 = fused[0][4:]
+        assert float(s2["input_scale"][0]) != 1.0 and float(s1["output_grad_scale"][0]) != 1.0
+        # wo's input amax is amax(a), wi's output-grad amax is amax(dgu) (a history's last slot after a step)
+        assert float(s2["input_amax_history"][-1]) > 0 and float(s1["output_grad_amax_history"][-1]) > 0
+
+
+def _assert_near_fp32(steps, acts, x, w1, w2, g):
+    """Each step within FP8 error of the fp32 non-FP8 MLP (E5M2 gradients and a small F: 5-20% here)."""
+    y0, vjp0 = jax.vjp(lambda x, w1, w2: _fp32_mlp(x, w1, w2, acts), x.astype(F32), w1, w2)
+    ref = (y0, *vjp0(g.astype(F32)))
+    for step in steps:
+        for name, a, r, tol in zip(("y", "dx", "dw1", "dw2"), step, ref, (2**-3, 2**-2, 2**-2, 2**-3)):
+            assert np.all(np.isfinite(_f32(a))), name
+            assert _rel(a, r) < tol, (name, _rel(a, r))
+
+
+def test_fused_mlp_against_fp32_and_unfused_default_jit():
+    """Default jit options (non-gated relu, delayed scaling): within FP8 error of the fp32 MLP, and close to the
+    unfused path (which may then skip some bf16 roundings); the second step uses the scales of the first."""
+    acts, recipe = ("relu",), DelayedScaling(amax_history_len=4)
+    x, w1, w2, g = _problem(acts, BF, seed=1)
+    fused = _steps(_fused, recipe, acts, x, w1, w2, g)
+    unfused = _steps(_unfused, recipe, acts, x, w1, w2, g)
+    _assert_near_fp32(fused, acts, x, w1, w2, g)
+    for step_f, step_u in zip(fused, unfused):
+        for name, a, b in zip(("y", "dx", "dw1", "dw2"), step_f, step_u):
+            assert _rel(a, b) < 2**-5, (name, _rel(a, b))
+    assert fused[1][2].dtype == w1.dtype and fused[1][3].dtype == w2.dtype  # gradients in the weights' dtype
+
+
+def test_fused_mlp_gemms_are_tn_fp8_dots():
+    """Every GEMM of the fused forward + backward: dot_general on float8 operands, both contracting dims minor
+    ("TN", cuBLASLt FP8's layout), DEFAULT precision, output in the compute dtype."""
+    acts, recipe = ("silu", "linear"), DelayedScaling(amax_history_len=2)
+    x, w1, w2, g = _problem(acts, BF)
+    s = Q.init_state(2)
+    f = lambda x, w1, w2, s1, s2, g: (lambda y, vjp: (y, vjp(g)))(
+        *jax.vjp(lambda *a: _fused(*a, recipe, acts), x, w1, w2, s1, s2))
+    text = jax.jit(f).lower(x, w1, w2, s, s, g).as_text()
+    dots = [ln for ln in text.splitlines() if "stablehlo.dot_general" in ln]
+    assert len(dots) == 6, dots
+    for d in dots:
+        assert "contracting_dims = [1] x [1]" in d and "batching_dims" not in d, d
+        assert "precision = [DEFAULT, DEFAULT]" in d, d
+        assert d.count("xf8E4M3FN>") + d.count("xf8E5M2>") == 2 and d.rstrip().endswith("xbf16>"), d
+
+
+# --- the Flax path --------------------------------------------------------------------------------
+
+def _mlp_module(**kw):
+    return LayerNormMLP(intermediate_dim=F, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                        intermediate_dropout_rate=0.0, dtype=BF, **kw)
+
+
+def test_layernorm_mlp_runs_fused_and_the_switch_turns_it_off(monkeypatch):
+    """LayerNormMLP under a per-tensor recipe takes the fused path (on a GPU, or anywhere with
+    TE_JAX_FP8_FUSED_MLP=1) and explain says so; TE_JAX_FP8_FUSED_MLP=0 (read at trace time) gives the unfused
+    path with the same result and state (excess precision off)."""
+    m = _mlp_module()
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, M // 2, D))
+    recipe = DelayedScaling(amax_history_len=3)
+
+    def run():
+        with fp8.autocast(recipe=recipe):
+            info = fp8.explain(lambda: m.init(jax.random.PRNGKey(1), x, deterministic=True))
+            v = jax.jit(lambda k: m.init(k, x, deterministic=True))(jax.random.PRNGKey(1))
+            f = jax.jit(jax.grad(lambda v, x: jnp.sum(m.apply(v, x, deterministic=True)[0].astype(F32) ** 2),
+                                 argnums=(0, 1)), compiler_options=EXACT)
+            return info, f(v, x)
+
+    if jax.default_backend() != "gpu":
+        monkeypatch.delenv(FUSED_ENV, raising=False)  # auto: off a GPU the unfused path, and explain says why
+        with fp8.autocast(recipe=recipe):
+            auto = fp8.explain(lambda: m.init(jax.random.PRNGKey(1), x, deterministic=True))
+        assert all("unfused FP8 MLP: backend" in i.reason and "interpret mode" in i.reason for i in auto), auto
+        monkeypatch.setenv(FUSED_ENV, "1")
+    info, (gv, gx) = run()
+    assert [i.gemm for i in info] == ["wi_kernel", "wo_kernel"]
+    assert all(i.fp8 and "fused FP8 MLP" in i.reason and "unfused" not in i.reason for i in info), info
+    monkeypatch.setenv(FUSED_ENV, "0")
+    info0, (gv0, gx0) = run()
+    assert all(i.fp8 and f"unfused FP8 MLP: {FUSED_ENV}=0" in i.reason for i in info0), info0
+    if ON_GPU:
+        assert _rel(gx, gx0) < 2.0 ** -5
+    else:
+        np.testing.assert_array_equal(gx, gx0)
+        jax.tree_util.tree_map(np.testing.assert_array_equal, nn.meta.unbox(gv), nn.meta.unbox(gv0))
+    new = gv[fp8.FP8_COLLECTION]["wo_fp8_meta"]
+    assert float(new["input_amax_history"][-1]) > 0 and float(new["output_grad_scale"][0]) != 1.0
+    monkeypatch.setenv(FUSED_ENV, "2")
+    with pytest.raises(ValueError, match=FUSED_ENV):
+        run()
+
+
+@pytest.mark.parametrize("kw, recipe, why", [
+    (dict(use_bias=True), Float8CurrentScaling(), "biases"),
+    (dict(), Float8BlockScaling(x_block=16, w_block=16), "not a per-tensor recipe"),
+    (dict(intermediate_dropout_rate=0.1), Float8CurrentScaling(), "dropout"),
+])
+def test_layernorm_mlp_explains_why_not_fused(kw, recipe, why, monkeypatch):
+    monkeypatch.setenv(FUSED_ENV, "1")  # the reasons below win over a forced fused path
+    m = _mlp_module(**kw) if "intermediate_dropout_rate" not in kw else LayerNormMLP(
+        intermediate_dim=F, activations=("gelu",), dtype=BF, **kw)
+    x = jnp.ones((2, 8, D))
+    rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+    with fp8.autocast(recipe=recipe):
+        info = fp8.explain(lambda: m.init(rngs, x, deterministic=False))
+    assert [i.gemm for i in info] == ["wi_kernel", "wo_kernel"]
+    assert all("unfused FP8 MLP" in i.reason and why in i.reason for i in info), info
+
+
+def test_layernorm_mlp_under_a_partitioned_mesh_is_not_fused(monkeypatch):
+    """Under a mesh XLA partitions, the Pallas kernels would run replicated: the unfused path runs, and says so."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    monkeypatch.setenv(FUSED_ENV, "1")
+    m = _mlp_module()
+    x = jnp.ones((2, 8, D))
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    with jax.set_mesh(mesh), fp8.autocast(recipe=Float8CurrentScaling()):
+        info = fp8.explain(lambda: m.init(jax.random.PRNGKey(0), x, deterministic=True))
+    assert all("unfused FP8 MLP" in i.reason and "XLA partitions" in i.reason for i in info), info
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuBLASLt FP8 GEMMs and compiled Triton kernels need a GPU")
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_gpu_fused_mlp_compiles_to_six_fp8_gemms(recipe):
+    """On an FP8-capable GPU the fused MLP's six GEMMs (wi, wo x fprop, dgrad, wgrad) are FP8 GEMMs, none other,
+    with the cast kernels as Triton calls; its step agrees with the unfused path's."""
+    from te_jax._compat import gpu_compute_capability
+    from te_jax.fp8.hlo import gemm_kinds
+
+    if (gpu_compute_capability() or (0, 0)) < (8, 9):
+        pytest.skip("GPU without FP8 tensor cores")
+    acts = ("silu", "linear")
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = jax.random.normal(ks[0], (2, 128, 256)).astype(BF)
+    w1 = (jax.random.normal(ks[1], (256, 2, 512)) * 256 ** -0.5).astype(BF)
+    w2 = (jax.random.normal(ks[2], (512, 256)) * 512 ** -0.5).astype(BF)
+    g = jax.random.normal(ks[3], x.shape).astype(BF)
+    s = Q.init_state(16) if isinstance(recipe, DelayedScaling) else None
+    f = jax.jit(lambda x, w1, w2, s1, s2, g: (lambda y, vjp: (y, *vjp(g)))(
+        *jax.vjp(lambda *a: _fused(*a, recipe, acts), x, w1, w2, s1, s2)))
+    lowered = f.lower(x, w1, w2, s, s, g)
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == (6 if s is not None else 8)  # + 2 amax-only passes
+    kinds = gemm_kinds(lowered.compile().as_text())
+    assert kinds["other"] == 0 and kinds["fp8 cublaslt"] + kinds["fp8 fusion"] == 6, kinds
+    fused = _steps(_fused, recipe, acts, x, w1, w2, g)
+    unfused = _steps(_unfused, recipe, acts, x, w1, w2, g)
+    for step_f, step_u in zip(fused, unfused):
+        for name, a, b in zip(("y", "dx", "dw1", "dw2"), step_f, step_u):
+            assert np.all(np.isfinite(_f32(a))) and _rel(a, b) < 2.0 ** -4, (name, _rel(a, b))
