@@ -4,7 +4,7 @@ Run on the device machine from the repo root:
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_layer_gpu 2>&1 | tee $OUT/fp8_log.txt
     (--gemm-style qdq adds FP8 variants traced with TE_JAX_FP8_GEMM=qdq; --with-block adds Float8BlockScaling,
      a reference implementation that is NOT an FP8 GEMM; --param-dtype fp32 keeps fp32 parameters;
-     --fused-mlp both adds each per-tensor FP8 variant with the MLP unfused, TE_JAX_FP8_FUSED_MLP=0 at trace time)
+     --fused-mlp both adds each per-tensor FP8 variant with the MLP unfused, TE_JAX_FP8_FUSED=0 at trace time)
 CPU smoke test of the script itself (tiny sizes; no cuBLASLt, so the FP8 custom-call count is 0 and the
 f8 converts are counted instead):
     PYTHONPATH=. python -m benchmarks.fp8_layer_gpu --cpu-smoke
@@ -61,7 +61,7 @@ def parse():
     p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling (reference, not an FP8 GEMM)")
     p.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--fused-mlp", choices=["on", "off", "both"], default="on",
-                   help="LayerNormMLP's fused FP8 path (te_jax/fp8/mlp.py; TE_JAX_FP8_FUSED_MLP): on, off, or both "
+                   help="LayerNormMLP's fused FP8 path (te_jax/fp8/mlp.py; TE_JAX_FP8_FUSED): on, off, or both "
                         "as variants (A/B)")
     p.add_argument("--trace", action="store_true",
                    help="profile 3 steps of each variant: device time per kernel category and the top ops; "
@@ -158,7 +158,7 @@ def main():
         module = peers.get(name, layer)
         grad_fn = make_grad_fn(module)
         with (fp8.autocast(enabled=recipe is not None, recipe=recipe), env("TE_JAX_FP8_GEMM", style),
-              env("TE_JAX_FP8_FUSED_MLP", fused_mlp)):
+              env("TE_JAX_FP8_FUSED", fused_mlp)):
             variables = jax.jit(lambda k: nn.meta.unbox(module.init(k, x[:1, :8], deterministic=True)))(kp)
             params, state = variables["params"], variables.get(fp8.FP8_COLLECTION, {})
             if name == "bf16":

@@ -330,7 +330,10 @@ def test_state_through_scan_remat_and_checkpoint():
         np.testing.assert_array_equal(f(v3), f(v2))
 
 
-def test_hlo_has_fp8_converts_for_all_three_gemms():
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_hlo_has_fp8_converts_for_all_three_gemms(fused, monkeypatch):
+    """Both dense paths: unfused (XLA casts) and fused (cast_transpose kernels, every GEMM "TN")."""
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", fused)
     m = DenseGeneral(features=32, use_bias=False, dtype=jnp.bfloat16)
     x = jnp.ones((4, 16, 64), jnp.bfloat16)
     with fp8.autocast(recipe=DelayedScaling(amax_history_len=4)):
@@ -346,8 +349,9 @@ def test_hlo_has_fp8_converts_for_all_three_gemms():
     # dgrad g . w and wgrad x^T . g^T: one e5m2 (the gradient) and one e4m3 operand each
     assert sum(re.search(r"xf8E5M2>, tensor<[0-9x]*xf8E4M3FN>|xf8E4M3FN>, tensor<[0-9x]*xf8E5M2>", d) is not None
                for d in dots) == 2
-    # every FP8 operand contracts its minor axis ("TN", cuBLASLt's FP8 layout): no FP8 transposes needed
-    assert all("contracting_dims = [1] x [1]" in d for d in dots), dots
+    if fused == "1":  # every FP8 operand contracts its minor axis ("TN", cuBLASLt's FP8 layout): no FP8 transposes
+        assert all("contracting_dims = [1] x [1]" in d for d in dots), dots
+        assert "stablehlo.transpose" not in text
     compiled = lowered.compile().as_text()
     assert "f8e4m3fn" in compiled and "f8e5m2" in compiled
 
@@ -466,3 +470,41 @@ def test_gemm_kinds_counts_cublaslt_and_fusion_fp8_gemms():
     k = gemm_kinds(text)
     assert (k["fp8 cublaslt"], k["fp8 fusion"], k["other"]) == (1, 1, 2)
     assert fp8_gemm_count(text) == 2
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()], ids=["delayed", "current"])
+def test_fused_dense_matches_unfused_dense(recipe, monkeypatch):
+    """fp8_dot_general through cast_transpose + TN GEMMs (fused) == the XLA-cast path, over two state updates:
+    output, dx, dw and the delayed-scaling state (same quantized math, different kernels)."""
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(7), 3)
+    x = jax.random.normal(kx, (3, 24, 40), jnp.float32) * 3.0   # M = 72, K = 40: ragged against the kernel blocks
+    w = jax.random.normal(kw, (40, 2, 24), jnp.float32) * 0.2
+    g = jax.random.normal(kg, (3, 24, 2, 24), jnp.float32)
+    dn = (((2,), (0,)), ((), ()))
+    state0 = Q.init_state(4) if isinstance(recipe, DelayedScaling) else None
+
+    def run(fused):
+        monkeypatch.setenv("TE_JAX_FP8_FUSED", fused)
+
+        @jax.jit
+        def step(x, w, state):
+            y, vjp = jax.vjp(lambda x, w, s: Q.fp8_dot_general(x, w, dn, recipe, s), x, w, state)
+            return (y,) + vjp(g)
+
+        state, outs = state0, []
+        for _ in range(2):
+            y, dx, dw, ds = step(x, w, state)
+            outs.append((y, dx, dw))
+            state = ds if state is not None else None
+        return outs, state
+
+    (o_un, s_un), (o_fu, s_fu) = run("0"), run("1")
+    for a_un, a_fu in zip(o_un, o_fu):
+        for a, b in zip(a_un, a_fu):
+            assert _rel(b, a) < 1e-5, _rel(b, a)
+    if s_un is not None:
+        for k in Q.STATE_KEYS:
+            np.testing.assert_allclose(np.asarray(s_fu[k]), np.asarray(s_un[k]), rtol=1e-6)
+    # and it is FP8 math, not the fp32 product
+    ref = jnp.einsum("bsk,khn->bshn", x, w)
+    assert 1e-4 < _rel(o_fu[-1][0], ref) < 0.1

@@ -281,7 +281,7 @@ def _mlp_module(**kw):
 
 def test_layernorm_mlp_runs_fused_and_the_switch_turns_it_off(monkeypatch):
     """LayerNormMLP under a per-tensor recipe takes the fused path (on a GPU, or anywhere with
-    TE_JAX_FP8_FUSED_MLP=1) and explain says so; TE_JAX_FP8_FUSED_MLP=0 (read at trace time) gives the unfused
+    TE_JAX_FP8_FUSED=1) and explain says so; TE_JAX_FP8_FUSED=0 (read at trace time) gives the unfused
     path with the same result and state (excess precision off)."""
     m = _mlp_module()
     x = jax.random.normal(jax.random.PRNGKey(0), (2, M // 2, D))

@@ -35,53 +35,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
-from te_jax.backends import policy
+from te_jax.fp8.fused import FUSED_ENV, fused_cast_unavailable, fused_setting  # noqa: F401
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
                                  gemm_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
-#: Environment switch, read at trace time: "0" keeps LayerNormMLP's FP8 path unfused (for A/B timing), "1" takes
-#: the fused path on any backend (off a GPU its kernels run in interpret mode), unset or "auto": on a GPU only.
-FUSED_ENV = "TE_JAX_FP8_FUSED_MLP"
-FUSED_SETTINGS = ("auto", "0", "1")
 _TN = (((1,), (1,)), ((), ()))
 #: Launch options of the cast kernels per kind (block_m, block_n, num_warps: pallas_kernels/fp8_cast), read at trace
-#: time; empty = the kernels' defaults, not yet tuned on a GPU (benchmarks/fp8_cast_gpu.py --sweep times others).
+#: time; empty = the kernels' defaults (benchmarks/fp8_cast_gpu.py --sweep times others).
 KERNEL_OPTIONS = {"act": {}, "dact": {}, "cast": {}}
 
 
-def fused_setting() -> str:
-    v = os.environ.get(FUSED_ENV, "auto")
-    if v not in FUSED_SETTINGS:
-        raise ValueError(f"{FUSED_ENV}={v!r} must be one of {FUSED_SETTINGS} (unset: 'auto').")
-    return v
-
-
 def fused_mlp_unavailable(recipe, *, has_bias: bool, dropout_rate: float) -> str | None:
-    """Why LayerNormMLP's FP8 path would NOT run fused (None: it does)."""
-    setting = fused_setting()
-    if setting == "0":
-        return f"{FUSED_ENV}=0"
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        return f"{type(recipe).__name__} is not a per-tensor recipe"
+    """Why LayerNormMLP's FP8 path would NOT run fused (None: it does); the switch is te_jax/fp8/fused.py's."""
     if has_bias:
         return "biases (use_bias=True)"
     if dropout_rate > 0.0:
         return "intermediate dropout is active"
-    axes = policy.partitioned_mesh_axes()
-    if axes:
-        return policy.pallas_replicated_reason(axes)
-    backend = jax.default_backend()
-    if setting == "auto" and backend != "gpu":
-        return (f"backend {backend}: the Pallas cast kernels would run in interpret mode, slower than XLA's fusions "
-                f"({FUSED_ENV}=1 forces them)")
-    return None
+    return fused_cast_unavailable(recipe)
 
 
 @dataclasses.dataclass(frozen=True)

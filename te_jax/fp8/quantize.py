@@ -57,6 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.fp8_cast import cast_transpose
+from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, check_recipe
 
 GEMM_STYLES = ("direct", "qdq")
@@ -315,15 +317,18 @@ def _block_bwd(dn, recipe, dtypes, res, g):
 _block_dot.defvjp(_block_fwd, _block_bwd)
 
 
-# --- dense GEMMs with every FP8 operand K-major ("TN", what cuBLASLt's FP8 GEMM takes) ----------------
+# --- dense GEMMs with every FP8 operand K-major ("TN", what cuBLASLt's FP8 GEMM takes), fused casts ---------
 #
 # x [..., K...] . w [K..., N...] flattened to x2 [M, K], w2 [K, N]. Each of the three GEMMs contracts the
-# minor (last) axis of both operands, so XLA inserts no transpose of an FP8 array (its transposes of 1-byte
-# arrays ran at a tenth of the copy bandwidth on the H100: benchmarks/results/fp8_layer_h100.md). The transposed
-# FP8 copies come from quantizing a transposed view of the bf16 input instead, which XLA fuses into the cast:
+# minor (last) axis of both operands, so XLA transposes no FP8 array (its transposes of 1-byte arrays ran at a
+# tenth of the copy bandwidth on the H100, and it moves a transpose of the bf16 input past the cast onto the FP8
+# array: benchmarks/results/fp8_layer_h100.md). The transposed FP8 copies come from the Pallas cast_transpose
+# kernel, which writes an array and its transpose from one read (te_jax/fp8/fused.py says when it runs):
 #   forward  y  = x2_q [M, K] . (w2^T)_q [N, K]
 #   dgrad    dx = g_q  [M, N] . w2_q     [K, N]      (w2_q saved from the forward)
 #   wgrad    dw = (x2^T)_q [K, M] . (g^T)_q [N, M]   ((x2^T)_q saved from the forward)
+# Delayed scaling takes each amax from the kernel that casts (the NEXT step's scale); current scaling reduces
+# the amax in XLA first, then casts.
 
 _TN = (((1,), (1,)), ((), ()))
 
@@ -333,32 +338,64 @@ def _tn_gemm(a, b, out_dtype, a_sinv, b_sinv):
     return (y.astype(jnp.float32) * (a_sinv * b_sinv).astype(jnp.float32)).astype(out_dtype)
 
 
+def _cast_both(a, scale, dtype, interpret):
+    """(a_q [M, N], a_qT [N, M], amax |a|) in one pass (pallas_kernels.fp8_cast.cast_transpose)."""
+    return cast_transpose(a, jnp.asarray(scale, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret)
+
+
+def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret):
+    """(a_q, a_qT, amax, scale used): delayed scaling casts with the stored scale, current with a's own."""
+    if isinstance(recipe, DelayedScaling):
+        s = _read_scale(stored_scale)
+        q, qt, am = _cast_both(a, s, dtype, interpret)
+        return q, qt, am, s
+    s = compute_scale(amax(a), 1.0, fmax)
+    q, qt, am = _cast_both(a, s, dtype, interpret)
+    return q, qt, am, s
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _dense_tn_dot(x, w, state, n_contract, recipe, dtypes):
-    return _dense_tn_fwd(x, w, state, n_contract, recipe, dtypes)[0]
+def _dense_tn_dot(x, w, state, n_contract, recipe, cfg):
+    return _dense_tn_fwd(x, w, state, n_contract, recipe, cfg)[0]
 
 
-def _dense_tn_fwd(x, w, state, n_contract, recipe, dtypes):
-    fdt = recipe.fp8_format.fwd_dtype
+def _dense_tn_fwd(x, w, state, n_contract, recipe, cfg):
+    """cfg = (x dtype, w dtype, output dtype, x shape, w shape, interpret)."""
+    fmt = recipe.fp8_format
     k = math.prod(x.shape[x.ndim - n_contract:])
     x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
-    sx, sw, fwd_state, g_state = _forward_scales(recipe, state, x2, w2)
+    st = state or {}
+    xq, xtq, ax, sx = _scale_then_cast(recipe, x2, st.get("input_scale"), fmt.max_fwd, fmt.fwd_dtype, cfg[5])
+    wq, wtq, aw, sw = _scale_then_cast(recipe, w2, st.get("kernel_scale"), fmt.max_fwd, fmt.fwd_dtype, cfg[5])
+    if isinstance(recipe, DelayedScaling):
+        nx, hx = delayed_update(state["input_amax_history"], sx, ax, fmt.max_fwd, recipe.margin,
+                                recipe.amax_compute_algo)
+        nw, hw = delayed_update(state["kernel_amax_history"], sw, aw, fmt.max_fwd, recipe.margin,
+                                recipe.amax_compute_algo)
+        fwd_state = (nx.reshape(1), hx, nw.reshape(1), hw)
+        g_state = (state["output_grad_scale"], state["output_grad_amax_history"])
+    else:
+        fwd_state = g_state = None
     sxi, swi = 1.0 / sx, 1.0 / sw
-    y = _tn_gemm(quantize(x2, sx, fdt), quantize(w2.T, sw, fdt), dtypes[2], sxi, swi)
-    res = (quantize(x2.T, sx, fdt), sxi, quantize(w2, sw, fdt), swi, fwd_state, g_state)
-    return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:]), res
+    y = _tn_gemm(xq, wtq, cfg[2], sxi, swi)
+    return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:]), (xtq, sxi, wq, swi, fwd_state, g_state)
 
 
-def _dense_tn_bwd(n_contract, recipe, dtypes, res, g):
-    """dtypes = (x dtype, w dtype, output dtype, x shape, w shape)."""
+def _dense_tn_bwd(n_contract, recipe, cfg, res, g):
     xtq, sxi, wq, swi, fwd_state, g_state = res
-    bdt = recipe.fp8_format.bwd_dtype
+    fmt = recipe.fp8_format
     g2 = g.reshape(xtq.shape[1], wq.shape[1])
-    sg, state_ct = _grad_scale(recipe, g_state, fwd_state, g2)
+    gq, gtq, ag, sg = _scale_then_cast(recipe, g2, None if g_state is None else g_state[0], fmt.max_bwd,
+                                       fmt.bwd_dtype, cfg[5])
+    if isinstance(recipe, DelayedScaling):
+        ng, hg = delayed_update(g_state[1], sg, ag, fmt.max_bwd, recipe.margin, recipe.amax_compute_algo)
+        state_ct = dict(zip(STATE_KEYS, fwd_state + (ng.reshape(1), hg)))
+    else:
+        state_ct = None
     sgi = 1.0 / sg
-    dx = _tn_gemm(quantize(g2, sg, bdt), wq, dtypes[0], sgi, swi)
-    dw = _tn_gemm(xtq, quantize(g2.T, sg, bdt), dtypes[1], sxi, sgi)
-    return dx.reshape(dtypes[3]), dw.reshape(dtypes[4]), state_ct
+    dx = _tn_gemm(gq, wq, cfg[0], sgi, swi)
+    dw = _tn_gemm(xtq, gtq, cfg[1], sxi, sgi)
+    return dx.reshape(cfg[3]), dw.reshape(cfg[4]), state_ct
 
 
 _dense_tn_dot.defvjp(_dense_tn_fwd, _dense_tn_bwd)
@@ -404,9 +441,9 @@ def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_el
     style = gemm_style_override or gemm_style()
     if style not in GEMM_STYLES:
         raise ValueError(f"fp8_dot_general: gemm_style_override={style!r} must be one of {GEMM_STYLES}.")
-    if style == "direct" and _dense_split(dn, x.ndim, w.ndim) is not None:
+    if style == "direct" and _dense_split(dn, x.ndim, w.ndim) is not None and fused_cast_unavailable(recipe) is None:
         return _dense_tn_dot(x, w, state, _dense_split(dn, x.ndim, w.ndim), recipe,
-                             dtypes + (tuple(x.shape), tuple(w.shape)))
+                             dtypes + (tuple(x.shape), tuple(w.shape), None))
     return _per_tensor_dot(x, w, state, dn, recipe, dtypes, style)
 
 

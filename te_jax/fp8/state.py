@@ -111,7 +111,7 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
     x [..., D]; w1 [D, n_act, F]; b1 [n_act, F] | None; w2 [F, D]; b2 [D] | None. Returns (y, ln_out).
     Two paths, the same math (te_jax/fp8/README.md, "Fused quantization"):
       fused (te_jax.fp8.mlp.fused_fp8_mlp): a per-tensor recipe, no biases, no active dropout, no mesh XLA
-        partitions, a GPU (or TE_JAX_FP8_FUSED_MLP=1), TE_JAX_FP8_FUSED_MLP not 0: the activation, its gradient
+        partitions, a GPU (or TE_JAX_FP8_FUSED=1), TE_JAX_FP8_FUSED not 0: the activation, its gradient
         and every cast run in Pallas kernels that also write the transposed FP8 operands and the amaxes;
       unfused: two `dense` calls (fp8_dot_general) with te_jax's activation between, all on XLA.
     te_jax.fp8.explain says which one ran and why. The Pallas ln_mlp path (bf16 GEMMs inside its custom_vjp) is

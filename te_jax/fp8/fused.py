@@ -1,0 +1,45 @@
+"""When te_jax's FP8 paths use the fused Pallas cast kernels (pallas_kernels/fp8_cast).
+
+One switch for every FP8 path, read at trace time: the environment variable TE_JAX_FP8_FUSED
+  unset or "auto": fused on a GPU, unfused elsewhere (off a GPU the kernels would run in interpret mode, slower
+                   than XLA's fusions);
+  "0": never (A/B timing);  "1": always (on the CPU the kernels run in interpret mode: what the tests use).
+Fused means: the dense GEMMs (DenseGeneral, LayerNormDenseGeneral) quantize each operand with cast_transpose,
+which writes the FP8 array and its transpose in one pass (so every FP8 GEMM is "TN" and XLA transposes no FP8
+array), and LayerNormMLP runs te_jax/fp8/mlp.py (activation + cast, dActivation + cast + transpose).
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from te_jax.backends import policy
+from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
+
+FUSED_ENV = "TE_JAX_FP8_FUSED"
+FUSED_SETTINGS = ("auto", "0", "1")
+
+
+def fused_setting() -> str:
+    v = os.environ.get(FUSED_ENV, "auto")
+    if v not in FUSED_SETTINGS:
+        raise ValueError(f"{FUSED_ENV}={v!r} must be one of {FUSED_SETTINGS} (unset: 'auto').")
+    return v
+
+
+def fused_cast_unavailable(recipe) -> str | None:
+    """Why an FP8 GEMM would NOT quantize through the fused Pallas cast kernels (None: it does)."""
+    setting = fused_setting()
+    if setting == "0":
+        return f"{FUSED_ENV}=0"
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        return f"{type(recipe).__name__} is not a per-tensor recipe"
+    axes = policy.partitioned_mesh_axes()
+    if axes:
+        return policy.pallas_replicated_reason(axes)
+    backend = jax.default_backend()
+    if setting == "auto" and backend != "gpu":
+        return (f"backend {backend}: the Pallas cast kernels would run in interpret mode, slower than XLA's fusions "
+                f"({FUSED_ENV}=1 forces them)")
+    return None
