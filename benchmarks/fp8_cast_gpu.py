@@ -74,7 +74,8 @@ def check(name, got, want):
         u = _ulps(q.reshape(rq.shape), rq)
         worst = max(worst, int(u.max()))
     rel = abs(float(amax) - float(ramax)) / max(abs(float(ramax)), 1e-30)
-    ok = worst <= 1 and rel < 1e-5
+    # amax within one bf16 rounding: XLA may drop the reference's bf16 rounding of a before its amax (excess precision)
+    ok = worst <= 1 and rel <= 2.0 ** -8
     print(f"{name}: max FP8 steps vs xla {worst}, amax rel diff {rel:.2e} -> {'ok' if ok else 'MISMATCH'}", flush=True)
     return ok
 
