@@ -1,5 +1,4 @@
 """dot_product_attention (xla backend) against the independent naive attention, every feature."""
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -7,19 +6,10 @@ import numpy as np
 import pytest
 
 import te_jax
+from helpers import qkv as _qkv, rand as _rand
 from naive_attention import naive_attention, naive_mask
 
 MASKS = te_jax.MASK_TYPES
-
-
-def _rand(key, shape, dtype=jnp.float32):
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-
-
-def _qkv(seed, b, sq, skv, h, g, d, dv=None, dtype=jnp.float32):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    return (_rand(ks[0], (b, sq, h, d), dtype), _rand(ks[1], (b, skv, g, d), dtype),
-            _rand(ks[2], (b, skv, g, dv or d), dtype))
 
 
 def _padding_args(mask_type, b, sq, skv, rng):

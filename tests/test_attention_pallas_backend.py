@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import te_jax
+from helpers import qkv
 from naive_attention import naive_attention, naive_mask
 
 CASES = [
@@ -20,19 +21,11 @@ CASES = [
 ]
 
 
-def _inputs(seed, fmt, b, sq, skv, h, g, dqk, dv):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (b, sq, h, dqk))
-    k = jax.random.normal(ks[1], (b, skv, g, dqk))
-    v = jax.random.normal(ks[2], (b, skv, g, dv))
-    return q, k, v
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-w{c[2]}-h{c[3]}g{c[4]}-s{c[7]}x{c[8]}")
 def test_pallas_backend_matches_naive(case):
     fmt, mask_type, window, h, g, dqk, dv, sq, skv, use_bias, softcap = case
     b = 2
-    q, k, v = _inputs(hash(case) % 1000, fmt, b, sq, skv, h, g, dqk, dv)
+    q, k, v = qkv(hash(case) % 1000, b, sq, skv, h, g, dqk, dv)
     pad, q_lens, kv_lens = {}, None, None
     if mask_type.startswith("padding"):
         q_lens, kv_lens = np.array([sq, max(1, sq - 4)]), np.array([skv, max(1, skv - 3)])
@@ -79,7 +72,7 @@ def test_pallas_backend_thd_packed_sequences():
 
 
 def test_pallas_backend_bf16():
-    q, k, v = (t.astype(jnp.bfloat16) for t in _inputs(12, "bshd", 2, 16, 16, 4, 2, 32, 32))
+    q, k, v = (t.astype(jnp.bfloat16) for t in qkv(12, 2, 16, 16, 4, 2, 32))
     out = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="pallas")
     assert out.dtype == jnp.bfloat16
     ref = naive_attention(q, k, v, naive_mask(2, 16, 16, "causal"))
@@ -102,7 +95,7 @@ def test_pallas_sbhd_from_packed_gqa_tensor_with_causal_window():
 
 def test_pallas_odd_length_and_eighteen_heads():
     """[2, 16534, 18, 128]-like, scaled down: an odd length that is no multiple of any block, 18 heads."""
-    q, k, v = _inputs(22, "bshd", 2, 67, 67, 18, 18, 32, 32)
+    q, k, v = qkv(22, 2, 67, 67, 18, 18, 32)
     f = lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="pallas")
     mask = naive_mask(2, 67, 67, "causal")
     np.testing.assert_allclose(jax.jit(f)(q, k, v), naive_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import te_jax
+from helpers import norm_rel_err
 from naive_attention import naive_attention, naive_mask
 
 TOL = {"float32": (2e-4, 5e-4), "bfloat16": (2e-2, 5e-2), "float16": (5e-3, 2e-2)}
@@ -75,12 +76,8 @@ def _materialize(c):
 
 
 def _rel_err(a, b):
-    """‖a − b‖ / ‖b‖, with a floor on ‖b‖ so that exactly-zero references (e.g. dq of a one-key row)
-    compare absolutely."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all(), "non-finite values"
-    denom = max(np.linalg.norm(b), 1e-2 * np.sqrt(b.size))
-    return np.linalg.norm(a - b) / denom
+    """‖a − b‖ / ‖b‖ with a floor on ‖b‖ (helpers.norm_rel_err)."""
+    return norm_rel_err(a, b, floor=1e-2)
 
 
 def _check_call(c, backends):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rand
 from tolerance import assert_close
 from te_jax.flax import (
     DenseGeneral,
@@ -24,10 +25,6 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 4e-2}
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def rand(key, shape, dtype=jnp.float32, scale=1.0):
-    return (scale * jax.random.normal(jax.random.key(key), shape)).astype(dtype)
 
 
 def unbox(v):
