@@ -53,13 +53,18 @@ def hopper_device_reason() -> str | None:
 def _config_kind(call) -> str | None:
     """"portable" (BlockSizes), "hopper" (HopperConfig) or None: the kernel a call's config names."""
     cfg = call.kernel_config
-    if cfg is None:
+    return None if cfg is None else ("hopper" if _of_kind(cfg, "hopper") is not None else "portable")
+
+
+def _of_kind(config, kind):
+    """config when it configures kernel `kind` ("portable": BlockSizes, "hopper": HopperConfig), else None."""
+    if config is None:
         return None
-    return "hopper" if type(cfg).__name__ == "HopperConfig" else "portable"
+    return config if ("hopper" if type(config).__name__ == "HopperConfig" else "portable") == kind else None
 
 
 def _block_sizes(call):
-    return call.kernel_config if _config_kind(call) == "portable" else None
+    return _of_kind(call.kernel_config, "portable")
 
 
 def check_kernel_config(config):
@@ -178,15 +183,16 @@ class PallasBackend:
                 return f"ring block q{tuple(qs)} x kv{tuple(ks)}: {why}"
         return None
 
-    def dense_forward(self, q, k, v, *, scale, causal):
+    def dense_forward(self, q, k, v, *, scale, causal, config=None):
         """Mask-free block forward (Hopper kernel): (out [b,s,h,dv], lse [b,h,s] f32)."""
         from pallas_kernels import flash_attention_hopper as fh
-        return fh.hopper_attention_fwd(q, k, v, scale=scale, causal=causal)
+        return fh.hopper_attention_fwd(q, k, v, scale=scale, causal=causal, config=_of_kind(config, "hopper"))
 
-    def dense_backward(self, q, k, v, out, lse, dout, *, scale, causal):
+    def dense_backward(self, q, k, v, out, lse, dout, *, scale, causal, config=None):
         """Mask-free block backward (Hopper kernel) from the final out/lse: (dq, dk, dv)."""
         from pallas_kernels import flash_attention_hopper as fh
-        return fh.hopper_attention_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal)
+        return fh.hopper_attention_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal,
+                                       config=_of_kind(config, "hopper"))
 
     def choice_detail(self, call) -> str:
         """Which Pallas kernel runs the call, and why not the Hopper kernel when it does not."""
@@ -260,7 +266,7 @@ class PallasBackend:
         lead = (1,) if call.attn_input_format == "thd" else ()
         shapes = [jax.ShapeDtypeStruct(lead + tuple(t.shape), t.dtype) for t in tensors]
         why = mod.packed_in_place_reason(_kernel_qkv(shapes), layout=kernel_layout, num_heads=num_heads,
-                                         num_kv_heads=num_gqa_groups)
+                                         num_kv_heads=num_gqa_groups, block_sizes=_block_sizes(call))
         return None if why is None else f"the packed tensor would need padding: {why}"
 
     def forward_packed(self, call, qkv_layout, tensors, tm, bias, *, num_heads, num_gqa_groups, scale, softcap,
@@ -274,18 +280,20 @@ class PallasBackend:
             _kernel_qkv(_batched(tensors, call.attn_input_format)), tm.q_segment_ids, tm.q_positions,
             tm.kv_segment_ids, tm.kv_positions, bias, layout=KERNEL_PACKED_LAYOUTS[qkv_layout],
             num_heads=num_heads, num_kv_heads=num_gqa_groups, scale=scale, softcap=softcap, causal=causal,
-            window_left=window[0], window_right=window[1])
+            window_left=window[0], window_right=window[1], block_sizes=_block_sizes(call))
         return self._zero_hidden_rows(out, rows)
 
-    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):
+    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window, config=None):
         from pallas_kernels import flash_attention as fa
         return fa.flash_attention_fwd(
             q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
-            scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1])
+            scale=scale, softcap=softcap, causal=causal, window_left=window[0], window_right=window[1],
+            block_sizes=_of_kind(config, "portable"))
 
-    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window):
+    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window,
+                 config=None):
         from pallas_kernels import flash_attention as fa
         return fa.flash_attention_bwd(
             q, k, v, tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids, tm.kv_positions, bias,
             out, lse, dout, dlse, scale=scale, softcap=softcap, causal=causal,
-            window_left=window[0], window_right=window[1])
+            window_left=window[0], window_right=window[1], block_sizes=_of_kind(config, "portable"))
