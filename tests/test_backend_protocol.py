@@ -242,3 +242,16 @@ def test_registration_is_one_line(monkeypatch):
     assert choice.reasons["xla"].kind is base.ReasonKind.AVOIDED and "preference order" in choice.reasons["xla"]
     assert "backend='xla'" in choice.reasons["xla"]
     assert te_jax.explain_attention_backend(*qkv(*SMALL), backend="xla").selected == "xla"
+
+
+def test_block_sizes_keep_the_ring_blocks_on_the_portable_kernel(monkeypatch):
+    """A BlockSizes config names the portable kernel: the ring's mask-free (Hopper) block path says no, even on sm90."""
+    import te_jax.attention as attention_mod
+    from pallas_kernels.flash_attention import BlockSizes
+
+    monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (9, 0)))
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    call = attention_mod.prepare_attention(q, q, q, attn_mask_type="causal", needs_split_vjp=True,
+                                           config=BlockSizes(block_q=64, block_kv=64)).call
+    why = selection.BACKENDS["pallas"].ring_block_reason(call, q.shape, q.shape, True)
+    assert why == "config is the portable kernel's BlockSizes"

@@ -50,17 +50,18 @@ def hopper_device_reason() -> str | None:
     return None
 
 
+def _kind(config) -> str | None:
+    """"portable" (BlockSizes), "hopper" (HopperConfig) or None: the kernel a configuration configures."""
+    return None if config is None else ("hopper" if type(config).__name__ == "HopperConfig" else "portable")
+
+
 def _config_kind(call) -> str | None:
-    """"portable" (BlockSizes), "hopper" (HopperConfig) or None: the kernel a call's config names."""
-    cfg = call.kernel_config
-    return None if cfg is None else ("hopper" if _of_kind(cfg, "hopper") is not None else "portable")
+    return _kind(call.kernel_config)
 
 
 def _of_kind(config, kind):
-    """config when it configures kernel `kind` ("portable": BlockSizes, "hopper": HopperConfig), else None."""
-    if config is None:
-        return None
-    return config if ("hopper" if type(config).__name__ == "HopperConfig" else "portable") == kind else None
+    """config when it configures kernel `kind`, else None (the other kernel runs with its defaults)."""
+    return config if _kind(config) == kind else None
 
 
 def _block_sizes(call):
@@ -166,6 +167,8 @@ class PallasBackend:
         q_block_shape / kv_block_shape: local [b, s, h, d]; half_blocks: the causal zig-zag schedule
         also calls halves of the blocks (their lengths must fit the kernel too).
         """
+        if _config_kind(call) == "portable":
+            return "config is the portable kernel's BlockSizes"
         mod, why = self._hopper_feature_reason(call)
         if why is not None:
             return why
