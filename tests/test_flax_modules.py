@@ -219,7 +219,9 @@ def test_layernorm_dense_general(layernorm_type, dtype):
 @pytest.mark.parametrize("activations,use_bias,layernorm_type,dtype", [
     (("gelu",), False, "layernorm", jnp.float32),
     (("silu", "linear"), True, "rmsnorm", jnp.float32),
-    (("relu",), True, "layernorm", jnp.bfloat16),
+    # relu in fp32: in bf16, a pre-activation within rounding of 0 (some of the 768 always are) flips relu' between
+    # the module and the fp32 reference, an ill-posed comparison; bf16 with biases is the gated gelu case below.
+    (("relu",), True, "layernorm", jnp.float32),
     (("gelu", "linear"), True, "layernorm", jnp.bfloat16),
 ])
 def test_layernorm_mlp(activations, use_bias, layernorm_type, dtype):
