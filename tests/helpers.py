@@ -1,6 +1,6 @@
 """Helpers the test files share (import as `from helpers import ...`, like `tolerance`).
 
-rand / qkv: fresh random inputs (never zeros); cpu_mesh: a mesh over the first fake CPU devices
+rand / qkv: fresh random inputs (never zeros); fwd_bwd: output and gradients in one compile; cpu_mesh: a mesh over the first fake CPU devices
 (tests/conftest.py makes 8); ref_norm: LayerNorm / RMSNorm written out in fp32; norm_rel_err: the
 Frobenius-norm relative error the kernel and FP8 tests bound (the elementwise metric is
 tests/tolerance.py's); attention_backends: the registered attention backends
@@ -33,6 +33,15 @@ def qkv(seed, b, sq, skv, h, g, d, dv=None, dtype=jnp.float32, scale=1.0, *, cot
     out = (rand(rng, (b, sq, h, d), dtype, scale), rand(rng, (b, skv, g, d), dtype, scale),
            rand(rng, (b, skv, g, dv), dtype, scale))
     return out + (rand(rng, (b, sq, h, dv)),) if cotangent else out
+
+
+def fwd_bwd(fn, args, ct):
+    """(out, d<out, ct>/d args) of fn(*args) as one jitted vjp: one compile per function, where a jit for the
+    output and another for the gradients compile it twice (and eager autodiff compiles every op per shape)."""
+    def run(*a):
+        out, vjp = jax.vjp(fn, *a)
+        return out, vjp(jnp.asarray(ct).astype(out.dtype))
+    return jax.jit(run)(*args)
 
 
 def cpu_mesh(shape, names, *, auto=False):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import te_jax
-from helpers import qkv as _qkv, rand as _rand
+from helpers import fwd_bwd, qkv as _qkv, rand as _rand
 from naive_attention import naive_attention, naive_mask
 
 MASKS = te_jax.MASK_TYPES
@@ -30,18 +30,10 @@ def _fmt_out(x, fmt):
     return te_jax.to_bshd(x, fmt)
 
 
-def _fwd_bwd(fn, args, ct):
-    """(out, d<out, ct>/d args) in one compiled function (one compile per fn, not one for out and one for grads)."""
-    def run(*a):
-        out, vjp = jax.vjp(fn, *a)
-        return out, vjp(ct.astype(out.dtype))
-    return jax.jit(run)(*args)
-
-
 def _check(fn_te, fn_ref, args, rtol_fwd=2e-5, rtol_grad=5e-5):
     ct = _rand(99, jax.eval_shape(fn_ref, *args).shape)
-    out, g_te = _fwd_bwd(fn_te, args, ct)
-    ref, g_ref = _fwd_bwd(fn_ref, args, ct)
+    out, g_te = fwd_bwd(fn_te, args, ct)
+    ref, g_ref = fwd_bwd(fn_ref, args, ct)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=rtol_fwd, atol=rtol_fwd)
     for a, b in zip(g_te, g_ref):
         assert np.isfinite(np.asarray(a, np.float32)).all()
@@ -84,7 +76,7 @@ def test_windows(mask_type, window):
 def test_gqa_mqa_bias_softcap_scale(h, g):
     b, sq, skv, d = 2, 6, 10, 16
     q, k, v = _qkv(3, b, sq, skv, h, g, d)
-    bias = _rand(jax.random.key(4), (1, h, sq, skv))
+    bias = _rand(4, (1, h, sq, skv))
     mask = naive_mask(b, sq, skv, "causal_bottom_right")
     te = lambda q, k, v, bias: te_jax.dot_product_attention(
         q, k, v, attn_mask_type="causal_bottom_right", bias=bias, softcap=2.5, scale=0.3, backend="xla")
@@ -95,7 +87,7 @@ def test_gqa_mqa_bias_softcap_scale(h, g):
 @pytest.mark.parametrize("bias_shape", [(2, 3, 5, 7), (2, 1, 5, 7), (1, 1, 5, 7)])
 def test_bias_broadcast_shapes(bias_shape):
     q, k, v = _qkv(5, 2, 5, 7, 3, 3, 8)
-    bias = _rand(jax.random.key(6), bias_shape)
+    bias = _rand(6, bias_shape)
     mask = naive_mask(2, 5, 7, "no_mask")
     te = lambda q, k, v, bias: te_jax.dot_product_attention(q, k, v, bias=bias, backend="xla")
     _check(te, lambda q, k, v, bias: naive_attention(q, k, v, mask, bias=bias), (q, k, v, bias))
@@ -126,8 +118,7 @@ def test_query_length_one(mask_type):
 def test_thd_packed_sequences(mask_type, source):
     q_lens, kv_lens = np.array([3, 5, 2]), np.array([4, 5, 6])
     tq, tkv = 12, 17  # some trailing padding tokens
-    ks = jax.random.split(jax.random.key(9), 3)
-    q, k, v = _rand(ks[0], (tq, 4, 8)), _rand(ks[1], (tkv, 2, 8)), _rand(ks[2], (tkv, 2, 8))
+    q, k, v = (t[0] for t in _qkv(9, 1, tq, tkv, 4, 2, 8))
     q_seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(q_lens)] + [np.zeros(tq - q_lens.sum(), int)])
     kv_seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(kv_lens)] + [np.zeros(tkv - kv_lens.sum(), int)])
     mask = naive_mask(1, tq, tkv, mask_type, q_seg=q_seg[None], kv_seg=kv_seg[None])

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import te_jax
-from helpers import norm_rel_err, rand
+from helpers import fwd_bwd, norm_rel_err, rand
 from te_jax.backends.selection import BACKENDS
 from naive_attention import naive_attention, naive_mask
 
@@ -81,14 +81,6 @@ def _rel_err(a, b):
     return norm_rel_err(a, b, floor=1e-2)
 
 
-def _fwd_bwd(fn, args, ct):
-    """(out, d<out, ct>/d args), compiled once (eager autodiff would compile every op for every new shape)."""
-    def run(*a):
-        out, vjp = jax.vjp(fn, *a)
-        return out, vjp(ct.astype(out.dtype))
-    return jax.jit(run)(*args)
-
-
 def _check_call(c, backends):
     q, k, v, bias, kwargs, mask = _materialize(c)
     fmt = c["fmt"]
@@ -96,7 +88,7 @@ def _check_call(c, backends):
     ref = lambda q, k, v, bias=None: naive_attention(q, k, v, mask, bias=bias, softcap=c["softcap"])
     ct = rand(1, (c["b"], c["sq"], c["h"], c["dv"]))
     args = (q, k, v) if bias is None else (q, k, v, bias)
-    ref_out, ref_grads = _fwd_bwd(ref, args, ct)
+    ref_out, ref_grads = fwd_bwd(ref, args, ct)
     fwd_tol, grad_tol = TOL[c["dtype"]]
     checked = []
     for name in backends:
@@ -108,7 +100,7 @@ def _check_call(c, backends):
             o = te_jax.dot_product_attention(*(to_fmt(t) for t in (q, k, v)), bias=bias, backend=name, **kwargs)
             return te_jax.to_bshd(o, fmt).astype(jnp.float32)
 
-        out, grads = _fwd_bwd(te, args, ct)
+        out, grads = fwd_bwd(te, args, ct)
         assert out.shape == ref_out.shape
         assert _rel_err(out, ref_out) < fwd_tol, (name, c, _rel_err(out, ref_out))
         for label, g_te, g_ref in zip("qkvb", grads, ref_grads):

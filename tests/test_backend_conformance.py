@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import te_jax
-from helpers import qkv, rand, ref_norm
+from helpers import fwd_bwd, qkv, rand, ref_norm
 from naive_attention import naive_attention, naive_mask
 from te_jax.backends import base, ops, selection
 from tolerance import assert_close
@@ -116,17 +116,9 @@ def _runs_here(name):
                for dt in DTYPES)
 
 
-def _fwd_bwd(f, args, ct):
-    """jit(out, d(<out, ct>)/d args) of f(*args)."""
-    def run(*a):
-        out, vjp = jax.vjp(f, *a)
-        return out, vjp(ct.astype(out.dtype))
-    return jax.jit(run)(*args)
-
-
 def _check(f, ref, args, ct, tol, what):
-    out, grads = _fwd_bwd(f, args, ct)
-    ref_out, ref_grads = _fwd_bwd(ref, tuple(a.astype(jnp.float32) for a in args), ct)
+    out, grads = fwd_bwd(f, args, ct)
+    ref_out, ref_grads = fwd_bwd(ref, tuple(a.astype(jnp.float32) for a in args), ct)
     assert_close(out, ref_out, tol, f"{what} out")
     for i, (gr, rg) in enumerate(zip(grads, ref_grads)):
         assert_close(gr, rg, tol, f"{what} grad[{i}]")
@@ -140,7 +132,7 @@ def _case_inputs(case, dtype_name):
     kw, mask = case.kwargs()
     q, k, v, ct = qkv(1, case.b, case.sq, case.skv, case.h, case.g, case.d, dtype=dtype_name, cotangent=True)
     ref = lambda q, k, v: naive_attention(q, k, v, mask, bias=kw.get("bias"), softcap=case.softcap)
-    return q, k, v, ct, kw, _fwd_bwd(ref, tuple(t.astype(jnp.float32) for t in (q, k, v)), ct)
+    return q, k, v, ct, kw, fwd_bwd(ref, tuple(t.astype(jnp.float32) for t in (q, k, v)), ct)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -150,7 +142,7 @@ def test_front_door_matches_reference(name, case):
     dtype, _ = _serving_dtype(
         lambda dt: te_jax.explain_attention_backend(*case.shapes(dt), backend=name, **kw), name, case.name)
     q, k, v, ct, kw, (ref_out, ref_grads) = _case_inputs(case, dtype.name)
-    out, grads = _fwd_bwd(lambda q, k, v: te_jax.dot_product_attention(q, k, v, backend=name, **kw), (q, k, v), ct)
+    out, grads = fwd_bwd(lambda q, k, v: te_jax.dot_product_attention(q, k, v, backend=name, **kw), (q, k, v), ct)
     tol, what = DTYPES[dtype.name], f"{name} {case.name}"
     assert_close(out, ref_out, tol, f"{what} out")
     for label, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
@@ -165,7 +157,7 @@ DENSE = Case("dense_mask", "causal")
 @pytest.mark.parametrize("name", BACKENDS)
 def test_dense_mask(name):
     """A backend declaring dense_mask runs mask= wherever it runs; one that does not refuses it with a reason."""
-    m = np.array(jax.random.bernoulli(jax.random.key(3), 0.3, (DENSE.b, 1, DENSE.sq, DENSE.skv)))
+    m = np.random.default_rng(3).random((DENSE.b, 1, DENSE.sq, DENSE.skv)) < 0.3
     m[1, 0, 4] = True  # a row the dense mask hides entirely: zeros
     kw, mask = DENSE.kwargs()
     explain = lambda dt: te_jax.explain_attention_backend(*DENSE.shapes(dt), mask=jnp.asarray(m), backend=name, **kw)
@@ -231,7 +223,7 @@ def test_split_forward_backward(name):
     dq, dk, dv, _ = jax.jit(lambda q, k, v, out, lse: backend.backward(
         q, k, v, prep.token_mask, prep.bias, out, lse, ct.astype(q.dtype), None, **sk))(q, k, v, out, lse)
     f32 = [t.astype(jnp.float32) for t in (q, k, v)]
-    ref_out, ref_grads = _fwd_bwd(lambda q, k, v: naive_attention(q, k, v, mask), f32, ct)
+    ref_out, ref_grads = fwd_bwd(lambda q, k, v: naive_attention(q, k, v, mask), f32, ct)
     tol = DTYPES[dtype.name]
     assert_close(out, ref_out, tol, f"{name} forward_only out")
     ref_lse = _lse_reference(*f32[:2], mask, prep.scale)
@@ -262,7 +254,7 @@ def test_ring_blocks(name):
     out, lse = backend.dense_forward(q, k, v, scale=scale, causal=True)
     dq, dk, dv = backend.dense_backward(q, k, v, out, lse, ct.astype(dtype), scale=scale, causal=True)
     mask = naive_mask(b, s, s, "causal")
-    ref_out, ref_grads = _fwd_bwd(lambda q, k, v: naive_attention(q, k, v, mask),
+    ref_out, ref_grads = fwd_bwd(lambda q, k, v: naive_attention(q, k, v, mask),
                                   [t.astype(jnp.float32) for t in (q, k, v)], ct)
     assert_close(out, ref_out, DTYPES["bfloat16"], f"{name} dense_forward")
     for what, gr, rg in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
@@ -305,7 +297,8 @@ def test_kernel_config(name):
 
 def _norm_inputs(dtype=jnp.float32):
     x = rand(10, (4, 8, 48), dtype, scale=1.5) + 0.3
-    return x, 0.5 + jax.random.uniform(jax.random.key(11), (48,)), rand(12, (48,), scale=0.3), rand(13, (4, 8, 48))
+    gamma = jnp.asarray(0.5 + np.random.default_rng(11).random(48, np.float32))
+    return x, gamma, rand(12, (48,), scale=0.3), rand(13, (4, 8, 48))
 
 
 @pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
@@ -318,8 +311,8 @@ def test_norm_backend_matches_reference(name, layernorm_type):
         _skip_with_reason(choice, name, layernorm_type)
     f = lambda x, g, b: te_jax.norm(x, g, b, layernorm_type=layernorm_type, backend=name)
     ref = lambda x, g, b: ref_norm(x, g, b, rms)
-    out, grads = _fwd_bwd(f, (x, g, b), dy)
-    ref_out, ref_grads = _fwd_bwd(ref, (x, g, b), dy)
+    out, grads = fwd_bwd(f, (x, g, b), dy)
+    ref_out, ref_grads = fwd_bwd(ref, (x, g, b), dy)
     assert_close(out, ref_out, 1e-4, f"{name} {layernorm_type}")
     assert_close(grads[:2 if rms else 3], ref_grads[:2 if rms else 3], 1e-4, f"{name} {layernorm_type} grads")
 
