@@ -312,7 +312,7 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
                                  attn_input_format=None, attn_mask_type="no_mask", q_seqlens=None,
                                  kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None,
                                  bias=None, softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None,
-                                 backend="auto", mask=None):
+                                 backend="auto", mask=None, config=None):
     """`dot_product_attention` on q, k, v stored as `qkv_layout` says (TransformerEngine's layouts).
 
     qkv: the packed tensor for QKV-packed and GQA-packed layouts ("bs3hd" [b, s, 3, h, d],
@@ -321,7 +321,9 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
       (query, key, value) for separate layouts. See te_jax.QKV_LAYOUTS.
     num_attention_heads (h) / num_gqa_groups (g): needed for "(h+2g)" layouts, checked otherwise.
     attn_input_format: optional, the layout names it (given, it must agree).
-    Every other argument is `dot_product_attention`'s. Returns [..., h, d] in the layout's format.
+    Every other argument is `dot_product_attention`'s (config= too: the kernel configuration reaches the
+    kernel whether it reads the packed tensor in place or q, k, v are split out first). Returns [..., h, d]
+    in the layout's format.
     Gradients come back in the packed shape(s).
 
     When the Pallas backend runs the portable kernel on a bshd (or thd) packed tensor that needs no
@@ -334,7 +336,7 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
         attn_input_format=attn_input_format, backend=backend, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, needs_split_vjp=False, mask=mask)
+        dropout_rng=dropout_rng, needs_split_vjp=False, mask=mask, config=config)
     choice, call = plan.choice, plan.call
     if choice.selected is None:
         raise unavailable_error(choice)

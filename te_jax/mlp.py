@@ -110,9 +110,8 @@ def _auto_notes():
     gemm = GPU_FIRST_GEMM if on_gpu else "xla"
     return (f"pallas path = Pallas norm kernel + {'fused LN-prologue Pallas' if gemm == 'pallas' else 'XLA'} "
             "first GEMM + XLA second GEMM, custom_vjp saving only x, mean/rstd and the pre-activation",
-            "measured on H100 (8192 tok, 4096/16384, bf16; benchmarks/results/norms_mlp_h100.md): pallas path "
-            "0.968x (gelu) / 0.997x (SwiGLU) plain-XLA fwd+bwd time with 0.12x / 0.18x saved residuals; the fused "
-            "LN-prologue Pallas GEMM was 1.24-1.39x slower, so the first GEMM stays on XLA. auto prefers pallas on GPU")
+            f"auto prefers pallas on GPU: {_tuning.MLP_GPU_PREFERENCE.evidence}; first GEMM on "
+            f"{_tuning.MLP_FIRST_GEMM.value}: {_tuning.MLP_FIRST_GEMM.evidence} ({_tuning.MLP_GPU_PREFERENCE.results})")
 
 
 def explain_mlp_backend(x, gamma=None, beta=None, w1=None, b1=None, w2=None, b2=None, *,

@@ -36,7 +36,7 @@ from te_jax.backends import tuning as _tuning
 MAX_HIDDEN = 32768  # == pallas_kernels.norms.MAX_HIDDEN (checked in tests)
 
 
-BACKENDS = ("pallas", "xla")
+BACKENDS = _ops.NAMES
 LAYERNORM_TYPES = ("layernorm", "rmsnorm")
 
 #: The measured preference (value, evidence, results file) lives in te_jax/backends/tuning.py; these names

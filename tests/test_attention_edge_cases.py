@@ -5,15 +5,10 @@ import numpy as np
 import pytest
 
 import te_jax
+from helpers import attention_backends, qkv as _qkv
 from naive_attention import naive_attention, naive_mask
 
-BACKENDS = ["xla", "pallas"]
-
-
-def _qkv(seed, b, sq, skv, h, g, d, dtype=jnp.float32, scale=1.0):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    return tuple((jax.random.normal(kk, shape) * scale).astype(dtype) for kk, shape in
-                 zip(ks, ((b, sq, h, d), (b, skv, g, d), (b, skv, g, d))))
+BACKENDS = attention_backends()  # every registered backend that runs here
 
 
 def _grads(f, q, k, v):

@@ -1,5 +1,4 @@
 """dot_product_attention (xla backend) against the independent naive attention, every feature."""
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -7,19 +6,10 @@ import numpy as np
 import pytest
 
 import te_jax
+from helpers import fwd_bwd, qkv as _qkv, rand as _rand
 from naive_attention import naive_attention, naive_mask
 
 MASKS = te_jax.MASK_TYPES
-
-
-def _rand(key, shape, dtype=jnp.float32):
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-
-
-def _qkv(seed, b, sq, skv, h, g, d, dv=None, dtype=jnp.float32):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    return (_rand(ks[0], (b, sq, h, d), dtype), _rand(ks[1], (b, skv, g, d), dtype),
-            _rand(ks[2], (b, skv, g, dv or d), dtype))
 
 
 def _padding_args(mask_type, b, sq, skv, rng):
@@ -41,14 +31,10 @@ def _fmt_out(x, fmt):
 
 
 def _check(fn_te, fn_ref, args, rtol_fwd=2e-5, rtol_grad=5e-5):
-    fn_te, fn_ref = jax.jit(fn_te), jax.jit(fn_ref)
-    out = fn_te(*args)
-    ref = fn_ref(*args)
+    ct = _rand(99, jax.eval_shape(fn_ref, *args).shape)
+    out, g_te = fwd_bwd(fn_te, args, ct)
+    ref, g_ref = fwd_bwd(fn_ref, args, ct)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=rtol_fwd, atol=rtol_fwd)
-    ct = jax.random.normal(jax.random.key(99), out.shape, jnp.float32)
-    argnums = tuple(range(len(args)))
-    g_te = jax.jit(jax.grad(lambda *a: jnp.sum(fn_te(*a).astype(jnp.float32) * ct), argnums=argnums))(*args)
-    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(fn_ref(*a) * ct), argnums=argnums))(*args)
     for a, b in zip(g_te, g_ref):
         assert np.isfinite(np.asarray(a, np.float32)).all()
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=rtol_grad, atol=rtol_grad)
@@ -90,7 +76,7 @@ def test_windows(mask_type, window):
 def test_gqa_mqa_bias_softcap_scale(h, g):
     b, sq, skv, d = 2, 6, 10, 16
     q, k, v = _qkv(3, b, sq, skv, h, g, d)
-    bias = _rand(jax.random.key(4), (1, h, sq, skv))
+    bias = _rand(4, (1, h, sq, skv))
     mask = naive_mask(b, sq, skv, "causal_bottom_right")
     te = lambda q, k, v, bias: te_jax.dot_product_attention(
         q, k, v, attn_mask_type="causal_bottom_right", bias=bias, softcap=2.5, scale=0.3, backend="xla")
@@ -101,7 +87,7 @@ def test_gqa_mqa_bias_softcap_scale(h, g):
 @pytest.mark.parametrize("bias_shape", [(2, 3, 5, 7), (2, 1, 5, 7), (1, 1, 5, 7)])
 def test_bias_broadcast_shapes(bias_shape):
     q, k, v = _qkv(5, 2, 5, 7, 3, 3, 8)
-    bias = _rand(jax.random.key(6), bias_shape)
+    bias = _rand(6, bias_shape)
     mask = naive_mask(2, 5, 7, "no_mask")
     te = lambda q, k, v, bias: te_jax.dot_product_attention(q, k, v, bias=bias, backend="xla")
     _check(te, lambda q, k, v, bias: naive_attention(q, k, v, mask, bias=bias), (q, k, v, bias))
@@ -132,8 +118,7 @@ def test_query_length_one(mask_type):
 def test_thd_packed_sequences(mask_type, source):
     q_lens, kv_lens = np.array([3, 5, 2]), np.array([4, 5, 6])
     tq, tkv = 12, 17  # some trailing padding tokens
-    ks = jax.random.split(jax.random.key(9), 3)
-    q, k, v = _rand(ks[0], (tq, 4, 8)), _rand(ks[1], (tkv, 2, 8)), _rand(ks[2], (tkv, 2, 8))
+    q, k, v = (t[0] for t in _qkv(9, 1, tq, tkv, 4, 2, 8))
     q_seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(q_lens)] + [np.zeros(tq - q_lens.sum(), int)])
     kv_seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(kv_lens)] + [np.zeros(tkv - kv_lens.sum(), int)])
     mask = naive_mask(1, tq, tkv, mask_type, q_seg=q_seg[None], kv_seg=kv_seg[None])

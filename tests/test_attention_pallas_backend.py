@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import te_jax
+from helpers import fwd_bwd, qkv, rand
 from naive_attention import naive_attention, naive_mask
 
 CASES = [
@@ -20,39 +21,30 @@ CASES = [
 ]
 
 
-def _inputs(seed, fmt, b, sq, skv, h, g, dqk, dv):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (b, sq, h, dqk))
-    k = jax.random.normal(ks[1], (b, skv, g, dqk))
-    v = jax.random.normal(ks[2], (b, skv, g, dv))
-    return q, k, v
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-w{c[2]}-h{c[3]}g{c[4]}-s{c[7]}x{c[8]}")
 def test_pallas_backend_matches_naive(case):
     fmt, mask_type, window, h, g, dqk, dv, sq, skv, use_bias, softcap = case
     b = 2
-    q, k, v = _inputs(hash(case) % 1000, fmt, b, sq, skv, h, g, dqk, dv)
+    q, k, v = qkv(CASES.index(case), b, sq, skv, h, g, dqk, dv)
     pad, q_lens, kv_lens = {}, None, None
     if mask_type.startswith("padding"):
         q_lens, kv_lens = np.array([sq, max(1, sq - 4)]), np.array([skv, max(1, skv - 3)])
         pad = dict(q_seqlens=jnp.asarray(q_lens, jnp.int32), kv_seqlens=jnp.asarray(kv_lens, jnp.int32))
-    bias = jax.random.normal(jax.random.key(7), (1, h, sq, skv)) if use_bias else None
+    bias = rand(7, (1, h, sq, skv)) if use_bias else None
     mask = naive_mask(b, sq, skv, mask_type, q_lens, kv_lens, window=window)
 
-    def te(q, k, v, bias):
+    def te(q, k, v, bias=None):
         args = (te_jax.from_bshd(t, fmt) for t in (q, k, v))
         o = te_jax.dot_product_attention(*args, attn_input_format=fmt, attn_mask_type=mask_type,
                                          window_size=window, bias=bias, softcap=softcap, backend="pallas", **pad)
         return te_jax.to_bshd(o, fmt)
 
-    ref = lambda q, k, v, bias: naive_attention(q, k, v, mask, bias=bias, softcap=softcap)
-    out, expected = jax.jit(te)(q, k, v, bias), ref(q, k, v, bias)
+    ref = lambda q, k, v, bias=None: naive_attention(q, k, v, mask, bias=bias, softcap=softcap)
+    args = (q, k, v, bias) if use_bias else (q, k, v)
+    ct = rand(3, (b, sq, h, dv))
+    out, g_te = fwd_bwd(te, args, ct)
+    expected, g_ref = fwd_bwd(ref, args, ct)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)
-    ct = jax.random.normal(jax.random.key(3), out.shape)
-    argnums = (0, 1, 2, 3) if use_bias else (0, 1, 2)
-    g_te = jax.jit(jax.grad(lambda *a: jnp.sum(te(*a) * ct), argnums=argnums))(q, k, v, bias)
-    g_ref = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=argnums)(q, k, v, bias)
     for a, r in zip(g_te, g_ref):
         np.testing.assert_allclose(a, r, rtol=2e-4, atol=2e-4)
 
@@ -60,26 +52,23 @@ def test_pallas_backend_matches_naive(case):
 def test_pallas_backend_thd_packed_sequences():
     q_lens, kv_lens = np.array([3, 6, 2]), np.array([5, 6, 4])
     tq, tkv, h, g, d = 12, 16, 4, 2, 16
-    ks = jax.random.split(jax.random.key(11), 3)
-    q, k, v = (jax.random.normal(ks[0], (tq, h, d)), jax.random.normal(ks[1], (tkv, g, d)),
-               jax.random.normal(ks[2], (tkv, g, d)))
+    q, k, v = (t[0] for t in qkv(11, 1, tq, tkv, h, g, d))
     seg = lambda lens, t: np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)] + [np.zeros(t - lens.sum(), int)])
     mask = naive_mask(1, tq, tkv, "padding_causal_bottom_right", q_seg=seg(q_lens, tq)[None],
                       kv_seg=seg(kv_lens, tkv)[None])
     te = lambda q, k, v: te_jax.dot_product_attention(
         q, k, v, attn_input_format="thd", attn_mask_type="padding_causal_bottom_right",
         q_seqlens=jnp.asarray(q_lens, jnp.int32), kv_seqlens=jnp.asarray(kv_lens, jnp.int32), backend="pallas")
-    out = jax.jit(te)(q, k, v)
-    np.testing.assert_allclose(out, naive_attention(q[None], k[None], v[None], mask)[0], rtol=1e-4, atol=1e-4)
-    g_te = jax.jit(jax.grad(lambda q, k, v: jnp.sum(te(q, k, v) ** 2), argnums=(0, 1, 2)))(q, k, v)
-    g_ref = jax.grad(lambda q, k, v: jnp.sum(naive_attention(q[None], k[None], v[None], mask)[0] ** 2),
-                     argnums=(0, 1, 2))(q, k, v)
+    ct = rand(12, (tq, h, d))
+    out, g_te = fwd_bwd(te, (q, k, v), ct)
+    ref, g_ref = fwd_bwd(lambda q, k, v: naive_attention(q[None], k[None], v[None], mask)[0], (q, k, v), ct)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
     for a, r in zip(g_te, g_ref):
         np.testing.assert_allclose(a, r, rtol=2e-4, atol=2e-4)
 
 
 def test_pallas_backend_bf16():
-    q, k, v = (t.astype(jnp.bfloat16) for t in _inputs(12, "bshd", 2, 16, 16, 4, 2, 32, 32))
+    q, k, v = (t.astype(jnp.bfloat16) for t in qkv(12, 2, 16, 16, 4, 2, 32))
     out = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="pallas")
     assert out.dtype == jnp.bfloat16
     ref = naive_attention(q, k, v, naive_mask(2, 16, 16, "causal"))
@@ -90,7 +79,7 @@ def test_pallas_sbhd_from_packed_gqa_tensor_with_causal_window():
     """The issue's case, scaled down: s x b x (16 query heads + 2·1 kv heads) x 64 in one packed
     sb(h+2g)d tensor, window (-1, 0), against separately made q, k, v on the naive path."""
     s, b, h, g, d = 96, 1, 16, 1, 64
-    packed = jax.random.normal(jax.random.key(21), (s, b, h + 2 * g, d))
+    packed = rand(21, (s, b, h + 2 * g, d))
     q, k, v = te_jax.unpack_qkv(packed, qkv_layout="sb(h+2g)d", num_attention_heads=h, num_gqa_groups=g)
     out = jax.jit(lambda q, k, v: te_jax.dot_product_attention(
         q, k, v, attn_input_format="sbhd", window_size=(-1, 0), backend="pallas"))(q, k, v)
@@ -102,7 +91,7 @@ def test_pallas_sbhd_from_packed_gqa_tensor_with_causal_window():
 
 def test_pallas_odd_length_and_eighteen_heads():
     """[2, 16534, 18, 128]-like, scaled down: an odd length that is no multiple of any block, 18 heads."""
-    q, k, v = _inputs(22, "bshd", 2, 67, 67, 18, 18, 32, 32)
+    q, k, v = qkv(22, 2, 67, 67, 18, 18, 32)
     f = lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="pallas")
     mask = naive_mask(2, 67, 67, "causal")
     np.testing.assert_allclose(jax.jit(f)(q, k, v), naive_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)

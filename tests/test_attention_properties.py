@@ -14,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import te_jax
+from helpers import fwd_bwd, norm_rel_err, rand
+from te_jax.backends.selection import BACKENDS
 from naive_attention import naive_attention, naive_mask
 
 TOL = {"float32": (2e-4, 5e-4), "bfloat16": (2e-2, 5e-2), "float16": (5e-3, 2e-2)}
@@ -54,13 +56,13 @@ def _segments(lens, total):
 
 
 def _materialize(c):
-    ks = jax.random.split(jax.random.key(c["seed"]), 5)
+    rng = np.random.default_rng(c["seed"])  # numpy: no eager per-shape compile (helpers.rand)
     dt = jnp.dtype(c["dtype"])
     b, sq, skv = c["b"], c["sq"], c["skv"]
-    q = jax.random.normal(ks[0], (b, sq, c["h"], c["dqk"])).astype(dt)
-    k = jax.random.normal(ks[1], (b, skv, c["g"], c["dqk"])).astype(dt)
-    v = jax.random.normal(ks[2], (b, skv, c["g"], c["dv"])).astype(dt)
-    bias = jax.random.normal(ks[3], (1, c["h"], sq, skv)) if c["use_bias"] else None
+    q = rand(rng, (b, sq, c["h"], c["dqk"]), dt)
+    k = rand(rng, (b, skv, c["g"], c["dqk"]), dt)
+    v = rand(rng, (b, skv, c["g"], c["dv"]), dt)
+    bias = rand(rng, (1, c["h"], sq, skv)) if c["use_bias"] else None
     kwargs = dict(attn_input_format=c["fmt"], attn_mask_type=c["mask_type"], window_size=c["window"],
                   softcap=c["softcap"])
     if c["fmt"] == "thd":
@@ -75,23 +77,18 @@ def _materialize(c):
 
 
 def _rel_err(a, b):
-    """‖a − b‖ / ‖b‖, with a floor on ‖b‖ so that exactly-zero references (e.g. dq of a one-key row)
-    compare absolutely."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.isfinite(a).all(), "non-finite values"
-    denom = max(np.linalg.norm(b), 1e-2 * np.sqrt(b.size))
-    return np.linalg.norm(a - b) / denom
+    """‖a − b‖ / ‖b‖ with a floor on ‖b‖ (helpers.norm_rel_err)."""
+    return norm_rel_err(a, b, floor=1e-2)
 
 
 def _check_call(c, backends):
     q, k, v, bias, kwargs, mask = _materialize(c)
     fmt = c["fmt"]
     to_fmt = lambda t: te_jax.from_bshd(t, fmt)
-    ref = lambda q, k, v, bias: naive_attention(q, k, v, mask, bias=bias, softcap=c["softcap"])
-    ct = jax.random.normal(jax.random.key(1), (c["b"], c["sq"], c["h"], c["dv"]))
-    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-    ref_out = ref(q, k, v, bias)
-    ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=argnums)(q, k, v, bias)
+    ref = lambda q, k, v, bias=None: naive_attention(q, k, v, mask, bias=bias, softcap=c["softcap"])
+    ct = rand(1, (c["b"], c["sq"], c["h"], c["dv"]))
+    args = (q, k, v) if bias is None else (q, k, v, bias)
+    ref_out, ref_grads = fwd_bwd(ref, args, ct)
     fwd_tol, grad_tol = TOL[c["dtype"]]
     checked = []
     for name in backends:
@@ -99,14 +96,13 @@ def _check_call(c, backends):
         if choice.selected != name:
             continue
 
-        def te(q, k, v, bias, name=name):
+        def te(q, k, v, bias=None, name=name):
             o = te_jax.dot_product_attention(*(to_fmt(t) for t in (q, k, v)), bias=bias, backend=name, **kwargs)
             return te_jax.to_bshd(o, fmt).astype(jnp.float32)
 
-        out = jax.jit(te)(q, k, v, bias)
+        out, grads = fwd_bwd(te, args, ct)
         assert out.shape == ref_out.shape
         assert _rel_err(out, ref_out) < fwd_tol, (name, c, _rel_err(out, ref_out))
-        grads = jax.jit(jax.grad(lambda *a: jnp.sum(te(*a) * ct), argnums=argnums))(q, k, v, bias)
         for label, g_te, g_ref in zip("qkvb", grads, ref_grads):
             assert _rel_err(g_te, g_ref) < grad_tol, (name, "d" + label, c, _rel_err(g_te, g_ref))
         checked.append(name)
@@ -124,7 +120,7 @@ SHARDS = int(os.environ.get("TE_JAX_HYPOTHESIS_SHARDS", "1"))
 @given(attention_calls())
 def test_random_calls_xla_and_gpu_backends(shard, c):
     """xla everywhere; on a GPU also cudnn and pallas wherever they say they serve the call."""
-    backends = ["xla"] + (["cudnn", "pallas"] if jax.default_backend() == "gpu" else [])
+    backends = ["xla"] + ([n for n in BACKENDS if n != "xla"] if jax.default_backend() == "gpu" else [])
     assert "xla" in _check_call(c, backends)
 
 

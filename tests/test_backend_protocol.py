@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import te_jax
+from helpers import qkv
 from te_jax.backends import base, selection
 
 
@@ -51,36 +52,34 @@ def test_check_backend_refuses_undeclared_methods():
 
 
 def test_disable_env_names():
-    assert [selection.disable_env(n) for n in selection.BACKEND_NAMES] == [
-        "TE_JAX_PALLAS_ATTN", "TE_JAX_CUDNN_ATTN", "TE_JAX_XLA_ATTN"]
+    assert selection.disable_env("pallas") == "TE_JAX_PALLAS_ATTN" and selection.disable_env("xla") == "TE_JAX_XLA_ATTN"
+    assert selection.ATTENTION.disable_env == {n: selection.disable_env(n) for n in selection.BACKEND_NAMES}
 
 
-def _qkv(dtype=jnp.float32):
-    q = jnp.zeros((1, 8, 2, 16), dtype)
-    return q, q, q
+SMALL = (0, 1, 8, 8, 2, 2, 16)  # helpers.qkv(seed, b, sq, skv, h, g, d)
 
 
 def test_reasons_carry_kinds(monkeypatch):
-    choice = te_jax.explain_attention_backend(*_qkv())  # CPU: xla first, pallas needs forcing
+    choice = te_jax.explain_attention_backend(*qkv(*SMALL))  # CPU: xla first, pallas needs forcing
     assert choice.selected == "xla"
     assert choice.reasons["pallas"].kind is base.ReasonKind.UNSUPPORTED
     assert choice.reasons["cudnn"].kind is base.ReasonKind.UNSUPPORTED
-    forced = te_jax.explain_attention_backend(*_qkv(), backend="pallas")
+    forced = te_jax.explain_attention_backend(*qkv(*SMALL), backend="pallas")
     assert forced.reasons["xla"].kind is base.ReasonKind.FALLBACK_ALLOWED and forced.reasons["xla"].fallback_allowed
     assert forced.reasons["xla"] == "serves the call, but 'pallas' was forced by argument"  # still a str
     monkeypatch.setenv("TE_JAX_CUDNN_ATTN", "0")
-    off = te_jax.explain_attention_backend(*_qkv())
+    off = te_jax.explain_attention_backend(*qkv(*SMALL))
     assert off.reasons["cudnn"].kind is base.ReasonKind.DISABLED
     assert off.reasons["cudnn"] == "disabled by environment TE_JAX_CUDNN_ATTN=0"
 
 
 def test_fallback_follows_kind_not_text(monkeypatch):
     """A reason whose text starts like a fallback but whose kind is not FALLBACK_ALLOWED is not tried."""
-    choice = te_jax.explain_attention_backend(*_qkv())
+    choice = te_jax.explain_attention_backend(*qkv(*SMALL))
     choice.reasons["pallas"] = base.Reason("serves the call, but no", base.ReasonKind.UNSUPPORTED)
     from te_jax import attention
 
-    prep = attention.prepare_attention(*_qkv())
+    prep = attention.prepare_attention(*qkv(*SMALL))
     xla = selection.BACKENDS["xla"]
 
     def refuse(*a, **k):
@@ -100,7 +99,7 @@ def test_one_choice_type_for_every_op():
     from te_jax.backends import choice, ops
 
     x = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
-    got = [te_jax.explain_norm_backend(x), te_jax.explain_mlp_backend(x), te_jax.explain_attention_backend(*_qkv())]
+    got = [te_jax.explain_norm_backend(x), te_jax.explain_mlp_backend(x), te_jax.explain_attention_backend(*qkv(*SMALL))]
     assert all(type(c) is choice.BackendChoice for c in got)
     assert te_jax.BackendChoice is choice.BackendChoice and te_jax.normalization.BackendChoice is choice.BackendChoice
     assert [c.op for c in got] == ["layernorm", "layernorm_mlp", "attention"]
@@ -195,3 +194,64 @@ def test_hopper_config_needs_the_hopper_kernel():
     assert choice.reasons["pallas"] == ("config is a HopperConfig, but the Hopper kernel does not serve this call: "
                                         "not a GPU")
     assert choice.reasons["pallas"].kind is base.ReasonKind.UNSUPPORTED
+
+
+def test_config_reaches_the_kernel_through_the_packed_entry(monkeypatch):
+    """dot_product_attention_packed(config=...): validated as the dense entry does, recorded in the explanation,
+    and handed to the kernel that reads the packed tensor in place."""
+    import jax
+    import numpy as np
+
+    import pallas_kernels.flash_attention as fa
+    from pallas_kernels.flash_attention import BlockSizes
+
+    cfg = BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)
+    seen = []
+    real = fa.flash_attention_packed
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("block_sizes"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fa, "flash_attention_packed", spy)
+    x = jax.random.normal(jax.random.key(0), (1, 32, 3, 2, 16), jnp.float32)
+    kw = dict(qkv_layout="bs3hd", attn_mask_type="causal", backend="pallas")
+    choice = te_jax.explain_attention_backend_packed(x, config=cfg, **kw)
+    assert choice.selected == "pallas" and "config=BlockSizes(block_q=16" in choice.detail
+    assert choice.packed.startswith("read in place")
+    out = te_jax.dot_product_attention_packed(x, config=cfg, **kw)
+    assert seen == [cfg]
+    ref = te_jax.dot_product_attention_packed(x, qkv_layout="bs3hd", attn_mask_type="causal", backend="xla")
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    assert "takes no kernel configuration" in choice.reasons["xla"]
+    with pytest.raises(ValueError, match=r"^config: got dict; expected .*BlockSizes.*HopperConfig"):
+        te_jax.dot_product_attention_packed(x, config={"block_q": 16}, **kw)
+
+
+def test_registration_is_one_line(monkeypatch):
+    """Everything about the attention backends derives from the registry (`_register(...)` in selection.py):
+    the names, their TE_JAX_<NAME>_ATTN switches, the op table, the public list. One registered but absent from
+    the automatic preference order is explained and runs when forced."""
+    from te_jax.backends import tuning
+
+    assert selection.BACKEND_NAMES == tuple(selection.BACKENDS) == selection.ATTENTION.names == te_jax.ATTENTION_BACKENDS
+    assert set(selection.ATTENTION.disable_env) == set(selection.BACKEND_NAMES)
+    monkeypatch.setattr(tuning, "ATTENTION_OTHER_PREFERENCE", tuning.Tuned(("pallas", "cudnn"), "stand-in", ""))
+    choice = te_jax.explain_attention_backend(*qkv(*SMALL))
+    assert choice.selected is None
+    assert choice.reasons["xla"].kind is base.ReasonKind.AVOIDED and "preference order" in choice.reasons["xla"]
+    assert "backend='xla'" in choice.reasons["xla"]
+    assert te_jax.explain_attention_backend(*qkv(*SMALL), backend="xla").selected == "xla"
+
+
+def test_block_sizes_keep_the_ring_blocks_on_the_portable_kernel(monkeypatch):
+    """A BlockSizes config names the portable kernel: the ring's mask-free (Hopper) block path says no, even on sm90."""
+    import te_jax.attention as attention_mod
+    from pallas_kernels.flash_attention import BlockSizes
+
+    monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (9, 0)))
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    call = attention_mod.prepare_attention(q, q, q, attn_mask_type="causal", needs_split_vjp=True,
+                                           config=BlockSizes(block_q=64, block_kv=64)).call
+    why = selection.BACKENDS["pallas"].ring_block_reason(call, q.shape, q.shape, True)
+    assert why == "config is the portable kernel's BlockSizes"

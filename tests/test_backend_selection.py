@@ -8,18 +8,14 @@ import pytest
 
 import te_jax
 import te_jax.attention as attention_mod
+from helpers import qkv
+from te_jax.backends import selection
 
 
 def _qkv(b=2, sq=8, skv=8, h=4, g=2, d=64, dv=None, dtype=jnp.bfloat16, fmt="bshd"):
-    """q, k, v; long ones as shapes only (the explanation reads shapes: no 32k-token arrays drawn)."""
-    if b * max(sq, skv) * h * d > 2**20:
-        shapes = ((b, sq, h, d), (b, skv, g, d), (b, skv, g, dv or d))
-        return tuple(jax.eval_shape(lambda: te_jax.from_bshd(jnp.zeros(s, dtype), fmt)) for s in shapes)
-    ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (b, sq, h, d)).astype(dtype)
-    k = jax.random.normal(ks[1], (b, skv, g, d)).astype(dtype)
-    v = jax.random.normal(ks[2], (b, skv, g, dv or d)).astype(dtype)
-    return tuple(te_jax.from_bshd(t, fmt) for t in (q, k, v))
+    """helpers.qkv in `fmt`; long ones as shapes only (the explanation reads shapes: no 32k-token arrays drawn)."""
+    make = lambda: tuple(te_jax.from_bshd(t, fmt) for t in qkv(0, b, sq, skv, h, g, d, dv, dtype))
+    return jax.eval_shape(make) if b * max(sq, skv) * h * d > 2**20 else make()
 
 
 @pytest.fixture
@@ -30,7 +26,7 @@ def fake_h100(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for var in ("TE_JAX_ATTN_BACKEND", "TE_JAX_PALLAS_ATTN", "TE_JAX_CUDNN_ATTN", "TE_JAX_XLA_ATTN", "TE_JAX_DEBUG"):
+    for var in (selection.FORCE_ENV, "TE_JAX_DEBUG", *map(selection.disable_env, selection.BACKEND_NAMES)):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -172,13 +168,13 @@ def test_gpu_preference_follows_measurements(fake_h100, monkeypatch):
     assert long.selected == "pallas" and "head_dim 128 causal q_len <= 16384" in long.reasons["cudnn"]
     longest = te_jax.explain_attention_backend(*_qkv(b=1, sq=32768, skv=32768, d=128), attn_mask_type="causal")
     assert longest.selected == "cudnn" and "cuDNN measured as fast or faster" in longest.reasons["pallas"]
-    # non-causal up to 4k (runs 4-7: the Hopper kernel beat cuDNN at 1k and 4k), cuDNN beyond
+    # non-causal up to 4k (tuning.HOPPER_FASTER_MAX_LEN), cuDNN beyond
     mid = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=128))
     assert mid.selected == "pallas" and "head_dim 128 non-causal q_len <= 4096" in mid.reasons["cudnn"]
     assert "persistent grid" in mid.detail and "dQ accumulated in the dK/dV kernel" in mid.detail
     longer = te_jax.explain_attention_backend(*_qkv(b=1, sq=8192, skv=8192, d=128))
     assert longer.selected == "cudnn" and "non-causal q_len > 4096" in longer.reasons["pallas"]
-    # head_dim 64 / 256 follow their own measurements: hd64 (run 10) up to 16k, hd256 (run 7) up to 1k
+    # head_dim 64 / 256 follow their own measurements: hd64 up to 16k, hd256 up to 1k
     hd64 = te_jax.explain_attention_backend(*_qkv(b=1, sq=4096, skv=4096, d=64))
     assert hd64.selected == "pallas" and "head_dim 64 non-causal q_len <= 16384" in hd64.reasons["cudnn"]
     assert "_run10.md" in hd64.reasons["cudnn"] and "dQ accumulated in the dK/dV kernel" in hd64.detail

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import te_jax
+from helpers import cpu_mesh
 from te_jax import flax as tf
 
 import test_attention_errors
@@ -20,7 +21,7 @@ KEY = jax.random.key(0)
 
 
 def _mesh():
-    return jax.make_mesh((4,), ("cp",))
+    return cpu_mesh((4,), ("cp",))
 
 
 def _layer(**kw):

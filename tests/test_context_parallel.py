@@ -12,23 +12,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import te_jax
 from te_jax import _compat
 from te_jax import context_parallel as tcp
+from helpers import cpu_mesh as _mesh, qkv
 
 B, S, H, G, D = 2, 32, 4, 2, 16
 STRATEGIES = ("ring", "all_gather")
 
 
-def _mesh(shape, names):
-    n = int(np.prod(shape))
-    return _compat.make_mesh(shape, names, devices=jax.devices()[:n])
-
-
 def _qkv(seed, b=B, sq=S, skv=S, h=H, g=G, d=D, dtype=jnp.float32):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (b, sq, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, skv, g, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, skv, g, d), jnp.float32).astype(dtype)
-    ct = jax.random.normal(ks[3], (b, sq, h, d), jnp.float32)
-    return q, k, v, ct
+    """q, k, v and an fp32 output cotangent in this file's shapes."""
+    return qkv(seed, b, sq, skv, h, g, d, dtype=dtype, cotangent=True)
 
 
 def _packed_segments(b, s):

@@ -11,18 +11,16 @@ import pytest
 
 import te_jax
 import te_jax.attention as attention_mod
+from helpers import attention_backends, qkv, rand as _rand
 from te_jax.flax import DotProductAttention, MultiHeadAttention
 
 B, S, H, G, D = 2, 16, 4, 2, 16
 TOL = 1e-5  # fp32, relative to max(|reference|, 1)
-
-
-def _rand(seed, shape):
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+DENSE_MASK_BACKENDS = attention_backends(dense_mask=True)  # the registered backends that take mask= and run here
 
 
 def _qkv(seed=0, h=H, g=G):
-    return _rand(seed, (B, S, h, D)), _rand(seed + 1, (B, S, g, D)), _rand(seed + 2, (B, S, g, D))
+    return qkv(seed, B, S, S, h, g, D)
 
 
 def ref_attention(q, k, v, masked_out, bias=None, scale=None):
@@ -97,7 +95,7 @@ def _all_masks():
     return jnp.concatenate([jnp.broadcast_to(f(), (B, H, S, S)) for f in MASKS.values()])
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", DENSE_MASK_BACKENDS)
 def test_dense_mask_exact_vs_reference(backend):
     """mask with attn_mask_type='no_mask' (causal, block-diagonal, random with rows / columns hidden
     everywhere, padding): forward and dq/dk/dv equal the exactly masked fp32 reference."""
@@ -118,7 +116,7 @@ def test_dense_mask_exact_vs_reference(backend):
     assert np.all(dk[:, 7] == 0), "a key column hidden everywhere gets no gradient"
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", DENSE_MASK_BACKENDS)
 def test_dense_mask_with_bias_causal_type_and_padding(backend):
     """The mask composes with attn_mask_type (causal), seqlens padding and a bias; dbias is exact too."""
     q, k, v = _qkv(3)
@@ -134,7 +132,7 @@ def test_dense_mask_with_bias_causal_type_and_padding(backend):
         assert_close(a, r, TOL, f"{backend} {n}")
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", DENSE_MASK_BACKENDS)
 def test_padding_mask_equals_seqlens(backend):
     q, k, v = _qkv(4)
     by_mask = jax.jit(lambda q, k, v: te_jax.dot_product_attention(q, k, v, mask=padding_mask(),
@@ -201,7 +199,7 @@ def test_mask_errors(bad, match):
 
 # ----------------------------------------------------------------------------- Flax modules
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", DENSE_MASK_BACKENDS)
 def test_flax_dot_product_attention_applies_the_mask(backend):
     """TE's common pattern: a causal / block-diagonal boolean mask with attn_mask_type='no_mask'."""
     q, k, v = _qkv(8)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels.flash_attention_hopper as fah
+from helpers import norm_rel_err as _rel
 from pallas_kernels.flash_attention_hopper import attention_reference, hopper_attention, supports
 
 
@@ -31,12 +32,6 @@ def _on_sm90():
 
     cc = gpu_compute_capability()
     return cc is not None and cc[0] == 9
-
-
-def _rel(a, b):
-    a = np.asarray(a, np.float32)
-    b = np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 BF = jnp.bfloat16

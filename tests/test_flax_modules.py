@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import rand
 from tolerance import assert_close
 from te_jax.flax import (
     DenseGeneral,
@@ -24,10 +25,6 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 4e-2}
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def rand(key, shape, dtype=jnp.float32, scale=1.0):
-    return (scale * jax.random.normal(jax.random.key(key), shape)).astype(dtype)
 
 
 def unbox(v):
@@ -222,7 +219,9 @@ def test_layernorm_dense_general(layernorm_type, dtype):
 @pytest.mark.parametrize("activations,use_bias,layernorm_type,dtype", [
     (("gelu",), False, "layernorm", jnp.float32),
     (("silu", "linear"), True, "rmsnorm", jnp.float32),
-    (("relu",), True, "layernorm", jnp.bfloat16),
+    # relu in fp32: in bf16, a pre-activation within rounding of 0 (some of the 768 always are) flips relu' between
+    # the module and the fp32 reference, an ill-posed comparison; bf16 with biases is the gated gelu case below.
+    (("relu",), True, "layernorm", jnp.float32),
     (("gelu", "linear"), True, "layernorm", jnp.bfloat16),
 ])
 def test_layernorm_mlp(activations, use_bias, layernorm_type, dtype):

@@ -17,14 +17,10 @@ from te_jax import fp8
 from te_jax.fp8 import quantize as Q
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from te_jax.flax import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP, TransformerLayer
+from helpers import cpu_mesh, norm_rel_err as _rel
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 DENSE_DN = (((2,), (0,)), ((), ()))
-
-
-def _rel(a, b):
-    a, b = np.asarray(a).astype(np.float64), np.asarray(b).astype(np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 # --- recipes ---------------------------------------------------------------------------------------
@@ -445,7 +441,7 @@ def test_fp8_mlp_under_a_data_parallel_mesh_matches_one_device():
             return f(v, x)
 
     loss1, g1 = run(x)
-    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    mesh = cpu_mesh((2,), ("data",), auto=True)
     with jax.set_mesh(mesh), nn.logical_axis_rules((("batch", "data"), ("length", None), ("embed", None))):
         xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
         loss2, g2 = run(xs)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import te_jax
+from helpers import attention_backends, qkv
 from naive_attention import naive_mask
 from pallas_kernels.flash_attention import AttentionMask, flash_attention_fwd, reference_attention
 
@@ -23,12 +24,7 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 
 
 def _inputs(seed, h, g, dtype):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (1, S, h, D)).astype(dtype)
-    k = jax.random.normal(ks[1], (1, S, g, D)).astype(dtype)
-    v = jax.random.normal(ks[2], (1, S, g, D)).astype(dtype)
-    ct = jax.random.normal(ks[3], (1, S, h, D)).astype(dtype)
-    return q, k, v, ct
+    return qkv(seed, 1, S, S, h, g, D, dtype=dtype, cotangent=True)
 
 
 def _naive(q, k, v, bias, mask):
@@ -63,8 +59,9 @@ def _close(name, got, want, tol):
 
 def _check(results, tol, label):
     names = ("out", "dq", "dk", "dv", "dbias")
-    for name, a, b in zip(names, results["pallas"], results["xla"]):
-        _close(f"{label} {name} pallas vs xla", a, b, tol)
+    for backend in set(results) - {"xla", "naive"}:
+        for name, a, b in zip(names, results[backend], results["xla"]):
+            _close(f"{label} {name} {backend} vs xla", a, b, tol)
     if "naive" in results:
         for name, a, b in zip(names, results["xla"], results["naive"]):
             _close(f"{label} {name} xla vs naive", a, b, tol)
@@ -75,7 +72,7 @@ def test_huge_bias_rows_without_mask(dtype):
     """Row 10 all keys at `neg`, row 20 half its keys, row 30 one key; every backend agrees."""
     q, k, v, ct = _inputs(0, 1, 1, dtype)
     fns = {b: _vjp_fn(lambda q, k, v, bias, b=b: te_jax.dot_product_attention(q, k, v, bias=bias, backend=b))
-           for b in ("xla", "pallas")}
+           for b in attention_backends()}
     if dtype == jnp.float32:
         mask = np.ones((1, S, S), bool)
         fns["naive"] = _vjp_fn(lambda q, k, v, bias: _naive(q, k, v, bias, mask))
@@ -101,7 +98,7 @@ def test_huge_bias_with_causal_segments_and_gqa(dtype):
     mask = naive_mask(1, S, S, "padding_causal", q_seg=np.asarray(seg), kv_seg=np.asarray(seg))
     kw = dict(attn_mask_type="padding_causal", q_segment_ids=seg, kv_segment_ids=seg)
     fns = {b: _vjp_fn(lambda q, k, v, bias, b=b: te_jax.dot_product_attention(q, k, v, bias=bias, backend=b, **kw))
-           for b in ("xla", "pallas")}
+           for b in attention_backends()}
     if dtype == jnp.float32:
         fns["naive"] = _vjp_fn(lambda q, k, v, bias: _naive(q, k, v, bias, mask))
     noise = 0.5 * jax.random.normal(jax.random.key(8), (1, 2, S, S))
@@ -143,7 +140,7 @@ def test_huge_bias_lse_and_packed_input():
 
     qkv = jnp.stack([q, k, v], axis=2)  # bs3hd
     fns = {b: _vjp_fn(lambda qkv, _k, _v, bias, b=b: te_jax.dot_product_attention_packed(
-        qkv, qkv_layout="bs3hd", bias=bias, backend=b)) for b in ("xla", "pallas")}
+        qkv, qkv_layout="bs3hd", bias=bias, backend=b)) for b in attention_backends()}
     res = {name: f(bias, qkv, None, None, ct) for name, f in fns.items()}
     for name, a, b in zip(("out", "dqkv", "-", "-", "dbias"), res["pallas"], res["xla"]):
         if a is not None:

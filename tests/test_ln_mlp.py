@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from te_jax import mlp as M
+from helpers import ref_norm
+from te_jax.backends.ops import NAMES as BACKENDS
 from tolerance import assert_close
 from te_jax.activations import validate_activations
 
@@ -16,14 +18,6 @@ ACT = {
     "squared_relu": lambda x: jnp.maximum(x, 0) ** 2,
     "linear": lambda x: x,
 }
-
-
-def ref_norm(x, g, b, rms, zc, eps=1e-6):
-    g = g + (1.0 if zc else 0.0)
-    if rms:
-        return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * g
-    mu = jnp.mean(x, -1, keepdims=True)
-    return (x - mu) / jnp.sqrt(jnp.mean((x - mu) ** 2, -1, keepdims=True) + eps) * g + b
 
 
 def ref_mlp(x, g, b, w1, b1, w2, b2, *, acts, rms=False, zc=False):
@@ -63,7 +57,7 @@ ACTS = [("gelu",), ("relu",), ("silu",), ("quick_gelu",), ("squared_relu",), ("l
         ("squared_relu", "linear")]
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("acts", ACTS, ids=lambda a: "-".join(a))
 def test_activations_fp32(backend, acts):
     args, dy = make(len(acts) * 7 + len(acts[0]), (2, 3), 48, 40, 24, len(acts), jnp.float32)
@@ -74,7 +68,7 @@ def test_activations_fp32(backend, acts):
     check_all(vjp(dy), vjpr(dy), 1e-4)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layernorm_type,zc,acts,d", [
     ("rmsnorm", False, ("gelu",), 100),
     ("rmsnorm", True, ("silu", "linear"), 48),
@@ -102,7 +96,7 @@ def test_norm_types_dtypes(backend, layernorm_type, zc, acts, d, dtype):
     check_all(vjp(dy), vjpr(dy.astype(jnp.float32)), tol)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_return_layernorm_output(backend):
     acts = ("silu", "linear")
     args, dy = make(5, (3, 4), 48, 32, 48, 2, jnp.float32)
@@ -129,7 +123,7 @@ def test_no_biases_and_fused_gemm_kernel():
         check_all(vjp(dy), vjpr(dy), 1e-4)
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
 def test_layernorm_dense(backend, layernorm_type):
     rms = layernorm_type == "rmsnorm"

@@ -7,17 +7,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.norms import norm_bwd, norm_fwd
+from helpers import ref_norm
 from te_jax import normalization as N
-
-
-def ref_norm(x, gamma, beta, rms, zc, eps=1e-6):
-    x = x.astype(jnp.float32)
-    g = gamma.astype(jnp.float32) + (1.0 if zc else 0.0)
-    if rms:
-        return x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * g
-    mu = jnp.mean(x, -1, keepdims=True)
-    var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
-    return (x - mu) / jnp.sqrt(var + eps) * g + beta.astype(jnp.float32)
+from te_jax.backends.ops import NAMES as BACKENDS
 
 
 def inputs(seed, shape, dtype):
@@ -33,7 +25,7 @@ def inputs(seed, shape, dtype):
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=4e-2, rtol=4e-2)}
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("d,zc", [(48, False), (100, True), (64, True)])  # 64: no padded column
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

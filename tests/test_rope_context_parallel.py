@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from test_flax_modules import assert_close, assert_tree_close, rand, unbox
-from te_jax import _compat
+from helpers import cpu_mesh
 from te_jax.context_parallel import inverse_reorder_causal_load_balancing, reorder_causal_load_balancing
 from te_jax.flax import MultiHeadAttention, TransformerLayer
 from te_jax.flax.attention import _positions
@@ -24,7 +24,7 @@ CP = 4  # _positions checks: 8 zig-zag chunks of 2 tokens
 
 
 def _mesh(n):
-    return _compat.make_mesh((n,), ("cp",), devices=jax.devices()[:n])
+    return cpu_mesh((n,), ("cp",))
 
 
 def _segments():

@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpr_walk
 import te_jax
+from helpers import cpu_mesh, rand as _rand
 from tolerance import assert_close
 import te_jax.attention as attention_mod
 from te_jax.backends import selection
 from te_jax.flax import DotProductAttention, TransformerLayer
 
-AUTO = jax.sharding.AxisType.Auto
 DP_TP_RULES = (("batch", "data"), ("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"),
                ("length", None), ("embed", None), ("kv", None), ("qkv", None), ("act", None),
                ("relpos_buckets", None))
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake) d
 
 
 def _mesh(dp, tp):
-    return jax.make_mesh((dp, tp), ("data", "tensor"), axis_types=(AUTO, AUTO), devices=jax.devices()[:dp * tp])
+    return cpu_mesh((dp, tp), ("data", "tensor"), auto=True)
 
 
 def _pallas_calls(jaxpr, inside=False, counts=None):
@@ -46,10 +46,6 @@ def _pallas_calls(jaxpr, inside=False, counts=None):
         for sub in jaxpr_walk._sub_jaxprs(eqn):
             _pallas_calls(sub, inside or eqn.primitive.name == "shard_map", counts)
     return counts
-
-
-def _rand(i, shape, dtype=jnp.float32):
-    return jax.random.normal(jax.random.key(i), shape, jnp.float32).astype(dtype)
 
 
 def _close(a, b, tol, what):
@@ -212,7 +208,7 @@ def test_auto_attention_backend_under_a_mesh_is_not_a_replicated_pallas_kernel(m
     monkeypatch.setattr(selection.BACKENDS["pallas"], "hopper_reason", lambda call: None)
     q = jax.ShapeDtypeStruct((8, 256, 4, 64), jnp.bfloat16)
     assert te_jax.explain_attention_backend(q, q, q, attn_mask_type="causal").selected == "pallas"
-    mesh = jax.make_mesh((4,), ("data",), axis_types=(AUTO,), devices=jax.devices()[:4])
+    mesh = cpu_mesh((4,), ("data",), auto=True)
     with jax.set_mesh(mesh):
         choice = te_jax.explain_attention_backend(q, q, q, attn_mask_type="causal")
         assert choice.selected != "pallas", str(choice)

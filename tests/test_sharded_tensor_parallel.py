@@ -19,10 +19,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpr_walk
+from helpers import cpu_mesh
 from tolerance import assert_close
 from te_jax.flax import LayerNormDenseGeneral, LayerNormMLP
 
-AUTO = jax.sharding.AxisType.Auto
 RULES = (("batch", "data"), ("length", None), ("embed", None), ("qkv", None), ("heads", "tensor"), ("kv", None),
          ("act", None), ("mlp", "tensor"))
 # FSDP on top: parameters' hidden axis over "data" too (an activation's "data" goes to its batch axis first)
@@ -73,7 +73,7 @@ def _run(return_ln, use_bias=True, kind="dense", dtype=jnp.float32, rules=RULES)
 
     ref = jax.jit(value_and_grads(ref_mod))(params, x)
     xd = np.asarray(x.astype(dtype))
-    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AUTO, AUTO), devices=jax.devices()[:4])
+    mesh = cpu_mesh((2, 2), ("data", "tensor"), auto=True)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         abstract = jax.eval_shape(lambda: ref_mod.init(jax.random.key(1), x, **kw))
         shardings = nn.meta.unbox(nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules))["params"]

@@ -74,7 +74,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     def tile_coords(tile):
         # The 3-D grid's launch order: Mosaic GPU reverses the grid for CUDA (its last axis, batch, is the fastest),
         # so CTAs running together are the key tiles of one kv head (they share its Q / dO in L2).  -> batch, kv
-        # head, key tile.  (With the kv head fastest instead, the kernel ran 9% slower: run 11.)
+        # head, key tile.  (With the kv head fastest instead, the CTAs running together share less and it is slower.)
         return rem(tile, B), div(tile, B * n_kt), rem(div(tile, B), n_kt)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
@@ -111,8 +111,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             hi = jnp.where(whole_cta, steps, div((k_piece + 1) * steps, plan.pieces))
         # No reversal here (unlike the forward and dQ kernels): the GPU launches CTAs in grid order (kv_seq
         # ascending within a head), and causal key tile 0 sees every query, so ascending order already starts
-        # the heaviest tiles first and leaves the light ones for the tail.  Reversed (before run 10), the
-        # heaviest tile of the last head ran alone at the end: 7% of the SM time idle at 16k causal.
+        # the heaviest tiles first and leaves the light ones for the tail.  Reversed, the heaviest tile of the
+        # last head would run alone at the end with the other SMs idle.
         kv_cta0 = kt * (wgs * bkv)
         q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
         n_steps_h = nq - q_lo  # query blocks per query head

@@ -10,18 +10,18 @@ import numpy as np
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# head_dim -> key length from which bwd_dq_atomic=None takes the in-kernel dQ (absent: the dQ kernel).
-# hd128 (runs 2-8): faster from 4k; at 1k the zero-fill and the fp32 -> bf16 pass cost more.
-# hd64 (run 10, attention_hopper_h100_run10_hd64_atomic_dq_log.txt, kernel time fwd+bwd): +7% / +11-13% at 4k-16k
-# causal / non-causal; at 1k +4.5% non-causal but -2.5% causal.
+# The defaults below were chosen by device runs. The current measurement of the resulting kernels is
+# benchmarks/results/attention_hopper_h100_run12f_rounds5_log.txt (hd128), attention_hopper_h100_run10.md (hd64)
+# and attention_hopper_h100_run7_hd64_hd256.md (hd64 / hd256 blocks); the A/B runs behind each switch are under
+# the git tag benchmarks-history-2026-11-24 (CONTRIBUTING.md, "Benchmarks").
+
+# head_dim -> key length from which bwd_dq_atomic=None takes the in-kernel dQ (absent: the dQ kernel): shorter,
+# its zero-fill and fp32 -> bf16 pass over dQ cost more than the two matmuls it saves.
 ATOMIC_DQ_AUTO_MIN_KV = {128: 2048, 64: 2048}
-# Key length from which fwd_split_tail=None cuts the persistent forward's last round by K/V steps.  H100, hd128,
-# 16k tokens (attention_hopper_h100_run11_fwd_split_tail_log.txt, kernel time, 5 rounds): +2.6% at 16k, +1.6% at
-# 4k, -2.1% at 1k (the merge after the kernel costs more than the idle SMs there).
+# Key length from which fwd_split_tail=None cuts the persistent forward's last round by K/V steps: shorter, the
+# merge after the kernel costs more than the idle SMs it saves.
 FWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
-# The same for the non-causal dK/dV kernel's cut last tiles (bwd_split_tail, PieceSplit).  H100, hd128, kernel time
-# (attention_hopper_h100_run11_bwd_pieces_static_whole_log.txt, 4 rounds): backward +0.8% at 16k, +2.2% at 4k.
-# Earlier layouts of the same idea were slower (run 11, section 3).
+# The same for the non-causal dK/dV kernel's cut last tiles (bwd_split_tail, PieceSplit).
 BWD_SPLIT_TAIL_AUTO_MIN_KV = 4096
 
 
@@ -42,14 +42,13 @@ class HopperConfig:
     # dQ accumulated inside the dK/dV kernel (FA3): the CTA's dS tile goes to shared memory and
     # each warpgroup adds its dQ columns to a float32 buffer with TMA reduce-add: 5 matmuls per
     # block pair instead of the dQ kernel's 7, plus a zero-fill and a conversion pass over dQ.
-    # None (auto): on when served (see atomic_dq_served) and the key sequence is >= 2048
-    # (H100: faster from 4k; at 1k the two extra passes over the fp32 buffer cost more).
+    # None (auto): on when served (see atomic_dq_served) and the key sequence is at least
+    # ATOMIC_DQ_AUTO_MIN_KV (shorter, the two extra passes over the fp32 buffer cost more).
     bwd_dq_atomic: bool | None = None
     # Causal dK/dV kernel: walk each CTA's query blocks from the last one down to the diagonal
     # (True), so the CTAs resident together read the same Q/dO blocks at the same time, as the
     # non-causal walk does; or from the diagonal up (False: each CTA starts at its own diagonal, so
-    # neighbours read different blocks).  None (auto) = True.  H100, hd128, kernel time: the
-    # backward kernel +5.6% at 16k causal (530 -> 560 TFLOP/s), +1% at 4k (run 8d).
+    # neighbours read different blocks).  None (auto) = True: the shared reads make the causal backward faster.
     bwd_causal_reverse: bool | None = None
     # Forward, non-causal: a persistent grid (one CTA per SM looping over query tiles; the K/V
     # ring runs on across tiles and the next tile's Q is loaded during this tile's epilogue).
@@ -58,10 +57,8 @@ class HopperConfig:
     fwd_ctas: int | None = None  # persistent CTAs; None: the device's SM count
     # Causal forward on the persistent grid (CausalDeal: rounds of heavy/light query-tile pairs, then the last tiles
     # one by one to the least-loaded CTA; see persistent_causal_served); False: one CTA per query tile, heaviest
-    # first.  None (auto) or True: on where served (elsewhere describe_plan says why not).  H100, hd128, 16k
-    # tokens, kernel time, 4 rounds
-    # (attention_hopper_h100_run12e_fwd_causal_lpt_log.txt): 1k 412 -> 493 TFLOP/s, 4k 613 -> 647, 8k 660 -> 677,
-    # 16k 686 -> 687; hd64 1k / 2k +31% / +25%.
+    # first.  None (auto) or True: on where served (elsewhere describe_plan says why not); it gains most at short
+    # sequences, where one CTA per tile leaves SMs idle.
     fwd_persistent_causal: bool | None = None
     # Its last tiles dealt one by one to the least-loaded CTA (longest first; CausalDeal) so the CTAs end together;
     # False: whole pairs round-robin to the end (the last round of pairs may leave SMs idle).  None (auto): on.
@@ -130,24 +127,20 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
                    q_len: int | None = None) -> HopperConfig:
     """The tuned config for a head_dim, the key / query lengths and the mask.
 
-    hd64 (run 7, attention_hopper_h100_run7_hd64_hd256.md):
-    * forward: 256-key tiles beat 128 keys x 3 stages by +8-15% at 4k/16k non-causal and +6% at 1k,
-      and by +2-6% causal from 4k.  Causal 1k loses 5-7% with them: half of each diagonal block is
+    hd64 (benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md):
+    * forward: 256-key tiles, faster except causal below 4k keys, where half of each diagonal block is
       masked.  They need kv_len % 256 == 0.
-    * backward: 128-row query blocks give +1-9% fwd+bwd at 1k-16k.  They need q_len % 256 == 0
-      (the dQ kernel's CTA takes 2 x 128 rows).
+    * backward: 128-row query blocks.  They need q_len % 256 == 0 (the dQ kernel's CTA takes 2 x 128 rows).
     """
     if head_dim <= 64:
         wide = kv_len is None or (kv_len % 256 == 0 and not (causal and kv_len < 4096))
         rows = 128 if (q_len if q_len is not None else kv_len or 0) % 256 == 0 else 64
-        # 240 / 24 registers in the backward (run 10): +9-12% backward kernel at 4k-16k causal, +5% at 1k causal,
-        # a tie without a mask.
+        # 240 / 24 registers in the backward: faster causal, a tie without a mask.
         if wide:
             return HopperConfig(block_q=64, block_kv=256, stages=2, bwd_block_q=rows, bwd_compute_registers=240)
         return HopperConfig(block_q=64, block_kv=128, stages=3, bwd_block_q=rows, bwd_compute_registers=240)
     if head_dim <= 128:
-        # 240 / 24 registers in the backward (run 10, 5 rounds): dK/dV+dQ kernel +2% at 16k causal, +4% at 4k
-        # causal, a tie without a mask (+1.2% / -1.4% at 16k in two runs).
+        # 240 / 24 registers in the backward: faster causal, a tie without a mask.
         return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_compute_registers=240)
     return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
 

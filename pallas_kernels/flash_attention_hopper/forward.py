@@ -40,7 +40,7 @@ class _Sched:
     Each step of a warpgroup: QK^T wgmma, `after_qk`, softmax, `before_pv`, PV wgmma.  Warpgroup 1 calls `start`
     before its first step, warpgroup 0 `finish` after its last.  Both warpgroups meet after issuing QK^T and again
     before PV (mbarrier: one 2-arrival barrier; named: `bar.sync 4, 256`), so one's softmax runs while the other's
-    wgmmas do.  (FA3's hand-off, each warpgroup waiting on its own barrier, measured no faster: run 9.)
+    wgmmas do.  (FA3's hand-off, each warpgroup waiting on its own barrier, is no faster and needs two barriers.)
     """
 
     def __init__(self, plgpu, bar, named: bool):

@@ -49,8 +49,8 @@ def _next_pow2(n: int) -> int:
 
 def _fwd_params(n_rows, n_cols, cfg: NormConfig):
     block_cols = _next_pow2(n_cols)
-    # Rows padded from 4097-8191 columns up to 8192 (hidden 5120, 6144): two rows on 8 warps, measured
-    # +12% (5120) and +3% (6144) LayerNorm forward over one row on 8 warps (H100, norm_shapes_h100.md).
+    # Rows padded from 4097-8191 columns up to 8192 (hidden 5120, 6144): two rows on 8 warps, faster than one
+    # row there (benchmarks/results/norm_shapes_h100.md).
     padded_8k = block_cols == 8192 and n_cols < block_cols
     block_rows = cfg.block_rows or (2 if padded_8k else max(1, min(16, 8192 // block_cols)))
     block_rows = min(block_rows, _next_pow2(n_rows))

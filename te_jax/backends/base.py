@@ -41,12 +41,15 @@ class AttentionBackend(Protocol):
         """out [b, s, h, d_v] from canonical q/k/v [b, s, heads, d]."""
 
 
+# config= of the split and ring-block methods: the call's kernel configuration (AttentionCall.kernel_config),
+# which reaches only a backend declaring kernel_config (selection refuses it for the others), or None.
 @runtime_checkable
 class SplitBackward(Protocol):
-    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):
+    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window, config=None):
         """(out, lse)."""
 
-    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window):
+    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window,
+                 config=None):
         """(dq, dk, dv, dbias)."""
 
 
@@ -55,10 +58,10 @@ class RingBlocks(Protocol):
     def ring_block_reason(self, call, q_block_shape, kv_block_shape, half_blocks: bool) -> str | None:
         """None when the mask-free block kernel serves the ring's per-block calls, else why not."""
 
-    def dense_forward(self, q, k, v, *, scale, causal):
+    def dense_forward(self, q, k, v, *, scale, causal, config=None):
         """(out, lse) of one mask-free block pair."""
 
-    def dense_backward(self, q, k, v, out, lse, dout, *, scale, causal):
+    def dense_backward(self, q, k, v, out, lse, dout, *, scale, causal, config=None):
         """(dq, dk, dv) of one mask-free block pair."""
 
 

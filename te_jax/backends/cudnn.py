@@ -34,8 +34,8 @@ class CudnnBackend:
             if hd > max_d or hd % 8:
                 return f"{label}={hd}: cuDNN needs a multiple of 8 that is <= {max_d} on {call.gpu_arch}"
         if d.head_dim_qk != d.head_dim_v:
-            # Found on the H100 by the randomized tests (jax 0.11.2): jax.nn checks value's shape against the
-            # query's ("value shape should be [..., d_qk]") before cuDNN's own MLA support is reached.
+            # jax.nn checks value's shape against the query's ("value shape should be [..., d_qk]") before
+            # cuDNN's own MLA support is reached (jax 0.11.2).
             return (f"head_dim_qk={d.head_dim_qk} != head_dim_v={d.head_dim_v}: jax.nn.dot_product_attention "
                     f"requires value's head_dim to equal the query's")
         if call.mask_shape is not None:
@@ -63,7 +63,7 @@ class CudnnBackend:
             return "dropout is not exposed by jax.nn.dot_product_attention"
         if d.q_len % 2 or d.kv_len % 2:
             # jax 0.10: only with a bias; jax 0.11.2 refuses odd lengths for training without a bias too
-            # (found on the H100 by the randomized tests: "Unsupported sequence length Q 1, KV 1").
+            # ("Unsupported sequence length Q 1, KV 1").
             return (f"odd sequence length (q {d.q_len}, kv {d.kv_len}): jax.nn's cuDNN path refuses odd lengths "
                     f"when differentiated (with a bias on every jax version)")
         if call.needs_split_vjp:
@@ -89,9 +89,9 @@ class CudnnBackend:
             q_lens = jnp.sum(q_ok, axis=1).astype(jnp.int32)
             kv_lens = jnp.sum(kv_ok, axis=1).astype(jnp.int32)
             # cuDNN leaves outputs and gradients of padded tokens unspecified, and a sequence of length 0 is
-            # undefined behaviour (found on the H100 by the randomized tests: a batch with kv length 0 came
-            # back with garbage/non-finite dV). So: cuDNN sees lengths >= 1, and padded tokens reach it through
-            # a select, whose transpose drops whatever cuDNN writes into their gradients.
+            # undefined behaviour (non-finite dV for a batch with kv length 0). So: cuDNN sees lengths >= 1, and
+            # padded tokens reach it through a select, whose transpose drops whatever cuDNN writes into their
+            # gradients.
             zero = jnp.zeros((), q.dtype)
             q = jnp.where(q_ok[:, :, None, None], q, zero)
             k = jnp.where(kv_ok[:, :, None, None], k, zero)

@@ -50,16 +50,22 @@ def hopper_device_reason() -> str | None:
     return None
 
 
+def _kind(config) -> str | None:
+    """"portable" (BlockSizes), "hopper" (HopperConfig) or None: the kernel a configuration configures."""
+    return None if config is None else ("hopper" if type(config).__name__ == "HopperConfig" else "portable")
+
+
 def _config_kind(call) -> str | None:
-    """"portable" (BlockSizes), "hopper" (HopperConfig) or None: the kernel a call's config names."""
-    cfg = call.kernel_config
-    if cfg is None:
-        return None
-    return "hopper" if type(cfg).__name__ == "HopperConfig" else "portable"
+    return _kind(call.kernel_config)
+
+
+def _of_kind(config, kind):
+    """config when it configures kernel `kind`, else None (the other kernel runs with its defaults)."""
+    return config if _kind(config) == kind else None
 
 
 def _block_sizes(call):
-    return call.kernel_config if _config_kind(call) == "portable" else None
+    return _of_kind(call.kernel_config, "portable")
 
 
 def check_kernel_config(config):
@@ -161,6 +167,8 @@ class PallasBackend:
         q_block_shape / kv_block_shape: local [b, s, h, d]; half_blocks: the causal zig-zag schedule
         also calls halves of the blocks (their lengths must fit the kernel too).
         """
+        if _config_kind(call) == "portable":
+            return "config is the portable kernel's BlockSizes"
         mod, why = self._hopper_feature_reason(call)
         if why is not None:
             return why
@@ -178,15 +186,16 @@ class PallasBackend:
                 return f"ring block q{tuple(qs)} x kv{tuple(ks)}: {why}"
         return None
 
-    def dense_forward(self, q, k, v, *, scale, causal):
+    def dense_forward(self, q, k, v, *, scale, causal, config=None):
         """Mask-free block forward (Hopper kernel): (out [b,s,h,dv], lse [b,h,s] f32)."""
         from pallas_kernels import flash_attention_hopper as fh
-        return fh.hopper_attention_fwd(q, k, v, scale=scale, causal=causal)
+        return fh.hopper_attention_fwd(q, k, v, scale=scale, causal=causal, config=_of_kind(config, "hopper"))
 
-    def dense_backward(self, q, k, v, out, lse, dout, *, scale, causal):
+    def dense_backward(self, q, k, v, out, lse, dout, *, scale, causal, config=None):
         """Mask-free block backward (Hopper kernel) from the final out/lse: (dq, dk, dv)."""
         from pallas_kernels import flash_attention_hopper as fh
-        return fh.hopper_attention_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal)
+        return fh.hopper_attention_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal,
+                                       config=_of_kind(config, "hopper"))
 
     def choice_detail(self, call) -> str:
         """Which Pallas kernel runs the call, and why not the Hopper kernel when it does not."""
@@ -258,7 +267,7 @@ class PallasBackend:
         lead = (1,) if call.attn_input_format == "thd" else ()
         shapes = [jax.ShapeDtypeStruct(lead + tuple(t.shape), t.dtype) for t in tensors]
         why = mod.packed_in_place_reason(_kernel_qkv(shapes), layout=kernel_layout, num_heads=num_heads,
-                                         num_kv_heads=num_gqa_groups)
+                                         num_kv_heads=num_gqa_groups, block_sizes=_block_sizes(call))
         return None if why is None else f"the packed tensor would need padding: {why}"
 
     def forward_packed(self, call, qkv_layout, tensors, tm, bias, *, num_heads, num_gqa_groups, scale, softcap,
@@ -271,14 +280,16 @@ class PallasBackend:
         out, _ = fa.flash_attention_packed(
             _kernel_qkv(_batched(tensors, call.attn_input_format)), tm.with_rule(causal, window), bias,
             layout=KERNEL_PACKED_LAYOUTS[qkv_layout], num_heads=num_heads, num_kv_heads=num_gqa_groups,
-            scale=scale, softcap=softcap)
+            scale=scale, softcap=softcap, block_sizes=_block_sizes(call))
         return self._zero_hidden_rows(out, rows)
 
-    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):
+    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window, config=None):
         from pallas_kernels import flash_attention as fa
-        return fa.flash_attention_fwd(q, k, v, tm.with_rule(causal, window), bias, scale=scale, softcap=softcap)
+        return fa.flash_attention_fwd(q, k, v, tm.with_rule(causal, window), bias, scale=scale, softcap=softcap,
+                                      block_sizes=_of_kind(config, "portable"))
 
-    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window):
+    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window,
+                 config=None):
         from pallas_kernels import flash_attention as fa
         return fa.flash_attention_bwd(q, k, v, tm.with_rule(causal, window), bias, out, lse, dout, dlse,
-                                      scale=scale, softcap=softcap)
+                                      scale=scale, softcap=softcap, block_sizes=_of_kind(config, "portable"))

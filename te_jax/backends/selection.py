@@ -27,8 +27,10 @@ def _register(*backends) -> dict:
     return {b.name: b for b in backends}
 
 
-# Registration: a new backend is one file in te_jax/backends/ plus its instance here (and its place in the
-# automatic preference below).
+# Registration: a new backend is one file in te_jax/backends/ plus its instance here. Everything else derives
+# from this line: the names, the TE_JAX_<NAME>_ATTN switch, forcing by name, the explanation, and the protocol and
+# conformance tests. auto takes it only once it has a place in a measured preference order
+# (te_jax/backends/tuning.py); until then its reason says so and backend=<name> runs it.
 BACKENDS = _register(PallasBackend(), CudnnBackend(), XlaBackend())
 BACKEND_NAMES = tuple(BACKENDS)
 FORCE_ENV = "TE_JAX_ATTN_BACKEND"
@@ -73,6 +75,11 @@ def _auto(call, reasons) -> Decision:
         order, why = gpu_preference(call)
     else:
         order, why = tuning.ATTENTION_OTHER_PREFERENCE.value, f"the xla backend comes first on {call.platform}"
+    for name in BACKENDS:
+        if name not in order and reasons[name] is None:
+            reasons[name] = Reason(
+                f"serves the call, but has no place in the automatic preference order on {call.platform} "
+                f"(te_jax/backends/tuning.py, a measured choice); pass backend={name!r} to use it", ReasonKind.AVOIDED)
     selected = next((n for n in order if reasons[n] is None), None)
     if selected is not None and selected != order[0]:
         why = f"{why}; {order[0]!r}, first in that order, is not taken here (see its reason)"

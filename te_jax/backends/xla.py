@@ -28,11 +28,13 @@ class XlaBackend:
             dropout_rate=dropout_rate, dropout_rng=dropout_rng)
         return out
 
-    # Split forward/backward for context parallelism (no dropout there).
-    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window):
+    # Split forward/backward for context parallelism (no dropout there). config: always None (no
+    # kernel_config capability: selection refuses a configured call for xla).
+    def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window, config=None):
         return reference.reference_attention(q, k, v, tm, bias, scale=scale, softcap=softcap,
                                              causal=causal, window=window)
 
-    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window):
+    def backward(self, q, k, v, tm, bias, out, lse, dout, dlse=None, *, scale, softcap, causal, window,
+                 config=None):
         return reference.reference_attention_bwd(q, k, v, tm, bias, out, lse, dout, dlse, scale=scale,
                                                  softcap=softcap, causal=causal, window=window)

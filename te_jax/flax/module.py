@@ -152,8 +152,8 @@ def _dense(x, kernel, bias, axis: tuple[int, ...], dtype):
 
     The dot's output type is the compute dtype (GPUs and XLA:CPU accumulate bf16/fp16 GEMMs in
     fp32 anyway), not fp32: autodiff transposes an fp32-output dot into fp32 x fp32 backward GEMMs
-    (operands upcast, TF32 on an H100 instead of bf16 tensor cores), which cost the te_jax
-    TransformerLayer ~1 ms per step in its output projection (issue #4). Same convention as
+    (operands upcast, TF32 instead of bf16 tensor cores), which slowed the te_jax TransformerLayer's
+    output projection (issue #4). Same convention as
     pallas_kernels/ln_mlp/reference.mm. The bias is added in fp32.
     """
     x = jnp.asarray(x, dtype)
