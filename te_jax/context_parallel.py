@@ -145,6 +145,7 @@ class _Cfg:
     window: tuple[int, int]
     halves: bool  # ring: the half-block branches are allowed (even local lengths)
     dense: bool = False  # ring: blocks run mask-free (diagonal causal, others full): the Hopper kernel
+    kernel_config: object | None = None  # config= of the call (BlockSizes / HopperConfig), for the pallas backend
 
 
 def _branch(cfg: _Cfg, qseg, qpos, kseg, kpos):
@@ -165,21 +166,22 @@ def _branch(cfg: _Cfg, qseg, qpos, kseg, kpos):
 
 def _fwd_call(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, diagonal=False):
     if cfg.dense:  # no token masks: causal on the diagonal block pair, every other pair fully visible
-        return BACKENDS[cfg.backend].dense_forward(q, k, v, scale=cfg.scale, causal=cfg.causal and diagonal)
+        return BACKENDS[cfg.backend].dense_forward(q, k, v, scale=cfg.scale, causal=cfg.causal and diagonal,
+                                                   config=cfg.kernel_config)
     tm = masks.TokenMask(qseg, qpos, kseg, kpos)
     return BACKENDS[cfg.backend].forward_only(q, k, v, tm, None, scale=cfg.scale, softcap=cfg.softcap,
-                                              causal=cfg.causal, window=cfg.window)
+                                              causal=cfg.causal, window=cfg.window, config=cfg.kernel_config)
 
 
 def _bwd_call(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, out, lse, dout, diagonal=False):
     if cfg.dense:
         dq, dk, dv = BACKENDS[cfg.backend].dense_backward(q, k, v, out, lse, dout, scale=cfg.scale,
-                                                          causal=cfg.causal and diagonal)
+                                                          causal=cfg.causal and diagonal, config=cfg.kernel_config)
     else:
         tm = masks.TokenMask(qseg, qpos, kseg, kpos)
         dq, dk, dv, _ = BACKENDS[cfg.backend].backward(
             q, k, v, tm, None, out, lse, dout, None, scale=cfg.scale, softcap=cfg.softcap, causal=cfg.causal,
-            window=cfg.window)
+            window=cfg.window, config=cfg.kernel_config)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
@@ -463,7 +465,7 @@ def _global_token_mask(prep, mask, fmt, cp_size, load_balanced, q_seqlens, kv_se
 
 
 def _prepare(query, key, value, *, cp_axis, mesh, strategy, load_balanced, attn_input_format, attn_mask_type,
-             q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, window_size, softcap, scale, backend):
+             q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, window_size, softcap, scale, backend, config=None):
     if strategy not in STRATEGIES:
         raise ValueError(f"context_parallel_attention: strategy={strategy!r} is not known; expected one of "
                          f"{STRATEGIES}.")
@@ -480,7 +482,8 @@ def _prepare(query, key, value, *, cp_axis, mesh, strategy, load_balanced, attn_
     prep = prepare_attention(
         query, key, value, attn_input_format=fmt, attn_mask_type=attn_mask_type, q_seqlens=q_seqlens,
         kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        window_size=window_size, softcap=softcap, scale=scale, needs_split_vjp=True, runs_per_shard=True)
+        window_size=window_size, softcap=softcap, scale=scale, needs_split_vjp=True, runs_per_shard=True,
+        config=config)
     d = prep.call.dims
     _check_seq("query", d.q_len, cp_size, load_balanced)
     _check_seq("key/value", d.kv_len, cp_size, load_balanced)
@@ -529,7 +532,7 @@ def explain_context_parallel_backend(query, key, value, *, cp_axis, mesh=None, b
     """Which inner attention backend `context_parallel_attention` runs per block, and why not the others."""
     kw = dict(strategy="ring", load_balanced=True, attn_input_format="bshd", attn_mask_type="no_mask",
               q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None,
-              softcap=None, scale=None)
+              softcap=None, scale=None, config=None)
     kw.update(kwargs)
     return _prepare(query, key, value, cp_axis=cp_axis, mesh=mesh, backend=backend, **kw)[3]
 
@@ -538,7 +541,7 @@ def context_parallel_attention(query, key, value, *, cp_axis: str, mesh=None, st
                                load_balanced: bool = True, attn_input_format: str = "bshd",
                                attn_mask_type: str = "no_mask", q_seqlens=None, kv_seqlens=None,
                                q_segment_ids=None, kv_segment_ids=None, window_size=None, softcap=None,
-                               scale=None, backend: str = "auto", batch_axes=None, head_axes=None):
+                               scale=None, backend: str = "auto", batch_axes=None, head_axes=None, config=None):
     """Attention over a sequence sharded on mesh axis `cp_axis` (context parallelism).
 
     query/key/value are GLOBAL arrays ("bshd" [b, s, h, d] or "sbhd" [s, b, h, d]; "thd" is refused)
@@ -567,7 +570,7 @@ def context_parallel_attention(query, key, value, *, cp_axis: str, mesh=None, st
         query, key, value, cp_axis=cp_axis, mesh=mesh, strategy=strategy, load_balanced=load_balanced,
         attn_input_format=attn_input_format, attn_mask_type=attn_mask_type, q_seqlens=q_seqlens,
         kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        window_size=window_size, softcap=softcap, scale=scale, backend=backend)
+        window_size=window_size, softcap=softcap, scale=scale, backend=backend, config=config)
     fmt = prep.call.attn_input_format
     d = prep.call.dims
     tm = _global_token_mask(prep, prep.call.mask, fmt, cp_size, load_balanced, q_seqlens, kv_seqlens,
@@ -585,7 +588,7 @@ def context_parallel_attention(query, key, value, *, cp_axis: str, mesh=None, st
     hq, hk = prep.call.dims.q_len // cp_size, prep.call.dims.kv_len // cp_size
     cfg = _Cfg(backend=choice.selected, strategy=strategy, cp_axis=cp_axis, cp_size=cp_size, scale=prep.scale,
                softcap=prep.softcap, causal=prep.call.mask.causal, window=prep.window,
-               halves=(hq % 2 == 0 and hk % 2 == 0), dense=dense)
+               halves=(hq % 2 == 0 and hk % 2 == 0), dense=dense, kernel_config=prep.call.kernel_config)
     q, k, v = (_place(t, mesh, x_spec) for t in (prep.q, prep.k, prep.v))
     mask_arrays = [_place(a, mesh, m_spec) for a in (tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids,
                                                       tm.kv_positions)]
