@@ -184,6 +184,27 @@ def test_xla_dropout_rescales_the_kept_probabilities():
     assert_close(sink, vanilla * jnp.swapaxes(w, 1, 2)[..., None], TOL)
 
 
+def _hopper_reason():
+    from te_jax import _compat
+    from te_jax.backends.pallas import hopper_device_reason
+
+    return hopper_device_reason() if _compat.gpu_compute_capability() is not None else "not a GPU"
+
+
+@pytest.mark.skipif(_hopper_reason() is not None, reason="needs the Hopper kernel (sm90, jax >= 0.11)")
+@pytest.mark.parametrize("causal,g", [(True, 2), (False, 4)])
+def test_hopper_kernel_with_sinks(causal, g):
+    """GPU only: bf16 shapes the Hopper kernel serves; its (out, lse) take the sink, forward and backward."""
+    s, h, d = 256, 4, 64
+    q, k, v = (t.astype(jnp.bfloat16) for t in _qkv(80, sq=s, skv=s, h=h, g=g, d=d))
+    kw = dict(attn_mask_type="causal" if causal else "no_mask", softmax_type="learnable")
+    choice = te_jax.explain_attention_backend(q, k, v, softmax_offset=OFFSET, backend="pallas", **kw)
+    assert choice.detail.startswith("Hopper"), choice
+    fn = lambda q, k, v, off: te_jax.dot_product_attention(q, k, v, softmax_offset=off, backend="pallas", **kw)
+    _check(fn, lambda q, k, v, off: sink_reference(q, k, v, off, causal=causal), (q, k, v, OFFSET), tol=2e-2,
+           what="hopper")
+
+
 # ----------------------------------------------------------------------------- selection and validation
 
 
