@@ -11,6 +11,7 @@ from te_jax.attention import (
 from te_jax.backends.selection import BACKEND_NAMES as ATTENTION_BACKENDS, BackendChoice
 from te_jax.layouts import FORMATS, QKV_LAYOUTS, from_bshd, infer_qkv_layout, to_bshd, unpack_qkv
 from te_jax.masks import MASK_TYPES
+from te_jax.sinks import SOFTMAX_TYPES
 from te_jax.normalization import explain_norm_backend, layernorm, norm, rmsnorm
 from te_jax.mlp import explain_mlp_backend, layernorm_dense, layernorm_mlp
 from te_jax.context_parallel import (
@@ -23,7 +24,7 @@ from te_jax.context_parallel import (
 __version__ = "0.2.0"
 
 __all__ = [
-    "ATTENTION_BACKENDS", "BackendChoice", "FORMATS", "MASK_TYPES", "QKV_LAYOUTS",
+    "ATTENTION_BACKENDS", "BackendChoice", "FORMATS", "MASK_TYPES", "QKV_LAYOUTS", "SOFTMAX_TYPES",
     "dot_product_attention", "dot_product_attention_packed", "explain_attention_backend",
     "explain_attention_backend_packed", "from_bshd", "infer_qkv_layout",
     "to_bshd", "unpack_qkv",

@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from te_jax import layouts, masks
+from te_jax import layouts, masks, sinks
 from te_jax.backends import policy
 from te_jax.backends.base import Reason, ReasonKind
 from te_jax.backends.call import AttentionCall, current_platform
@@ -32,6 +32,7 @@ class PreparedAttention:
     softcap: float | None
     window: tuple[int, int]
     mask: jax.Array | None = None
+    sink: jax.Array | None = None  # [h] float32 sink logits (softmax_type != "vanilla"), te_jax/sinks.py
 
 
 def _check_dtypes(query, key, value):
@@ -89,32 +90,34 @@ def prepare_attention(query, key, value, *, attn_input_format="bshd", attn_mask_
                       q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
                       window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
                       dropout_rng=None, needs_split_vjp=False, runs_per_shard=False, mask=None,
-                      config=None) -> PreparedAttention:
+                      config=None, softmax_type="vanilla", softmax_offset=None) -> PreparedAttention:
     """Validate every argument and bring the call to canonical form (shared by all entry points).
 
     runs_per_shard: the caller runs the backend inside its own shard_map over every mesh axis
     (context parallelism), so the current mesh's partitioned axes do not make a Pallas kernel replicated.
     """
-    call, tm, bias, scale, softcap, window, mask = _validate_call(
+    call, tm, bias, scale, softcap, window, mask, sink = _validate_call(
         query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, needs_split_vjp=needs_split_vjp, runs_per_shard=runs_per_shard, mask=mask,
-        config=config)
+        config=config, softmax_type=softmax_type, softmax_offset=softmax_offset)
     q, k, v = (layouts.to_bshd(t, call.attn_input_format) for t in (query, key, value))
-    return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window, mask)
+    return PreparedAttention(call, q, k, v, tm, bias, scale, softcap, window, mask, sink)
 
 
 def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask", q_seqlens=None,
                    kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None, bias=None,
                    softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None, needs_split_vjp=False,
-                   runs_per_shard=False, mask=None, config=None):
+                   runs_per_shard=False, mask=None, config=None, softmax_type="vanilla", softmax_offset=None):
     """Every check of `prepare_attention`; q/k/v only need .shape and .dtype (ShapeDtypeStructs do)."""
     config = check_kernel_config(config)
+    softmax_type = sinks.check_softmax_type(softmax_type)
     dense_mask, mask = mask, None  # `mask` below is the MaskSpec of attn_mask_type
     fmt = layouts.check_format(attn_input_format)
     dims = layouts.check_qkv(query, key, value, fmt)
     dtype = _check_dtypes(query, key, value)
+    softmax_offset = sinks.check_softmax_offset(softmax_type, softmax_offset, dims.num_heads)
     mask = masks.check_mask_type(attn_mask_type)
     window = masks.check_window(window_size, mask)
     bias = _check_bias(bias, dims)
@@ -135,8 +138,10 @@ def _validate_call(query, key, value, *, attn_input_format="bshd", attn_mask_typ
     partitioned = () if runs_per_shard else tuple(policy.partitioned_mesh_axes())
     call = AttentionCall(fmt, dims, dtype, mask, padding_source, window,
                          None if bias is None else tuple(bias.shape), softcap, dropout_rate, platform, cc,
-                         needs_split_vjp, partitioned, None if dense is None else tuple(dense.shape), config)
-    return call, tm, bias, scale, softcap, window, dense
+                         needs_split_vjp, partitioned, None if dense is None else tuple(dense.shape), config,
+                         softmax_type)
+    return call, tm, bias, scale, softcap, window, dense, sinks.sink_logits(softmax_type, softmax_offset,
+                                                                            dims.num_heads)
 
 
 def _choose(prep: PreparedAttention, backend: str) -> BackendChoice:
@@ -157,8 +162,9 @@ def explain_attention_backend(query, key, value, *, backend="auto", **kwargs) ->
 def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",
                           q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
                           window_size=None, bias=None, softcap=None, scale=None, dropout_rate=0.0,
-                          dropout_rng=None, backend="auto", mask=None, config=None):
-    """Scaled dot-product attention with masks, GQA, bias, softcap and dropout.
+                          dropout_rng=None, backend="auto", mask=None, config=None, softmax_type="vanilla",
+                          softmax_offset=None):
+    """Scaled dot-product attention with masks, GQA, bias, softcap, dropout and attention sinks.
 
     query: [b, s_q, h, d_qk] ("bshd"), [s_q, b, h, d_qk] ("sbhd") or [t_q, h, d_qk] ("thd").
     key:   same format with g key/value heads (h % g == 0) and d_qk; value: g heads, d_v.
@@ -183,6 +189,15 @@ def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_m
       pallas_kernels.flash_attention.BlockSizes (the portable kernel) or
       pallas_kernels.flash_attention_hopper.HopperConfig (the Hopper kernel, sm90); None for the defaults.
       Only pallas takes one: the other backends give it as their reason.
+    softmax_type: TransformerEngine's "vanilla" (default), "off-by-one" (a sink logit 0 in every row's
+      softmax denominator: p_j = exp(s_j) / (1 + Σ_k exp(s_k))) or "learnable" (a per-head sink logit
+      softmax_offset[h]: p_j = exp(s_j) / (exp(offset_h) + Σ_k exp(s_k)), gpt-oss's sinks); "off_by_one"
+      (TE-JAX's spelling) is accepted too. s are the logits after scale, softcap and bias; the sink logit
+      is not scaled, capped or biased, and has value 0. softmax_offset: "learnable" only, a float array of
+      shape [h] or TransformerEngine's [1, h, 1, 1], used in fp32 and differentiable. The sink is merged
+      after the attention from its row logsumexp (te_jax/sinks.py): served by "pallas" and "xla", not by
+      "cudnn" (jax.nn returns no logsumexp; the explanation says so). A row with no visible key still
+      gives zeros.
     Rows with no visible key give zeros (and finite gradients). A row emptied by the mask gives zeros;
     one emptied by a bias (every visible key at the same huge negative value: finfo.min, -1e9) gives the
     uniform mean of value over the keys the mask allows, as fp32 softmax does (all logits round to the
@@ -192,12 +207,26 @@ def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_m
         query, key, value, attn_input_format=attn_input_format, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, mask=mask, config=config)
+        dropout_rng=dropout_rng, mask=mask, config=config, softmax_type=softmax_type,
+        softmax_offset=softmax_offset)
     choice = _choose(prep, backend)
     if choice.selected is None:
         raise unavailable_error(choice)
     out = run_backend(choice, prep, dropout_rng=dropout_rng)
     return layouts.from_bshd(out, prep.call.attn_input_format)
+
+
+def _sink_kw(sink):
+    """Backends return (out, lse) only when asked (with_lse=True), which only a call with a sink does."""
+    return {} if sink is None else {"with_lse": True}
+
+
+def _with_sink(result, sink):
+    """The backend's out, with the sink merged when there is one (result is then (out, lse))."""
+    if sink is None:
+        return result
+    out, lse = result
+    return sinks.merge_sink(out, lse, sink)[0]
 
 
 def _mask_kw(mask):
@@ -212,10 +241,11 @@ def run_backend(choice: BackendChoice, prep: PreparedAttention, dropout_rng=None
     last_err = None
     for name in order:
         try:
-            return BACKENDS[name].forward(
+            return _with_sink(BACKENDS[name].forward(
                 prep.call, prep.q, prep.k, prep.v, prep.token_mask, prep.bias, scale=prep.scale,
                 softcap=prep.softcap, causal=prep.call.mask.causal, window=prep.window,
-                dropout_rate=prep.call.dropout_rate, dropout_rng=dropout_rng, **_mask_kw(prep.mask))
+                dropout_rate=prep.call.dropout_rate, dropout_rng=dropout_rng, **_mask_kw(prep.mask),
+                **_sink_kw(prep.sink)), prep.sink)
         except (NotImplementedError, RuntimeError) as e:
             if choice.source != "auto":
                 raise ValueError(f"backend {name!r} refused the call: {type(e).__name__}: {e}") from e
@@ -245,6 +275,7 @@ class _PackedPlan:
     choice: BackendChoice
     in_place: bool
     mask: jax.Array | None = None
+    sink: jax.Array | None = None
 
 
 def _packed_tensors(qkv, layout: layouts.QKVLayout) -> tuple:
@@ -275,7 +306,7 @@ def _plan_packed(qkv, *, qkv_layout, num_attention_heads, num_gqa_groups, attn_i
                                       num_gqa_groups=num_gqa_groups), *tensors)
     if for_explain and kwargs.get("dropout_rate", 0.0):
         kwargs["dropout_rng"] = jax.random.key(0)
-    call, tm, bias, scale, softcap, window, mask = _validate_call(q, k, v, attn_input_format=fmt, **kwargs)
+    call, tm, bias, scale, softcap, window, mask, sink = _validate_call(q, k, v, attn_input_format=fmt, **kwargs)
     h, g = call.dims.num_heads, call.dims.num_kv_heads
     choice = choose_backend(call, backend)
     in_place = False
@@ -293,7 +324,7 @@ def _plan_packed(qkv, *, qkv_layout, num_attention_heads, num_gqa_groups, attn_i
         choice.packed = ("read in place by the portable Pallas kernel: the packed tensor is one operand of the "
                          "kernels, which address q, k and v by head offsets (no slice, no copy)" if in_place
                          else f"split into q, k, v by XLA slicing (a copy) before the Pallas kernel: {why}")
-    return _PackedPlan(layout, tensors, h, g, call, tm, bias, scale, softcap, window, choice, in_place, mask)
+    return _PackedPlan(layout, tensors, h, g, call, tm, bias, scale, softcap, window, choice, in_place, mask, sink)
 
 
 def explain_attention_backend_packed(qkv, *, qkv_layout, backend="auto", **kwargs) -> BackendChoice:
@@ -312,7 +343,8 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
                                  attn_input_format=None, attn_mask_type="no_mask", q_seqlens=None,
                                  kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None,
                                  bias=None, softcap=None, scale=None, dropout_rate=0.0, dropout_rng=None,
-                                 backend="auto", mask=None, config=None):
+                                 backend="auto", mask=None, config=None, softmax_type="vanilla",
+                                 softmax_offset=None):
     """`dot_product_attention` on q, k, v stored as `qkv_layout` says (TransformerEngine's layouts).
 
     qkv: the packed tensor for QKV-packed and GQA-packed layouts ("bs3hd" [b, s, 3, h, d],
@@ -322,8 +354,9 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
     num_attention_heads (h) / num_gqa_groups (g): needed for "(h+2g)" layouts, checked otherwise.
     attn_input_format: optional, the layout names it (given, it must agree).
     Every other argument is `dot_product_attention`'s (config= too: the kernel configuration reaches the
-    kernel whether it reads the packed tensor in place or q, k, v are split out first). Returns [..., h, d]
-    in the layout's format.
+    kernel whether it reads the packed tensor in place or q, k, v are split out first; softmax_type /
+    softmax_offset: attention sinks, merged after the packed call as there). Returns [..., h, d] in the layout's
+    format.
     Gradients come back in the packed shape(s).
 
     When the Pallas backend runs the portable kernel on a bshd (or thd) packed tensor that needs no
@@ -336,17 +369,19 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
         attn_input_format=attn_input_format, backend=backend, attn_mask_type=attn_mask_type,
         q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, bias=bias, softcap=softcap, scale=scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, needs_split_vjp=False, mask=mask, config=config)
+        dropout_rng=dropout_rng, needs_split_vjp=False, mask=mask, config=config, softmax_type=softmax_type,
+        softmax_offset=softmax_offset)
     choice, call = plan.choice, plan.call
     if choice.selected is None:
         raise unavailable_error(choice)
     fmt = call.attn_input_format
     if plan.in_place:
         try:
-            out = BACKENDS[choice.selected].forward_packed(
+            out = _with_sink(BACKENDS[choice.selected].forward_packed(
                 call, plan.layout.name, plan.tensors, plan.token_mask, plan.bias, num_heads=plan.num_heads,
                 num_gqa_groups=plan.num_gqa_groups, scale=plan.scale, softcap=plan.softcap,
-                causal=call.mask.causal, window=plan.window, **_mask_kw(plan.mask))
+                causal=call.mask.causal, window=plan.window, **_mask_kw(plan.mask), **_sink_kw(plan.sink)),
+                plan.sink)
             return layouts.from_bshd(out, fmt)
         except (NotImplementedError, RuntimeError) as e:
             if choice.source != "auto":
@@ -355,5 +390,5 @@ def dot_product_attention_packed(qkv, *, qkv_layout, num_attention_heads=None, n
     q, k, v = layouts.unpack_qkv(*plan.tensors, qkv_layout=plan.layout.name, num_attention_heads=plan.num_heads,
                                  num_gqa_groups=plan.num_gqa_groups)
     prep = PreparedAttention(call, *(layouts.to_bshd(t, fmt) for t in (q, k, v)), plan.token_mask, plan.bias,
-                             plan.scale, plan.softcap, plan.window, plan.mask)
+                             plan.scale, plan.softcap, plan.window, plan.mask, plan.sink)
     return layouts.from_bshd(run_backend(choice, prep, dropout_rng=dropout_rng), fmt)

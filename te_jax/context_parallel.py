@@ -46,7 +46,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.mask import EMPTY, AttentionMask
-from te_jax import _compat, layouts, masks
+from te_jax import _compat, layouts, masks, sinks
 from te_jax.attention import prepare_attention
 from te_jax.backends.selection import BACKENDS, choose_backend, unavailable_error
 
@@ -360,6 +360,35 @@ def _cp_attention_local_bwd(cfg, res, dout):
 _cp_attention_local.defvjp(_cp_attention_local_fwd, _cp_attention_local_bwd)
 
 
+# Attention sinks (softmax_type, te_jax/sinks.py): the sink is merged into the ring's final (out, lse). The
+# backward of attention with a sink is the vanilla backward run with the MERGED out' and lse' (the sink is a
+# key of value 0: P = exp(S - lse') over the real keys, delta = rowsum(dO·O')), so the ring backward (and the
+# Hopper block kernels) need no lse cotangent; the sink logit's gradient is -Σ P_sink·rowsum(dO·O') with
+# P_sink = exp(sink - lse'). Per shard that is a partial sum over the local batch and tokens: shard_map's
+# transpose sums it over the mesh axes the sink is not split on (context parallel and batch axes).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cp_attention_local_sink(cfg: _Cfg, q, k, v, qseg, qpos, kseg, kpos, sink):
+    return _cp_attention_local_sink_fwd(cfg, q, k, v, qseg, qpos, kseg, kpos, sink)[0]
+
+
+def _cp_attention_local_sink_fwd(cfg, q, k, v, qseg, qpos, kseg, kpos, sink):
+    out, lse = _FORWARD[cfg.strategy](cfg, q, k, v, qseg, qpos, kseg, kpos)
+    out, lse = sinks.merge_sink(out, lse, sink)
+    return out, (q, k, v, qseg, qpos, kseg, kpos, out, lse, sink)
+
+
+def _cp_attention_local_sink_bwd(cfg, res, dout):
+    q, k, v, qseg, qpos, kseg, kpos, out, lse, sink = res
+    dq, dk, dv = _BACKWARD[cfg.strategy](cfg, (q, k, v, qseg, qpos, kseg, kpos, out, lse), dout)
+    delta = jnp.einsum("bshd,bshd->bhs", dout.astype(jnp.float32), out.astype(jnp.float32))
+    p_sink = jnp.exp(sink.astype(jnp.float32)[None, :, None] - lse)  # rows with no key: out 0, so delta 0
+    dsink = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sink.dtype)
+    return dq, dk, dv, None, None, None, None, dsink
+
+
+_cp_attention_local_sink.defvjp(_cp_attention_local_sink_fwd, _cp_attention_local_sink_bwd)
+
+
 # --------------------------------------------------------------------------------------
 # Mesh, specs and validation
 # --------------------------------------------------------------------------------------
@@ -465,7 +494,8 @@ def _global_token_mask(prep, mask, fmt, cp_size, load_balanced, q_seqlens, kv_se
 
 
 def _prepare(query, key, value, *, cp_axis, mesh, strategy, load_balanced, attn_input_format, attn_mask_type,
-             q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, window_size, softcap, scale, backend, config=None):
+             q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, window_size, softcap, scale, backend, config=None,
+             softmax_type="vanilla", softmax_offset=None):
     if strategy not in STRATEGIES:
         raise ValueError(f"context_parallel_attention: strategy={strategy!r} is not known; expected one of "
                          f"{STRATEGIES}.")
@@ -483,7 +513,7 @@ def _prepare(query, key, value, *, cp_axis, mesh, strategy, load_balanced, attn_
         query, key, value, attn_input_format=fmt, attn_mask_type=attn_mask_type, q_seqlens=q_seqlens,
         kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         window_size=window_size, softcap=softcap, scale=scale, needs_split_vjp=True, runs_per_shard=True,
-        config=config)
+        config=config, softmax_type=softmax_type, softmax_offset=softmax_offset)
     d = prep.call.dims
     _check_seq("query", d.q_len, cp_size, load_balanced)
     _check_seq("key/value", d.kv_len, cp_size, load_balanced)
@@ -532,7 +562,7 @@ def explain_context_parallel_backend(query, key, value, *, cp_axis, mesh=None, b
     """Which inner attention backend `context_parallel_attention` runs per block, and why not the others."""
     kw = dict(strategy="ring", load_balanced=True, attn_input_format="bshd", attn_mask_type="no_mask",
               q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, window_size=None,
-              softcap=None, scale=None, config=None)
+              softcap=None, scale=None, config=None, softmax_type="vanilla", softmax_offset=None)
     kw.update(kwargs)
     return _prepare(query, key, value, cp_axis=cp_axis, mesh=mesh, backend=backend, **kw)[3]
 
@@ -541,13 +571,15 @@ def context_parallel_attention(query, key, value, *, cp_axis: str, mesh=None, st
                                load_balanced: bool = True, attn_input_format: str = "bshd",
                                attn_mask_type: str = "no_mask", q_seqlens=None, kv_seqlens=None,
                                q_segment_ids=None, kv_segment_ids=None, window_size=None, softcap=None,
-                               scale=None, backend: str = "auto", batch_axes=None, head_axes=None, config=None):
+                               scale=None, backend: str = "auto", batch_axes=None, head_axes=None, config=None,
+                               softmax_type: str = "vanilla", softmax_offset=None):
     """Attention over a sequence sharded on mesh axis `cp_axis` (context parallelism).
 
     query/key/value are GLOBAL arrays ("bshd" [b, s, h, d] or "sbhd" [s, b, h, d]; "thd" is refused)
     whose sequence axis is (or will be) sharded over `cp_axis`; the result has the query's format
     and sharding (sequence on `cp_axis`). Arguments and semantics as `te_jax.dot_product_attention`
-    (mask types, seqlens / segment ids, GQA, sliding window, softcap, scale); no bias, no dropout.
+    (mask types, seqlens / segment ids, GQA, sliding window, softcap, scale, attention sinks:
+    softmax_type / softmax_offset, merged into the ring's final logsumexp); no bias, no dropout.
 
     mesh: a jax.sharding.Mesh, or None for the current mesh (`jax.set_mesh`). Works inside jax.jit.
     strategy: "ring" (K/V blocks circulate with ppermute; memory O(local sequence)) or
@@ -570,7 +602,8 @@ def context_parallel_attention(query, key, value, *, cp_axis: str, mesh=None, st
         query, key, value, cp_axis=cp_axis, mesh=mesh, strategy=strategy, load_balanced=load_balanced,
         attn_input_format=attn_input_format, attn_mask_type=attn_mask_type, q_seqlens=q_seqlens,
         kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        window_size=window_size, softcap=softcap, scale=scale, backend=backend, config=config)
+        window_size=window_size, softcap=softcap, scale=scale, backend=backend, config=config,
+        softmax_type=softmax_type, softmax_offset=softmax_offset)
     fmt = prep.call.attn_input_format
     d = prep.call.dims
     tm = _global_token_mask(prep, prep.call.mask, fmt, cp_size, load_balanced, q_seqlens, kv_seqlens,
@@ -592,7 +625,13 @@ def context_parallel_attention(query, key, value, *, cp_axis: str, mesh=None, st
     q, k, v = (_place(t, mesh, x_spec) for t in (prep.q, prep.k, prep.v))
     mask_arrays = [_place(a, mesh, m_spec) for a in (tm.q_segment_ids, tm.q_positions, tm.kv_segment_ids,
                                                       tm.kv_positions)]
-    fn = _compat.shard_map(functools.partial(_cp_attention_local, cfg), mesh=mesh,
-                           in_specs=(x_spec,) * 3 + (m_spec,) * 4, out_specs=x_spec, check_vma=False)
-    out = fn(q, k, v, *mask_arrays)
+    if prep.sink is None:
+        fn = _compat.shard_map(functools.partial(_cp_attention_local, cfg), mesh=mesh,
+                               in_specs=(x_spec,) * 3 + (m_spec,) * 4, out_specs=x_spec, check_vma=False)
+        out = fn(q, k, v, *mask_arrays)
+    else:  # the sink [h] is split with the query heads (contiguous blocks, as the heads of q)
+        fn = _compat.shard_map(functools.partial(_cp_attention_local_sink, cfg), mesh=mesh,
+                               in_specs=(x_spec,) * 3 + (m_spec,) * 4 + (P(hspec),), out_specs=x_spec,
+                               check_vma=False)
+        out = fn(q, k, v, *mask_arrays, _place(prep.sink, mesh, P(hspec)))
     return layouts.from_bshd(out, fmt)

@@ -23,6 +23,9 @@ class Capabilities:
     dense_mask: bool = False  # forward takes a dense boolean mask=
     opaque_kernel: bool = False  # an opaque custom call: runs replicated under a mesh XLA partitions
     kernel_config: bool = False  # takes a kernel configuration (dot_product_attention(config=...))
+    # forward(..., with_lse=True) (and forward_packed, with packed_inputs) returns (out, lse [b, h, s_q] f32),
+    # differentiable in both: attention sinks (softmax_type, te_jax/sinks.py) are merged after it.
+    returns_lse: bool = False
 
 
 @runtime_checkable
@@ -38,7 +41,9 @@ class AttentionBackend(Protocol):
 
     def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng,
                 mask=None):
-        """out [b, s, h, d_v] from canonical q/k/v [b, s, heads, d]."""
+        """out [b, s, h, d_v] from canonical q/k/v [b, s, heads, d]. A backend declaring returns_lse also
+        takes with_lse=True (passed only then) and returns (out, lse [b, h, s] f32; -inf on rows with no
+        visible key), differentiable in both."""
 
 
 # config= of the split and ring-block methods: the call's kernel configuration (AttentionCall.kernel_config),
@@ -72,7 +77,7 @@ class PackedInputs(Protocol):
 
     def forward_packed(self, call, qkv_layout, tensors, tm, bias, *, num_heads, num_gqa_groups, scale, softcap,
                        causal, window, mask=None):
-        """out [b, s, h, d] from the packed tensor(s) as they lie."""
+        """out [b, s, h, d] from the packed tensor(s) as they lie ((out, lse) with with_lse=True, as forward)."""
 
 
 CAPABILITY_PROTOCOLS = {"split_backward": SplitBackward, "ring_blocks": RingBlocks, "packed_inputs": PackedInputs}

@@ -36,6 +36,9 @@ class AttentionCall:
     # A kernel configuration the caller passed (dot_product_attention(config=...)): the portable kernel's
     # BlockSizes or the Hopper kernel's HopperConfig, served by the pallas backend only. None: defaults.
     kernel_config: object | None = None
+    # TransformerEngine's softmax_type: "vanilla", "off-by-one" or "learnable" (attention sinks, te_jax/sinks.py),
+    # served by the backends whose forward returns the row logsumexp (Capabilities.returns_lse).
+    softmax_type: str = "vanilla"
 
     @property
     def dtype_name(self) -> str:

@@ -93,7 +93,7 @@ def _import(name):
 class PallasBackend:
     name = "pallas"
     capabilities = Capabilities(split_backward=True, ring_blocks=True, packed_inputs=True, dense_mask=True,
-                                opaque_kernel=True, kernel_config=True)
+                                opaque_kernel=True, kernel_config=True, returns_lse=True)
 
     def unsupported_reason(self, call, forced: bool = False) -> str | None:
         d = call.dims
@@ -226,25 +226,32 @@ class PallasBackend:
                 masks.dense_mask_rows_visible(tm, mask, causal=causal, window=window))
 
     @staticmethod
-    def _zero_hidden_rows(out, rows):
+    def _zero_hidden_rows(out, lse, rows, with_lse):
+        """Rows the dense mask hides entirely: out 0 and lse -inf (their folded-bias lse is finite but
+        meaningless). Returns out, or (out, lse) with with_lse."""
         import jax.numpy as jnp
 
-        return out if rows is None else jnp.where(rows, out, jnp.zeros((), out.dtype))
+        if rows is not None:
+            out = jnp.where(rows, out, jnp.zeros((), out.dtype))
+            if with_lse:
+                lse = jnp.where(jnp.swapaxes(rows[..., 0], 1, 2), lse, -jnp.inf)  # [B, Sq, H|1] -> [B, H|1, Sq]
+        return (out, lse) if with_lse else out
 
     def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng,
-                mask=None):
+                mask=None, with_lse=False):
+        """with_lse: (out, lse), both differentiable (every kernel's custom VJP takes an lse cotangent)."""
         del dropout_rate, dropout_rng
         rows = None
         if mask is not None:  # never the Hopper kernel: hopper_reason names the mask
             bias, rows = self._fold_mask(tm, bias, mask, causal=causal, window=window)
         if self.kernel_name(call) == "hopper":
             from pallas_kernels import flash_attention_hopper as fh
-            out, _ = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config)
-            return out
+            out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config)
+            return (out, lse) if with_lse else out
         from pallas_kernels import flash_attention as fa
-        out, _ = fa.flash_attention(q, k, v, tm.with_rule(causal, window), bias, scale=scale, softcap=softcap,
-                                    block_sizes=_block_sizes(call))
-        return self._zero_hidden_rows(out, rows)
+        out, lse = fa.flash_attention(q, k, v, tm.with_rule(causal, window), bias, scale=scale, softcap=softcap,
+                                      block_sizes=_block_sizes(call))
+        return self._zero_hidden_rows(out, lse, rows, with_lse)
 
     def packed_input_reason(self, call, qkv_layout: str, tensors, num_heads: int, num_gqa_groups: int):
         """None when `forward_packed` reads the packed tensor(s) in place, else why they must be split.
@@ -271,17 +278,18 @@ class PallasBackend:
         return None if why is None else f"the packed tensor would need padding: {why}"
 
     def forward_packed(self, call, qkv_layout, tensors, tm, bias, *, num_heads, num_gqa_groups, scale, softcap,
-                       causal, window, mask=None):
-        """The portable kernel on the packed tensor(s) as they lie; returns out [b, s, h, d] (bshd)."""
+                       causal, window, mask=None, with_lse=False):
+        """The portable kernel on the packed tensor(s) as they lie; returns out [b, s, h, d] (bshd), or
+        (out, lse) with with_lse."""
         from pallas_kernels import flash_attention as fa
         rows = None
         if mask is not None:
             bias, rows = self._fold_mask(tm, bias, mask, causal=causal, window=window)
-        out, _ = fa.flash_attention_packed(
+        out, lse = fa.flash_attention_packed(
             _kernel_qkv(_batched(tensors, call.attn_input_format)), tm.with_rule(causal, window), bias,
             layout=KERNEL_PACKED_LAYOUTS[qkv_layout], num_heads=num_heads, num_kv_heads=num_gqa_groups,
             scale=scale, softcap=softcap, block_sizes=_block_sizes(call))
-        return self._zero_hidden_rows(out, rows)
+        return self._zero_hidden_rows(out, lse, rows, with_lse)
 
     def forward_only(self, q, k, v, tm, bias, *, scale, softcap, causal, window, config=None):
         from pallas_kernels import flash_attention as fa

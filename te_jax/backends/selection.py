@@ -12,6 +12,7 @@ forced pallas is honoured, with a note saying it runs replicated.
 """
 from __future__ import annotations
 
+from te_jax import sinks
 from te_jax.backends import policy, tuning
 from te_jax.backends.base import Reason, ReasonKind, check_backend
 from te_jax.backends.choice import BackendChoice, Decision, OpTable, choose
@@ -113,9 +114,14 @@ def choose_backend(call, backend: str = "auto") -> BackendChoice:
         if call.kernel_config is not None and not b.capabilities.kernel_config:
             return (f"config={type(call.kernel_config).__name__}(...) configures a Pallas kernel; the {name} "
                     f"backend takes no kernel configuration")
+        if call.softmax_type != "vanilla" and not b.capabilities.returns_lse:
+            return sinks.unsupported_reason(name, call.softmax_type)
         return b.unsupported_reason(call, forced=forced)
 
-    return choose(ATTENTION, backend, unsupported, ctx=call, detail=lambda name: BACKENDS[name].choice_detail(call))
+    choice = choose(ATTENTION, backend, unsupported, ctx=call, detail=lambda name: BACKENDS[name].choice_detail(call))
+    if call.softmax_type != "vanilla" and choice.selected is not None:
+        choice.notes.append(sinks.selected_note(choice.selected, call.softmax_type))
+    return choice
 
 
 def unavailable_error(choice: BackendChoice) -> ValueError:

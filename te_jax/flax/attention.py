@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_jax import _compat, layouts, masks
+from te_jax import _compat, layouts, masks, sinks
 from te_jax.attention import dot_product_attention, dot_product_attention_packed
 from te_jax.flax._common import (
     BATCH_AXES,
@@ -339,11 +339,12 @@ def _attention_per_shard(module_name, core, tensors, extras, *, fmt, qkv_layout,
     a mesh it would run replicated. Attention is independent per batch entry and per head, so it runs
     in a shard_map over the mesh axes the logical rules put "batch" (and "heads"/"kv_heads") on; the
     sequence and head_dim axes stay whole (context parallelism is its own path). extras: q_seqlens,
-    kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask (or None), split along the batch ([b] seqlens,
-    [b, s] segment ids, a bias / dense mask with b entries) and the bias / mask along the heads (h
-    entries); thd seqlens and segment ids, and broadcast bias / mask axes, are passed whole.
+    kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, softmax_offset (or None), split along the batch
+    ([b] seqlens, [b, s] segment ids, a bias / dense mask with b entries) and the bias / mask / softmax_offset
+    ([h]) along the heads (h entries); thd seqlens and segment ids, and broadcast bias / mask axes, are passed
+    whole.
     """
-    q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask = extras
+    q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, softmax_offset = extras
     thd = fmt == "thd"
 
     def token_axes(a, per_seq):
@@ -361,12 +362,14 @@ def _attention_per_shard(module_name, core, tensors, extras, *, fmt, qkv_layout,
         return (BATCH_AXES if not thd and a.shape[0] == b and b > 1 else None,
                 HEADS_AXES if a.shape[1] == h and h > 1 else None, SEQ_AXES, SEQ_AXES)
 
+    split = (BATCH_AXES,) + _head_split(qkv_layout)
+    # The learnable sink logits [h] go with their query heads where the heads are split, else whole.
+    offset_names = (HEADS_AXES,) if softmax_offset is not None and HEADS_AXES in split else None
     names = _tensor_axes(fmt, qkv_layout) + (token_axes(q_seqlens, False), token_axes(kv_seqlens, False),
                                              token_axes(q_segment_ids, True), token_axes(kv_segment_ids, True),
-                                             square_axes(bias), square_axes(mask))
+                                             square_axes(bias), square_axes(mask), offset_names)
     out_names = _LEAD_AXES[fmt] + (HEADS_AXES, HEAD_DIM_AXES)
-    return run_per_shard(module_name, core, tuple(tensors) + tuple(extras), names, out_names,
-                         split=(BATCH_AXES,) + _head_split(qkv_layout))
+    return run_per_shard(module_name, core, tuple(tensors) + tuple(extras), names, out_names, split=split)
 
 
 def _qkv_shapes(tensors, qkv_layout, h, g):
@@ -380,8 +383,12 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
            attn_bias_type=None, q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None,
            window_size=None, softcap=None, scale=None, dropout_rate=0.0, deterministic=True,
            dropout_rng_name="dropout", float32_logits=False, backend="auto", context_parallel_axis=None,
-           context_parallel_strategy="ring", context_parallel_load_balanced=False, module_name="attention"):
+           context_parallel_strategy="ring", context_parallel_load_balanced=False, module_name="attention",
+           softmax_type="vanilla", softmax_offset=None):
     """One attention call from a module: mask/bias/dropout policy, then the functional op.
+
+    softmax_type / softmax_offset: attention sinks (te_jax.sinks), passed to the functional op (and, per
+    shard, the [h] offset split with the query heads).
 
     tensors: (q, k, v), or with `qkv_layout` (a packed te_jax.QKV_LAYOUTS name) the tensors that layout
     stores, which go to `dot_product_attention_packed` (read in place by the Pallas kernel where it can).
@@ -389,6 +396,7 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
     """
     fmt = layouts.check_format(attn_input_format)
     masks.check_mask_type(attn_mask_type)
+    softmax_type = sinks.check_softmax_type(softmax_type, module_name)
     if qkv_layout is None:
         q, k, v = tensors
     else:
@@ -453,10 +461,12 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
             load_balanced=context_parallel_load_balanced, attn_input_format=fmt, attn_mask_type=mask_type,
             q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids, window_size=window_size, softcap=softcap, scale=eff_scale,
-            backend=backend, batch_axes=batch_axes, head_axes=head_axes)
+            backend=backend, batch_axes=batch_axes, head_axes=head_axes, softmax_type=softmax_type,
+            softmax_offset=softmax_offset)
     else:
         common = dict(attn_mask_type=mask_type, window_size=window_size, softcap=softcap, scale=eff_scale,
-                      dropout_rate=rate if active else 0.0, dropout_rng=rng, backend=backend)
+                      dropout_rate=rate if active else 0.0, dropout_rng=rng, backend=backend,
+                      softmax_type=softmax_type)
         n_tensors = len(tensors)
         # Per shard the head counts are the local ones: packed layouts other than "(h+2g)" (whose heads are
         # never split) read them from the tensors' shapes (validated globally above by _qkv_shapes).
@@ -465,15 +475,15 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
 
         def core(*arrays):
             ts = arrays[:n_tensors]
-            qsl, kvsl, qseg, kvseg, bias_, mask_ = arrays[n_tensors:]
+            qsl, kvsl, qseg, kvseg, bias_, mask_, offset_ = arrays[n_tensors:]
             tokens = dict(q_seqlens=qsl, kv_seqlens=kvsl, q_segment_ids=qseg, kv_segment_ids=kvseg, bias=bias_,
-                          mask=mask_)
+                          mask=mask_, softmax_offset=offset_)
             if qkv_layout is None:
                 return dot_product_attention(*ts, attn_input_format=fmt, **tokens, **common)
             return dot_product_attention_packed(ts, qkv_layout=qkv_layout, **heads, **tokens, **common)
 
         extras = tuple(a if a is None or hasattr(a, "shape") else jnp.asarray(a)
-                       for a in (q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask))
+                       for a in (q_seqlens, kv_seqlens, q_segment_ids, kv_segment_ids, bias, mask, softmax_offset))
         if active:  # dropout draws one mask over the global array: no per-shard run (the xla backend serves it)
             out = core(*tensors, *extras)
         else:
@@ -483,6 +493,21 @@ def attend(module: nn.Module, *tensors, qkv_layout=None, num_attention_heads=Non
 
 
 # ----------------------------------------------------------------------------- DotProductAttention
+
+
+def _softmax_offset_param(module: nn.Module, softmax_type, num_heads: int, name: str):
+    """The module's sink: (canonical softmax_type, its learnable `softmax_offset` parameter or None).
+
+    "learnable" owns a float32 parameter `softmax_offset` [h] (logical axes ("heads",), so it is sharded with
+    the other head-sharded parameters), initialised to zeros as TransformerEngine does. TE stores it as
+    [1, h, 1, 1]; a TE checkpoint's entry needs .reshape(h).
+    """
+    softmax_type = sinks.check_softmax_type(softmax_type, name)
+    if softmax_type != "learnable":
+        return softmax_type, None
+    return softmax_type, param(module, "softmax_offset", nn.initializers.zeros, (num_heads,), jnp.float32,
+                               (HEADS_AXES,))
+
 
 
 def _check_heads(module, num_attention_heads, num_gqa_groups):
@@ -519,6 +544,10 @@ class DotProductAttention(nn.Module):
     softcap: logits ← softcap·tanh(logits/softcap). attention_dropout draws from `dropout_rng_name`.
     context_parallel_axis: a mesh axis name → context-parallel attention over that axis
       (`context_parallel_strategy`, `context_parallel_load_balanced`).
+    softmax_type: TransformerEngine's "vanilla" (default), "off-by-one" (a sink logit 0 in every row's softmax
+      denominator) or "learnable" (a learned sink logit per head: the parameter `softmax_offset` [h], float32,
+      zeros at init, logical axes ("heads",)); see te_jax.dot_product_attention. Served by the xla and pallas
+      backends and context parallelism, not by cuDNN.
     Returns [..., h, d_v] in the query's format (thd: [t, h, d_v]).
     """
 
@@ -540,6 +569,7 @@ class DotProductAttention(nn.Module):
     context_parallel_axis: str | None = None
     context_parallel_strategy: str = "ring"
     context_parallel_load_balanced: bool = False
+    softmax_type: str = "vanilla"
 
     @nn.compact
     def __call__(self, query, key=None, value=None, mask=None, bias=None, *, deterministic: bool = False,
@@ -547,6 +577,7 @@ class DotProductAttention(nn.Module):
         name = "DotProductAttention"
         fmt = layouts.check_format(self.attn_input_format)
         h, g = _check_heads(name, self.num_attention_heads, self.num_gqa_groups)
+        softmax_type, softmax_offset = _softmax_offset_param(self, self.softmax_type, h, name)
         tensors = tuple(t for t in (query, key, value) if t is not None)
         if value is not None and key is None:
             raise ValueError(f"{name}: value was given without key.")
@@ -573,7 +604,8 @@ class DotProductAttention(nn.Module):
                       dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
                       backend=self.backend, context_parallel_axis=self.context_parallel_axis,
                       context_parallel_strategy=self.context_parallel_strategy,
-                      context_parallel_load_balanced=self.context_parallel_load_balanced, module_name=name)
+                      context_parallel_load_balanced=self.context_parallel_load_balanced, module_name=name,
+                      softmax_type=softmax_type, softmax_offset=softmax_offset)
 
 
 # ----------------------------------------------------------------------------- MultiHeadAttention
@@ -668,6 +700,9 @@ class MultiHeadAttention(nn.Module):
       reorder_causal_load_balancing, segment ids too (seqlens describe the original order); RoPE
       positions are computed in the original order and then reordered, so documents keep their
       positions across chunk boundaries. No bias / dense mask / attention dropout.
+    softmax_type: attention sinks as DotProductAttention ("vanilla", "off-by-one", "learnable"; "learnable"
+      owns the parameter `softmax_offset` [h], float32, zeros at init, logical axes ("heads",)); applied in
+      the full forward, when decoding with the KV cache and under context parallelism.
     Other arguments: as DotProductAttention (attn_mask_type, window_size, softcap, float32_logits,
     attention_dropout), LayerNorm (layernorm_type, epsilon, zero_centered_gamma).
     """
@@ -706,6 +741,7 @@ class MultiHeadAttention(nn.Module):
     context_parallel_axis: str | None = None
     context_parallel_strategy: str = "ring"
     context_parallel_load_balanced: bool = False
+    softmax_type: str = "vanilla"
 
     @nn.compact
     def __call__(self, inputs_q, inputs_kv=None, mask=None, bias=None, *, decode: bool = False,
@@ -813,10 +849,12 @@ class MultiHeadAttention(nn.Module):
                 kv_pos = _positions(fmt, b, skv, 0, kv_seg, kv_seqlens if fmt == "thd" else None, cp)
             tensors = _rope_qk(tensors, packed_layout, q_pos, kv_pos, rope)
 
+        softmax_type, softmax_offset = _softmax_offset_param(self, self.softmax_type, h, name)
         attn_args = dict(attn_bias_type=self.attn_bias_type, window_size=self.window_size, softcap=self.softcap,
                          scale=scale, dropout_rate=self.attention_dropout, deterministic=deterministic,
                          dropout_rng_name=self.dropout_rng_name, float32_logits=self.float32_logits,
-                         backend=self.backend, module_name=name)
+                         backend=self.backend, module_name=name, softmax_type=softmax_type,
+                         softmax_offset=softmax_offset)
         out = None
         if use_cache:
             qb, kb, vb = (layouts.to_bshd(t, fmt) for t in tensors)

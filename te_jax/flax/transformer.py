@@ -12,7 +12,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from te_jax import layouts
+from te_jax import layouts, sinks
 from te_jax.flax._common import (Initializer, batch_seq, check_hidden_input, check_rate, constrain, dropout,
                                  hidden_axes)
 from te_jax.flax.attention import MultiHeadAttention, RelativePositionBiases, _check_heads, _query_positions
@@ -71,6 +71,10 @@ class TransformerLayer(nn.Module):
       with); max_decode_length may be left out, and if given must equal it.
     context_parallel_axis / _strategy / _load_balanced: passed to the self-attention (context-parallel
       attention over that mesh axis).
+    softmax_type: "vanilla" (default), "off-by-one" or "learnable" (attention sinks, TransformerEngine's
+      names), passed to the self-attention and, as TransformerEngine does, to the cross-attention; with
+      "learnable" each owns its parameter `softmax_offset` [h] (attention/softmax_offset,
+      encoder_decoder_attention/softmax_offset). See te_jax.dot_product_attention.
     Parameter logical axes: see MultiHeadAttention, LayerNormMLP and te_jax/flax/README.md.
     """
 
@@ -118,6 +122,7 @@ class TransformerLayer(nn.Module):
     context_parallel_axis: str | None = None
     context_parallel_strategy: str = "ring"
     context_parallel_load_balanced: bool = False
+    softmax_type: str = "vanilla"
 
     def _validate(self):
         name = "TransformerLayer"
@@ -132,6 +137,7 @@ class TransformerLayer(nn.Module):
         for f in ("hidden_dropout", "attention_dropout", "intermediate_dropout", "drop_path"):
             check_rate(name, f, getattr(self, f))
         layouts.check_format(self.attn_input_format)
+        sinks.check_softmax_type(self.softmax_type, name)
         return _layer_type(self.layer_type)
 
     @nn.compact
@@ -189,7 +195,7 @@ class TransformerLayer(nn.Module):
             param_dtype=self.param_dtype, fuse_qkv_params=self.fuse_qkv_params, attn_input_format=fmt,
             scale_attn_logits=self.scale_attn_logits, scaled_query_init=self.scaled_query_init,
             float32_logits=self.float32_attention_logits, softcap=self.softcap, backend=self.attention_backend,
-            norm_backend=self.norm_backend)
+            norm_backend=self.norm_backend, softmax_type=self.softmax_type)
 
         def hidden_drop(y):
             dims = tuple(self.hidden_dropout_dims)
