@@ -386,13 +386,13 @@ class _DenseStandIn:
     def __init__(self):
         self.calls = []
 
-    def forward(self, q, k, v, *, scale, causal):
+    def forward(self, q, k, v, *, scale, causal, config=None):
         from te_jax import reference
         self.calls.append(("fwd", q.shape[1], k.shape[1], causal))
         return reference.reference_attention(q, k, v, _local_tm(q, k), None, scale=scale, softcap=None,
                                              causal=causal, window=(-1, -1))
 
-    def backward(self, q, k, v, out, lse, dout, *, scale, causal):
+    def backward(self, q, k, v, out, lse, dout, *, scale, causal, config=None):
         from te_jax import reference
         self.calls.append(("bwd", q.shape[1], k.shape[1], causal))
         dq, dk, dv, _ = reference.reference_attention_bwd(q, k, v, _local_tm(q, k), None, out, lse, dout,
