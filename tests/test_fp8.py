@@ -538,3 +538,38 @@ def test_delayed_state_orbax_round_trip(tmp_path):
     assert float(l1) == float(l2)
     for a, b in zip(jax.tree_util.tree_leaves((g1, v1)), jax.tree_util.tree_leaves((g2, v2))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_nnx_delayed_scaling_state_moves_and_matches_linen():
+    """NNX (bridged) TransformerLayer under DelayedScaling: grads w.r.t. te_nnx.FP8State give the next state,
+    update_fp8_state writes it back; two steps equal the linen module's two steps (loss and FP8 state)."""
+    from flax import nnx
+
+    from te_jax.flax import nnx as te_nnx
+
+    kw = dict(hidden_size=32, mlp_hidden_size=64, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+              intermediate_dropout=0.0, dtype=jnp.float32)
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, 8, 32))
+    pure = getattr(nnx, "to_pure_dict", None) or (lambda st: st.to_pure_dict())
+    with fp8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        m = te_nnx.TransformerLayer(**kw, rngs=nnx.Rngs(params=0))
+        te_nnx.lazy_init(m, x, deterministic=True)
+        lin = TransformerLayer(**kw)
+        v = {"params": pure(nnx.state(m, nnx.Param)), fp8.FP8_COLLECTION: pure(nnx.state(m, te_nnx.FP8State))}
+
+        def nnx_loss(m):
+            return jnp.sum(jnp.square(m(x, deterministic=True)))
+
+        def lin_loss(v):
+            return jnp.sum(jnp.square(lin.apply(v, x, deterministic=True)))
+
+        for _ in range(2):
+            l_nnx, g = nnx.value_and_grad(nnx_loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, te_nnx.FP8State)))(m)
+            te_nnx.update_fp8_state(m, g)
+            l_lin, gl = jax.value_and_grad(lin_loss)(v)
+            v = fp8.update_fp8_state(v, gl)
+            np.testing.assert_allclose(float(l_nnx), float(l_lin), rtol=1e-6)
+    s_nnx = pure(nnx.state(m, te_nnx.FP8State))
+    for a, b in zip(jax.tree_util.tree_leaves(s_nnx), jax.tree_util.tree_leaves(v[fp8.FP8_COLLECTION])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    assert any(float(np.max(a)) > 0 for a in jax.tree_util.tree_leaves(s_nnx))  # the histories moved

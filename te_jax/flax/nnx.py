@@ -19,6 +19,13 @@ mutable=["cache"])`; the updated cache is written back into the module's state (
 cached_key, cached_value, cache_index), under nnx.jit too. Without mutable=["cache"] the call fails (the
 "cache" collection is immutable).
 
+FP8 (te_jax.fp8.autocast with DelayedScaling): the scaling state lives in variables of type `FP8State` (the
+bridge's type for the linen FP8 collection). As in linen, its "gradient" is the next state: differentiate with
+respect to it too and write it back with `update_fp8_state`:
+
+    grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, te_nnx.FP8State)))(model)
+    te_nnx.update_fp8_state(model, grads)        # then apply nnx.state(grads, nnx.Param) with your optimizer
+
 Parameters are nnx.Param variables carrying the same logical axis names as the linen modules as
 metadata (nnx.get_partition_spec reads them); they are not sharded eagerly at creation: map the names
 to a mesh with nn.logical_to_mesh_axes / your rules and place the state with jax.device_put or jit.
@@ -29,12 +36,23 @@ import contextlib
 
 from flax import nnx as _nnx
 from flax.nnx import bridge
+from flax.nnx import variablelib as _variablelib
 
 from te_jax.flax import attention as _attention
 from te_jax.flax import module as _module
 from te_jax.flax import transformer as _transformer
+from te_jax.fp8 import state as _fp8_state
 
 lazy_init = bridge.lazy_init
+
+#: The nnx Variable type of the FP8 scaling state (linen collection te_jax.fp8.FP8_COLLECTION through the bridge).
+FP8State = _variablelib.variable_type_from_name(_fp8_state.FP8_COLLECTION, allow_register=True)
+
+
+def update_fp8_state(model, grads):
+    """Write the FP8 state's "gradient" (the next scales and amax histories) into `model`; grads from nnx.grad
+    taken with respect to FP8State as well as the parameters. A model without FP8 state is left as it is."""
+    _nnx.update(model, _nnx.state(grads, FP8State))
 
 
 class _Bridged(bridge.ToNNX):
@@ -69,6 +87,7 @@ TransformerLayer = _make(_transformer.TransformerLayer)
 TransformerLayerType = _transformer.TransformerLayerType
 
 __all__ = [
-    "DenseGeneral", "DotProductAttention", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP",
+    "DenseGeneral", "DotProductAttention", "FP8State", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP",
     "MultiHeadAttention", "RelativePositionBiases", "TransformerLayer", "TransformerLayerType", "lazy_init",
+    "update_fp8_state",
 ]
