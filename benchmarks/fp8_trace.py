@@ -16,30 +16,14 @@ import collections
 import gzip
 import re
 
-from benchmarks.transformer_layer_profile_gpu import _COMP_RE, _INSTR_RE, trace_summary
+from benchmarks.transformer_layer_profile_gpu import _INSTR_RE, computations, trace_summary
 
 F8_TYPES = ("f8e4m3fn", "f8e5m2")
 
 
-def _computations(text):
-    comps, cur = {}, None
-    for line in text.splitlines():
-        m = _COMP_RE.match(line)
-        if m and not line.startswith(" "):
-            cur = m.group(1)
-            comps[cur] = []
-            continue
-        if cur is not None and line.strip() == "}":
-            cur = None
-            continue
-        if cur is not None:
-            comps[cur].append(line)
-    return comps
-
-
 def instruction_categories(text):
     """{instruction name: (category, short description)} for every instruction outside fusion bodies."""
-    comps = _computations(text)
+    comps = computations(text)
     out = {}
     for lines in comps.values():
         for line in lines:

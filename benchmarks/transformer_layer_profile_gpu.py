@@ -272,8 +272,8 @@ _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 
 
-def hlo_stats(text):
-    """Instruction counts outside fusion bodies, custom-call targets, and the GEMM calls with their dtypes."""
+def computations(text):
+    """{computation name: its instruction lines} of an HLO module's text."""
     comps, cur = {}, None
     for line in text.splitlines():
         m = _COMP_RE.match(line)
@@ -286,6 +286,12 @@ def hlo_stats(text):
             continue
         if cur is not None:
             comps[cur].append(line)
+    return comps
+
+
+def hlo_stats(text):
+    """Instruction counts outside fusion bodies, custom-call targets, and the GEMM calls with their dtypes."""
+    comps = computations(text)
     fused = set(re.findall(r"calls=%?([\w.\-]+)", text)) | set(re.findall(r"to_apply=%?([\w.\-]+)", text))
     ops, targets, gemms, op_names = collections.Counter(), collections.Counter(), collections.Counter(), {}
     comp_op_name, fusion_calls = {}, {}

@@ -84,3 +84,21 @@ def attention_backends(runnable: bool = True, **capabilities) -> tuple[str, ...]
         q = jax.ShapeDtypeStruct((1, 8, 2, 16), jnp.float32)
         names = [n for n in names if te_jax.explain_attention_backend(q, q, q, backend=n).reasons[n] is None]
     return tuple(names)
+
+
+def spy_kernel_configs(monkeypatch, *names):
+    """Wrap pallas_kernels.flash_attention entry points `names` so each call records (name, its block_sizes);
+    returns (the recorded list, a BlockSizes of 16 everywhere to pass as config=)."""
+    import pallas_kernels.flash_attention as fa
+    from pallas_kernels.flash_attention import BlockSizes
+
+    seen = []
+    for name in names:
+        real = getattr(fa, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            seen.append((_name, kwargs.get("block_sizes")))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(fa, name, spy)
+    return seen, BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)

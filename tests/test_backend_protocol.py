@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import te_jax
-from helpers import qkv
+from helpers import qkv, spy_kernel_configs
 from te_jax.backends import base, selection
 
 
@@ -150,22 +150,11 @@ def test_block_sizes_config_reaches_the_portable_kernel(monkeypatch):
     import jax
     import numpy as np
 
-    import pallas_kernels.flash_attention as fa
-    from pallas_kernels.flash_attention import BlockSizes
-
-    cfg = BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)
-    seen = []
-    real = fa.flash_attention
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("block_sizes"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fa, "flash_attention", spy)
+    seen, cfg = spy_kernel_configs(monkeypatch, "flash_attention")
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (1, 32, 2, 16), jnp.float32) for kk in ks)
     out = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="pallas", config=cfg)
-    assert seen == [cfg]
+    assert seen == [("flash_attention", cfg)]
     ref = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="xla")
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
     choice = te_jax.explain_attention_backend(q, k, v, backend="pallas", config=cfg)
@@ -202,25 +191,14 @@ def test_config_reaches_the_kernel_through_the_packed_entry(monkeypatch):
     import jax
     import numpy as np
 
-    import pallas_kernels.flash_attention as fa
-    from pallas_kernels.flash_attention import BlockSizes
-
-    cfg = BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)
-    seen = []
-    real = fa.flash_attention_packed
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("block_sizes"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fa, "flash_attention_packed", spy)
+    seen, cfg = spy_kernel_configs(monkeypatch, "flash_attention_packed")
     x = jax.random.normal(jax.random.key(0), (1, 32, 3, 2, 16), jnp.float32)
     kw = dict(qkv_layout="bs3hd", attn_mask_type="causal", backend="pallas")
     choice = te_jax.explain_attention_backend_packed(x, config=cfg, **kw)
     assert choice.selected == "pallas" and "config=BlockSizes(block_q=16" in choice.detail
     assert choice.packed.startswith("read in place")
     out = te_jax.dot_product_attention_packed(x, config=cfg, **kw)
-    assert seen == [cfg]
+    assert seen == [("flash_attention_packed", cfg)]
     ref = te_jax.dot_product_attention_packed(x, qkv_layout="bs3hd", attn_mask_type="causal", backend="xla")
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
     assert "takes no kernel configuration" in choice.reasons["xla"]

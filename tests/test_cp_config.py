@@ -1,29 +1,29 @@
-"""context_parallel_attention(config=...): the kernel configuration reaches the pallas kernels on every ring step."""
-import jax, jax.numpy as jnp, numpy as np, pytest
+"""context_parallel_attention(config=...): the kernel configuration reaches the pallas kernels on every ring step,
+and the result still equals single-device attention (forward and gradients)."""
+import jax
+import numpy as np
+import pytest
+
 import te_jax
-from helpers import cpu_mesh, qkv
+from helpers import cpu_mesh, qkv, spy_kernel_configs
 
 
 def test_cp_config_reaches_the_kernel(monkeypatch):
-    import pallas_kernels.flash_attention as fa
-    from pallas_kernels.flash_attention import BlockSizes
-
-    cfg = BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)
-    seen = []
-    for fn in ("flash_attention_fwd", "flash_attention_bwd"):
-        real = getattr(fa, fn)
-        def spy(*a, _real=real, _fn=fn, **k):
-            seen.append((_fn, k.get("block_sizes")))
-            return _real(*a, **k)
-        monkeypatch.setattr(fa, fn, spy)
+    seen, cfg = spy_kernel_configs(monkeypatch, "flash_attention_fwd", "flash_attention_bwd")
     mesh = cpu_mesh((2,), ("cp",))
     q, k, v, ct = qkv(0, 1, 32, 32, 2, 2, 16, cotangent=True)
-    f = lambda q, k, v: te_jax.context_parallel_attention(q, k, v, cp_axis="cp", mesh=mesh, attn_mask_type="causal", load_balanced=False,
-                                                          backend="pallas", config=cfg)
+
+    def f(q, k, v):
+        return te_jax.context_parallel_attention(q, k, v, cp_axis="cp", mesh=mesh, attn_mask_type="causal",
+                                                 load_balanced=False, backend="pallas", config=cfg)
+
     out, grads = jax.jit(lambda q, k, v: (lambda o, vjp: (o, vjp(ct)))(*jax.vjp(f, q, k, v)))(q, k, v)
     assert seen and all(bs == cfg for _, bs in seen), seen
     assert {n for n, _ in seen} == {"flash_attention_fwd", "flash_attention_bwd"}
-    ref = lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="xla")
+
+    def ref(q, k, v):
+        return te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend="xla")
+
     rout, rvjp = jax.vjp(ref, q, k, v)
     np.testing.assert_allclose(out, rout, atol=2e-5, rtol=2e-5)
     for a, b in zip(grads, rvjp(ct)):
@@ -31,4 +31,5 @@ def test_cp_config_reaches_the_kernel(monkeypatch):
     choice = te_jax.explain_context_parallel_backend(q, k, v, cp_axis="cp", mesh=mesh, backend="pallas", config=cfg)
     assert "takes no kernel configuration" in choice.reasons["xla"]
     with pytest.raises(ValueError, match="^config: got dict"):
-        jax.jit(lambda q: te_jax.context_parallel_attention(q, q, q, cp_axis="cp", mesh=mesh, config={"block_q": 16}))(q)
+        jax.jit(lambda q: te_jax.context_parallel_attention(q, q, q, cp_axis="cp", mesh=mesh,
+                                                            config={"block_q": 16}))(q)

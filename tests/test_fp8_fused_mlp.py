@@ -15,7 +15,8 @@ from pallas_kernels.fp8_cast import reference as R
 from te_jax import activations as A
 from te_jax import fp8
 from te_jax.fp8 import quantize as Q
-from te_jax.fp8.mlp import FUSED_ENV, fused_fp8_mlp
+from te_jax.fp8.fused import FUSED_ENV
+from te_jax.fp8.mlp import fused_fp8_mlp
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 from te_jax.flax import LayerNormMLP
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
-from te_jax.fp8.fused import FUSED_ENV, fused_cast_unavailable, fused_setting  # noqa: F401
+from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
                                  gemm_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -188,4 +188,4 @@ def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activation
     return y.reshape(x.shape[:-1] + (w2.shape[1],))
 
 
-__all__ = ["fused_fp8_mlp", "fused_mlp_unavailable", "fused_setting", "FUSED_ENV", "FUSED_SETTINGS", "KERNEL_OPTIONS"]
+__all__ = ["fused_fp8_mlp", "fused_mlp_unavailable", "KERNEL_OPTIONS"]
