@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
-                                 gemm_style)
+                                 gemm_style, quantize)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
 _TN = (((1,), (1,)), ((), ()))
@@ -121,12 +121,18 @@ def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
                       (wo_state["output_grad_scale"], wo_state["output_grad_amax_history"]))
     else:
         grad_state = None
-    res = (xqT, w1q, w2q, aqT, gu, 1.0 / sx, 1.0 / sw1, 1.0 / sa, 1.0 / sw2, new_fwd, grad_state)
+    # The weights' FP8 copies are not kept for the backward: it re-casts them (one elementwise XLA pass, same
+    # values), so the step holds no FP8 weight copy alongside its activations (temporary memory below bf16's).
+    res = (xqT, w1f, w2, aqT, gu, 1.0 / sx, sw1, 1.0 / sa, sw2, new_fwd, grad_state)
     return y, res
 
 
 def _mlp_bwd(cfg, res, dy):
-    xqT, w1q, w2q, aqT, gu, sxi, sw1i, sai, sw2i, new_fwd, grad_state = res
+    xqT, w1f, w2, aqT, gu, sxi, sw1, sai, sw2, new_fwd, grad_state = res
+    fdt = cfg.recipe.fp8_format.fwd_dtype
+    w1q = quantize(w1f.astype(gu.dtype), sw1, fdt)  # [D, n*F], as the forward's cast_transpose wrote it
+    w2q = quantize(w2.astype(gu.dtype), sw2, fdt)   # [F, Dout]
+    sw1i, sw2i = 1.0 / sw1, 1.0 / sw2
     recipe, dt = cfg.recipe, gu.dtype
     bdt, bmax = recipe.fp8_format.bwd_dtype, recipe.fp8_format.max_bwd
     kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])

@@ -325,7 +325,7 @@ _block_dot.defvjp(_block_fwd, _block_bwd)
 # array: benchmarks/results/fp8_layer_h100.md). The transposed FP8 copies come from the Pallas cast_transpose
 # kernel, which writes an array and its transpose from one read (te_jax/fp8/fused.py says when it runs):
 #   forward  y  = x2_q [M, K] . (w2^T)_q [N, K]
-#   dgrad    dx = g_q  [M, N] . w2_q     [K, N]      (w2_q saved from the forward)
+#   dgrad    dx = g_q  [M, N] . w2_q     [K, N]      (w2_q re-cast from w2 in the backward)
 #   wgrad    dw = (x2^T)_q [K, M] . (g^T)_q [N, M]   ((x2^T)_q saved from the forward)
 # Delayed scaling takes each amax from the kernel that casts (the NEXT step's scale); current scaling reduces
 # the amax in XLA first, then casts.
@@ -378,12 +378,14 @@ def _dense_tn_fwd(x, w, state, n_contract, recipe, cfg):
         fwd_state = g_state = None
     sxi, swi = 1.0 / sx, 1.0 / sw
     y = _tn_gemm(xq, wtq, cfg[2], sxi, swi)
-    return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:]), (xtq, sxi, wq, swi, fwd_state, g_state)
+    # w's FP8 copy is re-cast in the backward rather than kept (no FP8 weight copy held through the step)
+    return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:]), (xtq, sxi, w2, sw, fwd_state, g_state)
 
 
 def _dense_tn_bwd(n_contract, recipe, cfg, res, g):
-    xtq, sxi, wq, swi, fwd_state, g_state = res
+    xtq, sxi, w2, sw, fwd_state, g_state = res
     fmt = recipe.fp8_format
+    wq, swi = quantize(w2, sw, fmt.fwd_dtype), 1.0 / sw  # the values the forward's cast_transpose wrote
     g2 = g.reshape(xtq.shape[1], wq.shape[1])
     gq, gtq, ag, sg = _scale_then_cast(recipe, g2, None if g_state is None else g_state[0], fmt.max_bwd,
                                        fmt.bwd_dtype, cfg[5])
