@@ -2,7 +2,7 @@
 
 Run on the device machine from the repo root:
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_layer_gpu 2>&1 | tee $OUT/fp8_log.txt
-    (--gemm-style qdq adds FP8 variants traced with TE_JAX_FP8_GEMM=qdq; --with-block adds Float8BlockScaling,
+    (--gemm-style direct,direct_bf16 traces each FP8 variant once per listed TE_JAX_FP8_GEMM style; --with-block adds Float8BlockScaling,
      a reference implementation that is NOT an FP8 GEMM; --param-dtype fp32 keeps fp32 parameters;
      --fused-mlp both adds each per-tensor FP8 variant with the MLP unfused, TE_JAX_FP8_FUSED=0 at trace time)
 CPU smoke test of the script itself (tiny sizes; no cuBLASLt, so the FP8 custom-call count is 0 and the
@@ -43,6 +43,7 @@ import numpy as np
 from benchmarks import timing
 from te_jax import fp8
 from te_jax.fp8.hlo import gemm_kinds
+from te_jax.fp8.quantize import GEMM_STYLES
 from te_jax.flax import TransformerLayer
 
 DATE = str(datetime.date.today())
@@ -56,8 +57,8 @@ def parse():
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, not speed")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (median taken)")
-    p.add_argument("--gemm-style", choices=["direct", "qdq", "both"], default="direct",
-                   help="FP8 GEMM style (te_jax/fp8/quantize.py): direct f8 dot, qdq pattern, or both as variants")
+    p.add_argument("--gemm-style", default="direct",
+                   help="FP8 GEMM style(s), comma-separated, each a variant (te_jax.fp8.quantize.GEMM_STYLES)")
     p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling (reference, not an FP8 GEMM)")
     p.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--fused-mlp", choices=["on", "off", "both"], default="on",
@@ -121,7 +122,10 @@ def main():
     ct = jax.random.normal(kc, (B, S, HID), jnp.float32)
 
     variants = {"bf16": (None, "direct", "1")}
-    styles = ["direct", "qdq"] if args.gemm_style == "both" else [args.gemm_style]
+    styles = args.gemm_style.split(",")
+    for st in styles:
+        if st not in GEMM_STYLES:
+            raise SystemExit(f"--gemm-style: {st!r} is not one of {GEMM_STYLES}")
     fused = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.fused_mlp]
     for st in styles:
         for fu in fused:

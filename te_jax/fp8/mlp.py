@@ -65,7 +65,7 @@ class _Cfg:
     recipe: object
     activation: str
     gated: bool
-    style: str  # quantize.gemm_style(): "direct" (dot on float8 operands) or "qdq"
+    style: str  # quantize.gemm_style(): one of quantize.GEMM_STYLES
     w1_dtype: object
     w2_dtype: object
     interpret: bool | None
