@@ -4,6 +4,8 @@ Conventions (TransformerEngine's, te_jax/fp8/quantize.py's): a per-tensor `scale
     q = saturate(v * scale) -> FP8,  saturate = clip to [-fp8_max, fp8_max] (NaN stays NaN),
 with v in fp32. `round_to` (a dtype or None): v is first rounded to that dtype (and the amax is taken of the
 rounded values): what a pipeline that stores v in, e.g., bf16 between the activation and the cast sees.
+An input scale (`gu_scale`, `dh_scale`; None for none) multiplies an input after its load, rounded back to the
+input's dtype (`prescale`): a GEMM's FP8 dequantization scale is applied here instead of in a separate pass.
 """
 from __future__ import annotations
 
@@ -80,8 +82,16 @@ def split_gated(gu, gated, where):
     return gu, gu.shape[0], gu.shape[1], 1
 
 
-def scale_array(scale):
-    """A scale (python float, scalar or shape-(1,) array) as an fp32 array of shape (1,)."""
-    return jnp.asarray(scale, jnp.float32).reshape(1)
+def scale_array(scale, *in_scales):
+    """A scale (python float, scalar or shape-(1,) array) as an fp32 array of shape (1,); with input scales
+    (None entries skipped), shape (1 + their number,): [scale, *in_scales]."""
+    parts = [jnp.asarray(s, jnp.float32).reshape(1) for s in (scale,) + in_scales if s is not None]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def prescale(v, in_scale, dtype):
+    """An input that still owes a per-tensor scale (a GEMM's unscaled output): v * in_scale rounded to the
+    input's dtype (what `(v * in_scale).astype(dtype)` in XLA would have stored). v fp32; in_scale None: v."""
+    return v if in_scale is None else (v * in_scale).astype(dtype).astype(jnp.float32)
 
 

@@ -2,6 +2,7 @@
 transpose. Each also hands out the amax of what it cast.
 
     act_cast(gu, scale, ...)              gu [M, 2, F] (gated) | [M, F] -> a_q [M, F] (, a_qT [F, M]), amax
+                                          (gu_scale=: a scale gu still owes, applied after the load)
     act_amax(gu, ...)                     amax of a only (current scaling: the scale before the cast)
     dact_cast_transpose(dh, gu, scale)    dh [M, F], gu -> dgu_q [gu's shape], dgu_qT [n*F, M], amax
     dact_amax(dh, gu, ...)                amax of dgu only
@@ -82,11 +83,12 @@ def _tile_amax(vals, mask, amax_ref, gn):
 # ----------------------------------------------------------------------------- activation + cast
 
 
-def _act_kernel(*refs, m, f, act, gated, round_to, out_dtype, mode, bm, bn, gn):
+def _act_kernel(*refs, m, f, act, gated, round_to, out_dtype, mode, in_dtype, bm, bn, gn):
     gu_ref, scale_ref, *outs = refs
     rows, cols, mask = _tile(m, f, bm, bn)
-    g = _load(gu_ref, rows, cols, mask)
-    a = act(g, _load(gu_ref, rows, f + cols, mask)) if gated else act(g)
+    s_gu = scale_ref[1] if scale_ref.shape[0] > 1 else None
+    g = C.prescale(_load(gu_ref, rows, cols, mask), s_gu, in_dtype)
+    a = act(g, C.prescale(_load(gu_ref, rows, f + cols, mask), s_gu, in_dtype)) if gated else act(g)
     a = C.maybe_round(a, round_to)
     _tile_amax([a], mask, outs[-1], gn)
     if mode == "amax":
@@ -97,8 +99,8 @@ def _act_kernel(*refs, m, f, act, gated, round_to, out_dtype, mode, bm, bn, gn):
         pltriton.store(outs[1].at[cols, rows], q, mask=mask)
 
 
-def _act_call(gu, scale, mode, activation, gated, out_dtype, round_to, interpret, block_m, block_n, num_warps,
-              num_stages):
+def _act_call(gu, scale, gu_scale, mode, activation, gated, out_dtype, round_to, interpret, block_m, block_n,
+              num_warps, num_stages):
     where = "act_cast" if mode != "amax" else "act_amax"
     C.check_common(where, activation=activation, gated=gated, out_dtype=out_dtype, round_to=round_to,
                    arrays=[("gu", gu)])
@@ -109,41 +111,44 @@ def _act_call(gu, scale, mode, activation, gated, out_dtype, round_to, interpret
     if mode == "cast_t":
         out_shape.append(jax.ShapeDtypeStruct((f, m), out_dtype))
     kernel = functools.partial(_act_kernel, m=m, f=f, act=C.act_fn(activation, gated), gated=gated,
-                               round_to=round_to, out_dtype=out_dtype, mode=mode)
-    return _launch(where, kernel, (gu2, C.scale_array(scale)), out_shape, m, f, block_m, block_n, num_warps,
+                               round_to=round_to, out_dtype=out_dtype, mode=mode, in_dtype=gu.dtype)
+    return _launch(where, kernel, (gu2, C.scale_array(scale, gu_scale)), out_shape, m, f, block_m, block_n, num_warps,
                    num_stages, interpret, f"te_fp8_act_{activation}{'_glu' if gated else ''}_{mode}")
 
 
 @lower_once(static_argnames=_STATIC + ("transpose",))
-def act_cast(gu, scale, *, activation, gated, out_dtype, round_to=None, transpose=False, interpret=None,
-             block_m=128, block_n=64, num_warps=None, num_stages=1):
-    """gu [M, 2, F] (gated) or [M, F]; scale an fp32 scalar (multiplies before the cast).
+def act_cast(gu, scale, *, activation, gated, out_dtype, round_to=None, transpose=False, gu_scale=None,
+             interpret=None, block_m=128, block_n=64, num_warps=None, num_stages=1):
+    """gu [M, 2, F] (gated) or [M, F]; scale an fp32 scalar (multiplies before the cast); gu_scale an optional
+    fp32 scalar gu still owes (common.prescale: gu * gu_scale, rounded to gu's dtype, is the input).
 
     Returns (a_q [M, F] out_dtype, amax f32 scalar), or with transpose=True (a_q, a_qT [F, M], amax): a_qT is
     a_q transposed, written by the same program (the operand layout of a wgrad GEMM that contracts M)."""
-    outs, amax = _act_call(gu, scale, "cast_t" if transpose else "cast", activation, gated, out_dtype, round_to,
+    outs, amax = _act_call(gu, scale, gu_scale, "cast_t" if transpose else "cast", activation, gated, out_dtype, round_to,
                            interpret, block_m, block_n, num_warps, num_stages)
     return (*outs, amax)
 
 
 @lower_once(static_argnames=("activation", "gated", "round_to", "interpret", "block_m", "block_n", "num_warps",
                              "num_stages"))
-def act_amax(gu, *, activation, gated, round_to=None, interpret=None, block_m=128, block_n=64, num_warps=None,
-             num_stages=1):
+def act_amax(gu, *, activation, gated, round_to=None, gu_scale=None, interpret=None, block_m=128, block_n=64,
+             num_warps=None, num_stages=1):
     """max |a| (f32 scalar) of the a that act_cast would cast; reads gu, writes only per-tile maxima."""
-    return _act_call(gu, 1.0, "amax", activation, gated, None, round_to, interpret, block_m, block_n, num_warps,
+    return _act_call(gu, 1.0, gu_scale, "amax", activation, gated, None, round_to, interpret, block_m, block_n, num_warps,
                      num_stages)[1]
 
 
 # ----------------------------------------------------------------------------- dActivation + cast + transpose
 
 
-def _dact_kernel(*refs, m, f, activation, gated, round_to, out_dtype, mode, bm, bn, gn):
+def _dact_kernel(*refs, m, f, activation, gated, round_to, out_dtype, mode, in_dtypes, in_scaled, bm, bn, gn):
     dh_ref, gu_ref, scale_ref, *outs = refs
     rows, cols, mask = _tile(m, f, bm, bn)
-    dh = _load(dh_ref, rows, cols, mask)
-    g = _load(gu_ref, rows, cols, mask)
-    u = _load(gu_ref, rows, f + cols, mask) if gated else None
+    k = iter(range(1, 3))
+    s_gu, s_dh = (scale_ref[next(k)] if on else None for on in in_scaled)
+    dh = C.prescale(_load(dh_ref, rows, cols, mask), s_dh, in_dtypes[0])
+    g = C.prescale(_load(gu_ref, rows, cols, mask), s_gu, in_dtypes[1])
+    u = C.prescale(_load(gu_ref, rows, f + cols, mask), s_gu, in_dtypes[1]) if gated else None
     grads = [C.maybe_round(d, round_to) for d in C.dact(activation, gated, dh, g, u)]
     _tile_amax(grads, mask, outs[-1], gn)
     if mode == "amax":
@@ -156,8 +161,8 @@ def _dact_kernel(*refs, m, f, activation, gated, round_to, out_dtype, mode, bm, 
         pltriton.store(qt_ref.at[i * f + cols, rows], q, mask=mask)
 
 
-def _dact_call(dh, gu, scale, mode, activation, gated, out_dtype, round_to, interpret, block_m, block_n, num_warps,
-               num_stages):
+def _dact_call(dh, gu, scale, gu_scale, dh_scale, mode, activation, gated, out_dtype, round_to, interpret, block_m,
+               block_n, num_warps, num_stages):
     where = "dact_cast_transpose" if mode != "amax" else "dact_amax"
     C.check_common(where, activation=activation, gated=gated, out_dtype=out_dtype, round_to=round_to,
                    arrays=[("dh", dh), ("gu", gu)])
@@ -168,29 +173,31 @@ def _dact_call(dh, gu, scale, mode, activation, gated, out_dtype, round_to, inte
     if mode != "amax":
         out_shape = [jax.ShapeDtypeStruct((m, n * f), out_dtype), jax.ShapeDtypeStruct((n * f, m), out_dtype)]
     kernel = functools.partial(_dact_kernel, m=m, f=f, activation=activation, gated=gated, round_to=round_to,
-                               out_dtype=out_dtype, mode=mode)
-    return _launch(where, kernel, (dh, gu2, C.scale_array(scale)), out_shape, m, f, block_m, block_n, num_warps,
+                               out_dtype=out_dtype, mode=mode, in_dtypes=(dh.dtype, gu.dtype),
+                               in_scaled=(gu_scale is not None, dh_scale is not None))
+    return _launch(where, kernel, (dh, gu2, C.scale_array(scale, gu_scale, dh_scale)), out_shape, m, f, block_m, block_n, num_warps,
                    num_stages, interpret, f"te_fp8_dact_{activation}{'_glu' if gated else ''}_{mode}")
 
 
 @lower_once(static_argnames=_STATIC)
-def dact_cast_transpose(dh, gu, scale, *, activation, gated, out_dtype, round_to=None, interpret=None,
-                        block_m=128, block_n=64, num_warps=None, num_stages=1):
-    """dh [M, F] (the cotangent of a), gu as act_cast's; scale an fp32 scalar.
+def dact_cast_transpose(dh, gu, scale, *, activation, gated, out_dtype, round_to=None, gu_scale=None,
+                        dh_scale=None, interpret=None, block_m=128, block_n=64, num_warps=None, num_stages=1):
+    """dh [M, F] (the cotangent of a), gu as act_cast's; scale an fp32 scalar; gu_scale / dh_scale optional
+    fp32 scalars the inputs still owe (as act_cast's gu_scale).
 
     Returns (dgu_q [gu's shape] out_dtype, dgu_qT [n*F, M] out_dtype (n = 2 gated, else 1; row i*F + j is
     dgu_q[:, i, j]), amax f32 scalar of |dgu|)."""
-    (q, qt), amax = _dact_call(dh, gu, scale, "cast_t", activation, gated, out_dtype, round_to, interpret,
+    (q, qt), amax = _dact_call(dh, gu, scale, gu_scale, dh_scale, "cast_t", activation, gated, out_dtype, round_to, interpret,
                                block_m, block_n, num_warps, num_stages)
     return q.reshape(gu.shape), qt, amax
 
 
 @lower_once(static_argnames=("activation", "gated", "round_to", "interpret", "block_m", "block_n", "num_warps",
                              "num_stages"))
-def dact_amax(dh, gu, *, activation, gated, round_to=None, interpret=None, block_m=128, block_n=64,
-              num_warps=None, num_stages=1):
+def dact_amax(dh, gu, *, activation, gated, round_to=None, gu_scale=None, dh_scale=None, interpret=None,
+              block_m=128, block_n=64, num_warps=None, num_stages=1):
     """max |dgu| (f32 scalar) of the dgu that dact_cast_transpose would cast; writes only per-tile maxima."""
-    return _dact_call(dh, gu, 1.0, "amax", activation, gated, None, round_to, interpret, block_m, block_n,
+    return _dact_call(dh, gu, 1.0, gu_scale, dh_scale, "amax", activation, gated, None, round_to, interpret, block_m, block_n,
                       num_warps, num_stages)[1]
 
 

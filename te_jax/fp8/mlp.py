@@ -38,6 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8.fused import fused_cast_unavailable
@@ -76,6 +77,16 @@ def _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b):
     return _scaled_gemm(cfg.style, out_dtype, a_sinv, b_sinv)(a, b, _TN)
 
 
+def _gemm_owing_scale(cfg, out_dtype, a_sinv, b_sinv, a, b):
+    """(y, scale y still owes) for a GEMM whose consumer is a cast kernel: the "direct" style leaves the product of
+    the scale_invs to the kernel (its gu_scale / dh_scale: XLA would spend a pass over y on it, the cuBLASLt FP8
+    call not folding it), so the kernel reads exactly what _gemm would have written. Other styles: (_gemm, None)."""
+    if cfg.style != "direct":
+        return _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b), None
+    y = lax.dot_general(a, b, _TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+    return y, (a_sinv * b_sinv).astype(jnp.float32)
+
+
 def _update(recipe, history, scale, new_amax, fmax):
     """quantize.delayed_update -> (next scale (1,), next history (L,))."""
     s, h = delayed_update(history, scale, new_amax, fmax, recipe.margin, recipe.amax_compute_algo)
@@ -105,11 +116,11 @@ def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
     xq, xqT, ax = _k.cast_transpose(x, sx, out_dtype=fdt, **kw)
     w1q, w1qT, aw1 = _k.cast_transpose(w1f, sw1, out_dtype=fdt, round_to=dt, **kw)
     w2q, w2qT, aw2 = _k.cast_transpose(w2, sw2, out_dtype=fdt, round_to=dt, **kw)
-    gu = _gemm(cfg, dt, 1.0 / sx, 1.0 / sw1, xq, w1qT)                    # [M, n*F]  wi fprop
+    gu, s_gu = _gemm_owing_scale(cfg, dt, 1.0 / sx, 1.0 / sw1, xq, w1qT)  # [M, n*F]  wi fprop
     gu = gu.reshape(-1, n, f) if cfg.gated else gu
     if not delayed:
-        sa = compute_scale(_k.act_amax(gu, **act), 1.0, fmax)
-    aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, **act)
+        sa = compute_scale(_k.act_amax(gu, gu_scale=s_gu, **act), 1.0, fmax)
+    aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, gu_scale=s_gu, **act)
     y = _gemm(cfg, dt, 1.0 / sa, 1.0 / sw2, aq, w2qT)                     # [M, Dout] wo fprop
     new_fwd = None
     if delayed:  # the forward halves of the two states' updates (input_*, kernel_*), handed out by the backward
@@ -123,12 +134,12 @@ def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
         grad_state = None
     # The weights' FP8 copies are not kept for the backward: it re-casts them (one elementwise XLA pass, same
     # values), so the step holds no FP8 weight copy alongside its activations (temporary memory below bf16's).
-    res = (xqT, w1f, w2, aqT, gu, 1.0 / sx, sw1, 1.0 / sa, sw2, new_fwd, grad_state)
+    res = (xqT, w1f, w2, aqT, gu, s_gu, 1.0 / sx, sw1, 1.0 / sa, sw2, new_fwd, grad_state)
     return y, res
 
 
 def _mlp_bwd(cfg, res, dy):
-    xqT, w1f, w2, aqT, gu, sxi, sw1, sai, sw2, new_fwd, grad_state = res
+    xqT, w1f, w2, aqT, gu, s_gu, sxi, sw1, sai, sw2, new_fwd, grad_state = res
     fdt = cfg.recipe.fp8_format.fwd_dtype
     w1q = quantize(w1f.astype(gu.dtype), sw1, fdt)  # [D, n*F], as the forward's cast_transpose wrote it
     w2q = quantize(w2.astype(gu.dtype), sw2, fdt)   # [F, Dout]
@@ -146,11 +157,12 @@ def _mlp_bwd(cfg, res, dy):
     else:
         sdy = compute_scale(amax(dy), 1.0, bmax)
     dyq, dyqT, ady = _k.cast_transpose(dy, sdy, out_dtype=bdt, **kw)
-    dh = _gemm(cfg, dt, 1.0 / sdy, sw2i, dyq, w2q)                        # [M, F]     wo dgrad
+    dh, s_dh = _gemm_owing_scale(cfg, dt, 1.0 / sdy, sw2i, dyq, w2q)     # [M, F]     wo dgrad
     dw2 = _gemm(cfg, dt, sai, 1.0 / sdy, aqT, dyqT)                       # [F, Dout]  wo wgrad
+    owed = dict(gu_scale=s_gu, dh_scale=s_dh)
     if not delayed:
-        sdgu = compute_scale(_k.dact_amax(dh, gu, **act), 1.0, bmax)
-    dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **act)
+        sdgu = compute_scale(_k.dact_amax(dh, gu, **owed, **act), 1.0, bmax)
+    dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act)
     dx = _gemm(cfg, dt, 1.0 / sdgu, sw1i, dguq.reshape(dh.shape[0], -1), w1q)   # [M, D]     wi dgrad
     dw1 = _gemm(cfg, dt, sxi, 1.0 / sdgu, xqT, dguqT)                    # [D, n*F]   wi wgrad
     wi_ct = wo_ct = None

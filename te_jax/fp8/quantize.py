@@ -22,13 +22,9 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
   HYBRID: fwd dtype float8_e4m3fn, bwd (the output gradient g) float8_e5m2; E4M3: both e4m3fn.
   The residuals saved for the backward are q(x) and q(w) in FP8 (half the bytes of bf16).
   Two GEMM styles (module variable GEMM_STYLE, env TE_JAX_FP8_GEMM):
-    "direct": dot_general on the float8 operands with an fp32 result, times the product of the two
-              scale_invs, converted to the compute dtype: XLA's GPU GEMM rewriter folds the multiply and the
-              convert into __cublas$lt$matmul$f8 (the scale goes in as its a_scale operand), so no pass over
-              the output is left;
-    "direct_bf16": the same dot with preferred_element_type = the compute dtype, then the scale multiply
-              (flax's Fp8DirectDotGeneralOp): XLA keeps the multiply as a separate pass over the output
-              (benchmarks/results/fp8_layer_h100.md); kept for A/B;
+    "direct": dot_general on the float8 operands (preferred_element_type = the compute dtype), then the
+              product of the two scale_invs: XLA's GPU GEMM rewriter turns an f8 x f8 dot into
+              __cublas$lt$matmul$f8 (flax's Fp8DirectDotGeneralOp);
     "qdq":    dot_general on dequantized operands (convert(f8) -> compute dtype -> * scale_inv), flax's
               Fp8DotGeneralOp pattern. On the H100 with jax 0.11.2 XLA dropped the convert pairs instead of
               forming FP8 GEMMs (benchmarks/results/fp8_layer_h100.md: 0 FP8 GEMMs, 0.95x bf16); kept for A/B.
@@ -65,7 +61,7 @@ from pallas_kernels.fp8_cast import cast_transpose
 from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, check_recipe
 
-GEMM_STYLES = ("direct", "direct_bf16", "qdq")
+GEMM_STYLES = ("direct", "qdq")
 #: Default GEMM style (see the module docstring); TE_JAX_FP8_GEMM overrides it at trace time.
 GEMM_STYLE = "direct"
 
@@ -190,12 +186,8 @@ def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
         if style == "qdq":
             return lax.dot_general(dequantize(a, a_sinv, out_dtype), dequantize(b, b_sinv, out_dtype), dims,
                                    precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
-        if style == "direct_bf16":
-            y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
-            return (y.astype(jnp.float32) * s).astype(out_dtype)
-        # fp32 result, scale, convert: the pattern the GEMM rewriter folds into one cuBLASLt FP8 call
-        y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=jnp.float32)
-        return (y * s).astype(out_dtype)
+        y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+        return (y.astype(jnp.float32) * s).astype(out_dtype)
 
     return gemm
 
@@ -342,8 +334,8 @@ _TN = (((1,), (1,)), ((), ()))
 
 
 def _tn_gemm(a, b, out_dtype, a_sinv, b_sinv):
-    """a [M, K] . b [N, K] -> [M, N] in out_dtype, in the trace-time GEMM style (gemm_style())."""
-    return _scaled_gemm(gemm_style(), out_dtype, a_sinv, b_sinv)(a, b, _TN)
+    y = lax.dot_general(a, b, _TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+    return (y.astype(jnp.float32) * (a_sinv * b_sinv).astype(jnp.float32)).astype(out_dtype)
 
 
 def _cast_both(a, scale, dtype, interpret):

@@ -1,0 +1,59 @@
+"""GPU probe: what XLA makes of one FP8 GEMM in each te_jax GEMM style (compile time, custom calls, speed).
+
+    PYTHONPATH=. python3 -m benchmarks.fp8_gemm_probe [--m 8192 --n 28672 --k 4096]
+
+For each style of te_jax.fp8.quantize.GEMM_STYLES: lower + compile time, the GEMM custom calls and fusions in the
+optimized HLO (is the scale folded into __cublas$lt$matmul$f8, or left as a separate pass?), and the median time.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from te_jax.fp8.quantize import GEMM_STYLES, _scaled_gemm
+
+_TN = (((1,), (1,)), ((), ()))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--m", type=int, default=8192)
+    p.add_argument("--n", type=int, default=28672)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--styles", default=",".join(GEMM_STYLES))
+    a = p.parse_args()
+    ka, kb = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(ka, (a.m, a.k), jnp.float32).astype(jnp.float8_e4m3fn)
+    w = jax.random.normal(kb, (a.n, a.k), jnp.float32).astype(jnp.float8_e4m3fn)
+    sa, sb = jnp.float32(0.5), jnp.float32(0.25)
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; x [{a.m},{a.k}] . w [{a.n},{a.k}]^T -> bf16",
+          flush=True)
+    for style in a.styles.split(","):
+        f = jax.jit(lambda x, w, sa, sb: _scaled_gemm(style, jnp.bfloat16, sa, sb)(x, w, _TN))
+        t0 = time.perf_counter()
+        c = f.lower(x, w, sa, sb).compile()
+        tc = time.perf_counter() - t0
+        hlo = c.as_text()
+        calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+        fusions = [ln.split("=")[0].strip() + " -> " + ln.split("=")[1].split(" fusion(")[0].strip()
+                   for ln in hlo.splitlines() if " fusion(" in ln and "ENTRY" not in ln][:6]
+        for _ in range(3):
+            c(x, w, sa, sb).block_until_ready()
+        ts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            c(x, w, sa, sb).block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        ms = statistics.median(ts) * 1e3
+        tf = 2 * a.m * a.n * a.k / ms / 1e9
+        print(f"{style}: compile {tc:.1f} s; custom calls {calls}; fusions {fusions}; {ms:.3f} ms ({tf:.0f} TFLOP/s)",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
