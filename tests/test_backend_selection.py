@@ -224,3 +224,19 @@ def test_trace_time_refusal_falls_back_in_auto_and_is_explained(monkeypatch):
                                rtol=1e-6)
     with pytest.raises(ValueError, match="backend 'pallas' refused the call: NotImplementedError"):
         te_jax.dot_product_attention(q, k, v, backend="pallas")
+
+
+def test_sm90_softcap_takes_the_hopper_kernel(fake_h100, monkeypatch):
+    """softcap is served by the Hopper kernel (tanh in the score path): auto takes Pallas' Hopper kernel (cuDNN
+    has no softcap) and the explanation says how; an invalid softcap is refused by the Hopper kernel by name."""
+    from te_jax.backends import pallas as pallas_mod
+
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)  # sm90 and jax >= 0.11
+    capped = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024), softcap=30.0, attn_mask_type="causal")
+    assert capped.selected == "pallas", capped
+    assert "Hopper (Mosaic GPU) kernel" in capped.detail and "softcap 30" in capped.detail, capped.detail
+    assert "softcap" in capped.reasons["cudnn"]
+    plain = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024), attn_mask_type="causal")
+    assert "Hopper (Mosaic GPU) kernel" in plain.detail and "softcap" not in plain.detail
+    from pallas_kernels.flash_attention_hopper import supports
+    assert "positive" in supports((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 64), jnp.bfloat16, softcap=-2.0)

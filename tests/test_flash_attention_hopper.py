@@ -61,8 +61,8 @@ BF = jnp.bfloat16
          "segment ids / padding masks are not supported by the Hopper kernel"),
         ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"bias": 1},
          "attention bias is not supported by the Hopper kernel"),
-        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"softcap": 30.0},
-         "logit softcap is not supported by the Hopper kernel"),
+        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"softcap": 0.0},
+         "softcap=0.0 must be a positive number (or None)"),
     ],
 )
 def test_supports_reasons(q, k, v, dtype, causal, kw, reason):
@@ -108,10 +108,13 @@ needs_kernel = pytest.mark.skipif(
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize(
-    "S,H,G,D,causal",
-    [(512, 2, 2, 64, False), (384, 2, 1, 64, True), (512, 2, 2, 128, True), (256, 2, 1, 256, True)],
+    "S,H,G,D,causal,softcap",
+    [(512, 2, 2, 64, False, None), (384, 2, 1, 64, True, None), (512, 2, 2, 128, True, None),
+     (256, 2, 1, 256, True, None),
+     # softcap: tanh in the score path (logits of 3-4 sigma: the cap bends them), every forward and backward kernel
+     (512, 2, 2, 128, False, 2.0), (384, 2, 1, 64, True, 1.5), (256, 2, 1, 256, True, 2.0)],
 )
-def test_forward_and_grads(S, H, G, D, causal):
+def test_forward_and_grads(S, H, G, D, causal, softcap):
     interpret = _mode()
     B = 1
     ks = jax.random.split(jax.random.key(S + D + causal), 5)
@@ -122,10 +125,10 @@ def test_forward_and_grads(S, H, G, D, causal):
     dl = jax.random.normal(ks[4], (B, H, S), jnp.float32)
     scale = D ** -0.5
 
-    f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal, interpret=interpret)
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal, interpret=interpret, softcap=softcap)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
-    ref = lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=causal)
+    ref = lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=causal, softcap=softcap)
     (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
     assert _rel(out, rout) < 1e-2
     assert _rel(lse, rlse) < 1e-4

@@ -1,10 +1,11 @@
 """Hopper (sm90) flash attention: Pallas Mosaic GPU kernels (wgmma, TMA, warp specialisation).
 
-    hopper_attention(q, k, v, *, scale, causal=False, config=None) -> (out, lse)
+    hopper_attention(q, k, v, *, scale, causal=False, softcap=None, config=None) -> (out, lse)
         q [B,S,H,D], k/v [B,S,G,D] (H % G == 0), bf16/fp16, D in {64,128,256};
         out [B,S,H,D] (q.dtype), lse [B,H,S] float32 (natural log).  Differentiable.
-    hopper_attention_fwd(q, k, v, *, scale, causal, config) -> (out, lse)
-    hopper_attention_bwd(q, k, v, out, lse, dout, *, scale, causal, config, dlse=None) -> (dq, dk, dv)
+        softcap t > 0: logits t * tanh(scale * q.k / t) (Gemma 2's), its derivative in the backward.
+    hopper_attention_fwd(q, k, v, *, scale, causal, softcap, config) -> (out, lse)
+    hopper_attention_bwd(q, k, v, out, lse, dout, *, scale, causal, softcap, config, dlse=None) -> (dq, dk, dv)
     supports(q_shape, k_shape, v_shape, dtype, causal, ...) -> None or the reason it cannot serve
         (shapes, dtype, features; the device and jax version are checked by te_jax's dispatcher).
 
@@ -55,8 +56,8 @@ def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=N
         return "segment ids / padding masks are not supported by the Hopper kernel"
     if bias is not None:
         return "attention bias is not supported by the Hopper kernel"
-    if softcap:
-        return "logit softcap is not supported by the Hopper kernel"
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        return f"softcap={softcap!r} must be a positive number (or None)"
     if dropout_rate:
         return "dropout is not supported by the Hopper kernel"
     dt = jnp.dtype(dtype)
@@ -82,44 +83,49 @@ def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=N
     return None
 
 
-def _check(q, k, v, causal):
-    reason = supports(q.shape, k.shape, v.shape, q.dtype, causal)
+def _check(q, k, v, causal, softcap=None):
+    reason = supports(q.shape, k.shape, v.shape, q.dtype, causal, softcap=softcap)
     if reason is not None:
         raise ValueError(f"hopper_attention: {reason}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise ValueError(f"hopper_attention: q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
 
 
+def _softcap(softcap):
+    return None if softcap is None else float(softcap)
+
+
 def hopper_attention_fwd(q, k, v, *, scale: float, causal: bool = False, config=None,
-                         interpret: bool | None = None):
+                         interpret: bool | None = None, softcap: float | None = None):
     """Forward only: (out [B,S,H,D], lse [B,H,S] float32)."""
-    _check(q, k, v, causal)
-    return flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret)
+    _check(q, k, v, causal, softcap)
+    return flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret,
+                     softcap=_softcap(softcap))
 
 
 def hopper_attention_bwd(q, k, v, out, lse, dout, *, scale: float, causal: bool = False,
-                         config=None, dlse=None, interpret: bool | None = None):
+                         config=None, dlse=None, interpret: bool | None = None, softcap: float | None = None):
     """Backward only: (dq, dk, dv) from the forward's out and lse (and optional dlse)."""
-    _check(q, k, v, causal)
+    _check(q, k, v, causal, softcap)
     return flash_bwd(q, k, v, out, lse, dout, scale=scale, causal=causal, config=config,
-                     dlse=dlse, interpret=interpret)
+                     dlse=dlse, interpret=interpret, softcap=_softcap(softcap))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention(q, k, v, scale, causal, config, interpret):
-    return flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _attention(q, k, v, scale, causal, config, interpret, softcap):
+    return flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret, softcap=softcap)
 
 
-def _attention_fwd_rule(q, k, v, scale, causal, config, interpret):
-    out, lse = flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret)
+def _attention_fwd_rule(q, k, v, scale, causal, config, interpret, softcap):
+    out, lse = flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret, softcap=softcap)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _attention_bwd_rule(scale, causal, config, interpret, res, cts):
+def _attention_bwd_rule(scale, causal, config, interpret, softcap, res, cts):
     q, k, v, out, lse = res
     dout, dlse = cts
     dq, dk, dv = flash_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal,
-                           config=config, dlse=dlse, interpret=interpret)
+                           config=config, dlse=dlse, interpret=interpret, softcap=softcap)
     return dq, dk, dv
 
 
@@ -127,9 +133,9 @@ _attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)
 
 
 def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None,
-                     interpret: bool | None = None):
+                     interpret: bool | None = None, softcap: float | None = None):
     """Flash attention on Hopper: (out, lse).  Differentiable (custom_vjp) in q, k, v."""
-    _check(q, k, v, causal)
+    _check(q, k, v, causal, softcap)
     if config is not None:  # the backward's blocks too: fail before the forward runs
         check_lengths(config, q.shape[1], k.shape[1])
-    return _attention(q, k, v, float(scale), bool(causal), config, interpret)
+    return _attention(q, k, v, float(scale), bool(causal), config, interpret, _softcap(softcap))

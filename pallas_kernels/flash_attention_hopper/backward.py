@@ -31,14 +31,14 @@ from .._lower_once import lower_once
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
-                     dq_split, piece_split_chosen, ring_choices)
+                     dq_split, logit_units, piece_split_chosen, ring_choices)
 
 
 # --------------------------------------------------------------------------------------------
 # Backward: dK/dV
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                   want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None):
+                   want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None, softcap=None):
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
@@ -48,7 +48,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     nq = S // bq
     n_kt = Skv // (wgs * bkv)
     stages = cfg.bwd_stages
-    c = float(scale) * LOG2E
+    c, pre = logit_units(scale, softcap)
     split = cfg.split_causal
     reverse = causal and cfg.bwd_causal_reverse is not False  # None (auto) = reverse
     named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
@@ -157,6 +157,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 slot = rem(t, stages)
                 plgpu.barrier_wait(q_bar.at[slot])
                 sT = mma(plgpu, (bkv, bq), k_smem, q_smem.at[slot].transpose((1, 0)))
+                if pre is not None:  # softcap: tanh in the score path, 1 - tanh^2 on dS
+                    tT = jnp.tanh(sT * pre)
+                    sT = tT
                 plgpu.barrier_wait(lse_bar.at[slot])
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 lse_cons.release(slot)
@@ -190,6 +193,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     plgpu.barrier_wait(delta_bar.at[slot])
                     delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                     dsT = pT * (dpT - lax.broadcast_in_dim(delta, (bkv, bq), [1]))
+                    if pre is not None:
+                        dsT = dsT * (1.0 - tT * tT)
                     delta_cons.release(slot)
                     dsT16 = dsT.astype(dtype)
                     if want_dq and not interpret:
@@ -397,7 +402,7 @@ def _sum_pieces(grad, part, *, plan: PieceSplit, B: int, n_kt: int, rows: int):
 # Backward: dQ
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                  interpret: bool):
+                  interpret: bool, softcap=None):
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
@@ -407,7 +412,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     n_qt = S // (wgs * bq)
     n_kv = Skv // bkv
     stages = cfg.bwd_stages
-    c = float(scale) * LOG2E
+    c, pre = logit_units(scale, softcap)
     split = cfg.split_causal
     named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
     regs, producer_regs = bwd_registers(cfg)
@@ -465,12 +470,17 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 s, dp = pl.run_scoped(_s_dp, plgpu.ACC((bq, bkv), jnp.float32),
                                       plgpu.ACC((bq, bkv), jnp.float32))
                 v_cons.release(slot)
+                if pre is not None:  # softcap
+                    t = jnp.tanh(s * pre)
+                    s = t
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, (bq, bkv), [0]))
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(rows + q0 >= cols + t * bkv, p, 0.0)
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
+                if pre is not None:
+                    ds = ds * (1.0 - t * t)
                 dq_acc = mma_into(plgpu, dq_acc, ds.astype(dtype), k_smem.at[slot],
                                    interpret=interpret)
                 k_cons.release(slot)
@@ -519,10 +529,11 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     return dq
 
 
-@lower_once(static_argnames=("scale", "causal", "config", "interpret"))
+@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap"))
 def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
-              config: HopperConfig | None = None, dlse=None, interpret: bool | None = None):
-    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S]."""
+              config: HopperConfig | None = None, dlse=None, interpret: bool | None = None,
+              softcap: float | None = None):
+    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S] (softcap as flash_fwd's)."""
     interpret = resolve_interpret(interpret)
     D = q.shape[-1]
     cfg = config or default_config(D, k.shape[1], causal, q.shape[1])
@@ -532,7 +543,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         # d lse / d s = p, so a cotangent on lse adds p * dlse to dS: fold it into delta.
         delta = delta - dlse.astype(jnp.float32)
     lse2 = lse.astype(jnp.float32) * LOG2E
-    kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret)
+    kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret, softcap=softcap)
     if atomic_dq_chosen(D, k.shape[1], cfg, interpret):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,

@@ -10,6 +10,18 @@ import numpy as np
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+def logit_units(scale: float, softcap: float | None):
+    """(c, pre): the kernels' logits are s * c (log2 units), or tanh(s * pre) * c with a softcap, for s = q.k.
+
+    Without softcap: c = scale * log2(e), pre None.  With softcap t: logits t * tanh(scale * s / t), so
+    pre = scale / t and c = t * log2(e); their gradient with respect to s is (1 - tanh^2) * scale (the backward
+    multiplies dS by 1 - tanh^2 and the result by scale, as without softcap).
+    """
+    if softcap is None:
+        return float(scale) * LOG2E, None
+    return float(softcap) * LOG2E, float(scale) / float(softcap)
 # The defaults below were chosen by device runs. The current measurement of the resulting kernels is
 # benchmarks/results/attention_hopper_h100_run12f_rounds5_log.txt (hd128), attention_hopper_h100_run10.md (hd64)
 # and attention_hopper_h100_run7_hd64_hd256.md (hd64 / hd256 blocks); the A/B runs behind each switch are under

@@ -27,8 +27,8 @@ from .._lower_once import lower_once
 
 from .common import (cdiv, div, mma, mma_into, named_barrier, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel, when)
-from .config import (LN2, LOG2E, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
-                     persistent_causal_chosen, persistent_fits, ring_choices, split_tail_chosen)
+from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
+                     logit_units, persistent_causal_chosen, persistent_fits, ring_choices, split_tail_chosen)
 
 
 _SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
@@ -72,12 +72,13 @@ class _Sched:
 
 
 def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_release, sched,
-                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None):
+                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None, pre=None):
     """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
 
     carry: (acc [bq, D] f32, m [bq] f32 (log2 units, scaled), l [bq] f32).  The QK^T wgmma is
     followed by a rendezvous on `sched` (the other warpgroup then runs its softmax while this
     one's wgmma runs); after the softmax a second rendezvous waits for the tensor cores.
+    pre (softcap): the logits are tanh(s * pre) in units of c (common.logit_units).
     mask(shape) -> bool [bq, bkv] keeps logits (causal blocks); wait_next_k runs while the PV
     wgmma is in flight (the next K tile's barrier).  k_release / v_release hand the K / V slot back.
     """
@@ -87,6 +88,8 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_
     bq, bkv = q_smem.shape[0], k_tile.shape[0]
     s = mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=sched.after_qk)
     k_release()
+    if pre is not None:
+        s = jnp.tanh(s * pre)
     if mask is not None:
         s = jnp.where(mask(s.shape), s, -jnp.inf)
 
@@ -146,10 +149,11 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
                                    no_auto_barriers=producer_warp)(q, k, v, *extra_in)
 
 
-@lower_once(static_argnames=("scale", "causal", "config", "interpret"))
+@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap"))
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
-              interpret: bool | None = None):
-    """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log)."""
+              interpret: bool | None = None, softcap: float | None = None):
+    """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log).  softcap: logits softcap * tanh(s / softcap)
+    (s = scale * q.k; tanh in the score path, before the mask)."""
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
     B, S, H, D = q.shape
@@ -162,13 +166,14 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     if causal and S != Skv:
         raise ValueError("causal needs Sq == Skv")
     if not causal and cfg.fwd_persistent is not False and persistent_fits(cfg, D, dtype):
-        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret)
+        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap)
     if causal and persistent_causal_chosen(cfg, S, D, dtype):
-        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, causal=True)
+        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, causal=True,
+                                     softcap=softcap)
     n_kv = Skv // bkv
     stages = max(1, min(cfg.stages, n_kv))
     n_qt = S // (2 * bq)
-    c = float(scale) * LOG2E
+    c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     split = cfg.split_causal
@@ -235,7 +240,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                     k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                     v_release=lambda: v_slots.release(slot),
                     sched=sched, c=c, dtype=dtype, interpret=interpret,
-                    mask=mask if masked else None, wait_next_k=wait_next_k)
+                    mask=mask if masked else None, wait_next_k=wait_next_k, pre=pre)
 
             carry = (acc, m_i, l_i)
             if not causal:
@@ -282,7 +287,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     return out, lse
 
 
-def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool, causal: bool = False):
+def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool, causal: bool = False,
+                          softcap: float | None = None):
     """Forward on a persistent grid.  Non-causal: CTA j takes query tiles j, j + n_ctas, ...
     Causal (config.persistent_causal_served: block_kv = 2 x block_q, an even number of query tiles): config.CausalDeal
     -- rounds of heavy/light tile pairs of one (batch, head) (tile n_qt - 1 - j with tile j: n_qt + 1 K/V steps per
@@ -315,7 +321,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     n_ctas = max(1, min(n_units, cfg.fwd_ctas or num_sms()))
     plan = None if causal else split_tail_chosen(cfg, n_tiles, n_kv, n_ctas, Skv)
     deal = causal_deal(B * H, n_qt, n_ctas, lpt=lpt) if causal else None
-    c = float(scale) * LOG2E
+    c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     early = cfg.fwd_early_q is not False
@@ -466,7 +472,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                         plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot],
                         v_tile=v_smem.at[slot], k_release=lambda: k_slots.release(slot),
                         v_ready=v_bar.at[slot], v_release=lambda: v_slots.release(slot), sched=sched, c=c, dtype=dtype,
-                        interpret=interpret, mask=mask if masked else None, wait_next_k=wait_next_k)
+                        interpret=interpret, mask=mask if masked else None, wait_next_k=wait_next_k, pre=pre)
 
                 if causal:  # blocks left of the diagonal, then the diagonal block
                     carry = lax.fori_loop(k0, k1 - 1, kv_body, (acc, m_i, l_i))

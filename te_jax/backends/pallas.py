@@ -139,8 +139,6 @@ class PallasBackend:
             return mod, f"window_size={call.window}: the Hopper kernel has no sliding window"
         if call.bias_shape is not None:
             return mod, "bias: the Hopper kernel has no bias"
-        if call.softcap is not None:
-            return mod, "softcap: the Hopper kernel has no softcap"
         return mod, None
 
     def hopper_reason(self, call) -> str | None:
@@ -157,7 +155,7 @@ class PallasBackend:
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
-                            call.dtype, call.mask.causal) or hopper_device_reason()
+                            call.dtype, call.mask.causal, softcap=call.softcap) or hopper_device_reason()
 
     def ring_block_reason(self, call, q_block_shape, kv_block_shape, half_blocks: bool) -> str | None:
         """Why the Hopper kernel cannot serve the per-block calls of ring attention (None when it can).
@@ -172,6 +170,8 @@ class PallasBackend:
         mod, why = self._hopper_feature_reason(call)
         if why is not None:
             return why
+        if call.softcap is not None:
+            return "softcap: the ring calls the Hopper kernel's block entry points, which take no softcap"
         if call.mask.causal and q_block_shape[1] != kv_block_shape[1]:
             return "causal with different local query and key lengths"
         v_shape = tuple(kv_block_shape[:3]) + (call.dims.head_dim_v,)
@@ -207,6 +207,8 @@ class PallasBackend:
 
         d = call.dims
         plan = fh.describe_plan(d.head_dim_qk, d.kv_len, call.mask.causal, call.dtype, call.kernel_config)
+        if call.softcap is not None:
+            plan += f"; softcap {call.softcap:g} (tanh on every score tile, its derivative in the backward)"
         return f"Hopper (Mosaic GPU) kernel: {plan}{cfg}"
 
     def kernel_name(self, call) -> str:
@@ -246,7 +248,8 @@ class PallasBackend:
             bias, rows = self._fold_mask(tm, bias, mask, causal=causal, window=window)
         if self.kernel_name(call) == "hopper":
             from pallas_kernels import flash_attention_hopper as fh
-            out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config)
+            out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config,
+                                           softcap=softcap)
             return (out, lse) if with_lse else out
         from pallas_kernels import flash_attention as fa
         out, lse = fa.flash_attention(q, k, v, tm.with_rule(causal, window), bias, scale=scale, softcap=softcap,
