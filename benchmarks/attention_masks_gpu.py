@@ -32,6 +32,8 @@ from benchmarks import timing
 ROWS = {
     "softcap_causal_4k": (4, 4096, 16, True, 50.0),
     "softcap_full_4k": (4, 4096, 16, False, 50.0),
+    "ragged_16534_full": (1, 16534, 18, False, None),  # any length: not a multiple of 128
+    "ragged_16534_causal": (1, 16534, 18, True, None),
 }
 D = 128
 

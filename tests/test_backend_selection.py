@@ -240,3 +240,19 @@ def test_sm90_softcap_takes_the_hopper_kernel(fake_h100, monkeypatch):
     assert "Hopper (Mosaic GPU) kernel" in plain.detail and "softcap" not in plain.detail
     from pallas_kernels.flash_attention_hopper import supports
     assert "positive" in supports((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 64), jnp.bfloat16, softcap=-2.0)
+
+
+def test_sm90_ragged_lengths_take_the_hopper_kernel_padded(fake_h100, monkeypatch):
+    """Lengths that are not multiples of 128 are served by the Hopper kernel (zeros up to whole blocks, padded keys
+    masked, or hidden by the causal diagonal); the explanation says so."""
+    from te_jax.backends import pallas as pallas_mod
+
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    full = te_jax.explain_attention_backend(*_qkv(sq=1000, skv=1500, d=128))
+    assert full.selected == "pallas" and "Hopper (Mosaic GPU) kernel" in full.detail, full
+    assert "q_len 1000, kv_len 1500 padded with zeros to a multiple of 128" in full.detail
+    assert "masked on every K/V step" in full.detail
+    causal = te_jax.explain_attention_backend(*_qkv(sq=1000, skv=1000, d=128), attn_mask_type="causal")
+    assert "hidden by the causal diagonal" in causal.detail, causal.detail
+    whole = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), attn_mask_type="causal")
+    assert "padded" not in whole.detail

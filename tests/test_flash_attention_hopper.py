@@ -43,10 +43,9 @@ BF = jnp.bfloat16
     [
         ((2, 256, 8, 96), (2, 256, 8, 96), (2, 256, 8, 96), BF, False, {},
          "head_dim 96 not in {64,128,256}"),
-        ((2, 1000, 8, 128), (2, 1000, 8, 128), (2, 1000, 8, 128), BF, False, {},
-         "sequence length 1000 is not a multiple of the block size 128"),
-        ((2, 256, 8, 128), (2, 200, 8, 128), (2, 200, 8, 128), BF, False, {},
-         "kv sequence length 200 is not a multiple of the block size 128"),
+        ((2, 1000, 8, 128), (2, 1000, 8, 128), (2, 1000, 8, 128), BF, False, {}, None),  # ragged: padded
+        ((2, 256, 8, 128), (2, 200, 8, 128), (2, 200, 8, 128), BF, False, {}, None),
+        ((2, 0, 8, 128), (2, 200, 8, 128), (2, 200, 8, 128), BF, False, {}, "sequence length 0 is empty"),
         ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), jnp.float32, False, {},
          "dtype float32 not in {bfloat16, float16}"),
         ((2, 256, 8, 128), (2, 256, 3, 128), (2, 256, 3, 128), BF, False, {},
@@ -86,9 +85,12 @@ def test_public_names():
 
 
 def test_rejects_unsupported_call():
-    x = jnp.zeros((1, 100, 2, 64), BF)
-    with pytest.raises(ValueError, match="not a multiple of the block size 128"):
+    x = jnp.zeros((1, 128, 2, 96), BF)
+    with pytest.raises(ValueError, match="head_dim 96 not in"):
         hopper_attention(x, x, x, scale=0.1)
+    x = jnp.zeros((1, 100, 2, 64), BF)
+    with pytest.raises(ValueError, match="causal needs equal query and kv lengths"):
+        hopper_attention(x, x[:, :50], x[:, :50], scale=0.1, causal=True)
 
 
 # ---------------------------------------------------------------- kernels
@@ -105,6 +107,17 @@ needs_kernel = pytest.mark.skipif(
     reason="needs an sm90 GPU or jax>=0.11's Mosaic GPU interpreter (CI runs jax 0.10.2)")
 
 
+def test_block_entry_points_name_ragged_lengths():
+    """hopper_attention pads a ragged length; the block entry points (ring attention's) do not, and say so."""
+    from pallas_kernels.flash_attention_hopper import hopper_attention_fwd, lengths_reason
+
+    assert lengths_reason(256, 384) is None
+    assert "kv sequence length 200 is not a multiple of the block size 128" in lengths_reason(256, 200)
+    q = jnp.zeros((1, 200, 2, 64), BF)
+    with pytest.raises(ValueError, match="sequence length 200 is not a multiple .* hopper_attention does"):
+        hopper_attention_fwd(q, q, q, scale=0.125)
+
+
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize(
@@ -112,7 +125,10 @@ needs_kernel = pytest.mark.skipif(
     [(512, 2, 2, 64, False, None), (384, 2, 1, 64, True, None), (512, 2, 2, 128, True, None),
      (256, 2, 1, 256, True, None),
      # softcap: tanh in the score path (logits of 3-4 sigma: the cap bends them), every forward and backward kernel
-     (512, 2, 2, 128, False, 2.0), (384, 2, 1, 64, True, 1.5), (256, 2, 1, 256, True, 2.0)],
+     (512, 2, 2, 128, False, 2.0), (384, 2, 1, 64, True, 1.5), (256, 2, 1, 256, True, 2.0),
+     # ragged lengths (padded to 128, padded keys masked: non-causal; hidden by the diagonal: causal); length 1
+     (129, 2, 1, 128, False, None), (200, 2, 2, 64, True, None), (1, 2, 1, 128, False, None),
+     (1000, 2, 1, 128, True, 2.0), (300, 2, 2, 256, False, None)],
 )
 def test_forward_and_grads(S, H, G, D, causal, softcap):
     interpret = _mode()

@@ -1,11 +1,14 @@
 """Hopper (sm90) flash attention: Pallas Mosaic GPU kernels (wgmma, TMA, warp specialisation).
 
     hopper_attention(q, k, v, *, scale, causal=False, softcap=None, config=None) -> (out, lse)
-        q [B,S,H,D], k/v [B,S,G,D] (H % G == 0), bf16/fp16, D in {64,128,256};
+        q [B,Sq,H,D], k/v [B,Skv,G,D] (H % G == 0), bf16/fp16, D in {64,128,256}; any lengths >= 1 (causal:
+        Sq == Skv): a length that is not a multiple of 128 is padded with zeros up to one (a copy of the
+        operands) and the padded keys are masked in the kernels (causal: by the diagonal itself);
         out [B,S,H,D] (q.dtype), lse [B,H,S] float32 (natural log).  Differentiable.
         softcap t > 0: logits t * tanh(scale * q.k / t) (Gemma 2's), its derivative in the backward.
     hopper_attention_fwd(q, k, v, *, scale, causal, softcap, config) -> (out, lse)
     hopper_attention_bwd(q, k, v, out, lse, dout, *, scale, causal, softcap, config, dlse=None) -> (dq, dk, dv)
+        (block entry points, e.g. for ring attention: lengths must be multiples of 128; `lengths_reason`)
     supports(q_shape, k_shape, v_shape, dtype, causal, ...) -> None or the reason it cannot serve
         (shapes, dtype, features; the device and jax version are checked by te_jax's dispatcher).
 
@@ -30,6 +33,7 @@ __all__ = [
     "hopper_attention",
     "hopper_attention_bwd",
     "hopper_attention_fwd",
+    "lengths_reason",
     "supports",
     "attention_reference",
     "BLOCK",
@@ -37,7 +41,7 @@ __all__ = [
 ]
 
 HEAD_DIMS = (64, 128, 256)
-BLOCK = 128  # every sequence length must be a multiple of this
+BLOCK = 128  # the kernels' lengths are multiples of this (hopper_attention pads ragged ones up to it)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -76,15 +80,26 @@ def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=N
     if g == 0 or h % g:
         return f"query heads {h} not a multiple of kv heads {g}"
     for name, s in (("sequence length", sq), ("kv sequence length", skv)):
-        if s % BLOCK:
-            return f"{name} {s} is not a multiple of the block size {BLOCK}"
+        if s < 1:
+            return f"{name} {s} is empty"
     if causal and sq != skv:
         return f"causal needs equal query and kv lengths (got {sq} and {skv})"
     return None
 
 
-def _check(q, k, v, causal, softcap=None):
+def lengths_reason(q_len: int, kv_len: int) -> str | None:
+    """Why the block entry points (hopper_attention_fwd / _bwd) cannot take these lengths (None: they can)."""
+    for name, s in (("sequence length", q_len), ("kv sequence length", kv_len)):
+        if s % BLOCK:
+            return (f"{name} {s} is not a multiple of the block size {BLOCK} (the block entry points do not pad; "
+                    f"hopper_attention does)")
+    return None
+
+
+def _check(q, k, v, causal, softcap=None, whole_blocks=False):
     reason = supports(q.shape, k.shape, v.shape, q.dtype, causal, softcap=softcap)
+    if reason is None and whole_blocks:
+        reason = lengths_reason(q.shape[1], k.shape[1])
     if reason is not None:
         raise ValueError(f"hopper_attention: {reason}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -98,7 +113,7 @@ def _softcap(softcap):
 def hopper_attention_fwd(q, k, v, *, scale: float, causal: bool = False, config=None,
                          interpret: bool | None = None, softcap: float | None = None):
     """Forward only: (out [B,S,H,D], lse [B,H,S] float32)."""
-    _check(q, k, v, causal, softcap)
+    _check(q, k, v, causal, softcap, whole_blocks=True)
     return flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret,
                      softcap=_softcap(softcap))
 
@@ -106,27 +121,36 @@ def hopper_attention_fwd(q, k, v, *, scale: float, causal: bool = False, config=
 def hopper_attention_bwd(q, k, v, out, lse, dout, *, scale: float, causal: bool = False,
                          config=None, dlse=None, interpret: bool | None = None, softcap: float | None = None):
     """Backward only: (dq, dk, dv) from the forward's out and lse (and optional dlse)."""
-    _check(q, k, v, causal, softcap)
+    _check(q, k, v, causal, softcap, whole_blocks=True)
     return flash_bwd(q, k, v, out, lse, dout, scale=scale, causal=causal, config=config,
                      dlse=dlse, interpret=interpret, softcap=_softcap(softcap))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _attention(q, k, v, scale, causal, config, interpret, softcap):
-    return flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret, softcap=softcap)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _attention(q, k, v, scale, causal, config, interpret, softcap, kv_valid):
+    return flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret, softcap=softcap,
+                     kv_valid=kv_valid)
 
 
-def _attention_fwd_rule(q, k, v, scale, causal, config, interpret, softcap):
-    out, lse = flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret, softcap=softcap)
+def _attention_fwd_rule(q, k, v, scale, causal, config, interpret, softcap, kv_valid):
+    out, lse = flash_fwd(q, k, v, scale=scale, causal=causal, config=config, interpret=interpret, softcap=softcap,
+                         kv_valid=kv_valid)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _attention_bwd_rule(scale, causal, config, interpret, softcap, res, cts):
+def _attention_bwd_rule(scale, causal, config, interpret, softcap, kv_valid, res, cts):
     q, k, v, out, lse = res
     dout, dlse = cts
     dq, dk, dv = flash_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=causal,
-                           config=config, dlse=dlse, interpret=interpret, softcap=softcap)
+                           config=config, dlse=dlse, interpret=interpret, softcap=softcap, kv_valid=kv_valid)
     return dq, dk, dv
+
+
+def _pad_seq(x, n):
+    """x [B, S, ...] zero-padded along S to n (a differentiable copy: its transpose slices the gradient)."""
+    if x.shape[1] == n:
+        return x
+    return jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 _attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)
@@ -136,6 +160,16 @@ def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None
                      interpret: bool | None = None, softcap: float | None = None):
     """Flash attention on Hopper: (out, lse).  Differentiable (custom_vjp) in q, k, v."""
     _check(q, k, v, causal, softcap)
+    sq, skv = q.shape[1], k.shape[1]
+    pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK
     if config is not None:  # the backward's blocks too: fail before the forward runs
-        check_lengths(config, q.shape[1], k.shape[1])
-    return _attention(q, k, v, float(scale), bool(causal), config, interpret, _softcap(softcap))
+        check_lengths(config, pq, pkv)
+    # Ragged lengths: zeros up to whole blocks. Causal (Sq == Skv): a padded key sits right of every real query's
+    # diagonal, so the causal mask hides it; otherwise the kernels mask keys from kv_valid on. Padded query rows
+    # are computed and dropped (their output cotangent is zero, so they add nothing to dk / dv).
+    kv_valid = None if (causal or pkv == skv) else skv
+    out, lse = _attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), float(scale), bool(causal), config,
+                          interpret, _softcap(softcap), kv_valid)
+    if pq != sq:
+        out, lse = out[:, :sq], lse[:, :, :sq]
+    return out, lse

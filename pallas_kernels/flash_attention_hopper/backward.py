@@ -38,7 +38,7 @@ from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_regi
 # Backward: dK/dV
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                   want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None, softcap=None):
+                   want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None, softcap=None, kv_valid=None):
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
@@ -168,6 +168,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
                     pT = jnp.where(cols + qb * bq >= rows + kv0, pT, 0.0)
+                if kv_valid is not None:  # padded keys (non-causal, every step)
+                    rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
+                    pT = jnp.where(rows + kv0 < kv_valid, pT, 0.0)
                 plgpu.barrier_wait(do_bar.at[slot])
                 if want_dv and want_dk and not interpret:
                     # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
@@ -402,7 +405,7 @@ def _sum_pieces(grad, part, *, plan: PieceSplit, B: int, n_kt: int, rows: int):
 # Backward: dQ
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                  interpret: bool, softcap=None):
+                  interpret: bool, softcap=None, kv_valid=None):
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
@@ -470,17 +473,20 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 s, dp = pl.run_scoped(_s_dp, plgpu.ACC((bq, bkv), jnp.float32),
                                       plgpu.ACC((bq, bkv), jnp.float32))
                 v_cons.release(slot)
-                if pre is not None:  # softcap
-                    t = jnp.tanh(s * pre)
-                    s = t
+                if pre is not None:  # softcap (th: t is the step)
+                    th = jnp.tanh(s * pre)
+                    s = th
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(lse, (bq, bkv), [0]))
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(rows + q0 >= cols + t * bkv, p, 0.0)
+                if kv_valid is not None:  # padded keys (non-causal, every step)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
+                    p = jnp.where(cols + t * bkv < kv_valid, p, 0.0)
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 if pre is not None:
-                    ds = ds * (1.0 - t * t)
+                    ds = ds * (1.0 - th * th)
                 dq_acc = mma_into(plgpu, dq_acc, ds.astype(dtype), k_smem.at[slot],
                                    interpret=interpret)
                 k_cons.release(slot)
@@ -529,11 +535,12 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     return dq
 
 
-@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap"))
+@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid"))
 def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
               config: HopperConfig | None = None, dlse=None, interpret: bool | None = None,
-              softcap: float | None = None):
-    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S] (softcap as flash_fwd's)."""
+              softcap: float | None = None, kv_valid: int | None = None):
+    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S] (softcap, kv_valid as
+    flash_fwd's; padded keys get zero dk, dv)."""
     interpret = resolve_interpret(interpret)
     D = q.shape[-1]
     cfg = config or default_config(D, k.shape[1], causal, q.shape[1])
@@ -543,7 +550,9 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         # d lse / d s = p, so a cotangent on lse adds p * dlse to dS: fold it into delta.
         delta = delta - dlse.astype(jnp.float32)
     lse2 = lse.astype(jnp.float32) * LOG2E
-    kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret, softcap=softcap)
+    if causal and kv_valid is not None:
+        raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
+    kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret, softcap=softcap, kv_valid=kv_valid)
     if atomic_dq_chosen(D, k.shape[1], cfg, interpret):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,

@@ -149,11 +149,12 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
                                    no_auto_barriers=producer_warp)(q, k, v, *extra_in)
 
 
-@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap"))
+@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid"))
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
-              interpret: bool | None = None, softcap: float | None = None):
+              interpret: bool | None = None, softcap: float | None = None, kv_valid: int | None = None):
     """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log).  softcap: logits softcap * tanh(s / softcap)
-    (s = scale * q.k; tanh in the score path, before the mask)."""
+    (s = scale * q.k; tanh in the score path, before the mask).  kv_valid (non-causal): keys at or past it are
+    padding (masked on every K/V step: the caller padded a ragged length up to a whole block)."""
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
     B, S, H, D = q.shape
@@ -165,8 +166,11 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     check_lengths(cfg, S, Skv, backward=False)
     if causal and S != Skv:
         raise ValueError("causal needs Sq == Skv")
+    if causal and kv_valid is not None:
+        raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
     if not causal and cfg.fwd_persistent is not False and persistent_fits(cfg, D, dtype):
-        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap)
+        return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
+                                     kv_valid=kv_valid)
     if causal and persistent_causal_chosen(cfg, S, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, causal=True,
                                      softcap=softcap)
@@ -224,8 +228,10 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                 slot = rem(step, stages)
 
                 def mask(shape):
-                    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    if kv_valid is not None:  # non-causal with padded keys
+                        return cols + step * bkv < kv_valid
+                    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                     return rows + q0 >= cols + step * bkv
 
                 def wait_next_k():
@@ -244,7 +250,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
             carry = (acc, m_i, l_i)
             if not causal:
-                carry = lax.fori_loop(0, n_kv, functools.partial(kv_body, masked=False), carry)
+                carry = lax.fori_loop(0, n_kv, functools.partial(kv_body, masked=kv_valid is not None), carry)
             else:
                 full = lax.div(q0, jnp.int32(bkv)) if split else jnp.int32(0)
                 carry = lax.fori_loop(0, full, functools.partial(kv_body, masked=False), carry)
@@ -288,7 +294,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
 
 def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool, causal: bool = False,
-                          softcap: float | None = None):
+                          softcap: float | None = None, kv_valid: int | None = None):
     """Forward on a persistent grid.  Non-causal: CTA j takes query tiles j, j + n_ctas, ...
     Causal (config.persistent_causal_served: block_kv = 2 x block_q, an even number of query tiles): config.CausalDeal
     -- rounds of heavy/light tile pairs of one (batch, head) (tile n_qt - 1 - j with tile j: n_qt + 1 K/V steps per
@@ -452,9 +458,11 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                     g = g0 + (step - k0)
                     slot = rem(g, stages)
 
-                    def mask(shape):  # causal: the tile's diagonal block
-                        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    def mask(shape):  # causal: the tile's diagonal block; kv_valid: padded keys (every step)
                         cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                        if kv_valid is not None:
+                            return cols + step * bkv < kv_valid
+                        rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                         return rows + q0 >= cols + step * bkv
 
                     def wait_next_k():
@@ -478,7 +486,8 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                     carry = lax.fori_loop(k0, k1 - 1, kv_body, (acc, m_i, l_i))
                     acc, m_i, l_i = kv_body(k1 - 1, carry, masked=True)
                 else:
-                    acc, m_i, l_i = lax.fori_loop(k0, k1, kv_body, (acc, m_i, l_i))
+                    acc, m_i, l_i = lax.fori_loop(k0, k1, functools.partial(kv_body, masked=kv_valid is not None),
+                                                  (acc, m_i, l_i))
                 pl.when(wg == 0)(sched.finish)
                 # Q of this tile is consumed.  The other buffer staged the previous tile's O, whose store was issued
                 # a whole tile ago: wait for it to be read (a cut piece writes there; without early Q the next

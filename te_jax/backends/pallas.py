@@ -181,7 +181,8 @@ class PallasBackend:
             hk = (kv_block_shape[0], kv_block_shape[1] // 2) + tuple(kv_block_shape[2:])
             shapes += [(q_block_shape, hk), (hq, kv_block_shape)]
         for qs, ks in shapes:
-            why = mod.supports(qs, ks, tuple(ks[:3]) + (v_shape[3],), call.dtype, False) or hopper_device_reason()
+            why = (mod.supports(qs, ks, tuple(ks[:3]) + (v_shape[3],), call.dtype, False)
+                   or mod.lengths_reason(qs[1], ks[1]) or hopper_device_reason())
             if why is not None:
                 return f"ring block q{tuple(qs)} x kv{tuple(ks)}: {why}"
         return None
@@ -209,6 +210,11 @@ class PallasBackend:
         plan = fh.describe_plan(d.head_dim_qk, d.kv_len, call.mask.causal, call.dtype, call.kernel_config)
         if call.softcap is not None:
             plan += f"; softcap {call.softcap:g} (tanh on every score tile, its derivative in the backward)"
+        ragged = [f"{n} {x}" for n, x in (("q_len", d.q_len), ("kv_len", d.kv_len)) if x % fh.BLOCK]
+        if ragged:
+            plan += (f"; {', '.join(ragged)} padded with zeros to a multiple of {fh.BLOCK} (a copy of the operands), "
+                     + ("the padded keys hidden by the causal diagonal" if call.mask.causal
+                        else "the padded keys masked on every K/V step"))
         return f"Hopper (Mosaic GPU) kernel: {plan}{cfg}"
 
     def kernel_name(self, call) -> str:
