@@ -251,5 +251,22 @@ class AttentionMask:
                         causal=self.causal, window=self.window)
 
 
+def loop_bounds(classes):
+    """Reduce the last axis of int8 block classes (`AttentionMask.block_classes`) to int32
+    [..., 4] = (lo, flo, fhi, hi): blocks outside [lo, hi) are empty, [flo, fhi) is a run of full blocks,
+    the rest of [lo, hi) needs the element mask (the kernels' loop bounds)."""
+    possible, full = classes != EMPTY, classes == FULL
+    n = classes.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    hi = jnp.max(jnp.where(possible, idx + 1, 0), axis=-1)
+    lo = jnp.minimum(jnp.min(jnp.where(possible, idx, n), axis=-1), hi)
+    flo = jnp.min(jnp.where(full, idx, n), axis=-1)
+    fhi = jnp.min(jnp.where(~full & (idx > flo[..., None]), idx, n), axis=-1)
+    none_full = flo >= n
+    flo = jnp.where(none_full, hi, flo)
+    fhi = jnp.where(none_full, hi, jnp.minimum(fhi, hi))
+    return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+
+
 __all__ = ["AttentionMask", "EMPTY", "FULL", "PARTIAL", "TileStats", "UNBOUNDED", "check_window", "classify",
-           "segment_positions", "tile_stats", "visible"]
+           "loop_bounds", "segment_positions", "tile_stats", "visible"]

@@ -48,7 +48,8 @@ from jax import lax
 
 from .._compat import default_interpret, pl, triton_params
 from .._lower_once import lower_once
-from ..mask import EMPTY, FULL, AttentionMask, visible
+from ..mask import AttentionMask, visible
+from ..mask import loop_bounds as _loop_bounds
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -275,22 +276,6 @@ class _Heads:
 # --------------------------------------------------------------------------------------
 # Block schedule (computed in XLA from the dynamic segment ids / positions)
 # --------------------------------------------------------------------------------------
-def _loop_bounds(classes):
-    """Reduce the last axis of int8 block classes (`AttentionMask.block_classes`) to int32
-    [..., 4] = (lo, flo, fhi, hi), see module docstring."""
-    possible, full = classes != EMPTY, classes == FULL
-    n = classes.shape[-1]
-    idx = jnp.arange(n, dtype=jnp.int32)
-    hi = jnp.max(jnp.where(possible, idx + 1, 0), axis=-1)
-    lo = jnp.minimum(jnp.min(jnp.where(possible, idx, n), axis=-1), hi)
-    flo = jnp.min(jnp.where(full, idx, n), axis=-1)
-    fhi = jnp.min(jnp.where(~full & (idx > flo[..., None]), idx, n), axis=-1)
-    none_full = flo >= n
-    flo = jnp.where(none_full, hi, flo)
-    fhi = jnp.where(none_full, hi, jnp.minimum(fhi, hi))
-    return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
-
-
 def block_schedule(mask: AttentionMask, *, block_q=16, block_kv=16, transpose=False):
     """Debug hook: the (lo, flo, fhi, hi) loop bounds the kernels use, int32 [B, n_rows, 4].
 

@@ -1,7 +1,9 @@
 """The `pallas` backend: te_jax's own flash-attention kernels (pallas_kernels/).
 
-On sm90 it takes the Hopper (Mosaic GPU) kernel when that kernel serves the call, and the portable
-Triton-lowered kernel otherwise; off-GPU the portable kernel runs in interpret mode (tests).
+Three kernels, in this order: the decode kernel (flash-decoding, pallas_kernels/flash_decode) for
+short queries (q_len <= 16) against a KV cache, on every platform; on sm90 the Hopper (Mosaic GPU)
+kernel when it serves the call; the portable Triton-lowered kernel otherwise. Off-GPU the
+Triton-lowered kernels run in interpret mode (tests).
 The Hopper kernel's `supports` checks shapes, dtype and features; the device (sm90) and the jax
 version (>= 0.11) are checked here (`hopper_device_reason`).
 """
@@ -50,9 +52,13 @@ def hopper_device_reason() -> str | None:
     return None
 
 
+_CONFIG_KINDS = {"HopperConfig": "hopper", "DecodeConfig": "decode", "BlockSizes": "portable"}
+
+
 def _kind(config) -> str | None:
-    """"portable" (BlockSizes), "hopper" (HopperConfig) or None: the kernel a configuration configures."""
-    return None if config is None else ("hopper" if type(config).__name__ == "HopperConfig" else "portable")
+    """"portable" (BlockSizes), "hopper" (HopperConfig), "decode" (DecodeConfig) or None: the kernel a
+    configuration configures."""
+    return None if config is None else _CONFIG_KINDS[type(config).__name__]
 
 
 def _config_kind(call) -> str | None:
@@ -69,18 +75,26 @@ def _block_sizes(call):
 
 
 def check_kernel_config(config):
-    """config as dot_product_attention takes it: None, the portable kernel's BlockSizes or the Hopper
-    kernel's HopperConfig; anything else is a ValueError naming `config`."""
+    """config as dot_product_attention takes it: None, the portable kernel's BlockSizes, the Hopper
+    kernel's HopperConfig or the decode kernel's DecodeConfig; anything else is a ValueError naming `config`."""
     if config is None:
         return None
     from pallas_kernels.flash_attention import BlockSizes
     from pallas_kernels.flash_attention_hopper import HopperConfig
+    from pallas_kernels.flash_decode import DecodeConfig
 
-    if not isinstance(config, (BlockSizes, HopperConfig)):
+    if not isinstance(config, (BlockSizes, HopperConfig, DecodeConfig)):
         raise ValueError(
             f"config: got {type(config).__name__}; expected pallas_kernels.flash_attention.BlockSizes (the portable "
-            f"kernel) or pallas_kernels.flash_attention_hopper.HopperConfig (the Hopper kernel), or None.")
+            f"kernel), pallas_kernels.flash_attention_hopper.HopperConfig (the Hopper kernel) or "
+            f"pallas_kernels.flash_decode.DecodeConfig (the decode kernel, q_len <= 16), or None.")
     return config
+
+
+def _decode_max_q() -> int:
+    from pallas_kernels.flash_decode import MAX_QUERY_LEN
+
+    return MAX_QUERY_LEN
 
 
 def _import(name):
@@ -117,7 +131,31 @@ class PallasBackend:
             why = self.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
             if why is not None:
                 return f"config is a HopperConfig, but the Hopper kernel does not serve this call: {why}"
+        if _config_kind(call) == "decode":
+            why = self.decode_reason(call)
+            if why is not None:
+                return f"config is a DecodeConfig, but the decode kernel does not serve this call: {why}"
         return None
+
+    @staticmethod
+    def decode_reason(call) -> str | None:
+        """Why the decode kernel (short queries against a KV cache) does not serve this call (None when it does)."""
+        kind = _config_kind(call)
+        if kind in ("portable", "hopper"):
+            return f"config is the {kind} kernel's {type(call.kernel_config).__name__}"
+        mod, err = _import("pallas_kernels.flash_decode")
+        if mod is None or not hasattr(mod, "decode_reason"):
+            return f"the decode kernel could not be imported ({err or 'no decode_reason()'})"
+        if call.mask_shape is not None:
+            return "mask (a dense boolean mask): the decode kernel has no bias to fold it into"
+        if call.bias_shape is not None:
+            return "bias: the decode kernel has no bias"
+        if call.needs_split_vjp:
+            return "context parallelism calls the portable kernel per ring block"
+        d = call.dims
+        return mod.decode_reason((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
+                                 (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
+                                 (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v))
 
     @staticmethod
     def _hopper_feature_reason(call):
@@ -143,8 +181,11 @@ class PallasBackend:
 
     def hopper_reason(self, call) -> str | None:
         """Why the Hopper kernel does not serve this call (None when it does)."""
-        if _config_kind(call) == "portable":
-            return "config is the portable kernel's BlockSizes"
+        if _config_kind(call) in ("portable", "decode"):
+            return f"config is the {_config_kind(call)} kernel's {type(call.kernel_config).__name__}"
+        if self.decode_reason(call) is None:
+            return (f"q_len {call.dims.q_len} <= {_decode_max_q()}: the decode kernel serves short queries (the Hopper "
+                    f"kernel would pad them to a 128-row tile)")
         mod, why = self._hopper_feature_reason(call)
         if why is not None:
             return why
@@ -200,6 +241,13 @@ class PallasBackend:
 
     def choice_detail(self, call) -> str:
         """Which Pallas kernel runs the call, and why not the Hopper kernel when it does not."""
+        if self.decode_reason(call) is None:
+            from pallas_kernels import flash_decode as fd
+
+            d = call.dims
+            return "decode kernel (flash-decoding): " + fd.describe(
+                (d.batch, d.q_len, d.num_heads, d.head_dim_qk), (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
+                (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v), _of_kind(call.kernel_config, "decode"))
         hr = self.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
         cfg = "" if call.kernel_config is None else f"; config={call.kernel_config!r}"
         if hr is not None:
@@ -218,6 +266,9 @@ class PallasBackend:
         return f"Hopper (Mosaic GPU) kernel: {plan}{cfg}"
 
     def kernel_name(self, call) -> str:
+        """"decode", "hopper" or "portable": the kernel that runs `call`."""
+        if self.decode_reason(call) is None:
+            return "decode"
         if call.platform == "gpu" and self.hopper_reason(call) is None:
             return "hopper"
         return "portable"
@@ -250,9 +301,15 @@ class PallasBackend:
         """with_lse: (out, lse), both differentiable (every kernel's custom VJP takes an lse cotangent)."""
         del dropout_rate, dropout_rng
         rows = None
-        if mask is not None:  # never the Hopper kernel: hopper_reason names the mask
+        if mask is not None:  # never the Hopper or decode kernel: their reasons name the mask
             bias, rows = self._fold_mask(tm, bias, mask, causal=causal, window=window)
-        if self.kernel_name(call) == "hopper":
+        kernel = self.kernel_name(call)
+        if kernel == "decode":
+            from pallas_kernels import flash_decode as fd
+            out, lse = fd.flash_decode(q, k, v, tm.with_rule(causal, window), scale=scale, softcap=softcap,
+                                       config=_of_kind(call.kernel_config, "decode"))
+            return (out, lse) if with_lse else out
+        if kernel == "hopper":
             from pallas_kernels import flash_attention_hopper as fh
             out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config,
                                            softcap=softcap)
@@ -267,8 +324,8 @@ class PallasBackend:
 
         `tensors` are what the qkv_layout stores (arrays or ShapeDtypeStructs), in its format.
         """
-        if self.kernel_name(call) == "hopper":
-            return "the Hopper kernel takes separate q, k, v arrays"
+        if self.kernel_name(call) in ("hopper", "decode"):
+            return f"the {self.kernel_name(call)} kernel takes separate q, k, v arrays"
         if call.attn_input_format == "sbhd":
             return ("attn_input_format='sbhd': the kernel reads [b, s, h, d], so sbhd tensors are transposed "
                     "(a copy) whatever the layout; only bshd and thd packed tensors are read in place")

@@ -43,6 +43,10 @@ def disable_env(name: str) -> str:
 
 def gpu_preference(call) -> tuple[tuple[str, ...], str]:
     """Backend order on a GPU for this call, with the measurement that justifies it (te_jax/backends/tuning.py)."""
+    if BACKENDS["pallas"].decode_reason(call) is None:
+        rec = tuning.DECODE_GPU_PREFERENCE
+        return rec.value, (f"q_len {call.dims.q_len} (a short query against a KV cache) runs te_jax's decode "
+                           f"kernel: {rec.evidence} ({rec.results})")
     hopper = BACKENDS["pallas"].hopper_reason(call) is None
     d, causal = call.dims.head_dim_qk, call.mask.causal
     kind = f"head_dim {d} {'causal' if causal else 'non-causal'}"

@@ -18,6 +18,7 @@ ATTENTION_HOPPER_RESULTS = "benchmarks/results/attention_hopper_h100_run12f_roun
 ATTENTION_HOPPER_HD64_RESULTS = "benchmarks/results/attention_hopper_h100_run10.md"
 ATTENTION_HOPPER_HD256_RESULTS = "benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md"
 ATTENTION_PORTABLE_RESULTS = "benchmarks/results/flash_attention_h100.md"
+DECODE_RESULTS = "benchmarks/results/decode_h100.md"
 NORM_RESULTS = "benchmarks/results/norm_shapes_h100.md"
 NORM_MLP_RESULTS = "benchmarks/results/norms_mlp_h100.md"
 
@@ -44,6 +45,12 @@ ATTENTION_GPU_PREFERENCE = Tuned(
     ("cudnn", "pallas", "xla"),
     "cuDNN measured faster than the portable Pallas kernel on H100",
     ATTENTION_PORTABLE_RESULTS)
+
+#: Backend order on a GPU for short queries (q_len <= pallas_kernels.flash_decode.MAX_QUERY_LEN) against a KV cache.
+DECODE_GPU_PREFERENCE = Tuned(
+    ("pallas", "cudnn", "xla"),
+    "PENDING: the decode kernel's device run",
+    DECODE_RESULTS)
 
 #: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100
 #: (0: never). auto takes the Hopper kernel up to it, cuDNN beyond.

@@ -1,0 +1,167 @@
+"""Decode attention: short queries against a KV cache, te_jax against every peer that supports the call.
+
+    bash benchmarks/install_peers.sh; export PYTHONPATH=.:/tmp/site   # carry [".whl"] (FlashAttention-3)
+    python3 -m benchmarks.decode_gpu [--rounds 3] [--budget 240] [--configs]
+
+Rows (bf16, head_dim 128, 32 query heads): q 1 and 8 tokens x caches of 8k, 32k, 128k x GQA 32/8 and MHA 32/32 x
+batch 1 and 16, the whole cache visible (attn_mask_type "no_mask"), plus a partly filled cache (batch 16, 32k slots,
+per-row lengths from 1k to 32k; te_jax and cuDNN take them as kv_seqlens / key_value_seq_lengths).
+Implementations:
+  te_jax   te_jax.dot_product_attention(backend="auto") (the kernel it takes is printed)
+  cudnn    jax.nn.dot_product_attention(implementation="cudnn")
+  fa3      flash_attn3_jax.flash_mha (full-cache rows only: it takes no per-row lengths)
+Bandwidth: K/V bytes each row must read (its filled part) / time, next to the HBM copy bandwidth measured in the same
+process (x * 2 on 4 GiB of bf16: bytes read + written / time). Before timing, te_jax's output is checked against an
+fp32 reference on the moderate rows. Timing: `rounds` interleaved rounds of timing.measure's median; the cell is the
+median over rounds. `--configs` adds te_jax with other DecodeConfigs on the batch-16 GQA rows (tuning evidence).
+The script stops starting rows after `--budget` seconds and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import te_jax
+from benchmarks import attention_hopper_gpu as ahg  # import_fa3, gpu_warmup, rel
+from benchmarks import timing
+
+H, D = 32, 128
+T0 = time.perf_counter()
+
+
+def rows():
+    out = []
+    for sq in (1, 8):
+        for b in (16, 1):
+            for g in (8, 32):
+                for s in (8192, 32768, 131072):
+                    out.append((f"q{sq} b{b} {'GQA 32/8' if g == 8 else 'MHA'} cache {s // 1024}k", b, sq, g, s, None))
+    out.sort(key=lambda r: (r[2] != 1, r[1] != 16, r[3] != 8))  # the issue's row (q1 b16 GQA) first
+    lens = jnp.linspace(1024, 32768, 16).astype(jnp.int32)
+    out.insert(3, ("q1 b16 GQA 32/8 cache 32k, rows filled 1k..32k", 16, 1, 8, 32768, lens))
+    return out
+
+
+def copy_bandwidth():
+    x = jnp.ones((2**31,), jnp.bfloat16)  # 4 GiB
+    f = jax.jit(lambda x: x * 2)
+    t = timing.measure(f, (x,), samples=10)[0]
+    del x
+    return 2 * 2**31 * 2 / t / 1e12
+
+
+def makers(sq, g, lens, fa3, configs):
+    scale = D ** -0.5
+    kw = dict(attn_input_format="bshd")
+    if lens is not None:
+        kw.update(attn_mask_type="padding", q_seqlens=jnp.ones_like(lens) * sq, kv_seqlens=lens)
+    impls = {"te_jax": jax.jit(lambda q, k, v: te_jax.dot_product_attention(q, k, v, scale=scale, **kw))}
+    for name, cfg in configs.items():
+        impls[name] = jax.jit(lambda q, k, v, cfg=cfg: te_jax.dot_product_attention(q, k, v, scale=scale, config=cfg,
+                                                                                       backend="pallas", **kw))
+    if lens is None:
+        impls["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale,
+                                                                              implementation="cudnn"))
+        if fa3 is not None:
+            impls["fa3"] = jax.jit(lambda q, k, v: fa3.flash_mha(q, k, v, softmax_scale=float(scale), is_causal=False))
+    else:
+        impls["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, query_seq_lengths=jnp.ones_like(lens) * sq, key_value_seq_lengths=lens,
+            implementation="cudnn"))
+    return impls, kw
+
+
+def reference(q, k, v, lens):
+    """fp32 output (every query sees the row's first lens[b] keys, or the whole cache)."""
+    rep = q.shape[2] // k.shape[2]
+    f32 = lambda x: x.astype(jnp.float32)
+    s = jnp.einsum("bqhd,bkhd->bhqk", f32(q), jnp.repeat(f32(k), rep, axis=2)) * D ** -0.5
+    if lens is not None:
+        s = jnp.where(jnp.arange(k.shape[1])[None, None, None, :] < lens[:, None, None, None], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(f32(v), rep, axis=2))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget", type=float, default=240.0)
+    ap.add_argument("--configs", action="store_true")
+    ap.add_argument("--cpu-smoke", action="store_true", help="two tiny rows on the CPU (checks the script runs)")
+    args = ap.parse_args()
+    from pallas_kernels.flash_decode import DecodeConfig
+
+    fa3, fa3_line = ahg.import_fa3()
+    print(f"{datetime.date.today()}  {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
+    print(fa3_line, flush=True)
+    if args.cpu_smoke:
+        smoke_lens = jnp.array([100, 512], jnp.int32)
+        row_list, copy = [("smoke", 2, 1, 8, 512, None), ("smoke lens", 2, 1, 8, 512, smoke_lens)], 1.0
+    else:
+        ahg.gpu_warmup()
+        row_list, copy = rows(), copy_bandwidth()
+    print(f"HBM copy bandwidth (x * 2, 4 GiB bf16, read + write): {copy:.2f} TB/s", flush=True)
+    configs = {}
+    if args.configs:
+        configs = {"te_jax bk64 st4": DecodeConfig(block_kv=64, num_stages=4),
+                   "te_jax bk128 w8": DecodeConfig(block_kv=128, num_warps=8),
+                   "te_jax bk128 st2 x2": DecodeConfig(block_kv=128, num_stages=2, min_programs=528)}
+    table, skipped = [], []
+    for name, b, sq, g, s, lens in row_list:
+        if time.perf_counter() - T0 > args.budget:
+            skipped.append(name)
+            continue
+        ks = jax.random.split(jax.random.key(hash(name) % 1000), 3)
+        q = jax.random.normal(ks[0], (b, sq, H, D), jnp.bfloat16)
+        # 8k random keys tiled along the cache (the time does not depend on the values; no fp32 temporary of a
+        # 17 GB cache)
+        part = min(s, 8192)
+        k, v = (jnp.tile(jax.random.normal(kk, (b, part, g, D), jnp.bfloat16), (1, s // part, 1, 1)) for kk in ks[1:])
+        row_configs = configs if (b == 16 and g == 8 and lens is None) else {}
+        impls, kw = makers(sq, g, lens, fa3, row_configs)
+        choice = te_jax.explain_attention_backend(q, k, v, **kw)
+        print(f"\n== {name}: te_jax auto: {choice.selected}; {choice.detail[:160]}", flush=True)
+        for iname in list(impls):
+            try:
+                jax.block_until_ready(impls[iname](q, k, v))
+            except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
+                print(f"  {iname}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+                impls.pop(iname)
+        if "te_jax" in impls and b * s * g <= 16 * 32768 * 8:  # moderate rows
+            ref = jax.jit(reference)(q, k, v, lens)
+            for iname in impls:
+                print(f"  {iname} vs fp32: rel {ahg.rel(impls[iname](q, k, v).astype(jnp.float32), ref):.2e}",
+                      flush=True)
+            del ref
+        filled = b * s if lens is None else int(jnp.sum(lens))
+        nbytes = 2 * filled * g * D * 2
+        times = {i: [] for i in impls}
+        for _ in range(args.rounds):
+            for iname, f in impls.items():
+                times[iname].append(timing.measure(f, (q, k, v), samples=10)[0])
+        tb = {i: nbytes / statistics.median(t) / 1e12 for i, t in times.items()}
+        peers = [i for i in impls if not i.startswith("te_jax")]
+        best = max(peers, key=tb.get) if peers else None
+        ratio = f"{tb['te_jax'] / tb[best]:.2f} of {best}" if best and "te_jax" in tb else "-"
+        cells = " | ".join(f"{i} {tb[i]:.2f}" for i in impls)
+        copy_frac = f"{tb['te_jax'] / copy:.2f}" if "te_jax" in tb else "-"
+        line = f"| {name} | {cells} | {ratio} | {copy_frac} |"
+        print(line, flush=True)
+        table.append(line)
+        del q, k, v
+    print(f"\n## Decode attention, TB/s of K/V read ({args.rounds} interleaved rounds, medians), "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; HBM copy {copy:.2f} TB/s\n")
+    print("| row | implementations (TB/s) | te_jax / best peer | te_jax / copy |")
+    print("|---|---|---|---|")
+    for line in table:
+        print(line)
+    if skipped:
+        print(f"\nnot run (time budget {args.budget:.0f} s): {', '.join(skipped)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""Flash-decoding (split-KV) attention for short queries against a long KV cache (Triton-lowered Pallas).
+
+Layout: q [B, Sq, H, Dqk] with Sq <= MAX_QUERY_LEN (1 for plain decoding, up to 16 for speculative
+decoding or chunked prefill tails), k [B, Skv, G, Dqk], v [B, Skv, G, Dv], H % G == 0. Returns
+(out [B, Sq, H, Dv] q.dtype, lse [B, H, Sq] f32, natural log, -inf on rows that see no key).
+
+Work split:
+- **Query heads of a KV group in one tile.** The R = H / G query heads of each KV head and the Sq
+  query tokens form the rows of one tile (row t * R + r: token t, head g * R + r), so every K/V tile is
+  read once per KV head, never once per query head. Rows are padded to a power of two >= 16 (Triton's
+  smallest dot); more than `block_rows` rows take several tiles.
+- **The KV length split across programs** (flash-decoding): program (s, b, tile) takes the s-th of
+  `num_splits` equal shares of row b's *visible* KV blocks, writes a partial output and its logsumexp,
+  and the shares are merged by logsumexp after the kernel (`_combine`, a few MB in XLA). The split count
+  is chosen statically from the grid size (`DecodeConfig.min_programs`); the shares are computed per row
+  from that row's visible range, so a partly filled cache is read only up to its filled part and every
+  program of a row gets an equal part of it.
+- **Masks.** The kernel takes the `AttentionMask` (segment ids and positions per token, causal and window
+  static): before the launch XLA reduces its block classes (`AttentionMask.block_classes`, one q tile of
+  all Sq tokens) to per-row loop bounds (lo, flo, fhi, hi) as the portable kernel does: blocks outside
+  [lo, hi) are never loaded, [flo, fhi) is computed without mask arithmetic, the rest with the element
+  mask. Per-row cache lengths (padding), bottom-right causal (each new token sees the cache up to its own
+  position), sliding windows and packed segments are all the same mechanism.
+- **Backward**: the portable kernel's backward from this forward's out and lse (`flash_attention_bwd`), so
+  the op is differentiable although decoding never asks for it.
+
+Units as the portable kernel without a bias: logits in base 2 (times log2 e), exp2(s - m).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._compat import default_interpret, pl, triton_params
+from .._lower_once import lower_once
+from ..flash_attention import flash_attention_bwd
+from ..mask import AttentionMask, loop_bounds, visible
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+#: Longest query (tokens per row) the decode kernel takes; longer queries are prefill, for the flash kernels.
+MAX_QUERY_LEN = 16
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles and launch parameters of the decode kernel (powers of two >= 16 for the blocks).
+
+    block_kv: keys per step (shrunk to a power of two dividing the cache length when possible, so that the
+      cache is never copied to pad it). block_rows: most rows (query tokens x heads of a group) per tile.
+    num_splits: fixed number of KV shares per (row, KV head); None: enough shares that the grid has at
+      least `min_programs` programs (two per SM of an H100), at most one share per KV block.
+    """
+
+    block_kv: int = 128
+    block_rows: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    num_splits: int | None = None
+    min_programs: int = 264
+
+    def __post_init__(self):
+        for name in ("block_kv", "block_rows"):
+            b = getattr(self, name)
+            if b < 16 or b & (b - 1):
+                raise ValueError(f"DecodeConfig.{name}={b} must be a power of two >= 16")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"DecodeConfig.num_splits={self.num_splits} must be >= 1 (or None: automatic)")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def decode_reason(q_shape, k_shape, v_shape) -> str | None:
+    """None when the decode kernel takes these [B, S, heads, D] shapes (q_len <= MAX_QUERY_LEN < kv_len), else
+    why not."""
+    B, sq, h, dqk = q_shape
+    skv, g, dv = k_shape[1], k_shape[2], v_shape[3]
+    if sq > MAX_QUERY_LEN:
+        return (f"q_len {sq} > {MAX_QUERY_LEN}: the decode kernel serves short queries (decoding, speculative "
+                f"tokens) against a KV cache")
+    if skv <= sq:
+        return f"kv_len {skv} <= q_len {sq}: not a short query against a longer KV cache"
+    if h % g:
+        return f"{h} query heads are not a multiple of {g} KV heads"
+    if max(dqk, dv) > MAX_HEAD_DIM:
+        return f"head_dim {max(dqk, dv)} > {MAX_HEAD_DIM}: the kernel keeps a whole head row in registers"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    rep: int  # query heads per KV head (R)
+    rows: int  # Sq * R
+    bm: int  # rows per tile
+    n_tiles: int  # row tiles per KV head
+    bk: int  # keys per step
+    skv_pad: int
+    n_splits: int
+    dqk_pad: int
+    dv_pad: int
+
+
+def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv) -> _Geom:
+    rep = h // g
+    rows = sq * rep
+    bm = min(max(16, _next_pow2(rows)), cfg.block_rows)
+    n_tiles = -(-rows // bm)
+    # The largest power-of-two block <= block_kv that divides the cache: no copy of the cache to pad it.
+    bk = next((b for b in (cfg.block_kv, cfg.block_kv // 2, cfg.block_kv // 4, cfg.block_kv // 8) if b >= 16 and skv % b == 0),
+              min(cfg.block_kv, max(16, _next_pow2(skv))))
+    skv_pad = -(-skv // bk) * bk
+    nk = skv_pad // bk
+    n_splits = cfg.num_splits or -(-cfg.min_programs // (B * g * n_tiles))
+    n_splits = max(1, min(n_splits, nk))
+    return _Geom(rep, rows, bm, n_tiles, bk, skv_pad, n_splits, max(16, _next_pow2(dqk)), max(16, _next_pow2(dv)))
+
+
+def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None) -> str:
+    """One line on how the kernel runs these shapes (for te_jax's backend explanation)."""
+    B, sq, h, dqk = q_shape
+    skv, g, dv = k_shape[1], k_shape[2], v_shape[3]
+    geo = _geometry(config or DecodeConfig(), B, sq, h, skv, g, dqk, dv)
+    line = (f"{sq} query token(s) x {geo.rep} query heads per KV head in {geo.n_tiles} tile(s) of {geo.bm} rows "
+            f"(K/V read once per KV head); {geo.bk}-key steps; the KV length split into {geo.n_splits} share(s) per "
+            f"(row, KV head), merged by logsumexp; each row reads only the blocks its mask leaves visible (per-row "
+            f"cache lengths, causal, window); backward: the portable kernel's")
+    copies = []
+    if geo.skv_pad != skv:
+        copies.append(f"kv_len {skv} padded to {geo.skv_pad}")
+    if geo.dqk_pad != dqk or geo.dv_pad != dv:
+        copies.append(f"head_dim {dqk}/{dv} padded to {geo.dqk_pad}/{geo.dv_pad}")
+    if copies:
+        line += f"; {' and '.join(copies)} (a copy of the cache: a multiple of 16 keys and a power-of-two head_dim avoid it)"
+    return line
+
+
+def _pad_axis(x, axis, size, value=0):
+    if x.shape[axis] == size:
+        return x
+    pads = [(0, 0)] * x.ndim
+    pads[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pads, constant_values=value)
+
+
+# --------------------------------------------------------------------------------------
+# The kernel
+# --------------------------------------------------------------------------------------
+def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, o_ref, lse_ref, *,
+                   scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int):
+    """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks."""
+    share = pl.program_id(0)
+    lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
+    per = (hi - lo + n_splits - 1) // n_splits
+    a = jnp.minimum(lo + share * per, hi)
+    e = jnp.minimum(a + per, hi)
+    q = q_ref[...]
+    qseg = qseg_ref[...]
+    qpos = qpos_ref[...]
+
+    def body(j, carry, masked):
+        acc, m, l = carry
+        sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        s = jnp.dot(q, k_ref[sl, :].T, preferred_element_type=jnp.float32)
+        if softcap is not None:
+            s = jnp.tanh(s * (scale / softcap)) * (softcap * LOG2E)
+        else:
+            s = s * (scale * LOG2E)
+        if masked:
+            vis = visible(qseg[:, None], qpos[:, None], kseg_ref[sl][None, :], kpos_ref[sl][None, :],
+                          causal=causal, window=window)
+            s = jnp.where(vis, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        v = v_ref[sl, :]
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc, m_new, l
+
+    bm, dv = q.shape[0], v_ref.shape[-1]
+    carry = (jnp.zeros((bm, dv), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
+             jnp.zeros((bm,), jnp.float32))
+    # The share [a, e) in the row's three runs: masked [lo, flo), full [flo, fhi), masked [fhi, hi).
+    carry = lax.fori_loop(a, jnp.minimum(e, flo), lambda j, c: body(j, c, True), carry)
+    carry = lax.fori_loop(jnp.maximum(a, flo), jnp.minimum(e, fhi), lambda j, c: body(j, c, False), carry)
+    acc, m, l = lax.fori_loop(jnp.maximum(a, fhi), e, lambda j, c: body(j, c, True), carry)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = acc / l_safe[:, None]
+    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+
+
+def _combine(o, lse):
+    """Merge the shares by logsumexp: o [..., n_splits, M, D], lse [..., n_splits, M] -> [..., M, D], [..., M]."""
+    mx = jnp.max(lse, axis=-2)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp(lse - mx[..., None, :])  # exp(-inf) = 0 for empty shares
+    tot = jnp.sum(w, axis=-2)
+    out = jnp.sum(w[..., None] * o, axis=-3) / jnp.where(tot > 0, tot, 1.0)[..., None]
+    return out, jnp.where(tot > 0, mx + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
+
+
+@lower_once(static_argnames=("scale", "softcap", "config", "interpret"))
+def _decode_impl(q, k, v, mask: AttentionMask, *, scale, softcap, config: DecodeConfig, interpret: bool):
+    B, sq, h, dqk = q.shape
+    skv, g, dv = k.shape[1], k.shape[2], v.shape[3]
+    geo = _geometry(config, B, sq, h, skv, g, dqk, dv)
+    R, M = geo.rep, geo.n_tiles * geo.bm
+    # q rows per KV head: [B, G, Sq * R, D] (row t * R + r), padded rows / columns of zeros.
+    qp = q.reshape(B, sq, g, R, dqk).transpose(0, 2, 1, 3, 4).reshape(B, g, geo.rows, dqk)
+    qp = _pad_axis(_pad_axis(qp, 2, M), 3, geo.dqk_pad)
+    k = _pad_axis(_pad_axis(k, 1, geo.skv_pad), 3, geo.dqk_pad)
+    v = _pad_axis(_pad_axis(v, 1, geo.skv_pad), 3, geo.dv_pad)
+    # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
+    meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
+    kmask = mask.pad(sq, geo.skv_pad)
+    qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
+    qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
+    nt, bm, S = geo.n_tiles, geo.bm, geo.n_splits
+    kv_spec = lambda d: pl.BlockSpec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
+    o, lse = pl.pallas_call(
+        functools.partial(_decode_kernel, scale=scale, softcap=softcap, causal=mask.causal, window=mask.window,
+                          bk=geo.bk, n_splits=S),
+        grid=(S, B, g * nt),
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda s, b, i: (b, 0)),
+            pl.BlockSpec((None, None, bm, geo.dqk_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
+            kv_spec(geo.dqk_pad),
+            kv_spec(geo.dv_pad),
+            pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
+            pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
+            pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
+            pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, s, i % nt, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda s, b, i: (b, i // nt, s, i % nt)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((B, g, S, M, geo.dv_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((B, g, S, M), jnp.float32)],
+        compiler_params=triton_params(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="te_flash_decode",
+    )(meta, qp, k, v, qseg, qpos, kmask.kv_segment_ids, kmask.kv_positions)
+    o, lse = _combine(o, lse)  # [B, G, M, Dvp], [B, G, M]
+    out = o[:, :, :geo.rows, :dv].reshape(B, g, sq, R, dv).transpose(0, 2, 1, 3, 4).reshape(B, sq, h, dv)
+    lse = lse[:, :, :geo.rows].reshape(B, g, sq, R).transpose(0, 1, 3, 2).reshape(B, h, sq)
+    return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _decode(q, k, v, mask, scale, softcap, config, interpret):
+    return _decode_impl(q, k, v, mask, scale=scale, softcap=softcap, config=config, interpret=interpret)
+
+
+def _decode_fwd(q, k, v, mask, scale, softcap, config, interpret):
+    out, lse = _decode(q, k, v, mask, scale, softcap, config, interpret)
+    return (out, lse), (q, k, v, mask, out, lse)
+
+
+def _decode_bwd(scale, softcap, config, interpret, res, cts):
+    q, k, v, mask, out, lse = res
+    dout, dlse = cts
+    dq, dk, dv, _ = flash_attention_bwd(q, k, v, mask, None, out, lse, dout, dlse, scale=scale, softcap=softcap,
+                                        interpret=interpret)
+    return dq, dk, dv, None
+
+
+_decode.defvjp(_decode_fwd, _decode_bwd)
+
+
+def flash_decode(q, k, v, mask: AttentionMask, *, scale: float, softcap: float | None = None,
+                 config: DecodeConfig | None = None, interpret: bool | None = None):
+    """Attention of a short query against a KV cache: (out [B, Sq, H, Dv], lse [B, H, Sq] f32).
+
+    q [B, Sq, H, Dqk] (Sq <= MAX_QUERY_LEN), k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; mask: an
+    `AttentionMask` with [B, Sq] / [B, Skv] segment ids and positions (a cache filled to length n_b on
+    row b: kv segment ids 1 on [0, n_b), 0 after; new tokens at positions n_b - Sq + t with causal=True).
+    Differentiable (the portable kernel's backward). Raises ValueError for shapes it does not take
+    (`decode_reason`).
+    """
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(f"flash_decode: mask must be a pallas_kernels.mask.AttentionMask, got {type(mask).__name__}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3]:
+        raise ValueError(f"flash_decode: expected q [B, Sq, H, Dqk], k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; got "
+                         f"q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
+    why = decode_reason(q.shape, k.shape, v.shape)
+    if why is not None:
+        raise ValueError(f"flash_decode: q{tuple(q.shape)} k{tuple(k.shape)}: {why}")
+    if (mask.batch, mask.q_len, mask.kv_len) != (q.shape[0], q.shape[1], k.shape[1]):
+        raise ValueError(f"flash_decode: mask arrays [{mask.batch}, {mask.q_len}] / [{mask.batch}, {mask.kv_len}] do "
+                         f"not match q{tuple(q.shape)} k{tuple(k.shape)}: expected [{q.shape[0]}, {q.shape[1]}] / "
+                         f"[{q.shape[0]}, {k.shape[1]}]")
+    return _decode(q, k, v, mask, float(scale), None if softcap is None else float(softcap),
+                   config or DecodeConfig(), default_interpret() if interpret is None else bool(interpret))

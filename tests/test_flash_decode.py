@@ -1,0 +1,130 @@
+"""The decode kernel (pallas_kernels/flash_decode): short queries against a KV cache, in interpret mode on the
+CPU (the real kernel on a GPU), against an fp32 reference built from the dense mask; and its dispatch."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax
+import te_jax.attention as attention_mod
+from helpers import qkv, rand
+from pallas_kernels.flash_decode import DecodeConfig, decode_reason, flash_decode
+from pallas_kernels.mask import AttentionMask
+
+
+def reference(q, k, v, mask, scale, softcap=None):
+    """fp32 (out, lse) from the dense mask; rows that see no key: out 0, lse -inf."""
+    rep = q.shape[2] // k.shape[2]
+    f32 = lambda x: x.astype(jnp.float32)
+    kk, vv = jnp.repeat(f32(k), rep, axis=2), jnp.repeat(f32(v), rep, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", f32(q), kk, precision="highest") * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(mask.dense()[:, None], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vv, precision="highest"), lse
+
+
+def cache_mask(lens, sq, skv, *, q_valid=None, causal=True, window=(-1, -1)):
+    """A KV cache filled to lens[b] on row b, the sq new tokens the last ones of it (positions lens - sq + t);
+    q_valid [b, sq] False marks padding queries."""
+    lens = np.asarray(lens)
+    b = len(lens)
+    kv_seg = (np.arange(skv)[None] < lens[:, None]).astype(np.int32)
+    q_seg = np.ones((b, sq), np.int32) if q_valid is None else np.asarray(q_valid, np.int32)
+    q_pos = (lens[:, None] - sq + np.arange(sq)[None]).astype(np.int32)
+    kv_pos = np.broadcast_to(np.arange(skv, dtype=np.int32), (b, skv))
+    return AttentionMask(jnp.asarray(q_seg), jnp.asarray(q_pos), jnp.asarray(kv_seg), jnp.asarray(kv_pos),
+                         causal=causal, window=window)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("case", [
+    # GQA 8/2, one token, partly filled cache (one row empty: zeros, lse -inf), more shares than some rows fill
+    dict(b=3, sq=1, h=8, g=2, d=64, skv=256, lens=[256, 37, 0], cfg=DecodeConfig(block_kv=32, num_splits=4)),
+    # speculative tokens, MHA, a padding query, sliding window and softcap, bf16
+    dict(b=2, sq=4, h=2, g=2, d=32, skv=200, lens=[200, 90], q_valid=[[1, 1, 1, 1], [1, 1, 1, 0]],
+         window=(50, 0), softcap=5.0, dtype=jnp.bfloat16),
+    # MQA with 32 query heads x 4 tokens = 128 rows: two row tiles; cache length not a multiple of 16, head_dim 40
+    dict(b=1, sq=4, h=32, g=1, d=40, skv=131, lens=[131], cfg=DecodeConfig(block_rows=64)),
+    # no mask at all (not causal): every cached key
+    dict(b=2, sq=2, h=4, g=1, d=64, skv=96, lens=[96, 96], causal=False),
+])
+def test_matches_reference(case):
+    dtype = case.get("dtype", jnp.float32)
+    b, sq, h, g, d, skv = (case[n] for n in ("b", "sq", "h", "g", "d", "skv"))
+    q, k, v, ct = qkv(sum(case["lens"]) + sq, b, sq, skv, h, g, d, dtype=dtype, cotangent=True)
+    mask = cache_mask(case["lens"], sq, skv, q_valid=case.get("q_valid"), causal=case.get("causal", True),
+                      window=case.get("window", (-1, -1)))
+    scale, cap = d ** -0.5, case.get("softcap")
+    out, lse = flash_decode(q, k, v, mask, scale=scale, softcap=cap, config=case.get("cfg"))
+    rout, rlse = reference(q, k, v, mask, scale, cap)
+    assert out.shape == (b, sq, h, d) and out.dtype == dtype and lse.shape == (b, h, sq)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    assert _rel(out, rout) < tol
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))  # empty rows: -inf exactly there
+    fin = np.isfinite(rlse)
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rlse)[fin], atol=1e-4 if dtype == jnp.float32 else 2e-2)
+    hidden = ~np.isfinite(np.asarray(rlse))  # [b, h, sq]
+    assert np.all(np.asarray(out, np.float32)[np.transpose(hidden, (0, 2, 1))] == 0)
+
+
+def test_gradients_match_reference():
+    """Differentiable through the portable kernel's backward (q, k, v; an lse cotangent too)."""
+    b, sq, h, g, d, skv = 2, 2, 4, 2, 32, 128
+    q, k, v, ct = qkv(5, b, sq, skv, h, g, d, cotangent=True)
+    dl = rand(6, (b, h, sq))
+    mask = cache_mask([128, 70], sq, skv)
+
+    def loss(fn):
+        return lambda q, k, v: (lambda o, l: jnp.sum(o * ct) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * dl))(
+            *fn(q, k, v))
+
+    ours = jax.grad(loss(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.2, )
+                                                      config=DecodeConfig(block_kv=32))), (0, 1, 2))(q, k, v)
+    ref = jax.grad(loss(lambda q, k, v: reference(q, k, v, mask, 0.2)), (0, 1, 2))(q, k, v)
+    for a, r in zip(ours, ref):
+        assert _rel(a, r) < 1e-4
+
+
+def test_reasons_and_errors():
+    assert decode_reason((2, 1, 8, 64), (2, 4096, 2, 64), (2, 4096, 2, 64)) is None
+    assert "q_len 17 > 16" in decode_reason((2, 17, 8, 64), (2, 4096, 2, 64), (2, 4096, 2, 64))
+    assert "kv_len 8 <= q_len 8" in decode_reason((2, 8, 8, 64), (2, 8, 2, 64), (2, 8, 2, 64))
+    q, k, v = qkv(0, 1, 1, 64, 4, 2, 16)
+    with pytest.raises(ValueError, match=r"mask arrays \[1, 1\] / \[1, 32\] do not match"):
+        flash_decode(q, k, v, cache_mask([32], 1, 32), scale=0.25)
+    with pytest.raises(ValueError, match="must be a power of two"):
+        DecodeConfig(block_kv=48)
+
+
+def test_front_door_decode_with_per_row_lengths():
+    """dot_product_attention(backend="pallas") on a decode-shaped call (the Flax decode path's form:
+    padding_causal_bottom_right from seqlens) runs the decode kernel, says so, and equals the xla backend."""
+    b, sq, skv, h, g, d = 2, 1, 160, 8, 2, 32
+    q, k, v = qkv(3, b, sq, skv, h, g, d)
+    kw = dict(attn_input_format="bshd", attn_mask_type="padding_causal_bottom_right",
+              q_seqlens=jnp.array([1, 1]), kv_seqlens=jnp.array([160, 45]))
+    choice = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw)
+    assert choice.selected == "pallas" and choice.detail.startswith("decode kernel (flash-decoding)"), choice
+    ours = te_jax.dot_product_attention(q, k, v, backend="pallas", **kw)
+    ref = te_jax.dot_product_attention(q, k, v, backend="xla", **kw)
+    assert _rel(ours, ref) < 1e-5
+
+
+def test_sm90_auto_takes_the_decode_kernel(monkeypatch):
+    """On an sm90 GPU auto takes Pallas's decode kernel for a short query against a cache, ahead of cuDNN and the
+    Hopper kernel (which would pad the query to a 128-row tile), and explains why; a prefill stays where it was."""
+    monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (9, 0)))
+    shapes = lambda sq, skv: [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in
+                              ((16, sq, 32, 128), (16, skv, 8, 128), (16, skv, 8, 128))]
+    choice = te_jax.explain_attention_backend(*shapes(1, 8192), attn_input_format="bshd")
+    assert choice.selected == "pallas" and choice.detail.startswith("decode kernel"), choice
+    assert "decode kernel" in str(choice) and "short query" in str(choice)
+    prefill = te_jax.explain_attention_backend(*shapes(2048, 2048), attn_input_format="bshd", attn_mask_type="causal")
+    assert not prefill.detail.startswith("decode kernel")
