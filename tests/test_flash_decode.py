@@ -85,7 +85,7 @@ def test_gradients_match_reference():
         return lambda q, k, v: (lambda o, l: jnp.sum(o * ct) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * dl))(
             *fn(q, k, v))
 
-    ours = jax.grad(loss(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.2, )
+    ours = jax.grad(loss(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.2,
                                                       config=DecodeConfig(block_kv=32))), (0, 1, 2))(q, k, v)
     ref = jax.grad(loss(lambda q, k, v: reference(q, k, v, mask, 0.2)), (0, 1, 2))(q, k, v)
     for a, r in zip(ours, ref):

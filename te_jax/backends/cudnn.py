@@ -64,8 +64,9 @@ class CudnnBackend:
         if d.q_len % 2 or d.kv_len % 2:
             # jax 0.10: only with a bias; jax 0.11.2 refuses odd lengths for training without a bias too
             # ("Unsupported sequence length Q 1, KV 1").
-            return (f"odd sequence length (q {d.q_len}, kv {d.kv_len}): jax.nn's cuDNN path refuses odd lengths "
-                    f"when differentiated (with a bias on every jax version)")
+            return (f"odd sequence length (q {d.q_len}, kv {d.kv_len}): jax.nn's cuDNN backward refuses odd lengths "
+                    f"(jax 0.11.2: 'Unsupported sequence length'; with a bias, the forward too), and whether this "
+                    f"call will be differentiated is not known when the backend is chosen")
         if call.needs_split_vjp:
             return ("context parallelism needs a separate forward (with logsumexp) and backward; jax.nn's cuDNN "
                     "call exposes neither")
