@@ -681,7 +681,9 @@ class MultiHeadAttention(nn.Module):
       causally to its row's cached tokens, so decoding equals the full forward on each row's real tokens
       (RoPE positions count only real tokens, as with segment ids in the full forward). The attention runs
       on every backend through q_seqlens / kv_seqlens (padding_causal_bottom_right, queries compacted);
-      decoding is always causal whatever attn_mask_type. bias: [1 or b, 1 or h, max_len, max_len] indexed by
+      decoding is always causal whatever attn_mask_type. On the pallas backend (auto's choice on a GPU) chunks
+      of up to 16 tokens run the decode kernel (pallas_kernels.flash_decode): each row reads only its filled
+      slots, split across the GPU and merged by logsumexp. bias: [1 or b, 1 or h, max_len, max_len] indexed by
       token positions (each row takes the rows of its tokens' positions; RelativePositionBiases over max_len)
       or [1 or b, 1 or h, chunk, max_len].
       Past the cache: a chunk longer than max_len is a ValueError; eagerly (concrete cache_index) a call
