@@ -232,10 +232,16 @@ def test_sm90_softcap_takes_the_hopper_kernel(fake_h100, monkeypatch):
     from te_jax.backends import pallas as pallas_mod
 
     monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)  # sm90 and jax >= 0.11
-    capped = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024), softcap=30.0, attn_mask_type="causal")
+    capped = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), softcap=30.0, attn_mask_type="causal")
     assert capped.selected == "pallas", capped
     assert "Hopper (Mosaic GPU) kernel" in capped.detail and "softcap 30" in capped.detail, capped.detail
     assert "softcap" in capped.reasons["cudnn"]
+    # head_dim 64: no GPU run has checked softcap there yet, so the portable kernel serves it, and says why
+    hd64 = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=64), softcap=30.0, attn_mask_type="causal")
+    assert hd64.selected == "pallas" and hd64.detail.startswith("portable"), hd64.detail
+    assert "softcap at head_dim 64: not yet checked on a GPU" in hd64.detail, hd64.detail
+    ragged64 = te_jax.explain_attention_backend(*_qkv(sq=1000, skv=1000, d=64), backend="pallas")
+    assert "ragged lengths at head_dim 64: not yet checked on a GPU" in ragged64.detail, ragged64.detail
     plain = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024), attn_mask_type="causal")
     assert "Hopper (Mosaic GPU) kernel" in plain.detail and "softcap" not in plain.detail
     from pallas_kernels.flash_attention_hopper import supports

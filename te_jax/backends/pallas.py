@@ -196,7 +196,27 @@ class PallasBackend:
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
-                            call.dtype, call.mask.causal, softcap=call.softcap) or hopper_device_reason()
+                            call.dtype, call.mask.causal, softcap=call.softcap) or self._unverified_reason(
+            call, mod.BLOCK) or hopper_device_reason()
+
+    @staticmethod
+    def _unverified_reason(call, block):
+        """Features of the Hopper kernel that no GPU run has checked at this head_dim yet (tuning.HOPPER_GPU_VERIFIED):
+        auto leaves them to the portable kernel; an explicit HopperConfig takes them anyway."""
+        if _config_kind(call) == "hopper":
+            return None
+        from te_jax.backends import tuning
+
+        d = call.dims
+        used = [f for f, on in (("softcap", call.softcap is not None),
+                                ("ragged lengths", d.q_len % block or d.kv_len % block)) if on]
+        verified = tuning.HOPPER_GPU_VERIFIED
+        missing = [f for f in used if d.head_dim_qk not in verified.value[f]]
+        if missing:
+            return (f"{' and '.join(missing)} at head_dim {d.head_dim_qk}: not yet checked on a GPU for the Hopper "
+                    f"kernel (checked at head_dim {verified.value[missing[0]]}: {verified.results}); pass "
+                    f"config=HopperConfig() to use it anyway")
+        return None
 
     def ring_block_reason(self, call, q_block_shape, kv_block_shape, half_blocks: bool) -> str | None:
         """Why the Hopper kernel cannot serve the per-block calls of ring attention (None when it can).

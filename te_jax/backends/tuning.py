@@ -54,6 +54,14 @@ DECODE_GPU_PREFERENCE = Tuned(
     "trails on q 8 GQA (0.3-1.3 TB/s against 0.8-4.0)",
     DECODE_RESULTS)
 
+#: Hopper-kernel features auto takes only at the head dims where a GPU run has checked them against fp32 (feature ->
+#: head dims); elsewhere the portable kernel serves them until a run does. An explicit HopperConfig bypasses this.
+HOPPER_GPU_VERIFIED = Tuned(
+    {"softcap": (128,), "ragged lengths": (128,)},
+    "H200: softcap 50 causal B4x4k hd128 out 2.2e-3 vs fp32, grads within 1.2e-3 of the portable kernel; ragged "
+    "length 129 hd128 (test_forward_and_grads) passed; the hd64/hd256 cases did not finish inside the run's limit",
+    "benchmarks/results/attention_masks_h200.md")
+
 #: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100
 #: (0: never). auto takes the Hopper kernel up to it, cuDNN beyond.
 _HOPPER_HD64 = Tuned(16384, "fwd+bwd 1.01-1.14x the best of cuDNN and tokamax on every row 1k-16k, kernel time and "
