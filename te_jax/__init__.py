@@ -14,6 +14,7 @@ from te_jax.masks import MASK_TYPES
 from te_jax.sinks import SOFTMAX_TYPES
 from te_jax.normalization import explain_norm_backend, layernorm, norm, rmsnorm
 from te_jax.mlp import explain_mlp_backend, layernorm_dense, layernorm_mlp
+from te_jax.paged_decode import explain_paged_decode_backend, paged_decode_attention
 from te_jax.context_parallel import (
     context_parallel_attention,
     explain_context_parallel_backend,
@@ -30,5 +31,6 @@ __all__ = [
     "to_bshd", "unpack_qkv",
     "layernorm", "rmsnorm", "norm", "explain_norm_backend",
     "layernorm_mlp", "layernorm_dense", "explain_mlp_backend",
+    "paged_decode_attention", "explain_paged_decode_backend",
     "context_parallel_attention", "explain_context_parallel_backend", "reorder_causal_load_balancing", "inverse_reorder_causal_load_balancing",
 ]

@@ -8,7 +8,7 @@ import pytest
 import te_jax
 import te_jax.attention as attention_mod
 from helpers import qkv, rand
-from pallas_kernels.flash_decode import DecodeConfig, decode_reason, flash_decode
+from pallas_kernels.flash_decode import DecodeConfig, decode_reason, flash_decode, flash_decode_paged
 from pallas_kernels.mask import AttentionMask
 
 
@@ -72,6 +72,32 @@ def test_matches_reference(case):
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rlse)[fin], atol=1e-4 if dtype == jnp.float32 else 2e-2)
     hidden = ~np.isfinite(np.asarray(rlse))  # [b, h, sq]
     assert np.all(np.asarray(out, np.float32)[np.transpose(hidden, (0, 2, 1))] == 0)
+
+
+def test_paged_cache_matches_reference():
+    """A paged cache (pages of 32 keys shuffled in a shared pool, GQA, per-row lengths, speculative tokens with a
+    padding query, a window (positions matter, not only the set of keys), bf16) gives what the contiguous cache gives in the fp32 reference; table entries past a row's
+    length are garbage (-1, out of range) and never read."""
+    b, sq, h, g, d, page, n_pages = 3, 2, 8, 2, 64, 32, 4
+    skv = page * n_pages
+    lens = np.array([128, 45, 2])
+    q, k, v = qkv(11, b, sq, skv, h, g, d, dtype=jnp.bfloat16)
+    perm = np.random.default_rng(0).permutation(b * n_pages)  # logical page (row, i) -> pool page perm[row * 4 + i]
+    pool = lambda x: jnp.zeros((b * n_pages, page, g, d), x.dtype).at[perm].set(x.reshape(b * n_pages, page, g, d))
+    table = perm.reshape(b, n_pages).copy()
+    for r, n in enumerate(lens):
+        table[r, -(-n // page):] = -1 if r % 2 else 10**6  # unused entries: never read (and clamped)
+    q_valid = np.array([[1, 1], [1, 0], [1, 1]], bool)
+    out, lse = flash_decode_paged(q, pool(k), pool(v), jnp.asarray(table), jnp.asarray(lens), scale=0.125,
+                                  q_valid=q_valid, window=(40, 0), config=DecodeConfig(block_kv=16, num_splits=3))
+    rout, rlse = reference(q, k, v, cache_mask(lens, sq, skv, q_valid=q_valid, window=(40, 0)), 0.125)
+    assert _rel(out, rout) < 2e-2
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
+    with pytest.raises(ValueError, match="page_size 24 is not a multiple of 16"):
+        flash_decode_paged(q, jnp.zeros((4, 24, g, d), q.dtype), jnp.zeros((4, 24, g, d), q.dtype),
+                           jnp.zeros((b, 2), jnp.int32), jnp.asarray(lens), scale=0.125)
+    with pytest.raises(ValueError, match=r"kv_lens has shape \(2,\), expected \[batch\] = \(3,\)"):
+        flash_decode_paged(q, pool(k), pool(v), jnp.asarray(table), jnp.array([1, 2]), scale=0.125)
 
 
 def test_gradients_match_reference():

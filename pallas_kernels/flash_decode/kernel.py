@@ -109,13 +109,15 @@ class _Geom:
     dv_pad: int
 
 
-def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv) -> _Geom:
+def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv, page_size=None) -> _Geom:
     rep = h // g
     rows = sq * rep
     bm = min(max(16, _next_pow2(rows)), cfg.block_rows)
     n_tiles = -(-rows // bm)
-    # The largest power-of-two block <= block_kv that divides the cache: no copy of the cache to pad it.
-    bk = next((b for b in (cfg.block_kv, cfg.block_kv // 2, cfg.block_kv // 4, cfg.block_kv // 8) if b >= 16 and skv % b == 0),
+    # The largest power-of-two block <= block_kv that divides the cache (or a page of a paged one): no copy of the
+    # cache to pad it.
+    whole = page_size or skv
+    bk = next((b for b in (cfg.block_kv, cfg.block_kv // 2, cfg.block_kv // 4, cfg.block_kv // 8) if b >= 16 and whole % b == 0),
               min(cfg.block_kv, max(16, _next_pow2(skv))))
     skv_pad = -(-skv // bk) * bk
     nk = skv_pad // bk
@@ -154,9 +156,22 @@ def _pad_axis(x, axis, size, value=0):
 # --------------------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------------------
-def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, o_ref, lse_ref, *,
-                   scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int):
-    """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks."""
+def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, *refs,
+                   scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int,
+                   page_size: int | None):
+    """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks.
+
+    Paged (page_size given): k_ref / v_ref are the whole page pool of this KV head [P, page_size, D] and the
+    extra table_ref [max_pages] maps the row's logical pages to pool pages; a block never crosses a page."""
+    if page_size is None:
+        o_ref, lse_ref = refs
+        load = lambda ref, j: ref[pl.ds(pl.multiple_of(j * bk, bk), bk), :]
+    else:
+        table_ref, o_ref, lse_ref = refs
+
+        def load(ref, j):
+            start = j * bk
+            return ref[table_ref[start // page_size], pl.ds(pl.multiple_of(start % page_size, bk), bk), :]
     share = pl.program_id(0)
     lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
     per = (hi - lo + n_splits - 1) // n_splits
@@ -169,7 +184,7 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, 
     def body(j, carry, masked):
         acc, m, l = carry
         sl = pl.ds(pl.multiple_of(j * bk, bk), bk)
-        s = jnp.dot(q, k_ref[sl, :].T, preferred_element_type=jnp.float32)
+        s = jnp.dot(q, load(k_ref, j).T, preferred_element_type=jnp.float32)
         if softcap is not None:
             s = jnp.tanh(s * (scale / softcap)) * (softcap * LOG2E)
         else:
@@ -183,7 +198,7 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, 
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        v = v_ref[sl, :]
+        v = load(v_ref, j)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc, m_new, l
 
@@ -211,26 +226,38 @@ def _combine(o, lse):
 
 
 @lower_once(static_argnames=("scale", "softcap", "config", "interpret"))
-def _decode_impl(q, k, v, mask: AttentionMask, *, scale, softcap, config: DecodeConfig, interpret: bool):
+def _decode_impl(q, k, v, mask: AttentionMask, block_table=None, *, scale, softcap, config: DecodeConfig,
+                 interpret: bool):
+    """Contiguous: k, v [B, Skv, G, D]. Paged: k, v [P, page_size, G, D] pools, block_table [B, max_pages]
+    (the mask then spans the logical max_pages * page_size keys)."""
     B, sq, h, dqk = q.shape
-    skv, g, dv = k.shape[1], k.shape[2], v.shape[3]
-    geo = _geometry(config, B, sq, h, skv, g, dqk, dv)
+    g, dv = k.shape[2], v.shape[3]
+    page_size = None if block_table is None else k.shape[1]
+    skv = k.shape[1] if block_table is None else block_table.shape[1] * page_size
+    geo = _geometry(config, B, sq, h, skv, g, dqk, dv, page_size)
     R, M = geo.rep, geo.n_tiles * geo.bm
     # q rows per KV head: [B, G, Sq * R, D] (row t * R + r), padded rows / columns of zeros.
     qp = q.reshape(B, sq, g, R, dqk).transpose(0, 2, 1, 3, 4).reshape(B, g, geo.rows, dqk)
     qp = _pad_axis(_pad_axis(qp, 2, M), 3, geo.dqk_pad)
-    k = _pad_axis(_pad_axis(k, 1, geo.skv_pad), 3, geo.dqk_pad)
-    v = _pad_axis(_pad_axis(v, 1, geo.skv_pad), 3, geo.dv_pad)
+    if block_table is None:
+        k, v = _pad_axis(k, 1, geo.skv_pad), _pad_axis(v, 1, geo.skv_pad)
+    k, v = _pad_axis(k, 3, geo.dqk_pad), _pad_axis(v, 3, geo.dv_pad)
     # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
     meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
     kmask = mask.pad(sq, geo.skv_pad)
     qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
     qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
     nt, bm, S = geo.n_tiles, geo.bm, geo.n_splits
-    kv_spec = lambda d: pl.BlockSpec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
+    if block_table is None:
+        kv_spec = lambda d: pl.BlockSpec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
+        paged_specs, paged_args = [], []
+    else:
+        kv_spec = lambda d: pl.BlockSpec((k.shape[0], page_size, None, d), lambda s, b, i: (0, 0, i // nt, 0))
+        paged_specs = [pl.BlockSpec((None, block_table.shape[1]), lambda s, b, i: (b, 0))]
+        paged_args = [block_table.astype(jnp.int32)]
     o, lse = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, softcap=softcap, causal=mask.causal, window=mask.window,
-                          bk=geo.bk, n_splits=S),
+                          bk=geo.bk, n_splits=S, page_size=page_size),
         grid=(S, B, g * nt),
         in_specs=[
             pl.BlockSpec((None, 4), lambda s, b, i: (b, 0)),
@@ -241,7 +268,7 @@ def _decode_impl(q, k, v, mask: AttentionMask, *, scale, softcap, config: Decode
             pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
             pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
             pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
-        ],
+        ] + paged_specs,
         out_specs=[
             pl.BlockSpec((None, None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, s, i % nt, 0)),
             pl.BlockSpec((None, None, None, bm), lambda s, b, i: (b, i // nt, s, i % nt)),
@@ -251,7 +278,7 @@ def _decode_impl(q, k, v, mask: AttentionMask, *, scale, softcap, config: Decode
         compiler_params=triton_params(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="te_flash_decode",
-    )(meta, qp, k, v, qseg, qpos, kmask.kv_segment_ids, kmask.kv_positions)
+    )(meta, qp, k, v, qseg, qpos, kmask.kv_segment_ids, kmask.kv_positions, *paged_args)
     o, lse = _combine(o, lse)  # [B, G, M, Dvp], [B, G, M]
     out = o[:, :, :geo.rows, :dv].reshape(B, g, sq, R, dv).transpose(0, 2, 1, 3, 4).reshape(B, sq, h, dv)
     lse = lse[:, :, :geo.rows].reshape(B, g, sq, R).transpose(0, 1, 3, 2).reshape(B, h, sq)
@@ -304,3 +331,58 @@ def flash_decode(q, k, v, mask: AttentionMask, *, scale: float, softcap: float |
                          f"[{q.shape[0]}, {k.shape[1]}]")
     return _decode(q, k, v, mask, float(scale), None if softcap is None else float(softcap),
                    config or DecodeConfig(), default_interpret() if interpret is None else bool(interpret))
+
+
+def paged_cache_mask(kv_lens, q_len: int, max_keys: int, *, q_valid=None, causal: bool = True,
+                     window=(-1, -1)) -> AttentionMask:
+    """The AttentionMask of a cache holding kv_lens[b] keys on row b whose last q_len are this call's queries
+    (query t at position kv_lens[b] - q_len + t; q_valid [B, q_len] False marks padding queries)."""
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    B = kv_lens.shape[0]
+    idx = jnp.arange(max_keys, dtype=jnp.int32)
+    q_seg = jnp.ones((B, q_len), jnp.int32) if q_valid is None else jnp.asarray(q_valid).astype(jnp.int32)
+    return AttentionMask(q_seg, kv_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None],
+                         (idx[None] < kv_lens[:, None]).astype(jnp.int32), jnp.broadcast_to(idx, (B, max_keys)),
+                         causal=causal, window=window)
+
+
+def paged_reason(q_shape, k_pages_shape, v_pages_shape, block_table_shape) -> str | None:
+    """None when flash_decode_paged takes these shapes, else why not."""
+    if len(q_shape) != 4 or len(k_pages_shape) != 4 or len(v_pages_shape) != 4 or len(block_table_shape) != 2:
+        return "expected q [B, Sq, H, Dqk], pages [P, page_size, G, D] and block_table [B, max_pages]"
+    B, sq, h, dqk = q_shape
+    P, page, g, dk = k_pages_shape
+    if tuple(v_pages_shape[:3]) != (P, page, g) or dk != dqk:
+        return f"k_pages {tuple(k_pages_shape)} / v_pages {tuple(v_pages_shape)} do not match q {tuple(q_shape)}"
+    if block_table_shape[0] != B:
+        return f"block_table has {block_table_shape[0]} rows, q has batch {B}"
+    if page % 16:
+        return f"page_size {page} is not a multiple of 16 (a key block never crosses a page)"
+    return decode_reason(q_shape, (B, block_table_shape[1] * page, g, dqk), (B, block_table_shape[1] * page, g,
+                                                                            v_pages_shape[3]))
+
+
+def flash_decode_paged(q, k_pages, v_pages, block_table, kv_lens, *, scale: float, softcap: float | None = None,
+                       causal: bool = True, window=(-1, -1), q_valid=None, config: DecodeConfig | None = None,
+                       interpret: bool | None = None):
+    """Decode against a paged KV cache (forward only): (out [B, Sq, H, Dv], lse [B, H, Sq] f32).
+
+    q [B, Sq, H, Dqk] (Sq <= MAX_QUERY_LEN); k_pages [P, page_size, G, Dqk], v_pages [P, page_size, G, Dv]: a pool
+    of pages shared by the batch; block_table [B, max_pages] int: row b's logical page i is pool page
+    block_table[b, i]; kv_lens [B] int: keys cached on row b, this call's Sq tokens included (the last Sq of
+    them). Only the pages holding a row's first kv_lens[b] keys are read, so table entries past them may be
+    anything; entries outside [0, P) are clamped. causal / window: the new tokens see the cache up to their own
+    position (bottom-right), within the window. q_valid [B, Sq] bool marks real queries (padding rows give 0).
+    """
+    why = paged_reason(q.shape, k_pages.shape, v_pages.shape, block_table.shape)
+    if why is not None:
+        raise ValueError(f"flash_decode_paged: {why}")
+    if jnp.shape(kv_lens) != (q.shape[0],):
+        raise ValueError(f"flash_decode_paged: kv_lens has shape {jnp.shape(kv_lens)}, expected [batch] = "
+                         f"({q.shape[0]},)")
+    mask = paged_cache_mask(kv_lens, q.shape[1], block_table.shape[1] * k_pages.shape[1], q_valid=q_valid,
+                            causal=causal, window=window)
+    table = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)
+    return _decode_impl(q, k_pages, v_pages, mask, table, scale=float(scale),
+                        softcap=None if softcap is None else float(softcap), config=config or DecodeConfig(),
+                        interpret=default_interpret() if interpret is None else bool(interpret))

@@ -24,11 +24,15 @@ class _Ctx:
 
 
 def _preference(key) -> tuning.Tuned | None:
-    return tuning.MLP_GPU_PREFERENCE if key == "mlp" else tuning.NORM_GPU_PREFERENCE.get(key)
+    if key == "mlp":
+        return tuning.MLP_GPU_PREFERENCE
+    if key == "paged_decode":
+        return tuning.PAGED_DECODE_GPU_PREFERENCE
+    return tuning.NORM_GPU_PREFERENCE.get(key)
 
 
 def _evidence(key) -> str:
-    rec = tuning.NORM_GPU_PREFERENCE.get(key)  # the MLP's evidence is in its own auto notes (mlp.py)
+    rec = None if key == "mlp" else _preference(key)  # the MLP's evidence is in its own auto notes (mlp.py)
     return f" ({rec.evidence}; {rec.results})" if rec is not None else ""
 
 
@@ -54,7 +58,7 @@ def _auto(ctx: _Ctx, reasons) -> Decision:
         elif reasons.get("pallas") is not None:
             notes.append("auto: pallas cannot serve this call, so xla")
         else:
-            notes.append("auto: on GPU xla was measured faster than pallas for this op" + _evidence(ctx.pref_key))
+            notes.append("auto: on GPU xla is this op's measured choice" + _evidence(ctx.pref_key))
     notes.extend(ctx.auto_notes)
     return Decision(selected, tuple(notes))
 

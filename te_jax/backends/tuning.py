@@ -54,6 +54,14 @@ DECODE_GPU_PREFERENCE = Tuned(
     "trails on q 8 GQA (0.3-1.3 TB/s against 0.8-4.0)",
     DECODE_RESULTS)
 
+#: te_jax.paged_decode_attention on a GPU: "pallas" (pallas_kernels.flash_decode_paged) or "xla" (gather the pages,
+#: then the reference). xla until a GPU run checks and times the paged kernel.
+PAGED_DECODE_GPU_PREFERENCE = Tuned(
+    "xla",
+    "the paged form of the decode kernel has run in interpret mode only (tests/test_flash_decode.py); the contiguous "
+    "form was measured on an H200; pass backend='pallas' to use the kernel",
+    DECODE_RESULTS)
+
 #: Hopper-kernel features auto takes only at the head dims where a GPU run has checked them against fp32 (feature ->
 #: head dims); elsewhere the portable kernel serves them until a run does. An explicit HopperConfig bypasses this.
 HOPPER_GPU_VERIFIED = Tuned(
