@@ -5,7 +5,8 @@
 
 Rows (bf16, head_dim 128, 32 query heads): q 1 and 8 tokens x caches of 8k, 32k, 128k x GQA 32/8 and MHA 32/32 x
 batch 1 and 16, the whole cache visible (attn_mask_type "no_mask"), plus a partly filled cache (batch 16, 32k slots,
-per-row lengths from 1k to 32k; te_jax and cuDNN take them as kv_seqlens / key_value_seq_lengths).
+per-row lengths from 1k to 32k; te_jax and cuDNN take them as kv_seqlens / key_value_seq_lengths), and a paged cache
+(te_jax.paged_decode_attention, 64-key pages shuffled in a pool) against the same cache contiguous.
 Implementations:
   te_jax   te_jax.dot_product_attention(backend="auto") (the kernel it takes is printed)
   cudnn    jax.nn.dot_product_attention(implementation="cudnn")
@@ -86,6 +87,40 @@ def reference(q, k, v, lens):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), jnp.repeat(f32(v), rep, axis=2))
 
 
+def paged_row(rounds, cpu_smoke=False):
+    """The paged cache (te_jax.paged_decode_attention, backend="pallas") against the same cache contiguous (the
+    decode kernel through dot_product_attention) and the xla gather path: output check and TB/s."""
+    b, g, s, page = (2, 8, 512, 64) if cpu_smoke else (16, 8, 32768, 64)
+    n_pages = s // page
+    ks = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(ks[0], (b, 1, H, D), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (b, s, g, D), jnp.bfloat16) for kk in ks[1:])
+    perm = jax.random.permutation(jax.random.key(8), b * n_pages)
+    pool = lambda x: jnp.zeros((b * n_pages, page, g, D), x.dtype).at[perm].set(x.reshape(b * n_pages, page, g, D))
+    kp, vp, table = pool(k), pool(v), perm.reshape(b, n_pages)
+    lens = jnp.full((b,), s, jnp.int32)
+    impls = {
+        "te_jax paged (pallas)": jax.jit(lambda q, kp, vp: te_jax.paged_decode_attention(
+            q, kp, vp, table, lens, backend="pallas")),
+        "te_jax paged (xla gather)": jax.jit(lambda q, kp, vp: te_jax.paged_decode_attention(
+            q, kp, vp, table, lens, backend="xla")),
+    }
+    contiguous = jax.jit(lambda q: te_jax.dot_product_attention(q, k, v, attn_input_format="bshd",
+                                                                 attn_mask_type="padding_causal_bottom_right",
+                                                                 q_seqlens=jnp.ones((b,), jnp.int32), kv_seqlens=lens))
+    ref = contiguous(q).astype(jnp.float32)
+    for name, f in impls.items():
+        print(f"  {name} vs contiguous te_jax: rel {ahg.rel(f(q, kp, vp).astype(jnp.float32), ref):.2e}", flush=True)
+    nbytes = 2 * b * s * g * D * 2
+    times = {n: [] for n in list(impls) + ["te_jax contiguous"]}
+    for _ in range(rounds):
+        for n, f in impls.items():
+            times[n].append(timing.measure(f, (q, kp, vp), samples=10)[0])
+        times["te_jax contiguous"].append(timing.measure(contiguous, (q,), samples=10)[0])
+    cells = " | ".join(f"{n} {nbytes / statistics.median(t) / 1e12:.2f}" for n, t in times.items())
+    return f"| q1 b{b} GQA 32/8 cache {s // 1024}k, paged ({page}-key pages, shuffled) | {cells} | - | - |"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -153,6 +188,11 @@ def main():
         print(line, flush=True)
         table.append(line)
         del q, k, v
+    if time.perf_counter() - T0 <= args.budget or args.cpu_smoke:
+        table.append(paged_row(args.rounds, args.cpu_smoke))
+        print(table[-1], flush=True)
+    else:
+        skipped.append("paged")
     print(f"\n## Decode attention, TB/s of K/V read ({args.rounds} interleaved rounds, medians), "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; HBM copy {copy:.2f} TB/s\n")
     print("| row | implementations (TB/s) | te_jax / best peer | te_jax / copy |")
