@@ -450,6 +450,41 @@ def test_fp8_mlp_under_a_data_parallel_mesh_matches_one_device():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_fp8_mlp_under_a_tensor_parallel_mesh_matches_one_device():
+    """Tensor parallelism: the MLP's hidden ('mlp') axis, so both kernels, sharded over 'model'. The FP8 MLP runs
+    under XLA's partitioner, so every amax (the sharded weights' too) is the global max: outputs, gradients and
+    the updated delayed-scaling state equal the one-device run's."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    m = LayerNormMLP(intermediate_dim=32, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                     intermediate_dropout_rate=0.0)
+    x = jax.random.normal(jax.random.PRNGKey(2), (4, 8, 16))
+    recipe = DelayedScaling(amax_history_len=3)
+
+    def run(mesh=None):
+        with fp8.autocast(recipe=recipe):
+            v = jax.jit(lambda k: m.init(k, x, deterministic=True))(jax.random.PRNGKey(3))
+            if mesh is not None:  # place the kernels as the logical axis rules shard them
+                shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(v), mesh, (("mlp", "model"),))
+                v = jax.device_put(v, shardings)
+                assert v["params"]["wi_kernel"].value.sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
+            step = jax.jit(lambda v, x: jax.value_and_grad(
+                lambda p: jnp.sum(m.apply({**v, "params": p}, x, deterministic=True,
+                                          mutable=[fp8.FP8_COLLECTION])[0][0] ** 2))(v["params"]))
+            _, new_state = jax.jit(lambda v, x: m.apply(v, x, deterministic=True, mutable=[fp8.FP8_COLLECTION]))(v, x)
+            return step(v, x), new_state
+
+    (loss1, g1), s1 = run()
+    mesh = cpu_mesh((2,), ("model",), auto=True)
+    with jax.set_mesh(mesh), nn.logical_axis_rules((("mlp", "model"),)):
+        (loss2, g2), s2 = run(mesh)
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(nn.meta.unbox(g2)), jax.tree_util.tree_leaves(nn.meta.unbox(g1))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(s2), jax.tree_util.tree_leaves(s1)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_gemm_kinds_counts_cublaslt_and_fusion_fp8_gemms():
     """te_jax.fp8.hlo.gemm_kinds on hand-written optimized-HLO snippets (the GPU tests read real ones)."""
     from te_jax.fp8.hlo import fp8_gemm_count, gemm_kinds
