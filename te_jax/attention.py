@@ -76,8 +76,9 @@ def _check_scalars(scale, softcap, dropout_rate, dropout_rng, head_dim):
             raise ValueError(f"scale={scale} must be finite and non-zero.")
     if softcap is not None:
         softcap = float(softcap)
-        if not softcap > 0:
-            raise ValueError(f"softcap={softcap} must be > 0 (or None for no soft-capping).")
+        if not 0 < softcap < float("inf"):
+            raise ValueError(f"softcap={softcap} must be a finite number > 0 (or None for no soft-capping: an "
+                             f"infinite cap caps nothing).")
     dropout_rate = float(dropout_rate)
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate={dropout_rate} must be in [0, 1).")

@@ -226,26 +226,44 @@ def test_trace_time_refusal_falls_back_in_auto_and_is_explained(monkeypatch):
         te_jax.dot_product_attention(q, k, v, backend="pallas")
 
 
-def test_sm90_softcap_takes_the_hopper_kernel(fake_h100, monkeypatch):
-    """softcap is served by the Hopper kernel (tanh in the score path): auto takes Pallas' Hopper kernel (cuDNN
-    has no softcap) and the explanation says how; an invalid softcap is refused by the Hopper kernel by name."""
+def test_sm90_softcap_waits_for_a_gpu_check_of_the_hopper_kernel(fake_h100, monkeypatch):
+    """The Hopper kernel has softcap (tanh in the score path), but no GPU run has checked it where tanh bends the
+    logits (tuning.HOPPER_GPU_VERIFIED): auto runs softcap on the portable kernel (cuDNN has none) and says why;
+    config=HopperConfig() takes the Hopper kernel anyway. An invalid softcap is refused by the kernel by name."""
+    from pallas_kernels.flash_attention_hopper import HopperConfig, supports
     from te_jax.backends import pallas as pallas_mod
 
     monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)  # sm90 and jax >= 0.11
-    capped = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), softcap=30.0, attn_mask_type="causal")
-    assert capped.selected == "pallas", capped
-    assert "Hopper (Mosaic GPU) kernel" in capped.detail and "softcap 30" in capped.detail, capped.detail
+    shapes = _qkv(sq=1024, skv=1024, d=128)
+    capped = te_jax.explain_attention_backend(*shapes, softcap=30.0, attn_mask_type="causal")
+    assert capped.selected == "pallas" and capped.detail.startswith("portable"), capped
+    assert "softcap at head_dim 128: not yet checked on a GPU" in capped.detail, capped.detail
+    assert "checked at no head_dim yet" in capped.detail and "config=HopperConfig()" in capped.detail
     assert "softcap" in capped.reasons["cudnn"]
-    # head_dim 64: no GPU run has checked softcap there yet, so the portable kernel serves it, and says why
-    hd64 = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=64), softcap=30.0, attn_mask_type="causal")
-    assert hd64.selected == "pallas" and hd64.detail.startswith("portable"), hd64.detail
-    assert "softcap at head_dim 64: not yet checked on a GPU" in hd64.detail, hd64.detail
+    forced = te_jax.explain_attention_backend(*shapes, softcap=30.0, attn_mask_type="causal", config=HopperConfig())
+    assert "Hopper (Mosaic GPU) kernel" in forced.detail and "softcap 30" in forced.detail, forced.detail
     ragged64 = te_jax.explain_attention_backend(*_qkv(sq=1000, skv=1000, d=64), backend="pallas")
     assert "ragged lengths at head_dim 64: not yet checked on a GPU" in ragged64.detail, ragged64.detail
-    plain = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024), attn_mask_type="causal")
+    plain = te_jax.explain_attention_backend(*shapes, attn_mask_type="causal")
     assert "Hopper (Mosaic GPU) kernel" in plain.detail and "softcap" not in plain.detail
-    from pallas_kernels.flash_attention_hopper import supports
-    assert "positive" in supports((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 64), jnp.bfloat16, softcap=-2.0)
+    for bad in (-2.0, float("inf"), "2"):
+        assert "finite positive" in supports((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 64), jnp.bfloat16,
+                                             softcap=bad)
+    assert supports((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 64), jnp.bfloat16, softcap=np.float32(2)) is None
+    with pytest.raises(ValueError, match="softcap=inf must be a finite number > 0"):
+        te_jax.dot_product_attention(*_qkv(), softcap=float("inf"))
+
+
+def test_hopper_refuses_a_config_whose_key_block_would_be_all_padding():
+    """hopper_attention pads a ragged kv_len to whole 128-blocks; a HopperConfig with 64-key forward blocks could
+    then make a block of padding alone (a NaN stream-K piece): refused by name before anything runs."""
+    from pallas_kernels.flash_attention_hopper import HopperConfig, hopper_attention
+
+    q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+    k = jnp.zeros((1, 4000, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"block_kv=64 with kv_len 4000 \(padded to 4096\): a key block would hold "
+                                         r"only padding"):
+        hopper_attention(q, k, k, scale=0.1, config=HopperConfig(block_kv=64))
 
 
 def test_sm90_ragged_lengths_take_the_hopper_kernel_padded(fake_h100, monkeypatch):

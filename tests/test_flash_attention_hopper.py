@@ -61,7 +61,7 @@ BF = jnp.bfloat16
         ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"bias": 1},
          "attention bias is not supported by the Hopper kernel"),
         ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"softcap": 0.0},
-         "softcap=0.0 must be a positive number (or None)"),
+         "softcap=0.0 must be a finite positive number (or None)"),
     ],
 )
 def test_supports_reasons(q, k, v, dtype, causal, kw, reason):

@@ -17,6 +17,7 @@ Mosaic GPU is imported lazily; this package imports on any machine.
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,11 @@ BLOCK = 128  # the kernels' lengths are multiples of this (hopper_attention pads
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def _positive_finite(x) -> bool:
+    """A real number (Python or numpy) in (0, inf)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < float(x) < float("inf")
+
+
 def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=None,
              segment_ids=None, bias=None, softcap=None, dropout_rate: float = 0.0) -> str | None:
     """None when `hopper_attention` can serve this call, else the reason (for the dispatcher).
@@ -60,8 +66,8 @@ def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=N
         return "segment ids / padding masks are not supported by the Hopper kernel"
     if bias is not None:
         return "attention bias is not supported by the Hopper kernel"
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        return f"softcap={softcap!r} must be a positive number (or None)"
+    if softcap is not None and not _positive_finite(softcap):
+        return f"softcap={softcap!r} must be a finite positive number (or None)"
     if dropout_rate:
         return "dropout is not supported by the Hopper kernel"
     dt = jnp.dtype(dtype)
@@ -168,6 +174,13 @@ def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None
     # diagonal, so the causal mask hides it; otherwise the kernels mask keys from kv_valid on. Padded query rows
     # are computed and dropped (their output cotangent is zero, so they add nothing to dk / dv).
     kv_valid = None if (causal or pkv == skv) else skv
+    if config is not None and kv_valid is not None and pkv - skv >= config.block_kv:
+        # A forward key block of padding alone can be a whole stream-K piece of the persistent forward: its row
+        # max stays -inf and the piece's lse is NaN. Blocks of 128 keys or more always hold a real key.
+        raise ValueError(
+            f"hopper_attention: HopperConfig.block_kv={config.block_kv} with kv_len {skv} (padded to {pkv}): a key "
+            f"block would hold only padding. Fix: block_kv >= {pkv - skv + 1} (e.g. 128), a kv_len that is a "
+            f"multiple of {BLOCK}, or config=None.")
     out, lse = _attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), float(scale), bool(causal), config,
                           interpret, _softcap(softcap), kv_valid)
     if pq != sq:

@@ -213,9 +213,10 @@ class PallasBackend:
         verified = tuning.HOPPER_GPU_VERIFIED
         missing = [f for f in used if d.head_dim_qk not in verified.value[f]]
         if missing:
+            checked = verified.value[missing[0]]
+            where = f"checked at head_dim {', '.join(map(str, checked))}" if checked else "checked at no head_dim yet"
             return (f"{' and '.join(missing)} at head_dim {d.head_dim_qk}: not yet checked on a GPU for the Hopper "
-                    f"kernel (checked at head_dim {verified.value[missing[0]]}: {verified.results}); pass "
-                    f"config=HopperConfig() to use it anyway")
+                    f"kernel ({where}: {verified.results}); pass config=HopperConfig() to use it anyway")
         return None
 
     def ring_block_reason(self, call, q_block_shape, kv_block_shape, half_blocks: bool) -> str | None:
@@ -275,7 +276,8 @@ class PallasBackend:
         from pallas_kernels import flash_attention_hopper as fh
 
         d = call.dims
-        plan = fh.describe_plan(d.head_dim_qk, d.kv_len, call.mask.causal, call.dtype, call.kernel_config)
+        kv_padded = -(-d.kv_len // fh.BLOCK) * fh.BLOCK  # the kernels run (and choose schedules on) padded lengths
+        plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config)
         if call.softcap is not None:
             plan += f"; softcap {call.softcap:g} (tanh on every score tile, its derivative in the backward)"
         ragged = [f"{n} {x}" for n, x in (("q_len", d.q_len), ("kv_len", d.kv_len)) if x % fh.BLOCK]
