@@ -17,6 +17,7 @@ import te_jax
 from te_jax import context_parallel as tcp
 from te_jax import reference
 from te_jax.flax import DotProductAttention, MultiHeadAttention, TransformerLayer
+from helpers import fwd_bwd
 from tolerance import assert_close
 
 B, S, H, G, D = 2, 16, 4, 2, 16
@@ -67,13 +68,12 @@ def sink_reference(q, k, v, sink, *, scale=None, causal=False, q_lens=None, kv_l
 
 
 def _check(fn, ref_fn, args, tol=TOL, what=""):
-    """Forward and gradients w.r.t. every argument under a random cotangent, jitted."""
-    out = jax.jit(fn)(*args)
-    ref = ref_fn(*args)
+    """Forward and gradients w.r.t. every argument under a random cotangent; fn jitted, output and gradients in
+    one compile (helpers.fwd_bwd)."""
+    ref, ref_vjp = jax.vjp(ref_fn, *args)
     ct = _rand(99, ref.shape)
-    loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * ct))
-    grads = jax.jit(jax.grad(loss(fn), argnums=tuple(range(len(args)))))(*args)
-    grads_ref = jax.grad(loss(ref_fn), argnums=tuple(range(len(args))))(*args)
+    grads_ref = ref_vjp(ct)
+    out, grads = fwd_bwd(fn, args, ct)
     assert_close(out, ref, tol, f"{what} out")
     for i, (a, r) in enumerate(zip(grads, grads_ref)):
         assert_close(a, r, tol, f"{what} grad {i}")
@@ -116,8 +116,7 @@ def test_off_by_one_matches_reference_and_learnable_zero(backend):
     q, k, v = _qkv(3)
     kw = dict(attn_mask_type="causal", backend=backend)
     fn = lambda q, k, v: te_jax.dot_product_attention(q, k, v, softmax_type="off-by-one", **kw)
-    _check(fn, lambda q, k, v: sink_reference(q, k, v, jnp.zeros(H), causal=True), (q, k, v), what=backend)
-    a = jax.jit(fn)(q, k, v)
+    a, _ = _check(fn, lambda q, k, v: sink_reference(q, k, v, jnp.zeros(H), causal=True), (q, k, v), what=backend)
     b = te_jax.dot_product_attention(q, k, v, softmax_type="learnable", softmax_offset=jnp.zeros(H), **kw)
     c = te_jax.dot_product_attention(q, k, v, softmax_type="off_by_one", **kw)  # TE-JAX's spelling
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import te_jax
 from te_jax import _compat
 from te_jax import context_parallel as tcp
-from helpers import cpu_mesh as _mesh, qkv
+from helpers import cpu_mesh as _mesh, fwd_bwd, qkv
 
 B, S, H, G, D = 2, 32, 4, 2, 16
 STRATEGIES = ("ring", "all_gather")
@@ -76,19 +76,16 @@ def _ref_fn(**kw):
 
 def _compare(f_cp, f_ref, q, k, v, ct, tol=2e-5, jit_ctx=None):
     ctx = jit_ctx or _nullctx()
-    loss_cp = lambda *a: jnp.sum(f_cp(*a).astype(jnp.float32) * ct)
-    loss_ref = lambda *a: jnp.sum(f_ref(*a).astype(jnp.float32) * ct)
-    with ctx:
-        out = jax.jit(f_cp)(q, k, v)
-        grads = jax.jit(jax.grad(loss_cp, argnums=(0, 1, 2)))(q, k, v)
+    with ctx:  # output and gradients of sum(out * ct) in one compile (helpers.fwd_bwd)
+        out, grads = fwd_bwd(f_cp, (q, k, v), ct)
     q, k, v = (jnp.asarray(np.asarray(t)) for t in (q, k, v))  # the reference runs unsharded
-    ref = jax.jit(f_ref)(q, k, v)
-    grads_ref = jax.jit(jax.grad(loss_ref, argnums=(0, 1, 2)))(q, k, v)
+    ref, grads_ref = fwd_bwd(f_ref, (q, k, v), ct)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=tol, atol=tol)
     for name, a, b in zip("qkv", grads, grads_ref):
         a = np.asarray(a, np.float32)
         assert np.isfinite(a).all(), f"d{name} not finite"
         np.testing.assert_allclose(a, np.asarray(b, np.float32), rtol=tol, atol=tol, err_msg=f"d{name}")
+    return out
 
 
 class _nullctx:
@@ -151,10 +148,8 @@ def test_dp_cp_mesh_current_mesh(strategy):
     sh = NamedSharding(mesh, P("dp", "cp"))
     q, k, v = (jax.device_put(t, sh) for t in (q, k, v))
     f_cp = _cp_fn(None, "cp", 4, True, strategy=strategy, **kw)
-    with _compat.use_mesh(mesh):
-        out_sharding = jax.jit(f_cp)(q, k, v).sharding
-    assert out_sharding.spec[0] == "dp"
-    _compare(f_cp, _ref_fn(**kw), q, k, v, ct, jit_ctx=_compat.use_mesh(mesh))
+    out = _compare(f_cp, _ref_fn(**kw), q, k, v, ct, jit_ctx=_compat.use_mesh(mesh))
+    assert out.sharding.spec[0] == "dp"
 
 
 def test_dp_cp_tp_mesh_heads_sharded():
