@@ -4,13 +4,6 @@ import os
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-# The suite's time is compiling (interpret-mode kernels, small shapes), not running: without LLVM's optimization
-# passes a CPU compile takes about a third less time (tests/test_flash_attention_kernel.py: 130 s -> 84 s).
-# TE_JAX_TEST_XLA_OPT=1 keeps XLA's default (optimized) code generation; so does a machine with an NVIDIA GPU (the
-# flag would apply to the GPU compiler too).
-if (os.environ.get("TE_JAX_TEST_XLA_OPT") != "1" and not os.path.exists("/dev/nvidiactl")
-        and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 
