@@ -23,7 +23,7 @@ FORCE_ENV = "TE_JAX_PAGED_DECODE_BACKEND"
 DISABLE_ENV = "TE_JAX_PALLAS_PAGED_DECODE"
 
 
-def _check(query, k_pages, v_pages, block_table, kv_lens, attn_input_format):
+def _check(query, k_pages, v_pages, block_table, kv_lens, attn_input_format, q_valid=None):
     """q in bshd, after every check a user can fail with a message naming the argument and the fix."""
     fmt = layouts.check_format(attn_input_format)
     if fmt == "thd":
@@ -41,6 +41,9 @@ def _check(query, k_pages, v_pages, block_table, kv_lens, attn_input_format):
     if jnp.shape(kv_lens) != (q.shape[0],):
         raise ValueError(f"kv_lens: got shape {tuple(jnp.shape(kv_lens))}; expected [batch] = ({q.shape[0]},): the "
                          f"keys cached on each row, this call's tokens included.")
+    if q_valid is not None and jnp.shape(q_valid) != tuple(q.shape[:2]):
+        raise ValueError(f"q_valid: got shape {tuple(jnp.shape(q_valid))}; expected [batch, new_tokens] = "
+                         f"{tuple(q.shape[:2])} (batch-first in every format): True for real query tokens.")
     for name, x in (("block_table", block_table), ("kv_lens", kv_lens)):
         if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
             raise ValueError(f"{name}: got dtype {jnp.asarray(x).dtype}; expected an integer array.")
@@ -53,13 +56,14 @@ def _check(query, k_pages, v_pages, block_table, kv_lens, attn_input_format):
     return fmt, q
 
 
-def _choice(q, k_pages, backend):
+def _choice(q, k_pages, v_pages, backend):
     reasons = {"pallas": None, "xla": None}
     dtype = jnp.dtype(q.dtype).name
     if dtype not in ("bfloat16", "float16", "float32"):
         reasons["pallas"] = f"dtype {dtype}: the decode kernel takes bfloat16, float16 or float32"
-    if k_pages.dtype != q.dtype:
-        reasons["pallas"] = f"k_pages dtype {k_pages.dtype} differs from the query's {q.dtype}"
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        reasons["pallas"] = (f"k_pages / v_pages dtypes {k_pages.dtype} / {v_pages.dtype} differ from the query's "
+                             f"{q.dtype}")
     return ops.select_backend("paged_decode", backend, reasons, force_env=FORCE_ENV, disable_env=DISABLE_ENV,
                               pref_key="paged_decode")
 
@@ -68,7 +72,7 @@ def explain_paged_decode_backend(query, k_pages, v_pages, block_table, kv_lens, 
                                  backend="auto"):
     """The BackendChoice paged_decode_attention would make for these arguments (shapes and dtypes only)."""
     _, q = _check(query, k_pages, v_pages, block_table, kv_lens, attn_input_format)
-    return _choice(q, k_pages, backend)
+    return _choice(q, k_pages, v_pages, backend)
 
 
 def paged_decode_attention(query, k_pages, v_pages, block_table, kv_lens, *, attn_input_format="bshd",
@@ -84,13 +88,13 @@ def paged_decode_attention(query, k_pages, v_pages, block_table, kv_lens, *, att
     to 1/sqrt(head_dim). The layout and names follow vLLM's paged attention; te_jax's Flax decode cache is
     contiguous and does not use this op.
     """
-    fmt, q = _check(query, k_pages, v_pages, block_table, kv_lens, attn_input_format)
+    fmt, q = _check(query, k_pages, v_pages, block_table, kv_lens, attn_input_format, q_valid)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     window = (-1, -1) if window_size is None else tuple(int(w) for w in window_size)
     if len(window) != 2 or window[1] not in (-1, 0):
         raise ValueError(f"window_size: got {window_size!r}; expected (left, 0) or (left, -1): a new token never "
                          f"sees keys after its own position in a cache.")
-    choice = _choice(q, k_pages, backend)
+    choice = _choice(q, k_pages, v_pages, backend)
     if choice.selected is None:
         raise ValueError(choice.error or str(choice))
     from pallas_kernels import flash_decode as fd

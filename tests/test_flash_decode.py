@@ -124,8 +124,11 @@ def test_reasons_and_errors():
     q, k, v = qkv(0, 1, 1, 64, 4, 2, 16)
     with pytest.raises(ValueError, match=r"mask arrays \[1, 1\] / \[1, 32\] do not match"):
         flash_decode(q, k, v, cache_mask([32], 1, 32), scale=0.25)
-    with pytest.raises(ValueError, match="must be a power of two"):
+    with pytest.raises(ValueError, match="DecodeConfig.block_kv=48 must be a power of two"):
         DecodeConfig(block_kv=48)
+    from pallas_kernels.flash_attention import BlockSizes  # the same shared check
+    with pytest.raises(ValueError, match="BlockSizes.block_q_dq=48 must be a power of two"):
+        BlockSizes(block_q_dq=48)
 
 
 def test_front_door_decode_with_per_row_lengths():

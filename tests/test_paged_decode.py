@@ -52,12 +52,16 @@ def test_window_and_padding_queries():
     (dict(block_table=jnp.zeros((2, 4))), "block_table: got dtype float32; expected an integer array"),
     (dict(window_size=(8, 4)), r"window_size: got \(8, 4\); expected \(left, 0\)"),
     (dict(k_pages=jnp.zeros((8, 24, 2, 32)), v_pages=jnp.zeros((8, 24, 2, 32))), "page_size 24 is not a multiple of 16"),
+    (dict(k_pages=jnp.zeros((8, 16, 2, 64))), r"k_pages has shape \(8, 16, 2, 64\); expected \[num_pages, page_size, "
+                                               r"kv_heads, 32\]"),
+    (dict(v_pages=jnp.zeros((8, 16, 1, 32))), r"v_pages has shape \(8, 16, 1, 32\); expected \[8, 16, 2, head_dim_v\]"),
+    (dict(q_valid=jnp.ones((2, 2), bool)), r"q_valid: got shape \(2, 2\); expected \[batch, new_tokens\] = \(2, 3\)"),
 ])
 def test_bad_arguments_are_named(change, match):
     q, k, v, kp, vp, table, lens = paged_case()
     args = dict(query=q, k_pages=kp, v_pages=vp, block_table=table, kv_lens=lens)
     args.update(change)
-    kwargs = {n: args.pop(n) for n in ("attn_input_format", "window_size") if n in args}
+    kwargs = {n: args.pop(n) for n in ("attn_input_format", "window_size", "q_valid") if n in args}
     with pytest.raises(ValueError, match=match):
         te_jax.paged_decode_attention(**args, **kwargs)
 

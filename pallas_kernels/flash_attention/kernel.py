@@ -48,6 +48,9 @@ from jax import lax
 
 from .._compat import default_interpret, pl, triton_params
 from .._lower_once import lower_once
+from .._shapes import check_blocks as _check_blocks
+from .._shapes import next_pow2 as _next_pow2
+from .._shapes import pad_axis as _pad_axis
 from ..mask import AttentionMask, visible
 from ..mask import loop_bounds as _loop_bounds
 
@@ -83,11 +86,8 @@ class BlockSizes:
     split_dkv: bool = False
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd", "block_q_dq",
-                     "block_kv_dq"):
-            b = getattr(self, name)
-            if b is not None and (b < 16 or b & (b - 1)):
-                raise ValueError(f"BlockSizes.{name}={b} must be a power of two >= 16")
+        _check_blocks("BlockSizes", **{n: getattr(self, n) for n in ("block_q", "block_kv", "block_q_bwd",
+                                                                      "block_kv_bwd", "block_q_dq", "block_kv_dq")})
 
     @property
     def dq_blocks(self) -> tuple[int, int, int]:
@@ -125,10 +125,6 @@ def default_block_sizes(head_dim_qk: int, head_dim_v: int, dtype) -> BlockSizes:
         if d <= max_d:
             return bs
     return table[-1][1]
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 # --------------------------------------------------------------------------------------
@@ -191,14 +187,6 @@ def _geometry(cfg: _Cfg, sq, skv, dqk, dv) -> _Geom:
     mk = max(bk, bk_b, bk_dq)
     return _Geom(bq, bk, bq_b, bk_b, bq_dq, bk_dq, -(-sq // mq) * mq, -(-skv // mk) * mk,
                  max(16, _next_pow2(dqk)), max(16, _next_pow2(dv)))
-
-
-def _pad_axis(x, axis, size, value=0):
-    if x is None or x.shape[axis] == size:
-        return x
-    pads = [(0, 0)] * x.ndim
-    pads[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pads, constant_values=value)
 
 
 def _lin(off: int, stride: int, x):

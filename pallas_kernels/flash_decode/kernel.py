@@ -38,6 +38,9 @@ from jax import lax
 
 from .._compat import default_interpret, pl, triton_params
 from .._lower_once import lower_once
+from .._shapes import check_blocks as _check_blocks
+from .._shapes import next_pow2 as _next_pow2
+from .._shapes import pad_axis as _pad_axis
 from ..flash_attention import flash_attention_bwd
 from ..mask import AttentionMask, loop_bounds, visible
 
@@ -67,16 +70,9 @@ class DecodeConfig:
     min_programs: int = 264
 
     def __post_init__(self):
-        for name in ("block_kv", "block_rows"):
-            b = getattr(self, name)
-            if b < 16 or b & (b - 1):
-                raise ValueError(f"DecodeConfig.{name}={b} must be a power of two >= 16")
+        _check_blocks("DecodeConfig", block_kv=self.block_kv, block_rows=self.block_rows)
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits={self.num_splits} must be >= 1 (or None: automatic)")
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def decode_reason(q_shape, k_shape, v_shape) -> str | None:
@@ -143,14 +139,6 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None) -> s
     if copies:
         line += f"; {' and '.join(copies)} (a copy of the cache: a multiple of 16 keys and a power-of-two head_dim avoid it)"
     return line
-
-
-def _pad_axis(x, axis, size, value=0):
-    if x.shape[axis] == size:
-        return x
-    pads = [(0, 0)] * x.ndim
-    pads[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pads, constant_values=value)
 
 
 # --------------------------------------------------------------------------------------
@@ -352,8 +340,12 @@ def paged_reason(q_shape, k_pages_shape, v_pages_shape, block_table_shape) -> st
         return "expected q [B, Sq, H, Dqk], pages [P, page_size, G, D] and block_table [B, max_pages]"
     B, sq, h, dqk = q_shape
     P, page, g, dk = k_pages_shape
-    if tuple(v_pages_shape[:3]) != (P, page, g) or dk != dqk:
-        return f"k_pages {tuple(k_pages_shape)} / v_pages {tuple(v_pages_shape)} do not match q {tuple(q_shape)}"
+    if dk != dqk:
+        return (f"k_pages has shape {tuple(k_pages_shape)}; expected [num_pages, page_size, kv_heads, {dqk}] (q's "
+                f"head_dim, q {tuple(q_shape)})")
+    if tuple(v_pages_shape[:3]) != (P, page, g):
+        return (f"v_pages has shape {tuple(v_pages_shape)}; expected [{P}, {page}, {g}, head_dim_v] (k_pages' "
+                f"{tuple(k_pages_shape[:3])})")
     if block_table_shape[0] != B:
         return f"block_table has {block_table_shape[0]} rows, q has batch {B}"
     if page % 16:
@@ -380,6 +372,9 @@ def flash_decode_paged(q, k_pages, v_pages, block_table, kv_lens, *, scale: floa
     if jnp.shape(kv_lens) != (q.shape[0],):
         raise ValueError(f"flash_decode_paged: kv_lens has shape {jnp.shape(kv_lens)}, expected [batch] = "
                          f"({q.shape[0]},)")
+    if q_valid is not None and jnp.shape(q_valid) != tuple(q.shape[:2]):
+        raise ValueError(f"flash_decode_paged: q_valid has shape {jnp.shape(q_valid)}, expected [batch, q_len] = "
+                         f"{tuple(q.shape[:2])}")
     mask = paged_cache_mask(kv_lens, q.shape[1], block_table.shape[1] * k_pages.shape[1], q_valid=q_valid,
                             causal=causal, window=window)
     table = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)

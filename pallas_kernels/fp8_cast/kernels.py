@@ -28,14 +28,11 @@ import jax.numpy as jnp
 
 from .._compat import default_interpret, pl, pltriton, triton_params
 from .._lower_once import lower_once
+from .._shapes import next_pow2 as _next_pow2
 from . import common as C
 
 _STATIC = ("activation", "gated", "out_dtype", "round_to", "interpret", "block_m", "block_n", "num_warps",
            "num_stages")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _block(requested, dim, where, name):

@@ -22,6 +22,7 @@ from jax import lax
 from .._compat import default_interpret, pl, pltriton, triton_params
 
 from .._lower_once import lower_once
+from .._shapes import next_pow2 as _next_pow2
 
 #: Largest hidden size the in-register kernels serve (a padded row must fit in registers).
 MAX_HIDDEN = 32768
@@ -41,10 +42,6 @@ class NormConfig:
     #: element (a shift that keeps E[(x-K)²]-E[x-K]² exact enough in fp32 when |mean| >> std);
     #: "two_pass" computes the mean, then the variance of x - mean (one more reduction in sequence).
     fwd_stats: str = "one_pass"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _fwd_params(n_rows, n_cols, cfg: NormConfig):
