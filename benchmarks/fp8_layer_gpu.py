@@ -57,6 +57,10 @@ def parse():
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, not speed")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (median taken)")
+    p.add_argument("--inner", default="1",
+                   help="steps dispatched back to back per timed sample, comma-separated: 1 blocks after every step "
+                        "(host dispatch counts), 4 lets the host queue the next step as a training loop does; "
+                        "one table per value, all timed in the same interleaved rounds")
     p.add_argument("--gemm-style", default="direct",
                    help="FP8 GEMM style(s), comma-separated, each a variant (te_jax.fp8.quantize.GEMM_STYLES)")
     p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling (reference, not an FP8 GEMM)")
@@ -208,27 +212,33 @@ def main():
             log(f"{name}: loss {d['loss']:.6f} (bf16 {ref['loss']:.6f}), input-gradient rel. err "
                 f"{d['grad_x_rel_err_vs_bf16']:.3e}, finite {np.isfinite(g).all()}")
 
-    times = {name: [] for name in steps}
+    inners = [int(x) for x in args.inner.split(",")]
+    times = {(name, n): [] for n in inners for name in steps}
     for r in range(args.rounds):
-        for name, (f, a) in steps.items():
-            times[name].append(timing.measure(f, a, samples=args.steps, warmup=1, inner=1)[0])
+        for n in inners:
+            for name, (f, a) in steps.items():
+                times[(name, n)].append(timing.measure(f, a, samples=args.steps, warmup=1, inner=n)[0])
         log(f"round {r + 1}/{args.rounds} done")
 
-    base = statistics.median(times["bf16"])
-    log(f"\n## Llama-style TransformerLayer fwd+bwd, bf16 vs FP8 — {DATE}, {dev.device_kind}, jax {jax.__version__}"
-        + (" (CPU smoke: timings meaningless)" if smoke else ""))
-    log(f"hidden {HID}, {HEADS}/{KV} heads, SwiGLU {FFN}, RoPE, RMSNorm, causal, B{B}xS{S}, bf16; "
-        f"{args.rounds} interleaved rounds x median of {args.steps} steps\n")
-    log(f"| variant | ms (median of rounds) | min | max | x vs bf16 | FP8 GEMMs | GEMMs not in FP8 | temp MiB |")
-    log("|---|---|---|---|---|---|---|---|")
     rows = []
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        d = info[name]
-        temp = d["temp_bytes"] / 2**20 if d["temp_bytes"] is not None else float("nan")
-        log(f"| {name} | {med * 1e3:.2f} | {min(ts) * 1e3:.2f} | {max(ts) * 1e3:.2f} | {base / med:.2f}x | "
-            f"{d['f8_gemms']} | {d['other_cublas_gemms']} | {temp:.0f} |")
-        rows.append(dict(name=name, ms=med * 1e3, ms_rounds=[t * 1e3 for t in ts], speedup_vs_bf16=base / med, **d))
+    for n in inners:
+        base = statistics.median(times[("bf16", n)])
+        log(f"\n## Llama-style TransformerLayer fwd+bwd, bf16 vs FP8 — {DATE}, {dev.device_kind}, jax {jax.__version__}"
+            + (" (CPU smoke: timings meaningless)" if smoke else ""))
+        log(f"hidden {HID}, {HEADS}/{KV} heads, SwiGLU {FFN}, RoPE, RMSNorm, causal, B{B}xS{S}, bf16; "
+            f"{args.rounds} interleaved rounds x median of {args.steps} samples, each {n} step(s) dispatched back to "
+            f"back then one block\n")
+        log(f"| variant | ms (median of rounds) | min | max | x vs bf16 | FP8 GEMMs | GEMMs not in FP8 | temp MiB |")
+        log("|---|---|---|---|---|---|---|---|")
+        for name in steps:
+            ts = times[(name, n)]
+            med = statistics.median(ts)
+            d = info[name]
+            temp = d["temp_bytes"] / 2**20 if d["temp_bytes"] is not None else float("nan")
+            log(f"| {name} | {med * 1e3:.2f} | {min(ts) * 1e3:.2f} | {max(ts) * 1e3:.2f} | {base / med:.2f}x | "
+                f"{d['f8_gemms']} | {d['other_cublas_gemms']} | {temp:.0f} |")
+            rows.append(dict(name=name, inner=n, ms=med * 1e3, ms_rounds=[t * 1e3 for t in ts],
+                             speedup_vs_bf16=base / med, **d))
     if not smoke:
         for name, d in info.items():
             if name != "bf16" and "Block" not in name and (d["other_cublas_gemms"] or not d["f8_gemms"]):

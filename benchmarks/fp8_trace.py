@@ -74,7 +74,9 @@ def trace_categories(compiled, args, hlo_path=None, n_steps=3):
     return {"device_ms_per_step": res.get("device_ms_per_step"),
             "category_ms": {k: v / 1e3 for k, v in by_cat.most_common()},
             "top_ops": [{"op": op, "us": us, "category": cats.get(op, ("unmatched", ""))[0],
-                         "what": cats.get(op, ("", ""))[1]} for op, us in top]}
+                         "what": cats.get(op, ("", ""))[1]} for op, us in top],
+            "all_ops": [{"op": op, "us": us, "category": cats.get(op, ("unmatched", ""))[0],
+                         "what": cats.get(op, ("", ""))[1]} for op, us in sorted(per_op.items(), key=lambda kv: -kv[1])]}
 
 
 def category_table(traces):

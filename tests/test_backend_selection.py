@@ -226,24 +226,34 @@ def test_trace_time_refusal_falls_back_in_auto_and_is_explained(monkeypatch):
         te_jax.dot_product_attention(q, k, v, backend="pallas")
 
 
-def test_sm90_softcap_waits_for_a_gpu_check_of_the_hopper_kernel(fake_h100, monkeypatch):
-    """The Hopper kernel has softcap (tanh in the score path), but no GPU run has checked it where tanh bends the
-    logits (tuning.HOPPER_GPU_VERIFIED): auto runs softcap on the portable kernel (cuDNN has none) and says why;
-    config=HopperConfig() takes the Hopper kernel anyway. An invalid softcap is refused by the kernel by name."""
+def test_sm90_hopper_features_wait_for_a_gpu_check(fake_h100, monkeypatch):
+    """Auto takes a Hopper-kernel feature only at the head dims a GPU run checked against fp32
+    (tuning.HOPPER_GPU_VERIFIED): softcap and ragged lengths are checked at every head dim the kernel has, so auto
+    takes them; a feature missing from the table runs on the portable kernel (cuDNN has no softcap) and the
+    explanation says why; config=HopperConfig() takes the Hopper kernel anyway. An invalid softcap is refused by
+    the kernel by name."""
     from pallas_kernels.flash_attention_hopper import HopperConfig, supports
     from te_jax.backends import pallas as pallas_mod
+    from te_jax.backends import tuning
 
     monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)  # sm90 and jax >= 0.11
     shapes = _qkv(sq=1024, skv=1024, d=128)
     capped = te_jax.explain_attention_backend(*shapes, softcap=30.0, attn_mask_type="causal")
+    assert capped.selected == "pallas" and "Hopper (Mosaic GPU) kernel" in capped.detail, capped
+    assert "softcap 30" in capped.detail and "softcap" in capped.reasons["cudnn"]
+    ragged64 = te_jax.explain_attention_backend(*_qkv(sq=1000, skv=1000, d=64), backend="pallas")
+    assert "Hopper (Mosaic GPU) kernel" in ragged64.detail, ragged64.detail
+
+    monkeypatch.setattr(tuning, "HOPPER_GPU_VERIFIED", tuning.Tuned({"softcap": (), "ragged lengths": (128,)},
+                                                                    "stand-in", "results.md"))
+    capped = te_jax.explain_attention_backend(*shapes, softcap=30.0, attn_mask_type="causal")
     assert capped.selected == "pallas" and capped.detail.startswith("portable"), capped
     assert "softcap at head_dim 128: not yet checked on a GPU" in capped.detail, capped.detail
     assert "checked at no head_dim yet" in capped.detail and "config=HopperConfig()" in capped.detail
-    assert "softcap" in capped.reasons["cudnn"]
     forced = te_jax.explain_attention_backend(*shapes, softcap=30.0, attn_mask_type="causal", config=HopperConfig())
     assert "Hopper (Mosaic GPU) kernel" in forced.detail and "softcap 30" in forced.detail, forced.detail
     ragged64 = te_jax.explain_attention_backend(*_qkv(sq=1000, skv=1000, d=64), backend="pallas")
-    assert "ragged lengths at head_dim 64: not yet checked on a GPU" in ragged64.detail, ragged64.detail
+    assert "ragged lengths at head_dim 64: not yet checked on a GPU for the Hopper kernel (checked at head_dim 128" in ragged64.detail
     plain = te_jax.explain_attention_backend(*shapes, attn_mask_type="causal")
     assert "Hopper (Mosaic GPU) kernel" in plain.detail and "softcap" not in plain.detail
     for bad in (-2.0, float("inf"), "2"):

@@ -282,16 +282,16 @@ def _fp32_reference_vjp(q, k, v, causal=False):
 
 @pytest.mark.slow
 @needs_kernel
-@pytest.mark.parametrize("ctas,early_q", [(3, True), (5, False)])
-def test_persistent_forward_loops_over_tiles(ctas, early_q):
+@pytest.mark.parametrize("ctas", [3, 5])
+def test_persistent_forward_loops_over_tiles(ctas):
     """Non-causal forward on a persistent grid with fewer CTAs than query tiles (uneven split); the next tile's Q
-    loaded during the tile's second step (fwd_early_q, the default) or after its last."""
+    loaded during the tile's second step."""
     from pallas_kernels.flash_attention_hopper.config import default_config
 
     interpret = _mode()
     B, S, H, G, D = 2, 256, 3, 1, 64  # 2 * 3 * 2 = 12 query tiles
     q, k, v, do = _random_qkv_do(ctas, B, S, H, G, D)
-    cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_early_q=early_q)
+    cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas)
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
                                          interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v)
@@ -527,7 +527,7 @@ def test_hd64_default_tiles_follow_the_key_length():
                                 dict(fwd_named_release=1), dict(fwd_producer_warp="on"),
                                 dict(bwd_named_release="x"), dict(bwd_producer_warp=2), dict(fwd_split_tail="auto"),
                                 dict(bwd_split_tail=0), dict(bwd_ctas=0), dict(bwd_pieces=0),
-                                dict(fwd_early_q="on"), dict(fwd_persistent_causal=1), dict(fwd_causal_lpt="x"),
+                                dict(fwd_persistent_causal=1), dict(fwd_causal_lpt="x"),
                                 dict(bwd_compute_registers=248), dict(bwd_compute_registers=236)])
 def test_config_rejects_bad_switches(kw):
     from pallas_kernels.flash_attention_hopper.config import HopperConfig

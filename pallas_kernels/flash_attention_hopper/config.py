@@ -75,10 +75,6 @@ class HopperConfig:
     # Its last tiles dealt one by one to the least-loaded CTA (longest first; CausalDeal) so the CTAs end together;
     # False: whole pairs round-robin to the end (the last round of pairs may leave SMs idle).  None (auto): on.
     fwd_causal_lpt: bool | None = None
-    # The persistent forward loads the next tile's Q into its second buffer early in this tile (while the PV wgmma of
-    # the tile's second K/V step runs), so the load's latency hides behind this tile's steps; False: after this
-    # tile's last step (its latency then sits between two tiles).  None (auto): early.
-    fwd_early_q: bool | None = None
     # The persistent forward's last round shared out by K/V steps instead of whole tiles (stream-K, see
     # TailSplit): when the query tiles are no multiple of the CTAs, the last round leaves SMs idle (2048 tiles on
     # 132 SMs: 16 rounds for 15.5 rounds of work).  Tiles cut between two CTAs are merged by their lse after the
@@ -119,7 +115,7 @@ class HopperConfig:
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
-                     "fwd_early_q", "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
+                     "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")

@@ -305,7 +305,8 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     Tiles are ordered (batch, head, query tile) so CTAs running together share K/V in L2.  The
     memory warpgroup streams K/V for all of the CTA's tiles through one ring (global step
     counter); each compute warpgroup double-buffers its Q tile in shared memory and loads the
-    next tile's Q during this tile's second K/V step (fwd_early_q; the O tile is staged in the buffer Q leaves).
+    next tile's Q during this tile's second K/V step (the O tile is staged in the buffer Q leaves).  (Loading it
+    after the tile's last step instead, an option until 2026-11-26, gave wrong output on the H100 and was removed.)
     With a TailSplit (config.split_tail_chosen) the last round is shared out by K/V steps: a CTA's work is a
     list of pieces (tile, first step, end step); a piece that is not the whole tile writes its
     normalised output (as hi + lo in q.dtype, through both Q buffers) and lse to a slot of the partial
@@ -330,7 +331,6 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
-    early = cfg.fwd_early_q is not False
 
     def tile_coords(t):
         bh = div(t, n_qt)
@@ -470,11 +470,10 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                         def _():
                             plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
 
-                        if early:
-                            @pl.when(early_q & (step == early_step))
-                            def _():
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                load_q(i + 1, 1 - buf, e_next)
+                        @pl.when(early_q & (step == early_step))
+                        def _():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            load_q(i + 1, 1 - buf, e_next)
 
                     return _fwd_kv_step(
                         plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot],
@@ -490,7 +489,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                                                   (acc, m_i, l_i))
                 pl.when(wg == 0)(sched.finish)
                 # Q of this tile is consumed.  The other buffer staged the previous tile's O, whose store was issued
-                # a whole tile ago: wait for it to be read (a cut piece writes there; without early Q the next
+                # a whole tile ago: wait for it to be read (a cut piece writes there; the next
                 # tile's Q is loaded there now, while this tile's epilogue runs).
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 inv = 1.0 / l_i
@@ -498,8 +497,6 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 lse = (m_i + jnp.log2(l_i)) * LN2
 
                 def whole_tile():
-                    if not early:
-                        when(i + 1 < n_my, lambda: load_q(i + 1, 1 - buf, e_next))
                     qo_smem[...] = out.astype(dtype)
                     lse_smem2.at[wg][...] = lse
                     plgpu.commit_smem()
