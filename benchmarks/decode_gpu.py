@@ -125,7 +125,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=240.0)
-    ap.add_argument("--configs", action="store_true")
+    ap.add_argument("--configs", action="store_true",
+                    help="also time other DecodeConfigs: block and stage choices on the batch-16 GQA rows, more KV "
+                         "shares (programs) on the batch-1 rows")
     ap.add_argument("--cpu-smoke", action="store_true", help="two tiny rows on the CPU (checks the script runs)")
     args = ap.parse_args()
     from pallas_kernels.flash_decode import DecodeConfig
@@ -140,11 +142,14 @@ def main():
         ahg.gpu_warmup()
         row_list, copy = rows(), copy_bandwidth()
     print(f"HBM copy bandwidth (x * 2, 4 GiB bf16, read + write): {copy:.2f} TB/s", flush=True)
-    configs = {}
+    configs, b1_configs = {}, {}
     if args.configs:
         configs = {"te_jax bk64 st4": DecodeConfig(block_kv=64, num_stages=4),
                    "te_jax bk128 w8": DecodeConfig(block_kv=128, num_warps=8),
                    "te_jax bk128 st2 x2": DecodeConfig(block_kv=128, num_stages=2, min_programs=528)}
+        b1_configs = {"te_jax 1056 programs": DecodeConfig(min_programs=1056),
+                      "te_jax 2112 programs": DecodeConfig(min_programs=2112),
+                      "te_jax 1056 programs st4": DecodeConfig(min_programs=1056, num_stages=4)}
     table, skipped = [], []
     for name, b, sq, g, s, lens in row_list:
         if time.perf_counter() - T0 > args.budget:
@@ -156,7 +161,7 @@ def main():
         # 17 GB cache)
         part = min(s, 8192)
         k, v = (jnp.tile(jax.random.normal(kk, (b, part, g, D), jnp.bfloat16), (1, s // part, 1, 1)) for kk in ks[1:])
-        row_configs = configs if (b == 16 and g == 8 and lens is None) else {}
+        row_configs = configs if (b == 16 and g == 8 and lens is None) else b1_configs if b == 1 else {}
         impls, kw = makers(sq, g, lens, fa3, row_configs)
         choice = te_jax.explain_attention_backend(q, k, v, **kw)
         print(f"\n== {name}: te_jax auto: {choice.selected}; {choice.detail[:160]}", flush=True)

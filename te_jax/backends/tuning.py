@@ -18,7 +18,7 @@ ATTENTION_HOPPER_RESULTS = "benchmarks/results/attention_hopper_h100_run12f_roun
 ATTENTION_HOPPER_HD64_RESULTS = "benchmarks/results/attention_hopper_h100_run10.md"
 ATTENTION_HOPPER_HD256_RESULTS = "benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md"
 ATTENTION_PORTABLE_RESULTS = "benchmarks/results/flash_attention_h100.md"
-DECODE_RESULTS = "benchmarks/results/decode_h200.md"
+DECODE_RESULTS = "benchmarks/results/decode_h100.md"
 NORM_RESULTS = "benchmarks/results/norm_shapes_h100.md"
 NORM_MLP_RESULTS = "benchmarks/results/norms_mlp_h100.md"
 
@@ -49,9 +49,9 @@ ATTENTION_GPU_PREFERENCE = Tuned(
 #: Backend order on a GPU for short queries (q_len <= pallas_kernels.flash_decode.MAX_QUERY_LEN) against a KV cache.
 DECODE_GPU_PREFERENCE = Tuned(
     ("pallas", "cudnn", "xla"),
-    "H200, bf16 hd128, q 1/8 x cache 8k-128k x GQA/MHA x batch 1/16: 0.82-11.7x the best of cuDNN and "
-    "FlashAttention-3 (geomean 1.36x, 14 of 25 rows >= 1.0); cuDNN cannot take q_len 1 here (odd length), and "
-    "trails on q 8 GQA (0.3-1.3 TB/s against 0.8-4.0)",
+    "H100, bf16 hd128, q 1/8 x cache 8k-128k x GQA/MHA x batch 1/16: 0.90-7.5x the best of cuDNN and "
+    "FlashAttention-3 (16 of 25 rows >= 1.0, the rest 0.90-0.99); cuDNN trails far on q 8 GQA and batch 1 "
+    "(0.3-1.4 TB/s against 0.5-2.8)",
     DECODE_RESULTS)
 
 #: te_jax.paged_decode_attention on a GPU: "pallas" (pallas_kernels.flash_decode_paged) or "xla" (gather the pages,
