@@ -63,6 +63,10 @@ def parse():
                         "one table per value, all timed in the same interleaved rounds")
     p.add_argument("--gemm-style", default="direct",
                    help="FP8 GEMM style(s), comma-separated, each a variant (te_jax.fp8.quantize.GEMM_STYLES)")
+    p.add_argument("--triton-gemm", choices=["on", "off", "both"], default="on",
+                   help="XLA's Triton GEMM fusions: on (XLA's default), off (compiler_options "
+                        "xla_gpu_enable_triton_gemm=False for every variant: the qdq style then reaches cuBLASLt's FP8 "
+                        "GEMM with the scales folded), or both as variants")
     p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling (reference, not an FP8 GEMM)")
     p.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--fused-mlp", choices=["on", "off", "both"], default="on",
@@ -161,8 +165,14 @@ def main():
         # gradient (a reduction over B*S*HID elements), which took 79 s of compile time per FP8 variant.
         return jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
 
+    if args.triton_gemm == "both":
+        variants = {**{n: v + (False,) for n, v in variants.items()},
+                    **{f"{n} [triton gemm off]": v + (True,) for n, v in variants.items()}}
+    else:
+        variants = {n: v + (args.triton_gemm == "off",) for n, v in variants.items()}
+
     steps, info = {}, {}
-    for name, (recipe, style, fused_mlp) in variants.items():
+    for name, (recipe, style, fused_mlp, no_triton) in variants.items():
         module = peers.get(name, layer)
         grad_fn = make_grad_fn(module)
         with (fp8.autocast(enabled=recipe is not None, recipe=recipe), env("TE_JAX_FP8_GEMM", style),
@@ -180,7 +190,9 @@ def main():
                                                          x, deterministic=True))))
             # a fresh function per variant: the GEMM style and the fused-MLP switch (env vars read at trace time)
             # are not part of jit's cache key (autocast's recipe is: te_jax/fp8/context.py)
-            compiled = jax.jit(lambda p, s, x, c: grad_fn(p, s, x, c)).lower(params, state, x, ct).compile()
+            opts = {"xla_gpu_enable_triton_gemm": False} if no_triton and not smoke else None
+            compiled = jax.jit(lambda p, s, x, c: grad_fn(p, s, x, c)).lower(params, state, x, ct).compile(
+                compiler_options=opts)
         hlo = compiled.as_text()
         mem = compiled.memory_analysis()
         temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None

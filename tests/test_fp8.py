@@ -174,6 +174,27 @@ def test_fp8_dot_general_forward_and_grads(recipe, style):
         assert st is None
 
 
+def test_fused_dense_path_takes_both_gemm_styles(monkeypatch):
+    """The fused (cast_transpose, every GEMM "TN") dense path runs the qdq style as well as direct: the same FP8
+    operands, so the forward, dx and dw agree to bf16 rounding, and both are close to the full-precision GEMM."""
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", "1")
+    x, w, g, y0, (dx0, dw0) = _dot_case(DENSE_DN, (2, 16, 64), (64, 32), seed=5)
+    x, w, g = (a.astype(jnp.bfloat16) for a in (x, w, g))
+    outs = {}
+    for style in ("direct", "qdq"):
+        f = lambda x, w: Q.fp8_dot_general(x, w, DENSE_DN, Float8CurrentScaling(), gemm_style_override=style)
+        y, vjp = jax.vjp(f, x, w)
+        outs[style] = (y, *vjp(g))
+        assert _rel(y, y0) < 2.0 ** -4 and _rel(outs[style][1], dx0) < 2.0 ** -3 and _rel(outs[style][2], dw0) < 2.0 ** -3
+    for a, b in zip(outs["direct"], outs["qdq"]):
+        assert _rel(a, b) < 2.0 ** -7
+    for style, operand in (("direct", "xf8E4M3FN>"), ("qdq", "xbf16>")):  # the style decides the dots' operands
+        text = jax.jit(lambda x, w: Q.fp8_dot_general(x, w, DENSE_DN, Float8CurrentScaling(),
+                                                      gemm_style_override=style)).lower(x, w).as_text()
+        dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+        assert "@cast_transpose" in text and len(dots) == 1 and operand + ", tensor<" in dots[0], (style, dots)
+
+
 def test_fp8_dot_general_batched_dimension_numbers():
     dn = (((2,), (1,)), ((0,), (0,)))  # [b, m, k] x [b, k, n] contracted k, batch b
     x, w, g, y0, (dx0, dw0) = _dot_case(dn, (3, 8, 32), (3, 32, 16), seed=3)
@@ -367,10 +388,10 @@ def test_autocast_is_part_of_the_jit_cache_key():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuBLASLt FP8 GEMMs need a GPU (compute capability >= 8.9)")
-# "direct" only: the qdq form is kept for A/B and is not an FP8 GEMM with jax 0.11.2 (XLA folds the convert pairs;
-# benchmarks/results/fp8_layer_h100.md), so a GPU test of it would only restate that.
-@pytest.mark.parametrize("style", ["direct"])
-def test_gpu_compiled_hlo_has_three_fp8_gemms(style, monkeypatch):
+# qdq is an FP8 GEMM only with XLA's Triton GEMM fusions off (with them on, the dequantizing converts go into a
+# Triton fusion and the autotuner's fallback is a bf16 GEMM: benchmarks/results/fp8_layer_h100.md).
+@pytest.mark.parametrize("style,options", [("direct", None), ("qdq", {"xla_gpu_enable_triton_gemm": False})])
+def test_gpu_compiled_hlo_has_three_fp8_gemms(style, options, monkeypatch):
     """On an FP8-capable GPU the forward, dgrad and wgrad of one FP8 dense layer are cuBLASLt FP8 GEMMs."""
     from te_jax._compat import gpu_compute_capability
 
@@ -386,7 +407,7 @@ def test_gpu_compiled_hlo_has_three_fp8_gemms(style, monkeypatch):
         v = m.init(jax.random.PRNGKey(0), x)
         f = jax.jit(lambda v, x, ct: jax.value_and_grad(
             lambda v, x: jnp.sum(m.apply(v, x).astype(jnp.float32) * ct), argnums=(0, 1))(v, x))
-        hlo = f.lower(v, x, ct).compile().as_text()
+        hlo = f.lower(v, x, ct).compile(compiler_options=options).as_text()
     from te_jax.fp8.hlo import gemm_kinds
 
     kinds = gemm_kinds(hlo)

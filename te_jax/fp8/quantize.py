@@ -333,9 +333,9 @@ _block_dot.defvjp(_block_fwd, _block_bwd)
 _TN = (((1,), (1,)), ((), ()))
 
 
-def _tn_gemm(a, b, out_dtype, a_sinv, b_sinv):
-    y = lax.dot_general(a, b, _TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
-    return (y.astype(jnp.float32) * (a_sinv * b_sinv).astype(jnp.float32)).astype(out_dtype)
+def _tn_gemm(a, b, out_dtype, a_sinv, b_sinv, style="direct"):
+    """a [M, K] . b [N, K] -> [M, N] out_dtype, FP8 operands with per-tensor scale_invs (_scaled_gemm's style)."""
+    return _scaled_gemm(style, out_dtype, a_sinv, b_sinv)(a, b, _TN)
 
 
 def _cast_both(a, scale, dtype, interpret):
@@ -360,7 +360,7 @@ def _dense_tn_dot(x, w, state, n_contract, recipe, cfg):
 
 
 def _dense_tn_fwd(x, w, state, n_contract, recipe, cfg):
-    """cfg = (x dtype, w dtype, output dtype, x shape, w shape, interpret)."""
+    """cfg = (x dtype, w dtype, output dtype, x shape, w shape, interpret, GEMM style)."""
     fmt = recipe.fp8_format
     k = math.prod(x.shape[x.ndim - n_contract:])
     x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
@@ -377,7 +377,7 @@ def _dense_tn_fwd(x, w, state, n_contract, recipe, cfg):
     else:
         fwd_state = g_state = None
     sxi, swi = 1.0 / sx, 1.0 / sw
-    y = _tn_gemm(xq, wtq, cfg[2], sxi, swi)
+    y = _tn_gemm(xq, wtq, cfg[2], sxi, swi, cfg[6])
     # w's FP8 copy is re-cast in the backward rather than kept (no FP8 weight copy held through the step)
     return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:]), (xtq, sxi, w2, sw, fwd_state, g_state)
 
@@ -395,8 +395,8 @@ def _dense_tn_bwd(n_contract, recipe, cfg, res, g):
     else:
         state_ct = None
     sgi = 1.0 / sg
-    dx = _tn_gemm(gq, wq, cfg[0], sgi, swi)
-    dw = _tn_gemm(xtq, gtq, cfg[1], sxi, sgi)
+    dx = _tn_gemm(gq, wq, cfg[0], sgi, swi, cfg[6])
+    dw = _tn_gemm(xtq, gtq, cfg[1], sxi, sgi, cfg[6])
     return dx.reshape(cfg[3]), dw.reshape(cfg[4]), state_ct
 
 
@@ -443,9 +443,9 @@ def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_el
     style = gemm_style_override or gemm_style()
     if style not in GEMM_STYLES:
         raise ValueError(f"fp8_dot_general: gemm_style_override={style!r} must be one of {GEMM_STYLES}.")
-    if style == "direct" and _dense_split(dn, x.ndim, w.ndim) is not None and fused_cast_unavailable(recipe) is None:
+    if _dense_split(dn, x.ndim, w.ndim) is not None and fused_cast_unavailable(recipe) is None:
         return _dense_tn_dot(x, w, state, _dense_split(dn, x.ndim, w.ndim), recipe,
-                             dtypes + (tuple(x.shape), tuple(w.shape), None))
+                             dtypes + (tuple(x.shape), tuple(w.shape), None, style))
     return _per_tensor_dot(x, w, state, dn, recipe, dtypes, style)
 
 
