@@ -22,6 +22,7 @@ from pallas_kernels.flash_attention import (
     flash_attention_fwd,
     reference_attention,
 )
+from helpers import rand
 from tolerance import rel_err
 
 SMALL = BlockSizes(16, 16, 16, 16, num_warps=4, num_stages=2)
@@ -30,20 +31,16 @@ MIXED = BlockSizes(32, 16, 16, 32, block_q_dq=32, block_kv_dq=16)
 
 # ----------------------------------------------------------------------------- reference
 def dense_mask(qseg, qpos, kseg, kpos, causal, wl, wr):
-    qseg, qpos, kseg, kpos = (np.asarray(x) for x in (qseg, qpos, kseg, kpos))
-    B, Sq = qseg.shape
-    Skv = kseg.shape[1]
-    m = np.zeros((B, Sq, Skv), bool)
-    for b in range(B):
-        for i in range(Sq):
-            ok = (kseg[b] == qseg[b, i]) & (qseg[b, i] != 0)
-            if causal:
-                ok &= kpos[b] <= qpos[b, i]
-            if wl >= 0:
-                ok &= kpos[b] >= qpos[b, i] - wl
-            if wr >= 0:
-                ok &= kpos[b] <= qpos[b, i] + wr
-            m[b, i] = ok
+    """numpy bool [B, Sq, Skv]: the rule written out elementwise (same nonzero segment, causal / window bounds)."""
+    qseg, qpos = (np.asarray(x)[:, :, None] for x in (qseg, qpos))  # [B, Sq, 1]
+    kseg, kpos = (np.asarray(x)[:, None, :] for x in (kseg, kpos))  # [B, 1, Skv]
+    m = (kseg == qseg) & (qseg != 0)
+    if causal:
+        m &= kpos <= qpos
+    if wl >= 0:
+        m &= kpos >= qpos - wl
+    if wr >= 0:
+        m &= kpos <= qpos + wr
     return m
 
 
@@ -68,15 +65,14 @@ def naive_attention(q, k, v, mask, bias, scale, softcap):
 
 # ----------------------------------------------------------------------------- helpers
 def make_inputs(seed, B, Sq, Skv, H, G, Dqk, Dv, dtype, bias_shape=None):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q = jax.random.normal(ks[0], (B, Sq, H, Dqk), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (B, Skv, G, Dqk), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (B, Skv, G, Dv), jnp.float32).astype(dtype)
-    bias = None
-    if bias_shape is not None:
-        bias = jax.random.normal(ks[3], bias_shape, jnp.float32).astype(dtype)
-    w_out = jax.random.normal(ks[4], (B, Sq, H, Dv), jnp.float32)
-    w_lse = jax.random.normal(ks[5], (B, H, Sq), jnp.float32)
+    """Drawn by numpy (helpers.rand): no per-shape compile, which jax.random pays eagerly for every new shape."""
+    rng = np.random.default_rng(seed)
+    q = rand(rng, (B, Sq, H, Dqk), dtype)
+    k = rand(rng, (B, Skv, G, Dqk), dtype)
+    v = rand(rng, (B, Skv, G, Dv), dtype)
+    bias = None if bias_shape is None else rand(rng, bias_shape, dtype)
+    w_out = rand(rng, (B, Sq, H, Dv))
+    w_lse = rand(rng, (B, H, Sq))
     return q, k, v, bias, w_out, w_lse
 
 
@@ -123,8 +119,14 @@ def check(*, B=2, Sq=48, Skv=48, H=4, G=4, Dqk=32, Dv=32, dtype=jnp.float32, cau
             if grads else None
         return out, lse, g
 
+    @jax.jit
+    def naive_all(q, k, v, bias):  # the reference, jitted too: eager autodiff compiles every op per shape
+        rout, rlse = naive(q, k, v, bias)
+        rg = jax.grad(loss_fn(naive, w_out, w_lse), argnums=argnums)(q, k, v, bias) if grads else None
+        return rout, rlse, rg
+
     out, lse, g = flash_all(q, k, v, bias)
-    rout, rlse = naive(q, k, v, bias)
+    rout, rlse, rg = naive_all(q, k, v, bias)
     assert out.shape == (B, Sq, H, Dv) and out.dtype == q.dtype
     assert lse.shape == (B, H, Sq) and lse.dtype == jnp.float32
     assert not np.any(np.isnan(np.asarray(out, np.float32)))
@@ -140,7 +142,6 @@ def check(*, B=2, Sq=48, Skv=48, H=4, G=4, Dqk=32, Dv=32, dtype=jnp.float32, cau
                                atol=1e-4 if dtype == jnp.float32 else 2e-2)
     if not grads:
         return
-    rg = jax.grad(loss_fn(naive, w_out, w_lse), argnums=argnums)(q, k, v, bias)
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), g, rg):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert np.all(np.isfinite(np.asarray(a, np.float32))), name
@@ -282,8 +283,9 @@ def test_fwd_bwd_entry_points_with_dlse():
     dq, dk, dv, db = flash_attention_bwd(q, k, v, am, None, out, lse, dout, dlse, **kw)
     assert db is None
     mask = dense_mask(seg, pos, seg, pos, True, 17, -1)
-    _, vjp = jax.vjp(lambda q, k, v: naive_attention(q, k, v, mask, None, 0.3, None), q, k, v)
-    for a, b in zip((dq, dk, dv), vjp((dout, dlse))):
+    ref_grads = jax.jit(lambda q, k, v, ct: jax.vjp(lambda q, k, v: naive_attention(q, k, v, mask, None, 0.3, None),
+                                                    q, k, v)[1](ct))(q, k, v, (dout, dlse))
+    for a, b in zip((dq, dk, dv), ref_grads):
         assert rel_err(a, b) < 1e-4
     # dlse=None equals dlse=0
     g0 = flash_attention_bwd(q, k, v, am, None, out, lse, dout, None, **kw)
@@ -298,10 +300,11 @@ def test_reference_attention_matches_naive():
                                       (1, H, Sq, Skv))
     seg, qpos, kpos = jnp.ones((B, Sq), jnp.int32).at[0, -3:].set(0), iota(B, Sq, 8), iota(B, Skv)
     kseg = jnp.ones((B, Skv), jnp.int32)
-    out, lse = reference_attention(q, k, v, AttentionMask(seg, qpos, kseg, kpos, causal=True, window=(6, -1)),
-                                   bias, scale=0.2, softcap=3.0)
+    am = AttentionMask(seg, qpos, kseg, kpos, causal=True, window=(6, -1))
     mask = dense_mask(seg, qpos, kseg, kpos, True, 6, -1)
-    rout, rlse = naive_attention(q, k, v, mask, bias, 0.2, 3.0)
+    # both jitted (one compile each; eagerly every op compiles per shape)
+    out, lse = jax.jit(lambda q, k, v, b: reference_attention(q, k, v, am, b, scale=0.2, softcap=3.0))(q, k, v, bias)
+    rout, rlse = jax.jit(lambda q, k, v, b: naive_attention(q, k, v, mask, b, 0.2, 3.0))(q, k, v, bias)
     assert rel_err(out, rout) < 1e-5
     np.testing.assert_allclose(np.asarray(lse), np.asarray(rlse), atol=1e-5)
 
@@ -349,14 +352,14 @@ def test_skipped_blocks_are_not_touched():
                                atol=1e-6)
     # dQ kernel skips the same blocks.
     w = w_out.at[:, 48:].set(0.0)
-    dq = jax.grad(lambda q: jnp.sum(
-        flash_attention(q, k_bad, v_bad, am, **kw)[0][:, :48] * w[:, :48]))(q)
+    dq = jax.jit(jax.grad(lambda q: jnp.sum(
+        flash_attention(q, k_bad, v_bad, am, **kw)[0][:, :48] * w[:, :48])))(q)
     assert np.all(np.isfinite(np.asarray(dq[:, :48])))
     # dK/dV kernel: with causal, keys j >= 16 never see queries < 16, so NaN queries there
     # must not reach those keys' gradients.
     q_bad = q.at[:, :16].set(jnp.nan)
-    dk = jax.grad(lambda k: jnp.sum(
-        flash_attention(q_bad, k, v, am, **kw)[0][:, 16:] * w_out[:, 16:]))(k)
+    dk = jax.jit(jax.grad(lambda k: jnp.sum(
+        flash_attention(q_bad, k, v, am, **kw)[0][:, 16:] * w_out[:, 16:])))(k)
     assert np.all(np.isfinite(np.asarray(dk[:, 16:])))
 
 
