@@ -1,6 +1,7 @@
 """Helpers the test files share (import as `from helpers import ...`, like `tolerance`).
 
-rand / qkv: fresh random inputs (never zeros); fwd_bwd: output and gradients in one compile; cpu_mesh: a mesh over the first fake CPU devices
+rand / qkv: fresh random inputs (never zeros); fwd_bwd: output and gradients in one compile (fwd_bwd_many: several
+cases' in one compile); cpu_mesh: a mesh over the first fake CPU devices
 (tests/conftest.py makes 8); ref_norm: LayerNorm / RMSNorm written out in fp32; norm_rel_err: the
 Frobenius-norm relative error the kernel and FP8 tests bound (the elementwise metric is
 tests/tolerance.py's); attention_backends: the registered attention backends
@@ -42,6 +43,21 @@ def fwd_bwd(fn, args, ct):
         out, vjp = jax.vjp(fn, *a)
         return out, vjp(jnp.asarray(ct).astype(out.dtype))
     return jax.jit(run)(*args)
+
+
+def fwd_bwd_many(cases):
+    """[(out, d<out, ct>/d args)] for cases [(fn, args, ct)] (ct: a pytree like out), all in ONE jitted program.
+    A compile of these tiny programs is mostly fixed cost: cases folded into one compile cost about a third of
+    their separate compiles, and each case's result is still checked on its own."""
+    fns = [c[0] for c in cases]
+
+    def run(argss, cts):
+        res = []
+        for fn, a, ct in zip(fns, argss, cts):
+            out, vjp = jax.vjp(fn, *a)
+            res.append((out, vjp(jax.tree.map(lambda c, o: jnp.asarray(c).astype(o.dtype), ct, out))))
+        return res
+    return jax.jit(run)([tuple(c[1]) for c in cases], [c[2] for c in cases])
 
 
 def cpu_mesh(shape, names, *, auto=False):

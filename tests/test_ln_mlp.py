@@ -1,11 +1,16 @@
-"""layernorm_mlp / layernorm_dense: xla and pallas (interpret) backends vs an fp32 reference."""
+"""layernorm_mlp / layernorm_dense: xla and pallas (interpret) backends vs an fp32 reference.
+
+The cases of a test are compiled as one program (helpers.fwd_bwd_many; about a third of the time of a compile
+each) and checked one by one; the fp32 references are computed once per module (functools.cache)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from te_jax import mlp as M
-from helpers import ref_norm
+from helpers import fwd_bwd_many, rand, ref_norm
 from te_jax.backends.ops import NAMES as BACKENDS
 from tolerance import assert_close
 from te_jax.activations import validate_activations
@@ -30,15 +35,16 @@ def ref_mlp(x, g, b, w1, b1, w2, b2, *, acts, rms=False, zc=False):
 
 
 def make(seed, lead, d, f, do, n_act, dtype):
-    k = jax.random.split(jax.random.PRNGKey(seed), 8)
-    x = jax.random.normal(k[0], (*lead, d)).astype(dtype)
-    g = 0.5 + jax.random.uniform(k[1], (d,))
-    b = 0.2 * jax.random.normal(k[2], (d,))
-    w1 = (jax.random.normal(k[3], (d, n_act, f)) / np.sqrt(d)).astype(dtype)
-    b1 = (0.2 * jax.random.normal(k[4], (n_act, f))).astype(dtype)
-    w2 = (jax.random.normal(k[5], (f, do)) / np.sqrt(f)).astype(dtype)
-    b2 = (0.2 * jax.random.normal(k[6], (do,))).astype(dtype)
-    dy = jax.random.normal(k[7], (*lead, do)).astype(dtype)
+    """Drawn by numpy (helpers.rand): no per-shape compile, which jax.random pays eagerly for every new shape."""
+    rng = np.random.default_rng(seed)
+    x = rand(rng, (*lead, d), dtype)
+    g = jnp.asarray(0.5 + rng.uniform(size=(d,)).astype(np.float32))
+    b = rand(rng, (d,), scale=0.2)
+    w1 = rand(rng, (d, n_act, f), dtype, scale=1 / np.sqrt(d))
+    b1 = rand(rng, (n_act, f), dtype, scale=0.2)
+    w2 = rand(rng, (f, do), dtype, scale=1 / np.sqrt(f))
+    b2 = rand(rng, (do,), dtype, scale=0.2)
+    dy = rand(rng, (*lead, do), dtype)
     return (x, g, b, w1, b1, w2, b2), dy
 
 
@@ -46,10 +52,10 @@ def f32(t):
     return jax.tree.map(lambda a: a.astype(jnp.float32), t)
 
 
-def check_all(got, want, tol):
+def check_all(got, want, tol, what=""):
     """max|a - r| <= tol * (max|r| + 1e-6) for each pair (tests/tolerance.py)."""
     for i, (a, r) in enumerate(zip(got, want)):
-        assert_close(a, r, tol, f"[{i}]", floor=None)
+        assert_close(a, r, tol, f"{what}[{i}]", floor=None)
 
 
 ACTS = [("gelu",), ("relu",), ("silu",), ("quick_gelu",), ("squared_relu",), ("linear",),
@@ -57,55 +63,78 @@ ACTS = [("gelu",), ("relu",), ("silu",), ("quick_gelu",), ("squared_relu",), ("l
         ("squared_relu", "linear")]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("acts", ACTS, ids=lambda a: "-".join(a))
-def test_activations_fp32(backend, acts):
-    args, dy = make(len(acts) * 7 + len(acts[0]), (2, 3), 48, 40, 24, len(acts), jnp.float32)
-    fn = lambda *a: M.layernorm_mlp(*a, activations=acts, backend=backend)
-    y, vjp = jax.vjp(jax.jit(fn), *args)
-    yr, vjpr = jax.vjp(jax.jit(lambda *a: ref_mlp(*a, acts=acts)[0]), *args)
-    check_all([y], [yr], 1e-4)
-    check_all(vjp(dy), vjpr(dy), 1e-4)
+@functools.cache
+def _activation_cases():
+    """Per activation of ACTS: (inputs, cotangent) and the fp32 reference's (output, gradients)."""
+    inputs = [make(len(acts) * 7 + len(acts[0]), (2, 3), 48, 40, 24, len(acts), jnp.float32) for acts in ACTS]
+    refs = fwd_bwd_many([(functools.partial(lambda *a, acts: ref_mlp(*a, acts=acts)[0], acts=acts), args, dy)
+                         for acts, (args, dy) in zip(ACTS, inputs)])
+    return inputs, refs
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layernorm_type,zc,acts,d", [
-    ("rmsnorm", False, ("gelu",), 100),
-    ("rmsnorm", True, ("silu", "linear"), 48),
-    ("layernorm", True, ("gelu", "linear"), 100),
-])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_norm_types_dtypes(backend, layernorm_type, zc, acts, d, dtype):
-    rms = layernorm_type == "rmsnorm"
+def test_activations_fp32(backend):
+    """Every activation and gated pair of ACTS, output and gradients (one compile for all, each checked)."""
+    inputs, refs = _activation_cases()
+    got = fwd_bwd_many([(functools.partial(lambda *a, acts: M.layernorm_mlp(*a, activations=acts, backend=backend),
+                                           acts=acts), args, dy) for acts, (args, dy) in zip(ACTS, inputs)])
+    for acts, (y, grads), (yr, grads_r) in zip(ACTS, got, refs):
+        name = "-".join(acts)
+        check_all([y], [yr], 1e-4, f"{name} out")
+        check_all(grads, grads_r, 1e-4, f"{name} grad")
+
+
+NORM_CASES = [(lt, zc, acts, d, dtype)
+              for dtype in (jnp.float32, jnp.bfloat16)
+              for lt, zc, acts, d in [("rmsnorm", False, ("gelu",), 100),
+                                      ("rmsnorm", True, ("silu", "linear"), 48),
+                                      ("layernorm", True, ("gelu", "linear"), 100)]]
+
+
+def _norm_case(layernorm_type, zc, acts, d, dtype, backend):
+    """(te_jax fn, fp32 reference fn, args, dy); RMSNorm takes no beta."""
     args, dy = make(d + zc, (2, 2, 3), d, 40, 36, len(acts), dtype)
     fn = lambda *a: M.layernorm_mlp(*a, layernorm_type=layernorm_type, zero_centered_gamma=zc,
                                     activations=acts, backend=backend)
-    if rms:
-        args = args[:2] + (None,) + args[3:]
+    if layernorm_type == "rmsnorm":
         fn2 = lambda x, g, w1, b1, w2, b2: fn(x, g, None, w1, b1, w2, b2)
         fr = lambda x, g, w1, b1, w2, b2: ref_mlp(x, g, 0.0, w1, b1, w2, b2, acts=acts, rms=True, zc=zc)[0]
         args = tuple(a for i, a in enumerate(args) if i != 2)
     else:
         fn2 = fn
         fr = lambda *a: ref_mlp(*a, acts=acts, zc=zc)[0]
-    y, vjp = jax.vjp(jax.jit(fn2), *args)
-    assert y.dtype == dtype and y.shape == (2, 2, 3, 36)
-    yr, vjpr = jax.vjp(jax.jit(fr), *f32(args))
-    tol = 1e-4 if dtype == jnp.float32 else 4e-2
-    check_all([y], [yr], tol)
-    check_all(vjp(dy), vjpr(dy.astype(jnp.float32)), tol)
+    return fn2, fr, args, dy
+
+
+@functools.cache
+def _norm_refs():
+    cases = [_norm_case(*c, backend=None) for c in NORM_CASES]
+    return fwd_bwd_many([(fr, f32(args), dy.astype(jnp.float32)) for _, fr, args, dy in cases])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_norm_types_dtypes(backend):
+    """LayerNorm / RMSNorm, zero-centred gamma, fp32 and bf16 (NORM_CASES: one compile for all, each checked)."""
+    cases = [_norm_case(*c, backend=backend) for c in NORM_CASES]
+    got = fwd_bwd_many([(fn, args, dy) for fn, _, args, dy in cases])
+    for (lt, zc, acts, d, dtype), (y, grads), (yr, grads_r) in zip(NORM_CASES, got, _norm_refs()):
+        name = f"{lt}-zc{zc}-{'-'.join(acts)}-d{d}-{jnp.dtype(dtype).name}"
+        assert y.dtype == dtype and y.shape == (2, 2, 3, 36), name
+        tol = 1e-4 if dtype == jnp.float32 else 4e-2
+        check_all([y], [yr], tol, f"{name} out")
+        check_all(grads, grads_r, tol, f"{name} grad")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_return_layernorm_output(backend):
     acts = ("silu", "linear")
     args, dy = make(5, (3, 4), 48, 32, 48, 2, jnp.float32)
-    dln = jax.random.normal(jax.random.PRNGKey(9), (3, 4, 48))
+    dln = rand(9, (3, 4, 48))
     fn = lambda *a: M.layernorm_mlp(*a, activations=acts, backend=backend, return_layernorm_output=True)
-    (y, ln), vjp = jax.vjp(jax.jit(fn), *args)
-    (yr, lnr), vjpr = jax.vjp(jax.jit(lambda *a: ref_mlp(*a, acts=acts)), *args)
+    ((y, ln), grads), ((yr, lnr), grads_r) = fwd_bwd_many([(fn, args, (dy, dln)),
+                                                          (lambda *a: ref_mlp(*a, acts=acts), args, (dy, dln))])
     check_all([y, ln], [yr, lnr], 1e-4)
-    check_all(vjp((dy, dln)), vjpr((dy, dln)), 1e-4)
+    check_all(grads, grads_r, 1e-4)
 
 
 def test_no_biases_and_fused_gemm_kernel():
@@ -117,36 +146,39 @@ def test_no_biases_and_fused_gemm_kernel():
         fn = lambda x, g, b, w1, w2: kern.layernorm_mlp(x, g, b, w1, None, w2, None, activations=acts,
                                                         gemm_impl=gemm, interpret=True)
         fr = lambda x, g, b, w1, w2: ref_mlp(x, g, b, w1, 0.0, w2, 0.0, acts=acts)[0]
-        y, vjp = jax.vjp(jax.jit(fn), x, g, b, w1, w2)
-        yr, vjpr = jax.vjp(jax.jit(fr), x, g, b, w1, w2)
+        (y, grads), (yr, grads_r) = fwd_bwd_many([(fn, (x, g, b, w1, w2), dy), (fr, (x, g, b, w1, w2), dy)])
         check_all([y], [yr], 1e-4)
-        check_all(vjp(dy), vjpr(dy), 1e-4)
+        check_all(grads, grads_r, 1e-4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
-def test_layernorm_dense(backend, layernorm_type):
-    rms = layernorm_type == "rmsnorm"
-    k = jax.random.split(jax.random.PRNGKey(3), 5)
-    x = jax.random.normal(k[0], (2, 3, 48))
-    g = 0.5 + jax.random.uniform(k[1], (48,))
-    b = 0.2 * jax.random.normal(k[2], (48,))
-    w = jax.random.normal(k[3], (48, 4, 6)) / 7
-    bb = jax.random.normal(k[4], (4, 6))
-    dy = jax.random.normal(k[0], (2, 3, 4, 6))
-    dln = jax.random.normal(k[1], (2, 3, 48))
-    fn = lambda x, g, b, w, bb: M.layernorm_dense(x, g, b, w, bb, layernorm_type=layernorm_type, backend=backend,
-                                                  return_layernorm_output=True)
+def test_layernorm_dense(backend):
+    """LayerNorm and RMSNorm (one compile for both and their references, each checked)."""
+    rng = np.random.default_rng(3)
+    x = rand(rng, (2, 3, 48))
+    g = jnp.asarray(0.5 + rng.uniform(size=(48,)).astype(np.float32))
+    b = rand(rng, (48,), scale=0.2)
+    w = rand(rng, (48, 4, 6), scale=1 / 7)
+    bb = rand(rng, (4, 6))
+    dy = rand(rng, (2, 3, 4, 6))
+    dln = rand(rng, (2, 3, 48))
+    cases, names = [], ("layernorm", "rmsnorm")
+    for layernorm_type in names:
+        rms = layernorm_type == "rmsnorm"
+        fn = functools.partial(lambda x, g, b, w, bb, lt: M.layernorm_dense(
+            x, g, b, w, bb, layernorm_type=lt, backend=backend, return_layernorm_output=True), lt=layernorm_type)
 
-    def fr(x, g, b, w, bb):
-        ln = ref_norm(x, g, 0.0 if rms else b, rms, False)
-        return jnp.einsum("...d,dij->...ij", ln, w, precision="highest") + bb, ln
+        def fr(x, g, b, w, bb, rms=rms):
+            ln = ref_norm(x, g, 0.0 if rms else b, rms, False)
+            return jnp.einsum("...d,dij->...ij", ln, w, precision="highest") + bb, ln
 
-    (y, ln), vjp = jax.vjp(jax.jit(fn), x, g, b, w, bb)
-    (yr, lnr), vjpr = jax.vjp(jax.jit(fr), x, g, b, w, bb)
-    assert y.shape == (2, 3, 4, 6)
-    check_all([y, ln], [yr, lnr], 1e-4)
-    check_all(vjp((dy, dln)), vjpr((dy, dln)), 1e-4)
+        cases += [(fn, (x, g, b, w, bb), (dy, dln)), (fr, (x, g, b, w, bb), (dy, dln))]
+    res = fwd_bwd_many(cases)
+    for i, name in enumerate(names):
+        ((y, ln), grads), ((yr, lnr), grads_r) = res[2 * i], res[2 * i + 1]
+        assert y.shape == (2, 3, 4, 6)
+        check_all([y, ln], [yr, lnr], 1e-4, f"{name} out")
+        check_all(grads, grads_r, 1e-4, f"{name} grad")
 
 
 def test_dropout_xla_only():
