@@ -79,6 +79,8 @@ def _timed_pallas_lowering(stats):
 
 
 def make_stack(n_layers, attn, norm, mlp, scanned, shape, dtype):
+    """scanned: False (a Python loop of layers), True (nn.scan), or "jit" (a Python loop of nn.jit-wrapped layers:
+    jax traces and lowers the layer once and calls it n_layers times; XLA inlines the calls)."""
     import flax.linen as nn
     import jax.numpy as jnp
 
@@ -97,6 +99,11 @@ def make_stack(n_layers, attn, norm, mlp, scanned, shape, dtype):
     class Stack(nn.Module):
         @nn.compact
         def __call__(self, x):
+            if scanned == "jit":
+                jitted = nn.jit(Block)
+                for i in range(n_layers):
+                    x, _ = jitted(name=f"layer_{i}")(x, None)
+                return x
             if scanned:
                 scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                                length=n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
@@ -191,7 +198,8 @@ def run_subprocess(args, timeout, xla_timers=False):
 def part_stacks(opts):
     rows = []
     plan = []
-    for scanned in {"no": (False,), "yes": (True,), "both": (False, True)}[opts.scanned]:
+    for scanned in {"no": (False,), "yes": (True,), "both": (False, True), "jit": ("jit",),
+                    "no,jit": (False, "jit"), "all": (False, True, "jit")}[opts.scanned]:
         for config in opts.configs.split(","):
             if opts.cpu_smoke and config == "cudnn/xla":
                 continue  # no cuDNN on the CPU
@@ -201,7 +209,7 @@ def part_stacks(opts):
         for n in opts.unshared_layers:
             plan.append((n, "auto", False, True))
     for n, config, scanned, unshared in plan:
-        args = ["--one", str(n), config, "1" if scanned else "0", "1" if unshared else "0"]
+        args = ["--one", str(n), config, "jit" if scanned == "jit" else "1" if scanned else "0", "1" if unshared else "0"]
         if opts.cpu_smoke:
             args.append("--cpu-smoke")
         p, wall = run_subprocess(args, opts.timeout, xla_timers=opts.xla_timers)
@@ -214,7 +222,8 @@ def part_stacks(opts):
         r["process_wall_s"] = wall
         if opts.xla_timers:
             r["xla_phases_s"] = xla_phase_seconds(p.stderr)
-            tag = f"{n}_{config.replace('/', '-')}_{'scan' if scanned else 'unscan'}{'_unshared' if unshared else ''}"
+            tag = (f"{n}_{config.replace('/', '-')}_{'jit' if scanned == 'jit' else 'scan' if scanned else 'unscan'}"
+                   f"{'_unshared' if unshared else ''}")
             out_dir = os.environ.get("OUT")
             if out_dir:
                 with open(os.path.join(out_dir, f"xla_timers_{tag}.txt"), "w") as f:
@@ -242,13 +251,13 @@ def _print_stack_table(rows):
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pl = (f"{r['pallas_lowering_s']:.1f} ({r['pallas_lowerings']})" if "pallas_lowerings" in r else "n/a")
-        print(f"| {r['layers']} | {r['config']} | {'yes' if r['scanned'] else 'no'} | "
+        print(f"| {r['layers']} | {r['config']} | {'no, nn.jit layers' if r['scanned'] == 'jit' else 'yes' if r['scanned'] else 'no'} | "
               f"{'per call site' if r['unshared'] else 'shared'} | {r['total_s']:.1f} | {r['trace_s']:.1f} | "
               f"{r['lower_s']:.1f} | {pl} | {r['backend_compile_s']:.1f} |")
     by = {(r["layers"], r["config"], r["scanned"], r["unshared"]): r["total_s"] for r in rows}
     print()
-    for scanned in (False, True):
-        tag = "scanned" if scanned else "unscanned"
+    for scanned in (False, True, "jit"):
+        tag = "unscanned, nn.jit layers" if scanned == "jit" else "scanned" if scanned else "unscanned"
         for n in sorted({r["layers"] for r in rows}):
             a, c = by.get((n, "auto", scanned, False)), by.get((n, "cudnn/xla", scanned, False))
             if a and c:
@@ -322,37 +331,46 @@ def part_steady(opts):
 
     steps = {}
     compiled_hlo = {}
-    for label in ("shared", "per call site"):
-        ctx = _lower_once.disabled() if label != "shared" else _nullcontext()
+    if opts.steady_compare == "jit":  # a Python loop of layers against the same loop of nn.jit-wrapped layers
+        jit_model = make_stack(n, "auto", "auto", "auto", "jit", shape, dtype)
+        jit_params = {"params": {k: {"layer": v} for k, v in params["params"].items()}}
+        jit_loss = lambda p, x: jnp.mean(jnp.square(jit_model.apply(p, x).astype(jnp.float32)))
+        variants = {"loop": (loss, params), "nn.jit layers": (jit_loss, jit_params)}
+    else:
+        variants = {"shared": (loss, params), "per call site": (loss, params)}
+    args_of = {}
+    for label, (fn, p) in variants.items():
+        ctx = _lower_once.disabled() if label == "per call site" else _nullcontext()
         with ctx:
-            f = jax.jit(jax.value_and_grad(loss))
-            c = f.lower(params, x).compile()
+            f = jax.jit(jax.value_and_grad(fn))
+            c = f.lower(p, x).compile()
         compiled_hlo[label] = c.as_text()
         steps[label] = c
-    outs = {k: f(params, x) for k, f in steps.items()}
-    l0, l1 = float(outs["shared"][0]), float(outs["per call site"][0])
-    print(f"loss shared {l0:.6f} vs per call site {l1:.6f}", flush=True)
+        args_of[label] = p
+    outs = {k: f(args_of[k], x) for k, f in steps.items()}
+    (k0, k1) = list(steps)
+    print(f"loss {k0} {float(outs[k0][0]):.6f} vs {k1} {float(outs[k1][0]):.6f}", flush=True)
     n_kernels = {k: len(re.findall(r"custom_call_target=\"(?:mosaic_gpu|__gpu\$xla\.gpu\.triton)", v))
                  for k, v in compiled_hlo.items()}
     print(f"kernel custom calls in the compiled HLO: {n_kernels}", flush=True)
     ts = {k: [] for k in steps}
     for _ in range(opts.rounds):
         for k, f in steps.items():
-            jax.block_until_ready(f(params, x))
+            jax.block_until_ready(f(args_of[k], x))
             samples = []
             for _ in range(opts.samples):
                 t = time.perf_counter()
-                jax.block_until_ready(f(params, x))
+                jax.block_until_ready(f(args_of[k], x))
                 samples.append(time.perf_counter() - t)
             ts[k].append(statistics.median(samples))
     print(f"\n## Step time, {n}-layer stack (auto backends), {jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"{datetime.date.today()}; {opts.rounds} interleaved rounds x median of {opts.samples} steps\n")
-    print("| kernels | ms median of rounds | min | max |")
+    print("| variant | ms median of rounds | min | max |")
     print("|---|---|---|---|")
     for k, v in ts.items():
         print(f"| {k} | {1e3 * statistics.median(v):.2f} | {1e3 * min(v):.2f} | {1e3 * max(v):.2f} |")
-    ratio = statistics.median(ts["per call site"]) / statistics.median(ts["shared"])
-    print(f"\nshared speed / per-call-site speed = {ratio:.3f}")
+    ratio = statistics.median(ts[k1]) / statistics.median(ts[k0])
+    print(f"\n{k0} speed / {k1} speed = {ratio:.3f}")
     _dump(opts, "compile_time_steady.json", {"ms": {k: [1e3 * t for t in v] for k, v in ts.items()},
                                              "kernel_custom_calls": n_kernels})
 
@@ -369,16 +387,19 @@ def main():
         i = sys.argv.index("--one")
         n, config, scanned, unshared = sys.argv[i + 1:i + 5]
         smoke = "--cpu-smoke" in sys.argv
-        r = measure_one(int(n), config, scanned == "1", unshared == "1", smoke)
+        r = measure_one(int(n), config, "jit" if scanned == "jit" else scanned == "1", unshared == "1", smoke)
         print("RESULT " + json.dumps(r), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=["stacks", "example", "steady"], required=True)
     ap.add_argument("--layers", default="1,12,32", help="stack depths, comma-separated")
-    ap.add_argument("--scanned", choices=["no", "yes", "both"], default="both")
+    ap.add_argument("--scanned", choices=["no", "yes", "both", "jit", "no,jit", "all"], default="both",
+                    help="no: a Python loop of layers; yes: nn.scan; jit: a Python loop of nn.jit-wrapped layers")
     ap.add_argument("--unshared-layers", default="12", help="depths to measure with per-call-site kernels too")
     ap.add_argument("--example-steps", type=int, default=60)
     ap.add_argument("--steady-layers", type=int, default=12)
+    ap.add_argument("--steady-compare", choices=["kernels", "jit"], default="kernels",
+                    help="--part steady: shared against per-call-site kernels, or a loop of layers against nn.jit layers")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--timeout", type=int, default=400, help="seconds for one subprocess")
