@@ -163,6 +163,11 @@ def test_cast_transpose_matches_reference(dtype, out_dtype, round_to, blocks):
     # the same as te_jax's quantize (the unfused path's cast)
     want = Q.quantize(x if round_to is None else x.astype(round_to), scale, out_dtype)
     np.testing.assert_array_equal(_f32(q), _f32(want))
+    # cast_transposed: the transposed copy alone, the same bits and amax
+    qt2, amax2 = K.cast_transposed(x, scale, out_dtype=out_dtype, round_to=round_to, block_m=blocks[0],
+                                   block_n=blocks[1])
+    np.testing.assert_array_equal(_f32(qt2), _f32(rqt))
+    np.testing.assert_array_equal(amax2, ref_amax)
 
 
 def test_saturation_nan_and_inf():

@@ -4,6 +4,7 @@ from pallas_kernels.fp8_cast.kernels import (  # noqa: F401
     act_amax,
     act_cast,
     cast_transpose,
+    cast_transposed,
     dact_amax,
     dact_cast_transpose,
 )

@@ -7,6 +7,7 @@ transpose. Each also hands out the amax of what it cast.
     dact_cast_transpose(dh, gu, scale)    dh [M, F], gu -> dgu_q [gu's shape], dgu_qT [n*F, M], amax
     dact_amax(dh, gu, ...)                amax of dgu only
     cast_transpose(x, scale)              x [M, N] -> x_q [M, N], x_qT [N, M], amax
+    cast_transposed(x, scale)             x [M, N] -> x_qT [N, M], amax (the transposed copy only)
 
 a = act(gate) * up (gated; gate = gu[:, 0], up = gu[:, 1]) or act(gu); dgu = d a / d(gate, up) * dh, all in
 fp32; values are cast with common.saturate (clip(v * scale) -> FP8, scale multiplies) after the optional
@@ -201,13 +202,26 @@ def dact_amax(dh, gu, *, activation, gated, round_to=None, gu_scale=None, dh_sca
 # ----------------------------------------------------------------------------- cast + transpose
 
 
-def _cast_t_kernel(x_ref, scale_ref, q_ref, qt_ref, amax_ref, *, m, n, round_to, out_dtype, bm, bn, gn):
+def _cast_t_kernel(x_ref, scale_ref, *outs, m, n, round_to, out_dtype, write_q, bm, bn, gn):
     rows, cols, mask = _tile(m, n, bm, bn)
     x = C.maybe_round(_load(x_ref, rows, cols, mask), round_to)
-    _tile_amax([x], mask, amax_ref, gn)
+    _tile_amax([x], mask, outs[-1], gn)
     q = C.saturate(x, scale_ref[0], out_dtype)
-    pltriton.store(q_ref.at[rows, cols], q, mask=mask)
-    pltriton.store(qt_ref.at[cols, rows], q, mask=mask)
+    if write_q:
+        pltriton.store(outs[0].at[rows, cols], q, mask=mask)
+    pltriton.store(outs[-2].at[cols, rows], q, mask=mask)
+
+
+def _cast_t_call(where, x, scale, write_q, out_dtype, round_to, interpret, block_m, block_n, num_warps, num_stages):
+    C.check_common(where, out_dtype=out_dtype, round_to=round_to, arrays=[("x", x)])
+    if x.ndim != 2:
+        raise ValueError(f"{where}: x must be 2-D [M, N]; got shape {tuple(x.shape)}.")
+    m, n = x.shape
+    out_shape = ([jax.ShapeDtypeStruct((m, n), out_dtype)] if write_q else []) + [
+        jax.ShapeDtypeStruct((n, m), out_dtype)]
+    kernel = functools.partial(_cast_t_kernel, m=m, n=n, round_to=round_to, out_dtype=out_dtype, write_q=write_q)
+    return _launch(where, kernel, (x, C.scale_array(scale)), out_shape, m, n, block_m, block_n, num_warps,
+                   num_stages, interpret, "te_fp8_cast_transpose" if write_q else "te_fp8_cast_transposed")
 
 
 @lower_once(static_argnames=("out_dtype", "round_to", "interpret", "block_m", "block_n", "num_warps",
@@ -215,12 +229,17 @@ def _cast_t_kernel(x_ref, scale_ref, q_ref, qt_ref, amax_ref, *, m, n, round_to,
 def cast_transpose(x, scale, *, out_dtype, round_to=None, interpret=None, block_m=128, block_n=64,
                    num_warps=None, num_stages=1):
     """x [M, N] (bf16 / fp16 / fp32); scale an fp32 scalar. Returns (x_q [M, N], x_qT [N, M], amax of |x|)."""
-    C.check_common("cast_transpose", out_dtype=out_dtype, round_to=round_to, arrays=[("x", x)])
-    if x.ndim != 2:
-        raise ValueError(f"cast_transpose: x must be 2-D [M, N]; got shape {tuple(x.shape)}.")
-    m, n = x.shape
-    out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype), jax.ShapeDtypeStruct((n, m), out_dtype)]
-    kernel = functools.partial(_cast_t_kernel, m=m, n=n, round_to=round_to, out_dtype=out_dtype)
-    (q, qt), amax = _launch("cast_transpose", kernel, (x, C.scale_array(scale)), out_shape, m, n, block_m, block_n,
-                            num_warps, num_stages, interpret, "te_fp8_cast_transpose")
+    (q, qt), amax = _cast_t_call("cast_transpose", x, scale, True, out_dtype, round_to, interpret, block_m, block_n,
+                                 num_warps, num_stages)
     return q, qt, amax
+
+
+@lower_once(static_argnames=("out_dtype", "round_to", "interpret", "block_m", "block_n", "num_warps",
+                             "num_stages"))
+def cast_transposed(x, scale, *, out_dtype, round_to=None, interpret=None, block_m=128, block_n=64,
+                    num_warps=None, num_stages=1):
+    """x [M, N]; scale an fp32 scalar. Returns (x_qT [N, M], amax of |x|): cast_transpose's transposed copy alone
+    (for a weight whose forward GEMM needs only that layout; it saves writing x_q)."""
+    (qt,), amax = _cast_t_call("cast_transposed", x, scale, False, out_dtype, round_to, interpret, block_m, block_n,
+                               num_warps, num_stages)
+    return qt, amax

@@ -1,8 +1,8 @@
 """The FP8 MLP with fused quantization (TransformerEngine's layernorm_mlp under a per-tensor recipe).
 
     x [M, D] (compute dtype dt) -- cast_transpose --> x_q [M, D], x_qT [D, M]           (amax(x))
-    w1 [D, n*F] (param dtype)   -- cast_transpose --> w1_q [D, n*F], w1_qT [n*F, D]     (amax(w1 in dt))
-    w2 [F, D]                   -- cast_transpose --> w2_q [F, D], w2_qT [D, F]         (amax(w2 in dt))
+    w1 [D, n*F] (param dtype)   -- cast_transposed --> w1_qT [n*F, D]     (amax(w1 in dt); w1_q re-cast in the bwd)
+    w2 [F, D]                   -- cast_transposed --> w2_qT [D, F]       (amax(w2 in dt); w2_q likewise)
     gu [M, n*F] dt = x_q . w1_qT                                      (FP8 GEMM, wi fprop)
     a_q [M, F], a_qT [F, M], amax(a) = act_cast(gu)                   (activation + cast + transpose, 1 pass)
     y [M, D] dt = a_q . w2_qT                                         (FP8 GEMM, wo fprop)
@@ -114,8 +114,8 @@ def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
     else:  # current scaling: the amax first (the unfused path's compute_scale(amax, 1, fmax))
         sx, sw1, sw2 = (compute_scale(amax(t), 1.0, fmax) for t in (x, w1f.astype(dt), w2.astype(dt)))
     xq, xqT, ax = _k.cast_transpose(x, sx, out_dtype=fdt, **kw)
-    w1q, w1qT, aw1 = _k.cast_transpose(w1f, sw1, out_dtype=fdt, round_to=dt, **kw)
-    w2q, w2qT, aw2 = _k.cast_transpose(w2, sw2, out_dtype=fdt, round_to=dt, **kw)
+    w1qT, aw1 = _k.cast_transposed(w1f, sw1, out_dtype=fdt, round_to=dt, **kw)  # the backward re-casts w1, w2
+    w2qT, aw2 = _k.cast_transposed(w2, sw2, out_dtype=fdt, round_to=dt, **kw)
     gu, s_gu = _gemm_owing_scale(cfg, dt, 1.0 / sx, 1.0 / sw1, xq, w1qT)  # [M, n*F]  wi fprop
     gu = gu.reshape(-1, n, f) if cfg.gated else gu
     if not delayed:
@@ -141,7 +141,7 @@ def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
 def _mlp_bwd(cfg, res, dy):
     xqT, w1f, w2, aqT, gu, s_gu, sxi, sw1, sai, sw2, new_fwd, grad_state = res
     fdt = cfg.recipe.fp8_format.fwd_dtype
-    w1q = quantize(w1f.astype(gu.dtype), sw1, fdt)  # [D, n*F], as the forward's cast_transpose wrote it
+    w1q = quantize(w1f.astype(gu.dtype), sw1, fdt)  # [D, n*F]: the values of the forward cast_transposed's w1_qT
     w2q = quantize(w2.astype(gu.dtype), sw2, fdt)   # [F, Dout]
     sw1i, sw2i = 1.0 / sw1, 1.0 / sw2
     recipe, dt = cfg.recipe, gu.dtype

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.fp8_cast import cast_transpose
+from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
 from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, check_recipe
 
@@ -343,13 +343,13 @@ def _cast_both(a, scale, dtype, interpret):
     return cast_transpose(a, jnp.asarray(scale, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret)
 
 
-def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret):
-    """(a_q, a_qT, amax, scale used): delayed scaling casts with the stored scale, current with a's own."""
-    if isinstance(recipe, DelayedScaling):
-        s = _read_scale(stored_scale)
-        q, qt, am = _cast_both(a, s, dtype, interpret)
-        return q, qt, am, s
-    s = compute_scale(amax(a), 1.0, fmax)
+def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret, transposed_only=False):
+    """(a_q, a_qT, amax, scale used): delayed scaling casts with the stored scale, current with a's own.
+    transposed_only: a_q is not written (None; pallas_kernels.fp8_cast.cast_transposed)."""
+    s = _read_scale(stored_scale) if isinstance(recipe, DelayedScaling) else compute_scale(amax(a), 1.0, fmax)
+    if transposed_only:
+        qt, am = cast_transposed(a, jnp.asarray(s, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret)
+        return None, qt, am, s
     q, qt, am = _cast_both(a, s, dtype, interpret)
     return q, qt, am, s
 
@@ -366,7 +366,9 @@ def _dense_tn_fwd(x, w, state, n_contract, recipe, cfg):
     x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
     st = state or {}
     xq, xtq, ax, sx = _scale_then_cast(recipe, x2, st.get("input_scale"), fmt.max_fwd, fmt.fwd_dtype, cfg[5])
-    wq, wtq, aw, sw = _scale_then_cast(recipe, w2, st.get("kernel_scale"), fmt.max_fwd, fmt.fwd_dtype, cfg[5])
+    # the forward needs w's transposed copy only; the backward re-casts w itself
+    _, wtq, aw, sw = _scale_then_cast(recipe, w2, st.get("kernel_scale"), fmt.max_fwd, fmt.fwd_dtype, cfg[5],
+                                      transposed_only=True)
     if isinstance(recipe, DelayedScaling):
         nx, hx = delayed_update(state["input_amax_history"], sx, ax, fmt.max_fwd, recipe.margin,
                                 recipe.amax_compute_algo)
@@ -385,7 +387,7 @@ def _dense_tn_fwd(x, w, state, n_contract, recipe, cfg):
 def _dense_tn_bwd(n_contract, recipe, cfg, res, g):
     xtq, sxi, w2, sw, fwd_state, g_state = res
     fmt = recipe.fp8_format
-    wq, swi = quantize(w2, sw, fmt.fwd_dtype), 1.0 / sw  # the values the forward's cast_transpose wrote
+    wq, swi = quantize(w2, sw, fmt.fwd_dtype), 1.0 / sw  # the values of the forward cast_transposed's w^T
     g2 = g.reshape(xtq.shape[1], wq.shape[1])
     gq, gtq, ag, sg = _scale_then_cast(recipe, g2, None if g_state is None else g_state[0], fmt.max_bwd,
                                        fmt.bwd_dtype, cfg[5])
