@@ -1,4 +1,9 @@
-"""te_jax.flax modules against plain-Flax references written here, with the same parameters copied in."""
+"""te_jax.flax modules against plain-Flax references written here, with the same parameters copied in.
+
+Inits, outputs and gradients run jitted, the cases of a test (and their references) in one program
+(fwd_and_grads_many, init_many): eagerly every op compiles on its own for each new shape, and a compile of such
+tiny programs is mostly fixed cost. Every case is still checked on its own and a failure names it."""
+import functools
 import math
 
 import flax.linen as nn
@@ -35,19 +40,30 @@ def unbox(v):
 assert_tree_close = assert_close
 
 
+def _first(o):
+    return o[0] if isinstance(o, tuple) else o
+
+
+def fwd_and_grads_many(cases, seed=99):
+    """[(out, grads, full output)] for cases [(fn, params, *xs)]: out is fn's (first) output, grads the gradients of
+    <out, random cotangent> w.r.t. params and the inputs; all cases in one jitted program."""
+    fns, argss = [c[0] for c in cases], [tuple(c[1:]) for c in cases]
+    cts = [rand(seed, _first(jax.eval_shape(fn, *a)).shape, jnp.float32) for fn, a in zip(fns, argss)]
+
+    def run(argss, cts):
+        res = []
+        for fn, a, ct in zip(fns, argss, cts):
+            out, vjp, full = jax.vjp(lambda *a, fn=fn: (lambda o: (_first(o), o))(fn(*a)), *a, has_aux=True)
+            # = the gradient of sum(out.astype(fp32) * ct): the cotangent reaches out cast to its dtype
+            res.append((out, vjp(ct.astype(out.dtype)), full))
+        return res
+
+    return jax.jit(run)(argss, cts)
+
+
 def fwd_and_grads(fn, params, *xs, seed=99):
-    """Output, and the gradients of <out, random cotangent> w.r.t. params and the inputs."""
-    out = fn(params, *xs)
-    out0 = out[0] if isinstance(out, tuple) else out
-    ct = rand(seed, out0.shape, jnp.float32)
-
-    def loss(p, *x):
-        o = fn(p, *x)
-        o = o[0] if isinstance(o, tuple) else o
-        return jnp.sum(o.astype(jnp.float32) * ct)
-
-    grads = jax.grad(loss, argnums=tuple(range(1 + len(xs))))(params, *xs)
-    return out0, grads
+    """Output, and the gradients of <out, random cotangent> w.r.t. params and the inputs (one compile)."""
+    return fwd_and_grads_many([(fn, params, *xs)], seed)[0][:2]
 
 
 def ref_norm(x, scale, bias, layernorm_type="layernorm", eps=1e-6, zero_centered_gamma=False):
@@ -135,125 +151,164 @@ def ref_mha(p, x, kv=None, *, h, g, visible=None, scale=1.0, rope=None, bias=Non
     return ref_dense(o, p["out"]["kernel"], p["out"].get("bias"), n_contract=2), ln
 
 
+def init_many(cases):
+    """Unboxed variables of module.init(*args, **kwargs) for cases [(module, args, kwargs)], in one jitted program."""
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    fn = jax.jit(lambda rngs, argss: [m.init(rngs, *a, **kw) for (m, _, kw), a in zip(cases, argss)])
+    return [unbox(v) for v in fn(rngs, [tuple(c[1]) for c in cases])]
+
+
 def init(module, *args, **kwargs):
-    return unbox(module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, *args, **kwargs))
+    return init_many([(module, args, kwargs)])[0]
 
 
 # ----------------------------------------------------------------------------- LayerNorm
 
 
-@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("zero_centered_gamma", [False, True])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_layernorm(layernorm_type, zero_centered_gamma, dtype):
-    m = LayerNorm(layernorm_type=layernorm_type, zero_centered_gamma=zero_centered_gamma, dtype=dtype)
+LN_CASES = [(lt, zc, dtype) for lt in ("layernorm", "rmsnorm") for zc in (False, True)
+            for dtype in (jnp.float32, jnp.bfloat16)]
+
+
+def test_layernorm():
+    """LayerNorm / RMSNorm, zero-centred gamma or not, fp32 / bf16 (LN_CASES, one compile)."""
     x = rand(1, (B, S, D), scale=2.0) + 0.5
-    v = init(m, x)
-    p = jax.tree_util.tree_map(lambda a: a + rand(7, a.shape, scale=0.3), v["params"])  # non-trivial params
-    assert set(p) == ({"scale", "ln_bias"} if layernorm_type == "layernorm" else {"scale"})
-    ours = lambda p, x: m.apply({"params": p}, x.astype(dtype))
-    ref = lambda p, x: ref_norm(x, p["scale"], p.get("ln_bias"), layernorm_type, 1e-6, zero_centered_gamma)
-    o, g = fwd_and_grads(ours, p, x)
-    assert o.dtype == dtype
-    ro, rg = fwd_and_grads(ref, p, x)
-    assert_close(o, ro, TOL[dtype], "out")
-    assert_tree_close(g, rg, TOL[dtype] * 2, "grad")
+    mods = [LayerNorm(layernorm_type=lt, zero_centered_gamma=zc, dtype=dtype) for lt, zc, dtype in LN_CASES]
+    cases = []
+    for (lt, zc, dtype), m, v in zip(LN_CASES, mods, init_many([(m, (x,), {}) for m in mods])):
+        p = jax.tree_util.tree_map(lambda a: a + rand(7, a.shape, scale=0.3), v["params"])  # non-trivial params
+        assert set(p) == ({"scale", "ln_bias"} if lt == "layernorm" else {"scale"})
+        ours = functools.partial(lambda p, x, m, dtype: m.apply({"params": p}, x.astype(dtype)), m=m, dtype=dtype)
+        ref = functools.partial(lambda p, x, lt, zc: ref_norm(x, p["scale"], p.get("ln_bias"), lt, 1e-6, zc),
+                                lt=lt, zc=zc)
+        cases += [(ours, p, x), (ref, p, x)]
+    res = fwd_and_grads_many(cases)
+    for i, (lt, zc, dtype) in enumerate(LN_CASES):
+        (o, g, _), (ro, rg, _) = res[2 * i], res[2 * i + 1]
+        name = f"{lt} zc={zc} {jnp.dtype(dtype).name}"
+        assert o.dtype == dtype, name
+        assert_close(o, ro, TOL[dtype], f"{name} out")
+        assert_tree_close(g, rg, TOL[dtype] * 2, f"{name} grad")
 
 
 # ----------------------------------------------------------------------------- DenseGeneral
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_dense_general_multi_axis(dtype):
-    m = DenseGeneral(features=(3, 5), axis=(-2, -1), use_bias=True, kernel_axes=("heads", "kv", "qkv", "embed"),
-                     bias_axes=("qkv", "embed"), dtype=dtype)
+def test_dense_general_multi_axis():
+    """fp32 and bf16 (one compile)."""
     x = rand(1, (B, S, H, HD))
-    v = m.init(jax.random.key(0), x)
-    assert isinstance(v["params"]["kernel"], nn.LogicallyPartitioned)
-    assert v["params"]["kernel"].names == ("heads", "kv", "qkv", "embed")
-    p = unbox(v)["params"]
-    p["bias"] = rand(3, p["bias"].shape)
-    assert p["kernel"].shape == (H, HD, 3, 5)
-    o, g = fwd_and_grads(lambda p, x: m.apply({"params": p}, x.astype(dtype)), p, x)
-    ro, rg = fwd_and_grads(lambda p, x: ref_dense(x, p["kernel"], p["bias"], 2), p, x)
-    assert o.shape == (B, S, 3, 5) and o.dtype == dtype
-    assert_close(o, ro, TOL[dtype], "out")
-    assert_tree_close(g, rg, TOL[dtype] * 2, "grad")
+    cases = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        m = DenseGeneral(features=(3, 5), axis=(-2, -1), use_bias=True, kernel_axes=("heads", "kv", "qkv", "embed"),
+                         bias_axes=("qkv", "embed"), dtype=dtype)
+        v = jax.jit(m.init)(jax.random.key(0), x)
+        assert isinstance(v["params"]["kernel"], nn.LogicallyPartitioned)
+        assert v["params"]["kernel"].names == ("heads", "kv", "qkv", "embed")
+        p = unbox(v)["params"]
+        p["bias"] = rand(3, p["bias"].shape)
+        assert p["kernel"].shape == (H, HD, 3, 5)
+        cases += [(functools.partial(lambda p, x, m, dtype: m.apply({"params": p}, x.astype(dtype)), m=m, dtype=dtype),
+                   p, x),
+                  (lambda p, x: ref_dense(x, p["kernel"], p["bias"], 2), p, x)]
+    res = fwd_and_grads_many(cases)
+    for i, dtype in enumerate((jnp.float32, jnp.bfloat16)):
+        (o, g, _), (ro, rg, _) = res[2 * i], res[2 * i + 1]
+        name = jnp.dtype(dtype).name
+        assert o.shape == (B, S, 3, 5) and o.dtype == dtype, name
+        assert_close(o, ro, TOL[dtype], f"{name} out")
+        assert_tree_close(g, rg, TOL[dtype] * 2, f"{name} grad")
 
 
 # ----------------------------------------------------------------------------- LayerNormDenseGeneral
 
 
-@pytest.mark.parametrize("layernorm_type,dtype", [("layernorm", jnp.float32), ("rmsnorm", jnp.bfloat16)])
-def test_layernorm_dense_general(layernorm_type, dtype):
-    m = LayerNormDenseGeneral(features=(H, HD), layernorm_type=layernorm_type, use_bias=True,
-                              return_layernorm_output=True, dtype=dtype)
+def test_layernorm_dense_general():
+    """LayerNorm in fp32, RMSNorm in bf16 (one compile)."""
     x = rand(1, (B, S, D)) + 0.3
-    p = init(m, x)["params"]
-    p["bias"] = rand(3, p["bias"].shape)
-    p["scale"] = p["scale"] + rand(4, (D,), scale=0.2)
+    configs = [("layernorm", jnp.float32), ("rmsnorm", jnp.bfloat16)]
+    mods = [LayerNormDenseGeneral(features=(H, HD), layernorm_type=lt, use_bias=True, return_layernorm_output=True,
+                                  dtype=dtype) for lt, dtype in configs]
+    cases = []
+    for (layernorm_type, dtype), m, v in zip(configs, mods, init_many([(m, (x,), {}) for m in mods])):
+        p = v["params"]
+        p["bias"] = rand(3, p["bias"].shape)
+        p["scale"] = p["scale"] + rand(4, (D,), scale=0.2)
 
-    def ours(p, x):
-        y, ln = m.apply({"params": p}, x.astype(dtype))
-        return y, ln
+        def ours(p, x, m=m, dtype=dtype):
+            y, ln = m.apply({"params": p}, x.astype(dtype))
+            return y, ln
 
-    def ref(p, x):
-        ln = ref_norm(x, p["scale"], p.get("ln_bias"), layernorm_type)
-        return ref_dense(ln, p["kernel"], p["bias"]), ln
+        def ref(p, x, layernorm_type=layernorm_type):
+            ln = ref_norm(x, p["scale"], p.get("ln_bias"), layernorm_type)
+            return ref_dense(ln, p["kernel"], p["bias"]), ln
 
-    (o, ln), (ro, rln) = ours(p, x), ref(p, x)
-    assert o.shape == (B, S, H, HD)
-    assert_close(o, ro, TOL[dtype], "out")
-    assert_close(ln, rln, TOL[dtype], "ln_out")
-    _, g = fwd_and_grads(ours, p, x)
-    _, rg = fwd_and_grads(ref, p, x)
-    assert_tree_close(g, rg, TOL[dtype] * 2, "grad")
+        cases += [(ours, p, x), (ref, p, x)]
+    res = fwd_and_grads_many(cases)  # out = y; the full output (y, ln) comes third
+    for i, (layernorm_type, dtype) in enumerate(configs):
+        (_, g, (o, ln)), (_, rg, (ro, rln)) = res[2 * i], res[2 * i + 1]
+        assert o.shape == (B, S, H, HD)
+        assert_close(o, ro, TOL[dtype], f"{layernorm_type} out")
+        assert_close(ln, rln, TOL[dtype], f"{layernorm_type} ln_out")
+        assert_tree_close(g, rg, TOL[dtype] * 2, f"{layernorm_type} grad")
     # default TE convention: (out, None)
-    y, none = LayerNormDenseGeneral(features=4).apply(init(LayerNormDenseGeneral(features=4), x), x)
+    y, none = jax.jit(LayerNormDenseGeneral(features=4).apply)(init(LayerNormDenseGeneral(features=4), x), x)
     assert none is None and y.shape == (B, S, 4)
 
 
 # ----------------------------------------------------------------------------- LayerNormMLP
 
 
-@pytest.mark.parametrize("activations,use_bias,layernorm_type,dtype", [
+MLP_CASES = [  # activations, use_bias, layernorm_type, dtype
     (("gelu",), False, "layernorm", jnp.float32),
     (("silu", "linear"), True, "rmsnorm", jnp.float32),
     # relu in fp32: in bf16, a pre-activation within rounding of 0 (some of the 768 always are) flips relu' between
     # the module and the fp32 reference, an ill-posed comparison; bf16 with biases is the gated gelu case below.
     (("relu",), True, "layernorm", jnp.float32),
     (("gelu", "linear"), True, "layernorm", jnp.bfloat16),
-])
-def test_layernorm_mlp(activations, use_bias, layernorm_type, dtype):
-    m = LayerNormMLP(intermediate_dim=48, activations=activations, use_bias=use_bias, layernorm_type=layernorm_type,
-                     intermediate_dropout_rate=0.0, dtype=dtype)
+]
+
+
+def test_layernorm_mlp():
+    """MLP_CASES in one compile, each checked against ref_mlp."""
     x = rand(1, (B, S, D))
-    p = init(m, x)["params"]
-    assert p["wi_kernel"].shape == (D, len(activations), 48) and p["wo_kernel"].shape == (48, D)
-    if use_bias:
-        p["wi_bias"] = rand(5, p["wi_bias"].shape, scale=0.3)
-        p["wo_bias"] = rand(6, p["wo_bias"].shape, scale=0.3)
-    o, g = fwd_and_grads(lambda p, x: m.apply({"params": p}, x.astype(dtype), deterministic=True)[0], p, x)
-    ro, rg = fwd_and_grads(lambda p, x: ref_mlp(p, x, activations, layernorm_type), p, x)
-    assert o.dtype == dtype
-    assert_close(o, ro, TOL[dtype], "out")
-    assert_tree_close(g, rg, TOL[dtype] * 2, "grad")
+    mods = [LayerNormMLP(intermediate_dim=48, activations=activations, use_bias=use_bias, layernorm_type=layernorm_type,
+                         intermediate_dropout_rate=0.0, dtype=dtype)
+            for activations, use_bias, layernorm_type, dtype in MLP_CASES]
+    cases = []
+    for (activations, use_bias, layernorm_type, dtype), m, v in zip(MLP_CASES, mods,
+                                                                    init_many([(m, (x,), {}) for m in mods])):
+        p = v["params"]
+        assert p["wi_kernel"].shape == (D, len(activations), 48) and p["wo_kernel"].shape == (48, D)
+        if use_bias:
+            p["wi_bias"] = rand(5, p["wi_bias"].shape, scale=0.3)
+            p["wo_bias"] = rand(6, p["wo_bias"].shape, scale=0.3)
+        ours = functools.partial(lambda p, x, m, dtype: m.apply({"params": p}, x.astype(dtype), deterministic=True)[0],
+                                 m=m, dtype=dtype)
+        ref = functools.partial(lambda p, x, a, lt: ref_mlp(p, x, a, lt), a=activations, lt=layernorm_type)
+        cases += [(ours, p, x), (ref, p, x)]
+    res = fwd_and_grads_many(cases)
+    for i, (activations, use_bias, layernorm_type, dtype) in enumerate(MLP_CASES):
+        (o, g, _), (ro, rg, _) = res[2 * i], res[2 * i + 1]
+        name = f"{'-'.join(activations)} bias={use_bias} {layernorm_type} {jnp.dtype(dtype).name}"
+        assert o.dtype == dtype, name
+        assert_close(o, ro, TOL[dtype], f"{name} out")
+        assert_tree_close(g, rg, TOL[dtype] * 2, f"{name} grad")
 
 
 def test_layernorm_mlp_logical_axes_and_dropout():
     m = LayerNormMLP(intermediate_dim=48, activations=("gelu", "linear"), use_bias=True, intermediate_dropout_rate=0.5)
     x = rand(1, (B, S, D))
-    v = m.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    v = jax.jit(m.init)({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
     names = {k: a.names for k, a in v["params"].items()}
     assert names == {"scale": ("embed",), "ln_bias": ("embed",), "wi_kernel": ("embed", "act", "mlp"),
                      "wi_bias": ("act", "mlp"), "wo_kernel": ("mlp", "embed"), "wo_bias": ("embed",)}
     p = unbox(v)
-    det = m.apply(p, x, deterministic=True)[0]
-    ref = ref_mlp(p["params"], x, ("gelu", "linear"))
+    det, ref = jax.jit(lambda p, x: (m.apply(p, x, deterministic=True)[0], ref_mlp(p["params"], x, ("gelu", "linear"))))(
+        p, x)
     assert_close(det, ref, TOL[jnp.float32], "deterministic = no dropout")
-    d1 = m.apply(p, x, deterministic=False, rngs={"dropout": jax.random.key(2)})[0]
-    d1b = m.apply(p, x, deterministic=False, rngs={"dropout": jax.random.key(2)})[0]
-    d2 = m.apply(p, x, deterministic=False, rngs={"dropout": jax.random.key(3)})[0]
+    dropped = jax.jit(lambda p, x, key: m.apply(p, x, deterministic=False, rngs={"dropout": key})[0])
+    d1 = dropped(p, x, jax.random.key(2))
+    d1b = dropped(p, x, jax.random.key(2))
+    d2 = dropped(p, x, jax.random.key(3))
     np.testing.assert_array_equal(d1, d1b)
     assert float(jnp.max(jnp.abs(d1 - det))) > 1e-3 and float(jnp.max(jnp.abs(d1 - d2))) > 1e-3
     with pytest.raises(Exception, match="dropout"):  # no RNG stream given
@@ -263,31 +318,41 @@ def test_layernorm_mlp_logical_axes_and_dropout():
 # ----------------------------------------------------------------------------- DotProductAttention
 
 
-@pytest.mark.parametrize("g,dtype", [(H, jnp.float32), (2, jnp.float32), (1, jnp.float32), (2, jnp.bfloat16)],
-                         ids=["mha", "gqa", "mqa", "gqa-bf16"])
-def test_dot_product_attention_vs_flax(g, dtype):
-    m = DotProductAttention(head_dim=HD, num_attention_heads=H, num_gqa_groups=g, attn_mask_type="causal",
-                            dtype=dtype)
-    q, k, v = rand(1, (B, S, H, HD)), rand(2, (B, S, g, HD)), rand(3, (B, S, g, HD))
-    ours = lambda p, q, k, v: m.apply({}, q.astype(dtype), k.astype(dtype), v.astype(dtype), deterministic=True)
-    ref = lambda p, q, k, v: ref_attention(q, k, v, causal_visible(S, S))
-    o, g1 = fwd_and_grads(ours, {}, q, k, v)
-    ro, rg = fwd_and_grads(ref, {}, q, k, v)
-    assert o.dtype == dtype
-    assert_close(o, ro, TOL[dtype], "out")
-    assert_tree_close(g1, rg, TOL[dtype] * 2, "grad")
+def test_dot_product_attention_vs_flax():
+    """MHA, GQA, MQA in fp32 and GQA in bf16 (one compile), causal."""
+    configs = [("mha", H, jnp.float32), ("gqa", 2, jnp.float32), ("mqa", 1, jnp.float32), ("gqa-bf16", 2, jnp.bfloat16)]
+    cases = []
+    for _, g, dtype in configs:
+        m = DotProductAttention(head_dim=HD, num_attention_heads=H, num_gqa_groups=g, attn_mask_type="causal",
+                                dtype=dtype)
+        q, k, v = rand(1, (B, S, H, HD)), rand(2, (B, S, g, HD)), rand(3, (B, S, g, HD))
+        ours = functools.partial(lambda p, q, k, v, m, dtype: m.apply(
+            {}, q.astype(dtype), k.astype(dtype), v.astype(dtype), deterministic=True), m=m, dtype=dtype)
+        ref = lambda p, q, k, v: ref_attention(q, k, v, causal_visible(S, S))
+        cases += [(ours, {}, q, k, v), (ref, {}, q, k, v)]
+    res = fwd_and_grads_many(cases)
+    for i, (name, _, dtype) in enumerate(configs):
+        (o, g1, _), (ro, rg, _) = res[2 * i], res[2 * i + 1]
+        assert o.dtype == dtype, name
+        assert_close(o, ro, TOL[dtype], f"{name} out")
+        assert_tree_close(g1, rg, TOL[dtype] * 2, f"{name} grad")
 
 
 def test_dot_product_attention_bshd_vs_sbhd_and_packed():
     q, k, v = rand(1, (B, S, H, HD)), rand(2, (B, S, H, HD)), rand(3, (B, S, H, HD))
     kw = dict(head_dim=HD, num_attention_heads=H, attn_mask_type="causal")
-    o = DotProductAttention(**kw).apply({}, q, k, v)
     t = lambda a: jnp.swapaxes(a, 0, 1)
-    o_sb = DotProductAttention(attn_input_format="sbhd", **kw).apply({}, t(q), t(k), t(v))
+
+    @jax.jit  # one compile for the four layouts
+    def run(q, k, v):
+        return (DotProductAttention(**kw).apply({}, q, k, v),
+                DotProductAttention(attn_input_format="sbhd", **kw).apply({}, t(q), t(k), t(v)),
+                DotProductAttention(qkv_layout="bs3hd", **kw).apply({}, jnp.stack([q, k, v], axis=2)),
+                DotProductAttention(**kw).apply({}, q, jnp.stack([k, v], axis=2)))  # inferred bshd_bs2hd
+
+    o, o_sb, o_qkv, o_kv = run(q, k, v)
     assert_close(t(o_sb), o, 1e-6, "sbhd")
-    o_qkv = DotProductAttention(qkv_layout="bs3hd", **kw).apply({}, jnp.stack([q, k, v], axis=2))
     assert_close(o_qkv, o, 1e-6, "bs3hd")
-    o_kv = DotProductAttention(**kw).apply({}, q, jnp.stack([k, v], axis=2))  # inferred bshd_bs2hd
     assert_close(o_kv, o, 1e-6, "bs2hd")
 
 
@@ -297,34 +362,48 @@ def test_dot_product_attention_mask_bias_softcap_window():
     valid = jnp.arange(S)[None] < lens[:, None]
     te_mask = ~(valid[:, None, :, None] & valid[:, None, None, :])  # TE: True = masked out
     kw = dict(head_dim=HD, num_attention_heads=H)
-    o = DotProductAttention(attn_mask_type="padding", **kw).apply({}, q, k, v, te_mask)
-    ro = ref_attention(q, k, v, ~te_mask)
-    assert_close(o[0, :5], ro[0, :5], 2e-5, "padding mask")
-    assert_close(o[1], ro[1], 2e-5, "padding mask")
-    o2 = DotProductAttention(attn_mask_type="padding", **kw).apply({}, q, k, v, kv_seqlens=lens, q_seqlens=lens)
-    assert_close(o2[0, :5], o[0, :5], 1e-6, "seqlens == mask")
     bias = rand(4, (1, H, S, S))
-    o = DotProductAttention(attn_mask_type="no_mask", scale_factor=0.3, **kw).apply({}, q, k, v, bias=bias)
-    assert_close(o, ref_attention(q, k, v, None, 0.3, bias), 2e-5, "bias + scale")
-    o = DotProductAttention(attn_mask_type="no_mask", scale_factor=0.3, attn_bias_type="pre_scale_bias",
-                            **kw).apply({}, q, k, v, bias=bias)
-    assert_close(o, ref_attention(q, k, v, None, 0.3, 0.3 * bias), 2e-5, "pre-scale bias")
-    o = DotProductAttention(attn_mask_type="causal", window_size=(2, 0), **kw).apply({}, q, k, v)
     i = jnp.arange(S)
     vis = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - 2)
-    assert_close(o, ref_attention(q, k, v, vis[None, None]), 2e-5, "sliding window")
-    o32 = DotProductAttention(attn_mask_type="causal", float32_logits=True, dtype=jnp.bfloat16, **kw).apply(
-        {}, q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-    assert o32.dtype == jnp.bfloat16
-    assert_close(o32, ref_attention(q, k, v, causal_visible(S, S)), 3e-2, "float32_logits")
+
+    @jax.jit  # one compile for every variant and its reference
+    def run(q, k, v, te_mask, lens, bias):
+        bf = lambda a: a.astype(jnp.bfloat16)
+        return dict(
+            pad=DotProductAttention(attn_mask_type="padding", **kw).apply({}, q, k, v, te_mask),
+            pad_ref=ref_attention(q, k, v, ~te_mask),
+            seqlens=DotProductAttention(attn_mask_type="padding", **kw).apply({}, q, k, v, kv_seqlens=lens,
+                                                                              q_seqlens=lens),
+            bias=DotProductAttention(attn_mask_type="no_mask", scale_factor=0.3, **kw).apply({}, q, k, v, bias=bias),
+            bias_ref=ref_attention(q, k, v, None, 0.3, bias),
+            pre=DotProductAttention(attn_mask_type="no_mask", scale_factor=0.3, attn_bias_type="pre_scale_bias",
+                                    **kw).apply({}, q, k, v, bias=bias),
+            pre_ref=ref_attention(q, k, v, None, 0.3, 0.3 * bias),
+            window=DotProductAttention(attn_mask_type="causal", window_size=(2, 0), **kw).apply({}, q, k, v),
+            window_ref=ref_attention(q, k, v, vis[None, None]),
+            f32_logits=DotProductAttention(attn_mask_type="causal", float32_logits=True, dtype=jnp.bfloat16,
+                                           **kw).apply({}, bf(q), bf(k), bf(v)),
+            causal_ref=ref_attention(q, k, v, causal_visible(S, S)))
+
+    r = run(q, k, v, te_mask, lens, bias)
+    assert_close(r["pad"][0, :5], r["pad_ref"][0, :5], 2e-5, "padding mask")
+    assert_close(r["pad"][1], r["pad_ref"][1], 2e-5, "padding mask")
+    assert_close(r["seqlens"][0, :5], r["pad"][0, :5], 1e-6, "seqlens == mask")
+    assert_close(r["bias"], r["bias_ref"], 2e-5, "bias + scale")
+    assert_close(r["pre"], r["pre_ref"], 2e-5, "pre-scale bias")
+    assert_close(r["window"], r["window_ref"], 2e-5, "sliding window")
+    assert r["f32_logits"].dtype == jnp.bfloat16
+    assert_close(r["f32_logits"], r["causal_ref"], 3e-2, "float32_logits")
 
 
 def test_dot_product_attention_dropout():
     q, k, v = rand(1, (B, S, H, HD)), rand(2, (B, S, H, HD)), rand(3, (B, S, H, HD))
     m = DotProductAttention(head_dim=HD, num_attention_heads=H, attention_dropout=0.5)
-    det = m.apply({}, q, k, v, deterministic=True)
-    assert_close(det, ref_attention(q, k, v, causal_visible(S, S)), 2e-5, "deterministic")
-    r = lambda s: m.apply({}, q, k, v, deterministic=False, rngs={"dropout": jax.random.key(s)})
+    det, ref = jax.jit(lambda q, k, v: (m.apply({}, q, k, v, deterministic=True),
+                                        ref_attention(q, k, v, causal_visible(S, S))))(q, k, v)
+    assert_close(det, ref, 2e-5, "deterministic")
+    dropped = jax.jit(lambda q, k, v, key: m.apply({}, q, k, v, deterministic=False, rngs={"dropout": key}))
+    r = lambda s: dropped(q, k, v, jax.random.key(s))
     np.testing.assert_array_equal(r(1), r(1))
     assert float(jnp.max(jnp.abs(r(1) - det))) > 1e-3 and float(jnp.max(jnp.abs(r(1) - r(2)))) > 1e-3
 
@@ -340,31 +419,39 @@ MHA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,dtype", [(c, jnp.float32) for c in MHA_CASES] + [(MHA_CASES[0], jnp.bfloat16),
-                                                                              (MHA_CASES[2], jnp.bfloat16)],
-                         ids=["fused", "separate", "gqa", "mqa", "fused-bf16", "gqa-bf16"])
-def test_mha_vs_reference(case, dtype):
-    m = MultiHeadAttention(head_dim=HD, num_attention_heads=H, attn_mask_type="causal", use_bias=True,
-                           dtype=dtype, **case)
+def test_mha_vs_reference():
+    """Fused, separate, GQA, MQA projections in fp32, fused and GQA in bf16 (one compile, each checked)."""
+    configs = [("fused", MHA_CASES[0], jnp.float32), ("separate", MHA_CASES[1], jnp.float32),
+               ("gqa", MHA_CASES[2], jnp.float32), ("mqa", MHA_CASES[3], jnp.float32),
+               ("fused-bf16", MHA_CASES[0], jnp.bfloat16), ("gqa-bf16", MHA_CASES[2], jnp.bfloat16)]
     x = rand(1, (B, S, D))
-    p = init(m, x)["params"]
-    p = jax.tree_util.tree_map(lambda a: a + 0.1 * rand(int(a.size) % 97, a.shape), p)  # non-zero biases
-    g = case["num_gqa_groups"] or H
-    o, gr = fwd_and_grads(lambda p, x: m.apply({"params": p}, x.astype(dtype), deterministic=True)[0], p, x)
-    ro, rg = fwd_and_grads(lambda p, x: ref_mha(p, x, h=H, g=g, visible=causal_visible(S, S))[0], p, x)
-    assert o.dtype == dtype
-    assert_close(o, ro, TOL[dtype], "out")
-    assert_tree_close(gr, rg, TOL[dtype] * 2, "grad")
+    mods = [MultiHeadAttention(head_dim=HD, num_attention_heads=H, attn_mask_type="causal", use_bias=True,
+                               dtype=dtype, **case) for _, case, dtype in configs]
+    cases = []
+    for (_, case, dtype), m, v in zip(configs, mods, init_many([(m, (x,), {}) for m in mods])):
+        p = jax.tree_util.tree_map(lambda a: a + 0.1 * rand(int(a.size) % 97, a.shape), v["params"])  # non-zero biases
+        g = case["num_gqa_groups"] or H
+        ours = functools.partial(lambda p, x, m, dtype: m.apply({"params": p}, x.astype(dtype), deterministic=True)[0],
+                                 m=m, dtype=dtype)
+        ref = functools.partial(lambda p, x, g: ref_mha(p, x, h=H, g=g, visible=causal_visible(S, S))[0], g=g)
+        cases += [(ours, p, x), (ref, p, x)]
+    res = fwd_and_grads_many(cases)
+    for i, (name, _, dtype) in enumerate(configs):
+        (o, gr, _), (ro, rg, _) = res[2 * i], res[2 * i + 1]
+        assert o.dtype == dtype, name
+        assert_close(o, ro, TOL[dtype], f"{name} out")
+        assert_tree_close(gr, rg, TOL[dtype] * 2, f"{name} grad")
 
 
 def test_mha_parameter_names_and_axes():
     x = rand(1, (B, S, D))
-    v = MultiHeadAttention(head_dim=HD, num_attention_heads=H, num_gqa_groups=2).init(jax.random.key(0), x)["params"]
+    v = jax.jit(MultiHeadAttention(head_dim=HD, num_attention_heads=H, num_gqa_groups=2).init)(jax.random.key(0),
+                                                                                              x)["params"]
     assert v["query"]["kernel"].names == ("embed", "heads", "kv")
     assert v["kv"]["kernel"].names == ("embed", "qkv", "kv_heads", "kv")
     assert v["kv"]["kernel"].value.shape == (D, 2, 2, HD)
     assert v["out"]["kernel"].names == ("heads", "kv", "embed")
-    v = MultiHeadAttention(head_dim=HD, num_attention_heads=H).init(jax.random.key(0), x)["params"]
+    v = jax.jit(MultiHeadAttention(head_dim=HD, num_attention_heads=H).init)(jax.random.key(0), x)["params"]
     assert v["qkv"]["kernel"].names == ("embed", "qkv", "heads", "kv")
     # scaled_query_init: the query block is initialised 1/sqrt(head_dim) smaller
     w = v["qkv"]["kernel"].value
@@ -372,20 +459,25 @@ def test_mha_parameter_names_and_axes():
     assert 0.5 / math.sqrt(HD) < ratio < 2.0 / math.sqrt(HD)
 
 
-@pytest.mark.parametrize("method", ["consecutive", "alternate"])
-def test_mha_rope(method):
-    m = MultiHeadAttention(head_dim=HD, num_attention_heads=H, num_gqa_groups=2, enable_rotary_pos_emb=True,
-                           rotary_pos_emb_group_method=method, scale_attn_logits=True)
+def test_mha_rope():
+    """Both RoPE groupings (one compile), each against the reference, and unlike the other grouping."""
+    methods = ("consecutive", "alternate")
     x = rand(1, (B, S, D))
-    p = init(m, x)["params"]
-    o, gr = fwd_and_grads(lambda p, x: m.apply({"params": p}, x)[0], p, x)
-    ro, rg = fwd_and_grads(lambda p, x: ref_mha(p, x, h=H, g=2, visible=causal_visible(S, S), scale=HD ** -0.5,
-                                                rope=method)[0], p, x)
-    assert_close(o, ro, 2e-5, "out")
-    assert_tree_close(gr, rg, 4e-5, "grad")
-    other = "alternate" if method == "consecutive" else "consecutive"
-    wrong = ref_mha(p, x, h=H, g=2, visible=causal_visible(S, S), scale=HD ** -0.5, rope=other)[0]
-    assert float(jnp.max(jnp.abs(wrong - o))) > 1e-3  # the two groupings differ
+    mods = [MultiHeadAttention(head_dim=HD, num_attention_heads=H, num_gqa_groups=2, enable_rotary_pos_emb=True,
+                               rotary_pos_emb_group_method=method, scale_attn_logits=True) for method in methods]
+    ref = lambda p, x, rope: ref_mha(p, x, h=H, g=2, visible=causal_visible(S, S), scale=HD ** -0.5, rope=rope)[0]
+    cases = []
+    for method, m, v in zip(methods, mods, init_many([(m, (x,), {}) for m in mods])):
+        other = "alternate" if method == "consecutive" else "consecutive"
+        p = v["params"]
+        cases += [(functools.partial(lambda p, x, m: m.apply({"params": p}, x)[0], m=m), p, x),
+                  (functools.partial(ref, rope=method), p, x), (functools.partial(ref, rope=other), p, x)]
+    res = fwd_and_grads_many(cases)
+    for i, method in enumerate(methods):
+        (o, gr, _), (ro, rg, _), (wrong, _, _) = res[3 * i:3 * i + 3]
+        assert_close(o, ro, 2e-5, f"{method} out")
+        assert_tree_close(gr, rg, 4e-5, f"{method} grad")
+        assert float(jnp.max(jnp.abs(wrong - o))) > 1e-3, method  # the two groupings differ
 
 
 def test_mha_cross_attention():
@@ -395,8 +487,9 @@ def test_mha_cross_attention():
     assert "kv" in p and "query" in p
     kv_len = jnp.array([12, 7])
     vis = jnp.broadcast_to((jnp.arange(12)[None, :] < kv_len[:, None])[:, None, None, :], (B, 1, S, 12))
-    o, gr = fwd_and_grads(lambda p, x, e: m.apply({"params": p}, x, e, ~vis)[0], p, x, enc)
-    ro, rg = fwd_and_grads(lambda p, x, e: ref_mha(p, x, e, h=H, g=H, visible=vis)[0], p, x, enc)
+    (o, gr, _), (ro, rg, _) = fwd_and_grads_many([(lambda p, x, e: m.apply({"params": p}, x, e, ~vis)[0], p, x, enc),
+                                                  (lambda p, x, e: ref_mha(p, x, e, h=H, g=H, visible=vis)[0], p, x,
+                                                   enc)])
     assert_close(o, ro, 2e-5, "out")
     assert_tree_close(gr, rg, 4e-5, "grad")
 
@@ -412,12 +505,13 @@ def test_mha_decode_matches_full_forward(fmt):
     v = init(m, xf, decode=True)
     params, cache = {"params": v["params"]}, v["cache"]
     assert cache["cached_key"].shape == (B, L, 2, HD)
-    full = m.apply(params, xf)[0]
+    full = jax.jit(lambda p, x: m.apply(p, x)[0])(params, xf)
     outs = []
     chunks = [(0, 3)] + [(t, t + 1) for t in range(3, L)]  # a 3-token prefill, then one token a step
+    decode = jax.jit(lambda v, x: m.apply(v, x, decode=True, mutable=["cache"]))  # compiles for 3 tokens and for 1
     for a, b in chunks:
         step = jax.lax.slice_in_dim(xf, a, b, axis=seq_axis)
-        y, mut = m.apply({**params, "cache": cache}, step, decode=True, mutable=["cache"])
+        y, mut = decode({**params, "cache": cache}, step)
         cache = mut["cache"]
         outs.append(y[0])
     np.testing.assert_array_equal(cache["cache_index"], [L] * B)  # one valid length per row
@@ -507,8 +601,8 @@ def test_bf16_modules_run_every_gemm_in_bf16_forward_and_backward(make):
     accumulation inside): an fp32-output GEMM made autodiff run the backward GEMMs in fp32, which
     cost the H100 TransformerLayer 7% (benchmarks/results/transformer_layer_profile_h100.md)."""
     m = make()
-    x = jax.random.normal(jax.random.key(0), (2, 6, 16), jnp.float32).astype(jnp.bfloat16)
-    params = m.init(jax.random.key(1), x)
+    x = jax.ShapeDtypeStruct((2, 6, 16), jnp.bfloat16)  # a jaxpr needs shapes only: nothing is compiled
+    params = jax.eval_shape(m.init, jax.random.key(1), x)
 
     def loss(p, x):
         y = m.apply(p, x)
