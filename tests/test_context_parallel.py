@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import te_jax
 from te_jax import _compat
 from te_jax import context_parallel as tcp
-from helpers import cpu_mesh as _mesh, fwd_bwd, qkv
+from helpers import cpu_mesh as _mesh, fwd_bwd, fwd_bwd_many, qkv
 
 B, S, H, G, D = 2, 32, 4, 2, 16
 STRATEGIES = ("ring", "all_gather")
@@ -106,19 +106,37 @@ def _case(strategy, mask_type, lb, cp=4, window=None, seed=0, fmt="bshd", backen
     _compare(f_cp, _ref_fn(**kw), q, k, v, ct)
 
 
+def _cases(cases, cp=4, seed=0, tol=2e-5):
+    """Like _case for several (name, strategy, mask_type, lb, window) on one cp mesh and one input draw: the CP
+    runs in one compile, the (unsharded) references in another, one per mask; each case checked on its own."""
+    mesh = _mesh((cp,), ("cp",))
+    q, k, v, ct = _qkv(seed)
+    refs, cp_runs = {}, []
+    for name, strategy, mask_type, lb, window in cases:
+        kw = _mask_kwargs(mask_type, B, S, S)
+        if window is not None:
+            kw["window_size"] = window
+        refs.setdefault((mask_type, window), _ref_fn(**kw))
+        cp_runs.append((_cp_fn(mesh, "cp", cp, lb, strategy=strategy, **kw), (q, k, v), ct))
+    got = fwd_bwd_many(cp_runs)
+    want = dict(zip(refs, fwd_bwd_many([(f, (q, k, v), ct) for f in refs.values()])))
+    for (name, _, mask_type, _, window), (out, grads) in zip(cases, got):
+        ref, grads_ref = want[(mask_type, window)]
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=tol, atol=tol, err_msg=name)
+        for t, a, b in zip("qkv", grads, grads_ref):
+            assert np.isfinite(np.asarray(a)).all(), f"{name}: d{t} not finite"
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol, err_msg=f"{name}: d{t}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Correctness against single-device attention (fp32, forward and gradients)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mask_type", ["no_mask", "causal", "padding", "padding_causal"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_masks_load_balanced_cp4(strategy, mask_type):
-    _case(strategy, mask_type, lb=True, seed=1)
-
-
-@pytest.mark.parametrize("mask_type", ["causal", "padding_causal"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_not_load_balanced(strategy, mask_type):
-    _case(strategy, mask_type, lb=False, seed=2)
+def test_masks_cp4_load_balanced_or_not(strategy):
+    """Every mask flavour load balanced, causal and padding_causal also not load balanced (one compile)."""
+    _cases([(f"{mask_type} lb={lb}", strategy, mask_type, lb, None)
+            for mask_type, lb in [("no_mask", True), ("causal", True), ("padding", True), ("padding_causal", True),
+                                  ("causal", False), ("padding_causal", False)]], seed=1)
 
 
 @pytest.mark.parametrize("strategy,cp", [("ring", 2), ("ring", 8), ("all_gather", 8)])
@@ -126,10 +144,10 @@ def test_cp_sizes(strategy, cp):
     _case(strategy, "causal", lb=True, cp=cp, seed=3)
 
 
-@pytest.mark.parametrize("strategy,mask_type,window", [("ring", "causal", (5, 0)),
-                                                        ("all_gather", "no_mask", (4, 3))])
-def test_sliding_window(strategy, mask_type, window):
-    _case(strategy, mask_type, lb=True, window=window, seed=4)
+def test_sliding_window():
+    """ring with a causal window, all_gather with a two-sided window (one compile)."""
+    _cases([("ring causal (5, 0)", "ring", "causal", True, (5, 0)),
+            ("all_gather no_mask (4, 3)", "all_gather", "no_mask", True, (4, 3))], seed=4)
 
 
 def test_sbhd_ring_mha_softcap():
