@@ -160,12 +160,15 @@ def test_gpu_preference_follows_measurements(fake_h100, monkeypatch):
     monkeypatch.setattr(selection.BACKENDS["pallas"], "hopper_reason", lambda call: None)
     short = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), attn_mask_type="causal")
     assert short.selected == "pallas" and "Hopper kernel measured faster" in short.reasons["cudnn"]
-    assert "head_dim 128 causal q_len <= 16384" in short.reasons["cudnn"]
+    assert "head_dim 128 causal q_len <= 16640" in short.reasons["cudnn"]
     # the explanation says how the kernel runs the call: causal 1k keys -> persistent forward (heavy/light tile
     # pairs), dQ kernel
     assert "paired heavy with light" in short.detail and "separate dQ kernel (keys 1024 < 2048" in short.detail
     long = te_jax.explain_attention_backend(*_qkv(b=1, sq=8192, skv=8192, d=128), attn_mask_type="causal")
-    assert long.selected == "pallas" and "head_dim 128 causal q_len <= 16384" in long.reasons["cudnn"]
+    assert long.selected == "pallas" and "head_dim 128 causal q_len <= 16640" in long.reasons["cudnn"]
+    # 16,534 (padded to 16,640 by the Hopper kernel) was measured: Hopper 1.09x cuDNN fwd+bwd
+    odd = te_jax.explain_attention_backend(*_qkv(b=1, sq=16534, skv=16534, d=128), attn_mask_type="causal")
+    assert odd.selected == "pallas" and "head_dim 128 causal q_len <= 16640" in odd.reasons["cudnn"], odd
     longest = te_jax.explain_attention_backend(*_qkv(b=1, sq=32768, skv=32768, d=128), attn_mask_type="causal")
     assert longest.selected == "cudnn" and "cuDNN measured as fast or faster" in longest.reasons["pallas"]
     # non-causal up to 4k (tuning.HOPPER_FASTER_MAX_LEN), cuDNN beyond
