@@ -1,4 +1,8 @@
-"""LayerNorm / RMSNorm: xla and pallas (interpret) backends vs an fp32 reference; validation; selection."""
+"""LayerNorm / RMSNorm: xla and pallas (interpret) backends vs an fp32 reference; validation; selection.
+
+Kernels and references run jitted, a test's cases in one program (eagerly every op compiles on its own for
+each new shape); every case is checked on its own."""
+import functools
 import logging
 
 import jax
@@ -7,65 +11,74 @@ import numpy as np
 import pytest
 
 from pallas_kernels.norms import norm_bwd, norm_fwd
-from helpers import ref_norm
+from helpers import fwd_bwd_many, rand, ref_norm
 from te_jax import normalization as N
 from te_jax.backends.ops import NAMES as BACKENDS
 
 
 def inputs(seed, shape, dtype):
-    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    """numpy-drawn (helpers.rand): no per-shape compile, which jax.random pays eagerly for every new shape."""
+    rng = np.random.default_rng(seed)
     d = shape[-1]
-    x = (jax.random.normal(k[0], shape) * 1.5 + 0.3).astype(dtype)
-    g = 0.5 + jax.random.uniform(k[1], (d,))
-    b = 0.3 * jax.random.normal(k[2], (d,))
-    dy = jax.random.normal(k[3], shape).astype(dtype)
+    x = (rand(rng, shape, scale=1.5) + 0.3).astype(dtype)
+    g = jnp.asarray(0.5 + rng.uniform(size=(d,)).astype(np.float32))
+    b = rand(rng, (d,), scale=0.3)
+    dy = rand(rng, shape, dtype)
     return x, g, b, dy
 
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=4e-2, rtol=4e-2)}
 
 
+NORM_CASES = [(layernorm_type, d, zc, dtype) for layernorm_type in ("layernorm", "rmsnorm")
+              for d, zc in [(48, False), (100, True), (64, True)]  # 64: no padded column
+              for dtype in (jnp.float32, jnp.bfloat16)]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("d,zc", [(48, False), (100, True), (64, True)])  # 64: no padded column
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_norm_fwd_bwd(backend, layernorm_type, d, zc, dtype):
-    rms = layernorm_type == "rmsnorm"
-    x, g, b, dy = inputs(hash((backend, layernorm_type, d, str(dtype))) % 1000, (2, 3, 5, d), dtype)
-
-    def f(x, g, b):
-        return N.norm(x, g, b, layernorm_type=layernorm_type, zero_centered_gamma=zc, backend=backend)
-
-    def fr(x, g, b):
-        return ref_norm(x, g, b, rms, zc)
-
-    y, vjp = jax.vjp(f, x, g, b)
-    yr, vjpr = jax.vjp(fr, x.astype(jnp.float32), g, b)
-    assert y.dtype == dtype and y.shape == x.shape
-    tol = TOL[dtype]
-    np.testing.assert_allclose(np.asarray(y, np.float32), yr, **tol)
-    dx, dg, db = vjp(dy)
-    dxr, dgr, dbr = vjpr(dy.astype(jnp.float32))
-    assert dx.dtype == dtype
-    np.testing.assert_allclose(np.asarray(dx, np.float32), dxr, **tol)
-    # dgamma/dbeta sum over rows: scale the tolerance with the reduction size.
-    gtol = dict(atol=tol["atol"] * 10, rtol=tol["rtol"])
-    np.testing.assert_allclose(dg, dgr, **gtol)
-    if not rms:
-        np.testing.assert_allclose(db, dbr, **gtol)
+def test_norm_fwd_bwd(backend):
+    """NORM_CASES (norm type x hidden size / zero-centred gamma x dtype), output and gradients against the fp32
+    reference: all cases and references in one compile, each checked and named on failure."""
+    cases, runs = [], []
+    for layernorm_type, d, zc, dtype in NORM_CASES:
+        rms = layernorm_type == "rmsnorm"
+        x, g, b, dy = inputs(hash((backend, layernorm_type, d, str(dtype))) % 1000, (2, 3, 5, d), dtype)
+        f = functools.partial(lambda x, g, b, lt, zc: N.norm(x, g, b, layernorm_type=lt, zero_centered_gamma=zc,
+                                                             backend=backend), lt=layernorm_type, zc=zc)
+        fr = functools.partial(lambda x, g, b, rms, zc: ref_norm(x, g, b, rms, zc), rms=rms, zc=zc)
+        cases.append((x, dy))
+        runs += [(f, (x, g, b), dy), (fr, (x.astype(jnp.float32), g, b), dy.astype(jnp.float32))]
+    res = fwd_bwd_many(runs)
+    for i, ((layernorm_type, d, zc, dtype), (x, dy)) in enumerate(zip(NORM_CASES, cases)):
+        name = f"{layernorm_type} d={d} zc={zc} {jnp.dtype(dtype).name}"
+        (y, (dx, dg, db)), (yr, (dxr, dgr, dbr)) = res[2 * i], res[2 * i + 1]
+        assert y.dtype == dtype and y.shape == x.shape, name
+        tol = TOL[dtype]
+        np.testing.assert_allclose(np.asarray(y, np.float32), yr, **tol, err_msg=f"{name} y")
+        assert dx.dtype == dtype, name
+        np.testing.assert_allclose(np.asarray(dx, np.float32), dxr, **tol, err_msg=f"{name} dx")
+        # dgamma/dbeta sum over rows: scale the tolerance with the reduction size.
+        gtol = dict(atol=tol["atol"] * 10, rtol=tol["rtol"])
+        np.testing.assert_allclose(dg, dgr, **gtol, err_msg=f"{name} dgamma")
+        if layernorm_type != "rmsnorm":
+            np.testing.assert_allclose(db, dbr, **gtol, err_msg=f"{name} dbeta")
 
 
 def test_kernel_stats_and_partials():
     x, g, b, dy = inputs(7, (37, 100), jnp.float32)  # rows not a multiple of any block
-    y, mean, rstd = norm_fwd(x, g, b, rms=False, interpret=True)
-    np.testing.assert_allclose(mean, x.mean(-1), atol=1e-5)
-    np.testing.assert_allclose(rstd, 1 / np.sqrt(np.var(np.asarray(x), -1) + 1e-6), rtol=1e-4)
     from pallas_kernels.norms import NormConfig
 
-    dx, dg, db = norm_bwd(dy, x, g, mean, rstd, rms=False, config=NormConfig(bwd_grid=3, bwd_block_rows=4),
-                          interpret=True)
-    _, vjpr = jax.vjp(lambda x, g, b: ref_norm(x, g, b, False, False), x, g, b)
-    dxr, dgr, dbr = vjpr(dy)
+    @jax.jit  # kernels and reference in one compile
+    def run(x, g, b, dy):
+        y, mean, rstd = norm_fwd(x, g, b, rms=False, interpret=True)
+        grads = norm_bwd(dy, x, g, mean, rstd, rms=False, config=NormConfig(bwd_grid=3, bwd_block_rows=4),
+                         interpret=True)
+        _, vjpr = jax.vjp(lambda x, g, b: ref_norm(x, g, b, False, False), x, g, b)
+        return mean, rstd, grads, vjpr(dy)
+
+    mean, rstd, (dx, dg, db), (dxr, dgr, dbr) = run(x, g, b, dy)
+    np.testing.assert_allclose(mean, np.asarray(x).mean(-1), atol=1e-5)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(np.var(np.asarray(x), -1) + 1e-6), rtol=1e-4)
     np.testing.assert_allclose(dx, dxr, atol=1e-4)
     np.testing.assert_allclose(dg, dgr, atol=1e-4)
     np.testing.assert_allclose(db, dbr, atol=1e-4)
@@ -87,8 +100,9 @@ def test_fwd_launch_rule_for_rows_padded_to_8192():
 def test_two_padded_rows_per_program_match_reference(rms):
     """The two-row, 8192-column block at hidden 5000 with an odd row count (last block half empty)."""
     x, g, b, _ = inputs(11, (3, 5000), jnp.float32)
-    y, _, rstd = norm_fwd(x, g, None if rms else b, rms=rms, interpret=True)
-    np.testing.assert_allclose(y, ref_norm(x, g, b, rms, False), atol=2e-5, rtol=2e-5)
+    (y, _, rstd), ref = jax.jit(lambda x, g, b: (norm_fwd(x, g, None if rms else b, rms=rms, interpret=True),
+                                                 ref_norm(x, g, b, rms, False)))(x, g, b)
+    np.testing.assert_allclose(y, ref, atol=2e-5, rtol=2e-5)
     ms = np.mean(np.asarray(x) ** 2, -1) if rms else np.var(np.asarray(x), -1)
     np.testing.assert_allclose(rstd, 1 / np.sqrt(ms + 1e-6), rtol=1e-4)
 
@@ -98,7 +112,8 @@ def test_wrappers_and_jit():
     y1 = jax.jit(lambda x, g, b: N.layernorm(x, g, b, backend="pallas"))(x, g, b)
     y2 = N.layernorm(x, g, b, backend="xla")
     np.testing.assert_allclose(y1, y2, atol=1e-5)
-    np.testing.assert_allclose(N.rmsnorm(x, g, backend="pallas"), N.rmsnorm(x, g, backend="xla"), atol=1e-5)
+    r1, r2 = jax.jit(lambda x, g: (N.rmsnorm(x, g, backend="pallas"), N.rmsnorm(x, g, backend="xla")))(x, g)
+    np.testing.assert_allclose(r1, r2, atol=1e-5)
     # norm(): beta ignored for rmsnorm
     np.testing.assert_allclose(N.norm(x, g, b, layernorm_type="rmsnorm"), N.rmsnorm(x, g), atol=1e-6)
 
@@ -197,12 +212,14 @@ def test_layernorm_stats_with_large_mean(fwd_stats, d):
     variance to cancellation (error ~1e6·2^-24 per term); both modes must match a float64 reference."""
     from pallas_kernels.norms import NormConfig
 
-    k = jax.random.split(jax.random.PRNGKey(3), 3)
-    x = 1000.0 + jax.random.normal(k[0], (19, d))
-    x = x.at[:, 0].set(1003.0)  # the shift (first element) is not the mean
-    g = 0.5 + jax.random.uniform(k[1], (d,))
-    b = 0.3 * jax.random.normal(k[2], (d,))
-    y, mean, rstd = norm_fwd(x, g, b, rms=False, config=NormConfig(fwd_stats=fwd_stats), interpret=True)
+    rng = np.random.default_rng(3)
+    x = 1000.0 + rng.standard_normal((19, d), np.float32)
+    x[:, 0] = 1003.0  # the shift (first element) is not the mean
+    x = jnp.asarray(x)
+    g = jnp.asarray(0.5 + rng.uniform(size=(d,)).astype(np.float32))
+    b = rand(rng, (d,), scale=0.3)
+    y, mean, rstd = jax.jit(lambda x, g, b: norm_fwd(x, g, b, rms=False, config=NormConfig(fwd_stats=fwd_stats),
+                                                     interpret=True))(x, g, b)
     xd, gd, bd = (np.asarray(t, np.float64) for t in (x, g, b))
     mu, var = xd.mean(-1, keepdims=True), xd.var(-1, keepdims=True)
     np.testing.assert_allclose(mean, mu[:, 0], rtol=5e-7)  # a few fp32 ulps at 1000
