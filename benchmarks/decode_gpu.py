@@ -126,8 +126,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--budget", type=float, default=240.0)
     ap.add_argument("--configs", action="store_true",
-                    help="also time other DecodeConfigs: block and stage choices on the batch-16 GQA rows, more KV "
-                         "shares (programs) on the batch-1 rows")
+                    help="also time DecodeConfig(min_programs=264), the default before the split sweep "
+                         "(benchmarks/decode_splits_gpu.py), on the batch-16 GQA and the batch-1 rows")
     ap.add_argument("--cpu-smoke", action="store_true", help="two tiny rows on the CPU (checks the script runs)")
     args = ap.parse_args()
     from pallas_kernels.flash_decode import DecodeConfig
@@ -144,12 +144,8 @@ def main():
     print(f"HBM copy bandwidth (x * 2, 4 GiB bf16, read + write): {copy:.2f} TB/s", flush=True)
     configs, b1_configs = {}, {}
     if args.configs:
-        configs = {"te_jax bk64 st4": DecodeConfig(block_kv=64, num_stages=4),
-                   "te_jax bk128 w8": DecodeConfig(block_kv=128, num_warps=8),
-                   "te_jax bk128 st2 x2": DecodeConfig(block_kv=128, num_stages=2, min_programs=528)}
-        b1_configs = {"te_jax 1056 programs": DecodeConfig(min_programs=1056),
-                      "te_jax 2112 programs": DecodeConfig(min_programs=2112),
-                      "te_jax 1056 programs st4": DecodeConfig(min_programs=1056, num_stages=4)}
+        old = {"te_jax 264 programs": DecodeConfig(min_programs=264)}  # the default before the split sweep
+        configs, b1_configs = old, old
     table, skipped = [], []
     for name, b, sq, g, s, lens in row_list:
         if time.perf_counter() - T0 > args.budget:

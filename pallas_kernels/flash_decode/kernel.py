@@ -58,8 +58,10 @@ class DecodeConfig:
 
     block_kv: keys per step (shrunk to a power of two dividing the cache length when possible, so that the
       cache is never copied to pad it). block_rows: most rows (query tokens x heads of a group) per tile.
-    num_splits: fixed number of KV shares per (row, KV head); None: enough shares that the grid has at
-      least `min_programs` programs (two per SM of an H100), at most one share per KV block.
+    num_splits: fixed number of KV shares per (row, KV head); None: the fewest shares that give the grid at
+      least `min_programs` programs, at most one share per KV block. 120 is about one program per SM of an H100
+      (132 SMs): on the H100 one such wave read fastest on every row swept (128-256 programs beat 264-384 by 2-10%;
+      benchmarks/results/decode_h100.md).
     """
 
     block_kv: int = 128
@@ -67,7 +69,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_splits: int | None = None
-    min_programs: int = 264
+    min_programs: int = 120
 
     def __post_init__(self):
         _check_blocks("DecodeConfig", block_kv=self.block_kv, block_rows=self.block_rows)
