@@ -8,7 +8,9 @@ the whole global batch normalized everywhere; in interpret mode on the CPU the k
 gathered the sequence). Measured before the fix (2 layers, hidden 128, seq 256, batch 8): per-device
 flops 0.42x of the single-device step, with all-gathers of [batch/dp, seq, hidden] activations in
 every layer. The Flax modules now run those kernels per shard (shard_map over the axes the logical
-rules put the input on): 0.26x, no all-gather.
+rules put the input on): 0.26x, no all-gather. The tests compile 1-layer steps (ONE_LAYER): every layer
+runs the same kernels, so one shows a replicated kernel (its gathers, its flops) as two do, at about half
+the compile time.
 
 The same held for the Pallas attention without context parallelism (a dp=4 step): it ran replicated
 (the global packed qkv all-gathered); the attention modules now run it per shard too (the tests
@@ -44,7 +46,7 @@ train_lm = _load()
 
 SMALL = ["--layers", "2", "--hidden", "64", "--heads", "2", "--ffn", "128", "--seq-len", "128", "--batch", "8",
          "--dtype", "fp32"]
-ONE_LAYER = ["--layers", "1"]  # the attention tests' steps: one layer shows it
+ONE_LAYER = ["--layers", "1"]  # the tests' steps: one layer shows it
 COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)"
                         r"(?:-start)?\(")
 
@@ -87,8 +89,8 @@ def pallas_norms(monkeypatch):
 def test_dp_cp_step_is_a_quarter_of_the_work_per_device(pallas_norms):
     if jax.device_count() < 4:
         pytest.skip("needs 4 (fake) devices; tests/conftest.py sets them")
-    _, _, flops_1, _ = _compile("dp=1,cp=1,tp=1")
-    args, sizes, flops_4, hlo = _compile("dp=2,cp=2")
+    _, _, flops_1, _ = _compile("dp=1,cp=1,tp=1", ONE_LAYER)
+    args, sizes, flops_4, hlo = _compile("dp=2,cp=2", ONE_LAYER)
     ratio = flops_4 / flops_1
     collectives = [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(hlo)]
     # one device's share of a [batch, seq, hidden] activation
@@ -110,12 +112,12 @@ def test_sharded_step_matches_single_device(pallas_norms, spec):
     QKV LayerNormDenseGeneral and the LayerNormMLP run tensor-parallel per shard (test_sharded_tensor_parallel.py)."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 (fake) devices; tests/conftest.py sets them")
-    args, _, _, _, _ = _build("dp=1,cp=1,tp=1")
+    args, _, _, _, _ = _build("dp=1,cp=1,tp=1", ONE_LAYER)
     x, y = train_lm.sample_batch(np.arange(4096, dtype=np.uint8) * 7 % 251, args.batch, args.seq_len, 0, 1, 0)
     pos = np.broadcast_to(np.arange(args.seq_len, dtype=np.int32)[None], x.shape)
     out = {}
     for mesh_spec in ("dp=1,cp=1,tp=1", spec):
-        args, sizes, mesh, rules, built = _build(mesh_spec)
+        args, sizes, mesh, rules, built = _build(mesh_spec, ONE_LAYER)
         xs, ys, ps = x, y, pos
         if sizes["cp"] > 1:
             from te_jax.context_parallel import reorder_causal_load_balancing
