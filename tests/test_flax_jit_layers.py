@@ -74,3 +74,35 @@ def test_jit_layers_are_traced_and_lowered_once():
     assert dots(LoopStack(num_layers=4)) == 4 * dots(LoopStack(num_layers=1))
     # two variants of the layer: the first (its input needs no cotangent) and every later one
     assert dots(JitStack(num_layers=6)) == dots(JitStack(num_layers=3)) == 2 * dots(JitStack(num_layers=1)) > 0
+
+
+def test_train_lm_jit_layers_equals_the_plain_model_and_decodes():
+    """examples/train_lm.py --jit-layers: the same parameters (one level deeper) give the same logits, and KV-cache
+    decoding through the jitted layers (their mutable cache) gives the plain model's greedy tokens."""
+    import importlib.util
+    import os
+    import sys
+
+    import numpy as np
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_lm.py")
+    spec = importlib.util.spec_from_file_location("train_lm_example", script)
+    train_lm = sys.modules.get(spec.name)
+    if train_lm is None:
+        train_lm = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = train_lm
+        spec.loader.exec_module(train_lm)
+    tiny = ["--layers", "2", "--hidden", "32", "--heads", "2", "--ffn", "64", "--seq-len", "32", "--dtype", "fp32",
+            "--no-compile-cache"]
+    args, jit_args = train_lm.parse_args(tiny), train_lm.parse_args(tiny + ["--jit-layers"])
+    model, jitted = train_lm.make_model(args), train_lm.make_model(jit_args)
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    pos = jnp.arange(16)[None]
+    params = nn.unbox(model.init(jax.random.key(1), tokens, pos)["params"])
+    nested = {k: ({"layer": v} if k.startswith("layer_") else v) for k, v in params.items()}
+    want = jax.tree.map(jnp.shape, nn.unbox(jitted.init(jax.random.key(1), tokens, pos)["params"]))
+    assert jax.tree.map(jnp.shape, nested) == want
+    np.testing.assert_allclose(jitted.apply({"params": nested}, tokens, pos), model.apply({"params": params}, tokens, pos),
+                               rtol=1e-5, atol=1e-5)
+    greedy = train_lm.generate(args, params, "def ", 3, seed=0, temperature=0.0)
+    assert train_lm.generate(jit_args, nested, "def ", 3, seed=0, temperature=0.0) == greedy
