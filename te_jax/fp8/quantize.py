@@ -26,8 +26,9 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
               product of the two scale_invs: XLA's GPU GEMM rewriter turns an f8 x f8 dot into
               __cublas$lt$matmul$f8 (flax's Fp8DirectDotGeneralOp);
     "qdq":    dot_general on dequantized operands (convert(f8) -> compute dtype -> * scale_inv), flax's
-              Fp8DotGeneralOp pattern. On the H100 with jax 0.11.2 XLA dropped the convert pairs instead of
-              forming FP8 GEMMs (benchmarks/results/fp8_layer_h100.md: 0 FP8 GEMMs, 0.95x bf16); kept for A/B.
+              Fp8DotGeneralOp pattern. On the H100 with jax 0.11.2 it is an FP8 GEMM (scales folded, no extra
+              pass) only when the step is compiled with xla_gpu_enable_triton_gemm=False; by default XLA puts
+              the converts into a Triton fusion and runs bf16 GEMMs (benchmarks/results/fp8_layer_h100.md).
   On CPU both run as upcast GEMMs; the HLO still carries the f8 converts.
   state (DelayedScaling only; None otherwise): a dict of fp32 arrays
       input_scale (1,), input_amax_history (L,), kernel_scale (1,), kernel_amax_history (L,),
