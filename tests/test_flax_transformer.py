@@ -1,5 +1,9 @@
 """TransformerLayer against a plain reference with its parameters copied in; formats, dropout,
-decoding, training, NNX, context-parallel routing and bad inputs."""
+decoding, training, NNX, context-parallel routing and bad inputs.
+
+Inits and applies run jitted, a test's cases and references in one program where they share one
+(test_flax_modules.fwd_and_grads_many): eagerly every op compiles on its own for each new shape."""
+import functools
 import sys
 import types
 
@@ -15,6 +19,8 @@ from test_flax_modules import (
     assert_tree_close,
     causal_visible,
     fwd_and_grads,
+    fwd_and_grads_many,
+    init_many,
     rand,
     ref_mha,
     ref_mlp,
@@ -34,7 +40,8 @@ def make(**kw):
 
 
 def init(m, *args, **kw):
-    return unbox(m.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, *args, **kw))
+    """m.init jitted (test_flax_modules.init_many), unboxed."""
+    return init_many([(m, args, kw)])[0]
 
 
 def perturb(p):
@@ -76,34 +83,39 @@ ENCODER_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(ENCODER_CASES))
-def test_encoder_layer_vs_reference(case):
-    kw, ref_kw = ENCODER_CASES[case]
-    m = make(self_attn_mask_type="causal", **kw)
+def test_encoder_layer_vs_reference():
+    """ENCODER_CASES, one compile for all and their references, each checked."""
     x = rand(1, (B, S, D))
-    p = perturb(init(m, x)["params"])
-    o, g = fwd_and_grads(lambda p, x: m.apply({"params": p}, x, deterministic=True), p, x)
-    ro, rg = fwd_and_grads(lambda p, x: ref_layer(p, x, visible=causal_visible(S, S), **ref_kw), p, x)
-    assert_close(o, ro, 3e-5, "out")
-    assert_tree_close(g, rg, 6e-5, "grad")
+    mods = [make(self_attn_mask_type="causal", **kw) for kw, _ in ENCODER_CASES.values()]
+    cases = []
+    for (_, ref_kw), m, v in zip(ENCODER_CASES.values(), mods, init_many([(m, (x,), {}) for m in mods])):
+        p = perturb(v["params"])
+        cases += [(functools.partial(lambda p, x, m: m.apply({"params": p}, x, deterministic=True), m=m), p, x),
+                  (functools.partial(lambda p, x, kw: ref_layer(p, x, visible=causal_visible(S, S), **kw), kw=ref_kw),
+                   p, x)]
+    res = fwd_and_grads_many(cases)
+    for i, case in enumerate(ENCODER_CASES):
+        (o, g, _), (ro, rg, _) = res[2 * i], res[2 * i + 1]
+        assert_close(o, ro, 3e-5, f"{case} out")
+        assert_tree_close(g, rg, 6e-5, f"{case} grad")
 
 
 def test_layer_bf16_compute_fp32_params():
     m = make(dtype=jnp.bfloat16, mlp_activations=("gelu", "linear"), enable_relative_embedding=False)
     x = rand(1, (B, S, D))
-    v = m.init({"params": jax.random.key(0)}, x.astype(jnp.bfloat16))
+    v = jax.jit(m.init)({"params": jax.random.key(0)}, x.astype(jnp.bfloat16))
     assert all(a.dtype == jnp.float32 for a in jax.tree_util.tree_leaves(unbox(v)))
     p = perturb(unbox(v)["params"])
-    o, g = fwd_and_grads(lambda p, x: m.apply({"params": p}, x.astype(jnp.bfloat16), deterministic=True), p, x)
+    # dtype=None (default) computes in the input's dtype, as TransformerEngine does
+    default = make(mlp_activations=("gelu", "linear"), enable_relative_embedding=False)
+    (o, g, _), (ro, rg, _), (o_default, _, _) = fwd_and_grads_many([
+        (lambda p, x: m.apply({"params": p}, x.astype(jnp.bfloat16), deterministic=True), p, x),
+        (lambda p, x: ref_layer(p, x, visible=causal_visible(S, S), activations=("gelu", "linear")), p, x),
+        (lambda p, x: default.apply({"params": p}, x.astype(jnp.bfloat16), deterministic=True), p, x)])
     assert o.dtype == jnp.bfloat16
     assert all(a.dtype == jnp.float32 for a in jax.tree_util.tree_leaves(g[0]))
-    ro, rg = fwd_and_grads(lambda p, x: ref_layer(p, x, visible=causal_visible(S, S), activations=("gelu", "linear")),
-                           p, x)
     assert_close(o, ro, 5e-2, "out")
     assert_tree_close(g, rg, 8e-2, "grad")
-    # dtype=None (default) computes in the input's dtype, as TransformerEngine does
-    o_default = make(mlp_activations=("gelu", "linear"), enable_relative_embedding=False).apply(
-        {"params": p}, x.astype(jnp.bfloat16), deterministic=True)
     assert o_default.dtype == jnp.bfloat16
     assert_close(o_default, o, 1e-6, "dtype=None follows the bf16 input")
 
@@ -116,14 +128,16 @@ def test_decoder_layer_vs_reference():
     p = perturb(init(m, x, enc)["params"])
     assert set(p) == {"attention", "encoder_decoder_attention", "mlp", "relpos_bias"}
     fn = lambda p, x, e: m.apply({"params": p}, x, e, encoder_decoder_mask=~enc_vis, deterministic=True)
-    o, g = fwd_and_grads(fn, p, x, enc)
-    ro, rg = fwd_and_grads(lambda p, x, e: ref_layer(p, x, e, g=2, visible=causal_visible(S, S), enc_visible=enc_vis,
-                                                     bidirectional=False), p, x, enc)
+    # the same padding given as seqlens
+    fn2 = lambda p, x, e: m.apply({"params": p}, x, e, deterministic=True, encoder_kv_seqlens=enc_len,
+                                  encoder_q_seqlens=jnp.full((B,), S))
+    (o, g, _), (ro, rg, _), (o2, _, _) = fwd_and_grads_many([
+        (fn, p, x, enc),
+        (lambda p, x, e: ref_layer(p, x, e, g=2, visible=causal_visible(S, S), enc_visible=enc_vis,
+                                   bidirectional=False), p, x, enc),
+        (fn2, p, x, enc)])
     assert_close(o, ro, 3e-5, "out")
     assert_tree_close(g, rg, 6e-5, "grad")
-    # the same padding given as seqlens
-    o2 = m.apply({"params": p}, x, enc, deterministic=True, encoder_kv_seqlens=enc_len,
-                 encoder_q_seqlens=jnp.full((B,), S))
     assert_close(o2, o, 1e-5, "seqlens == mask")
 
 
@@ -133,9 +147,9 @@ def test_layer_bshd_vs_sbhd():
     ms = make(layer_type="decoder", attn_input_format="sbhd")
     enc = rand(2, (B, 6, D))
     p = perturb(init(mb, x, enc)["params"])
-    yb = mb.apply({"params": p}, x, enc, deterministic=True)
     t = lambda a: jnp.swapaxes(a, 0, 1)
-    ys = ms.apply({"params": p}, t(x), t(enc), deterministic=True)
+    yb, ys = jax.jit(lambda p, x, enc: (mb.apply({"params": p}, x, enc, deterministic=True),
+                                        ms.apply({"params": p}, t(x), t(enc), deterministic=True)))(p, x, enc)
     assert ys.shape == (S, B, D)
     assert_close(t(ys), yb, 1e-5, "sbhd == bshd transposed")
 
@@ -146,12 +160,14 @@ def test_layer_thd_matches_padded_bshd():
     x = rand(1, (B, S, D))
     p = init(m, x)["params"]
     valid = jnp.arange(S)[None] < jnp.array(lens)[:, None]
-    yb = m.apply({"params": p}, x, attention_mask=~(valid[:, None, :, None] & valid[:, None, None, :]),
-                 deterministic=True)
     packed = jnp.concatenate([x[0, :5], x[1, :3]])  # [tokens, hidden]
     mt = make(self_attn_mask_type="padding_causal", enable_rotary_pos_emb=True, enable_relative_embedding=False,
               attn_input_format="thd")
-    yt = mt.apply({"params": p}, packed, deterministic=True, q_seqlens=jnp.array(lens), kv_seqlens=jnp.array(lens))
+    yb, yt = jax.jit(lambda p, x, packed: (  # one compile
+        m.apply({"params": p}, x, attention_mask=~(valid[:, None, :, None] & valid[:, None, None, :]),
+                deterministic=True),
+        mt.apply({"params": p}, packed, deterministic=True, q_seqlens=jnp.array(lens), kv_seqlens=jnp.array(lens))))(
+        p, x, packed)
     assert yt.shape == (8, D)
     assert_close(yt, jnp.concatenate([yb[0, :5], yb[1, :3]]), 1e-5, "thd == padded bshd")
 
@@ -160,18 +176,18 @@ def test_layer_dropout_semantics():
     m = make(hidden_dropout=0.3, attention_dropout=0.3, intermediate_dropout=0.3, drop_path=0.2)
     x = rand(1, (B, S, D))
     p = init(m, x)
-    ref = make().apply(p, x, deterministic=True)
-    det = m.apply(p, x, deterministic=True)
+    ref, det = jax.jit(lambda p, x: (make().apply(p, x, deterministic=True), m.apply(p, x, deterministic=True)))(p, x)
     np.testing.assert_array_equal(det, ref)  # deterministic switches every dropout off
-    run = lambda s: m.apply(p, x, deterministic=False, rngs={"dropout": jax.random.key(s)})
+    dropped = jax.jit(lambda p, x, key: m.apply(p, x, deterministic=False, rngs={"dropout": key}))
+    run = lambda s: dropped(p, x, jax.random.key(s))
     np.testing.assert_array_equal(run(1), run(1))  # the "dropout" stream drives it
     assert float(jnp.max(jnp.abs(run(1) - det))) > 1e-3
     assert float(jnp.max(jnp.abs(run(1) - run(2)))) > 1e-3
-    with pytest.raises(Exception, match="dropout"):
-        m.apply(p, x, deterministic=False)  # no "dropout" RNG given
+    with pytest.raises(Exception, match="dropout"):  # traced only: the error comes before anything runs
+        jax.eval_shape(lambda p, x: m.apply(p, x, deterministic=False), p, x)  # no "dropout" RNG given
     # drop_path alone drops whole residual branches per example: some examples equal "branch removed"
-    only_path = make(drop_path=0.5)
-    outs = [only_path.apply(p, x, deterministic=False, rngs={"dropout": jax.random.key(s)}) for s in range(4)]
+    only_path = jax.jit(lambda p, x, key: make(drop_path=0.5).apply(p, x, deterministic=False, rngs={"dropout": key}))
+    outs = [only_path(p, x, jax.random.key(s)) for s in range(4)]
     assert any(float(jnp.max(jnp.abs(o - det))) > 1e-3 for o in outs)
 
 
@@ -183,11 +199,12 @@ def test_layer_decode_matches_full_causal_forward(fmt):
     ax = 1 if fmt == "bshd" else 0
     v = init(m, xf, decode=True, max_decode_length=S, deterministic=True)
     params, cache = {"params": v["params"]}, v["cache"]
-    full = m.apply(params, xf, deterministic=True)
+    full = jax.jit(lambda p, x: m.apply(p, x, deterministic=True))(params, xf)
     outs = []
+    step = jax.jit(lambda v, x: m.apply(v, x, deterministic=True, decode=True, max_decode_length=S,
+                                        mutable=["cache"]))  # one compile for every step
     for t in range(S):
-        y, mut = m.apply({**params, "cache": cache}, jax.lax.slice_in_dim(xf, t, t + 1, axis=ax), deterministic=True,
-                         decode=True, max_decode_length=S, mutable=["cache"])
+        y, mut = step({**params, "cache": cache}, jax.lax.slice_in_dim(xf, t, t + 1, axis=ax))
         cache = mut["cache"]
         outs.append(y)
     assert_close(jnp.concatenate(outs, axis=ax), full, 3e-5, "step-by-step decode")
@@ -206,7 +223,7 @@ def test_two_layer_training_step_learns_reversal():
             return nn.Dense(V)(x)
 
     model = Model()
-    params = model.init(jax.random.key(1), jnp.zeros((2, L), jnp.int32))
+    params = jax.jit(model.init)(jax.random.key(1), jnp.zeros((2, L), jnp.int32))
     opt = optax.adam(3e-3)
     state = opt.init(params)
 
@@ -234,26 +251,30 @@ def test_transformer_layer_from_nnx():
     x = rand(1, (B, S, D))
     layer = te_nnx.TransformerLayer(hidden_size=D, mlp_hidden_size=F, num_attention_heads=H, hidden_dropout=0.2,
                                     rngs=nnx.Rngs(params=0, dropout=1))
-    te_nnx.lazy_init(layer, x, deterministic=True)
+    te_nnx.lazy_init(layer, x, deterministic=True)  # eager, as documented
     specs = nnx.get_partition_spec(nnx.state(layer, nnx.Param))
     assert tuple(specs["mlp"]["wi_kernel"].get_value()) == ("embed", "act", "mlp")
-    y = layer(x, deterministic=True)
+    # calls below through nnx.jit (eagerly every op compiles on its own)
+    call = nnx.jit(lambda mdl, x, deterministic: mdl(x, deterministic=deterministic), static_argnums=2)
+    y = call(layer, x, True)
     # same parameters through the linen module give the same output
     linen_params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
-    y_linen = make(hidden_dropout=0.2).apply({"params": linen_params}, x, deterministic=True)
+    y_linen = jax.jit(lambda p, x: make(hidden_dropout=0.2).apply({"params": p}, x, deterministic=True))(
+        linen_params, x)
     assert_close(y, y_linen, 1e-6, "nnx == linen")
-    assert float(jnp.max(jnp.abs(layer(x, deterministic=False) - y))) > 1e-3  # dropout from the nnx rngs
+    assert float(jnp.max(jnp.abs(call(layer, x, False) - y))) > 1e-3  # dropout from the nnx rngs
 
     def loss(mdl):
         return jnp.mean(mdl(x, deterministic=True) ** 2)
 
-    grads = nnx.grad(loss)(layer)
+    grads = nnx.jit(nnx.grad(loss))(layer)
     g = nnx.to_pure_dict(nnx.state(grads, nnx.Param))
     assert g["mlp"]["wo_kernel"].shape == (F, D)
     opt = nnx.Optimizer(layer, optax.sgd(0.1), wrt=nnx.Param)
-    before = loss(layer)
-    opt.update(layer, grads)
-    assert loss(layer) < before
+    jloss = nnx.jit(loss)
+    before = jloss(layer)
+    nnx.jit(lambda opt, mdl, grads: opt.update(mdl, grads))(opt, layer, grads)
+    assert jloss(layer) < before
 
 
 @pytest.fixture
@@ -305,7 +326,7 @@ def test_context_parallel_layer_matches_single_device():
     x = rand(1, (B, S, D))
     p = init(base, x)
     loss = lambda m: (lambda p, x: jnp.sum(m.apply(p, x, deterministic=True) ** 2))
-    y_ref, g_ref = base.apply(p, x, deterministic=True), jax.grad(loss(base))(p, x)
+    y_ref, g_ref = jax.jit(lambda p, x: (base.apply(p, x, deterministic=True), jax.grad(loss(base))(p, x)))(p, x)
     m = make(context_parallel_axis="cp", context_parallel_load_balanced=True, context_parallel_strategy="ring", **kw)
     mesh = jax.make_mesh((2,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
@@ -326,7 +347,7 @@ def test_context_parallel_layer_on_an_explicit_dp_cp_mesh():
     base = make(**kw)
     x = rand(3, (2, 16, D))
     p = init(base, x)
-    y_ref = base.apply(p, x, deterministic=True)
+    y_ref = jax.jit(lambda p, x: base.apply(p, x, deterministic=True))(p, x)
     m = make(context_parallel_axis="cp", context_parallel_load_balanced=True, **kw)
     mesh = jax.make_mesh((2, 4), ("dp", "cp"))
     with jax.set_mesh(mesh):
@@ -353,7 +374,7 @@ def test_logical_axis_rules_shard_a_layer():
                          out_shardings=nn.meta.unbox(shardings))()
         xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
         y = jax.jit(lambda p, x: m.apply(p, x, deterministic=True))(params, xs)
-    y_ref = m.apply(jax.device_get(params), x, deterministic=True)
+    y_ref = jax.jit(lambda p, x: m.apply(p, x, deterministic=True))(jax.device_get(params), x)
     assert_close(y, y_ref, 1e-5, "sharded == unsharded")
 
 
