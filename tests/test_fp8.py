@@ -17,7 +17,7 @@ from te_jax import fp8
 from te_jax.fp8 import quantize as Q
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from te_jax.flax import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP, TransformerLayer
-from helpers import cpu_mesh, norm_rel_err as _rel
+from helpers import cpu_mesh, norm_rel_err as _rel, rand
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 DENSE_DN = (((2,), (0,)), ((), ()))
@@ -143,12 +143,14 @@ def test_growing_amax_under_delayed_scaling_stays_finite():
 # --- fp8_dot_general numerics ----------------------------------------------------------------------
 
 def _dot_case(dn, xs, ws, seed=0):
-    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
-    x, w = jax.random.normal(k1, xs), jax.random.normal(k2, ws)
+    """x, w, an output cotangent g (numpy-drawn: no per-shape compile) and the fp32 GEMM's output and
+    gradients (jitted: eagerly every op compiles on its own)."""
+    rng = np.random.default_rng(seed)
+    x, w = rand(rng, xs), rand(rng, ws)
     ref = lambda x, w: jax.lax.dot_general(x, w, dn, precision="highest")
-    y0, vjp0 = jax.vjp(ref, x, w)
-    g = jax.random.normal(k3, y0.shape)
-    return x, w, g, y0, vjp0(g)
+    g = rand(rng, jax.eval_shape(ref, x, w).shape)
+    y0, grads0 = jax.jit(lambda x, w, g: (lambda y, vjp: (y, vjp(g)))(*jax.vjp(ref, x, w)))(x, w, g)
+    return x, w, g, y0, grads0
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling(),
@@ -183,8 +185,8 @@ def test_fused_dense_path_takes_both_gemm_styles(monkeypatch):
     outs = {}
     for style in ("direct", "qdq"):
         f = lambda x, w: Q.fp8_dot_general(x, w, DENSE_DN, Float8CurrentScaling(), gemm_style_override=style)
-        y, vjp = jax.vjp(f, x, w)
-        outs[style] = (y, *vjp(g))
+        outs[style] = jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(f, x, w)))(x, w, g)
+        y = outs[style][0]
         assert _rel(y, y0) < 2.0 ** -4 and _rel(outs[style][1], dx0) < 2.0 ** -3 and _rel(outs[style][2], dw0) < 2.0 ** -3
     for a, b in zip(outs["direct"], outs["qdq"]):
         assert _rel(a, b) < 2.0 ** -7
@@ -354,7 +356,7 @@ def test_hlo_has_fp8_converts_for_all_three_gemms(fused, monkeypatch):
     m = DenseGeneral(features=32, use_bias=False, dtype=jnp.bfloat16)
     x = jnp.ones((4, 16, 64), jnp.bfloat16)
     with fp8.autocast(recipe=DelayedScaling(amax_history_len=4)):
-        v = m.init(jax.random.PRNGKey(0), x)
+        v = jax.eval_shape(m.init, jax.random.PRNGKey(0), x)  # lowering needs shapes only
         f = jax.jit(jax.value_and_grad(lambda v, x: jnp.sum(m.apply(v, x).astype(jnp.float32)), argnums=(0, 1)))
         lowered = f.lower(v, x)
     text = lowered.as_text()
@@ -571,7 +573,7 @@ def test_delayed_state_orbax_round_trip(tmp_path):
     x = jax.random.normal(kx, (2, 8, 16), jnp.float32)
     ct = jax.random.normal(kc, (2, 8, 16), jnp.float32)
     with fp8.autocast(recipe=DelayedScaling(amax_history_len=4)):
-        v = m.init(jax.random.PRNGKey(0), x)
+        v = jax.jit(m.init)(jax.random.PRNGKey(0), x)
 
         @jax.jit
         def step(v):
@@ -619,10 +621,14 @@ def test_nnx_delayed_scaling_state_moves_and_matches_linen():
         def lin_loss(v):
             return jnp.sum(jnp.square(lin.apply(v, x, deterministic=True)))
 
+        # jitted, traced under the autocast (eagerly every op compiles on its own)
+        nnx_step = nnx.jit(nnx.value_and_grad(nnx_loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param,
+                                                                                          te_nnx.FP8State))))
+        lin_step = jax.jit(jax.value_and_grad(lin_loss))
         for _ in range(2):
-            l_nnx, g = nnx.value_and_grad(nnx_loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, te_nnx.FP8State)))(m)
+            l_nnx, g = nnx_step(m)
             te_nnx.update_fp8_state(m, g)
-            l_lin, gl = jax.value_and_grad(lin_loss)(v)
+            l_lin, gl = lin_step(v)
             v = fp8.update_fp8_state(v, gl)
             np.testing.assert_allclose(float(l_nnx), float(l_lin), rtol=1e-6)
     s_nnx = pure(nnx.state(m, te_nnx.FP8State))
