@@ -6,7 +6,12 @@ carries value 0. Checked: forward and gradients (q, k, v, softmax_offset) on the
 (causal, GQA, padding with fully masked rows, bias + softcap + scale, a dense mask, packed inputs, dropout),
 context parallelism, the cudnn refusal and its explanation, validation errors, and the Flax modules
 (parameter, gradient, functional equivalence, decoding with the KV cache, per-shard runs under a mesh).
+
+References run jitted, in the same program as what they check where possible (eagerly every op compiles on its
+own for each new shape); inputs are drawn with numpy (no per-shape compile).
 """
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,7 +22,7 @@ import te_jax
 from te_jax import context_parallel as tcp
 from te_jax import reference
 from te_jax.flax import DotProductAttention, MultiHeadAttention, TransformerLayer
-from helpers import fwd_bwd
+from helpers import fwd_bwd_many, rand
 from tolerance import assert_close
 
 B, S, H, G, D = 2, 16, 4, 2, 16
@@ -25,7 +30,7 @@ TOL = 2e-5
 
 
 def _rand(i, shape, scale=1.0):
-    return scale * jax.random.normal(jax.random.key(i), shape, jnp.float32)
+    return rand(i, shape, jnp.float32, scale)
 
 
 def _qkv(seed=0, b=B, sq=S, skv=S, h=H, g=G, d=D):
@@ -67,17 +72,24 @@ def sink_reference(q, k, v, sink, *, scale=None, causal=False, q_lens=None, kv_l
     return jnp.einsum("bhqk,bkhd->bqhd", p, vv, precision="highest")
 
 
+def _check_many(cases, tol=TOL):
+    """cases [(what, fn, ref_fn, args)]: forward and gradients w.r.t. every argument under a random cotangent,
+    every fn and ref_fn in one jitted program (helpers.fwd_bwd_many); returns [(out, grads)] of the fns."""
+    runs = []
+    for _, fn, ref_fn, args in cases:
+        ct = _rand(99, jax.eval_shape(ref_fn, *args).shape)
+        runs += [(fn, args, ct), (ref_fn, args, ct)]
+    res = fwd_bwd_many(runs)
+    for i, (what, *_) in enumerate(cases):
+        (out, grads), (ref, grads_ref) = res[2 * i], res[2 * i + 1]
+        assert_close(out, ref, tol, f"{what} out")
+        for j, (a, r) in enumerate(zip(grads, grads_ref)):
+            assert_close(a, r, tol, f"{what} grad {j}")
+    return [res[2 * i] for i in range(len(cases))]
+
+
 def _check(fn, ref_fn, args, tol=TOL, what=""):
-    """Forward and gradients w.r.t. every argument under a random cotangent; fn jitted, output and gradients in
-    one compile (helpers.fwd_bwd)."""
-    ref, ref_vjp = jax.vjp(ref_fn, *args)
-    ct = _rand(99, ref.shape)
-    grads_ref = ref_vjp(ct)
-    out, grads = fwd_bwd(fn, args, ct)
-    assert_close(out, ref, tol, f"{what} out")
-    for i, (a, r) in enumerate(zip(grads, grads_ref)):
-        assert_close(a, r, tol, f"{what} grad {i}")
-    return out, grads
+    return _check_many([(what, fn, ref_fn, args)], tol)[0]
 
 
 # ----------------------------------------------------------------------------- against the reference
@@ -95,20 +107,23 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend,case", [("xla", c) for c in CASES] + [("pallas", c) for c in CASES
-                                                                         if c != "bias_softcap_scale"])
-def test_learnable_matches_reference(backend, case):
-    """(The sink convention -- not scaled, capped or biased -- is the merge's, shared by the backends: checked
-    on xla; pallas runs the kernels' own masks and padding.)"""
-    kw, ref_kw = CASES[case]
-    fn = lambda q, k, v, off: te_jax.dot_product_attention(q, k, v, softmax_type="learnable", softmax_offset=off,
-                                                           backend=backend, **kw)
-    ref_fn = lambda q, k, v, off: sink_reference(q, k, v, off, **ref_kw)
-    out, grads = _check(fn, ref_fn, (*_qkv(), OFFSET), what=f"{backend}/{case}")
-    assert float(jnp.max(jnp.abs(grads[3]))) > 1e-3  # the offset is trained
-    if case == "padding_empty_rows":
-        assert float(jnp.max(jnp.abs(out[1, S - 5:]))) == 0.0  # padded queries
-        assert float(jnp.max(jnp.abs(out[1]))) == 0.0  # batch row 1 sees no key: zeros, finite gradients
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_learnable_matches_reference(backend):
+    """CASES, one compile for all and their references. (The sink convention -- not scaled, capped or biased --
+    is the merge's, shared by the backends: checked on xla; pallas runs the kernels' own masks and padding.)"""
+    names = [c for c in CASES if backend == "xla" or c != "bias_softcap_scale"]
+    cases = []
+    for case in names:
+        kw, ref_kw = CASES[case]
+        fn = functools.partial(lambda q, k, v, off, kw: te_jax.dot_product_attention(
+            q, k, v, softmax_type="learnable", softmax_offset=off, backend=backend, **kw), kw=kw)
+        ref_fn = functools.partial(lambda q, k, v, off, kw: sink_reference(q, k, v, off, **kw), kw=ref_kw)
+        cases.append((f"{backend}/{case}", fn, ref_fn, (*_qkv(), OFFSET)))
+    for case, (out, grads) in zip(names, _check_many(cases)):
+        assert float(jnp.max(jnp.abs(grads[3]))) > 1e-3, case  # the offset is trained
+        if case == "padding_empty_rows":
+            assert float(jnp.max(jnp.abs(out[1, S - 5:]))) == 0.0  # padded queries
+            assert float(jnp.max(jnp.abs(out[1]))) == 0.0  # batch row 1 sees no key: zeros, finite gradients
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
@@ -117,8 +132,9 @@ def test_off_by_one_matches_reference_and_learnable_zero(backend):
     kw = dict(attn_mask_type="causal", backend=backend)
     fn = lambda q, k, v: te_jax.dot_product_attention(q, k, v, softmax_type="off-by-one", **kw)
     a, _ = _check(fn, lambda q, k, v: sink_reference(q, k, v, jnp.zeros(H), causal=True), (q, k, v), what=backend)
-    b = te_jax.dot_product_attention(q, k, v, softmax_type="learnable", softmax_offset=jnp.zeros(H), **kw)
-    c = te_jax.dot_product_attention(q, k, v, softmax_type="off_by_one", **kw)  # TE-JAX's spelling
+    b, c = jax.jit(lambda q, k, v: (
+        te_jax.dot_product_attention(q, k, v, softmax_type="learnable", softmax_offset=jnp.zeros(H), **kw),
+        te_jax.dot_product_attention(q, k, v, softmax_type="off_by_one", **kw)))(q, k, v)  # TE-JAX's spelling
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=0, atol=1e-6)
 
@@ -126,12 +142,19 @@ def test_off_by_one_matches_reference_and_learnable_zero(backend):
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_vanilla_unchanged(backend):
     q, k, v = _qkv(5)
-    a = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend=backend)
-    b = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend=backend, softmax_type="vanilla")
+
+    @jax.jit  # one compile
+    def run(q, k, v):
+        return (te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend=backend),
+                te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend=backend, softmax_type="vanilla"),
+                sink_reference(q, k, v, None, causal=True),
+                te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend=backend,
+                                             softmax_type="off-by-one"))
+
+    a, b, ref, c = run(q, k, v)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert_close(a, sink_reference(q, k, v, None, causal=True), TOL)
+    assert_close(a, ref, TOL)
     # a sink only lowers each row's weights: |out| shrinks row by row by sigmoid(lse - sink) < 1
-    c = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", backend=backend, softmax_type="off-by-one")
     assert np.all(np.abs(np.asarray(c)) <= np.abs(np.asarray(a)) + 1e-6)
 
 
@@ -157,16 +180,24 @@ def test_packed_and_formats(backend):
     if backend == "pallas":
         choice = te_jax.explain_attention_backend_packed(qkv, qkv_layout="bs3hd", softmax_offset=OFFSET, **kw)
         assert choice.selected == "pallas" and choice.packed.startswith("read in place")
-    want = sink_reference(q, k, v, OFFSET, causal=True)
+
+    @jax.jit  # one compile for the reference and the other formats
+    def formats(q, k, v):
+        want = sink_reference(q, k, v, OFFSET, causal=True)
+        sb = None
+        if backend == "xla":
+            sb = te_jax.dot_product_attention(*(jnp.swapaxes(t, 0, 1) for t in (q, k, v)), attn_input_format="sbhd",
+                                              softmax_offset=OFFSET, **kw)
+        # thd: the two rows packed as two sequences of one token axis
+        th = te_jax.dot_product_attention(*(t.reshape(B * S, *t.shape[2:]) for t in (q, k, v)),
+                                          attn_input_format="thd", attn_mask_type="padding_causal",
+                                          q_seqlens=jnp.array([S, S]), kv_seqlens=jnp.array([S, S]),
+                                          softmax_offset=OFFSET, softmax_type="learnable", backend=backend)
+        return want, sb, th
+
+    want, sb, th = formats(q, k, v)
     if backend == "xla":
-        sb = te_jax.dot_product_attention(*(jnp.swapaxes(t, 0, 1) for t in (q, k, v)), attn_input_format="sbhd",
-                                          softmax_offset=OFFSET, **kw)
         assert_close(jnp.swapaxes(sb, 0, 1), want, TOL, "sbhd")
-    # thd: the two rows packed as two sequences of one token axis
-    th = te_jax.dot_product_attention(*(t.reshape(B * S, *t.shape[2:]) for t in (q, k, v)), attn_input_format="thd",
-                                      attn_mask_type="padding_causal", q_seqlens=jnp.array([S, S]),
-                                      kv_seqlens=jnp.array([S, S]), softmax_offset=OFFSET,
-                                      softmax_type="learnable", backend=backend)
     assert_close(th.reshape(B, S, H, D), want, TOL, "thd")
 
 
@@ -174,11 +205,12 @@ def test_xla_dropout_rescales_the_kept_probabilities():
     """With dropout the sink rescales each row of the dropped-out attention by sigmoid(lse - sink)."""
     q, k, v = _qkv(17)
     rng = jax.random.key(3)
-    kw = dict(attn_mask_type="causal", dropout_rate=0.3, dropout_rng=rng, backend="xla")
-    vanilla = te_jax.dot_product_attention(q, k, v, **kw)
-    sink = te_jax.dot_product_attention(q, k, v, softmax_type="learnable", softmax_offset=OFFSET, **kw)
+    kw = dict(attn_mask_type="causal", dropout_rate=0.3, backend="xla")
     tm = te_jax.masks.build_token_mask(te_jax.masks.MaskSpec("causal"), "bshd", B, S, S, None, None, None, None)
-    _, lse = reference.reference_attention(q, k, v, tm, scale=1 / np.sqrt(D), causal=True)
+    vanilla, sink, (_, lse) = jax.jit(lambda q, k, v, rng: (  # one compile
+        te_jax.dot_product_attention(q, k, v, dropout_rng=rng, **kw),
+        te_jax.dot_product_attention(q, k, v, softmax_type="learnable", softmax_offset=OFFSET, dropout_rng=rng, **kw),
+        reference.reference_attention(q, k, v, tm, scale=1 / np.sqrt(D), causal=True)))(q, k, v, rng)
     w = jax.nn.sigmoid(lse - OFFSET[None, :, None])  # [b, h, s]
     assert_close(sink, vanilla * jnp.swapaxes(w, 1, 2)[..., None], TOL)
 
@@ -311,13 +343,20 @@ def test_mha_learnable_parameter_gradient_and_functional_equivalence():
 
     apply = lambda mod: jax.jit(lambda p: mod.apply({"params": p}, x, deterministic=True)[0])
     y = apply(m)(params)
-    q = jnp.einsum("bse,ehd->bshd", x, params["query"]["kernel"])
-    k = jnp.einsum("bse,ehd->bshd", x, params["key"]["kernel"])
-    v = jnp.einsum("bse,ehd->bshd", x, params["value"]["kernel"])
-    attn = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", scale=1.0, softmax_type="learnable",
-                                        softmax_offset=OFFSET, backend="xla")
-    assert_close(y, jnp.einsum("bshd,hde->bse", attn, params["out"]["kernel"]), TOL)
-    assert_close(attn, sink_reference(q, k, v, OFFSET, scale=1.0, causal=True), TOL)
+
+    @jax.jit  # the functional form and its reference, one compile
+    def functional(params, x):
+        q = jnp.einsum("bse,ehd->bshd", x, params["query"]["kernel"])
+        k = jnp.einsum("bse,ehd->bshd", x, params["key"]["kernel"])
+        v = jnp.einsum("bse,ehd->bshd", x, params["value"]["kernel"])
+        attn = te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", scale=1.0, softmax_type="learnable",
+                                            softmax_offset=OFFSET, backend="xla")
+        return attn, jnp.einsum("bshd,hde->bse", attn, params["out"]["kernel"]), sink_reference(
+            q, k, v, OFFSET, scale=1.0, causal=True)
+
+    attn, y_functional, attn_ref = functional(params, x)
+    assert_close(y, y_functional, TOL)
+    assert_close(attn, attn_ref, TOL)
 
     grads = jax.jit(jax.grad(lambda p: jnp.sum(m.apply({"params": p}, x, deterministic=True)[0] ** 2)))(params)
     assert float(jnp.min(jnp.abs(grads["softmax_offset"]))) > 0
@@ -337,9 +376,10 @@ def test_dot_product_attention_module():
     q, k, v = _qkv(40)
     m = DotProductAttention(head_dim=D, num_attention_heads=H, num_gqa_groups=G, attn_mask_type="causal",
                             softmax_type="learnable")
-    params = _with_offset(m.init(jax.random.key(0), q, k, v)["params"], ("softmax_offset",), OFFSET)
-    out = m.apply({"params": params}, q, k, v, deterministic=True)
-    assert_close(out, sink_reference(q, k, v, OFFSET, causal=True), TOL)
+    params = _with_offset(jax.jit(m.init)(jax.random.key(0), q, k, v)["params"], ("softmax_offset",), OFFSET)
+    out, ref = jax.jit(lambda p, q, k, v: (m.apply({"params": p}, q, k, v, deterministic=True),
+                                           sink_reference(q, k, v, OFFSET, causal=True)))(params, q, k, v)
+    assert_close(out, ref, TOL)
 
 
 def test_transformer_layer_learnable_sinks():
@@ -350,15 +390,16 @@ def test_transformer_layer_learnable_sinks():
     params = nn.meta.unbox(jax.jit(lambda x: layer.init(jax.random.key(0), x, deterministic=True))(x)["params"])
     assert params["attention"]["softmax_offset"].shape == (H,)
     params = _with_offset(params, ("attention", "softmax_offset"), OFFSET)
-    apply = lambda mod: jax.jit(lambda p: mod.apply({"params": p}, x, deterministic=True))
     grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x, deterministic=True) ** 2)))(params)
     assert float(jnp.min(jnp.abs(grads["attention"]["softmax_offset"]))) > 0
     # the sink changes the output; off-by-one equals learnable with zero offsets
     zero = _with_offset(params, ("attention", "softmax_offset"), jnp.zeros(H))
-    y0 = apply(layer)(zero)
     no_offset = {**zero, "attention": {k: v for k, v in zero["attention"].items() if k != "softmax_offset"}}
-    assert_close(apply(layer.clone(softmax_type="off-by-one"))(no_offset), y0, TOL)
-    y_van = apply(layer.clone(softmax_type="vanilla"))(no_offset)
+    run = lambda mod, p: mod.apply({"params": p}, x, deterministic=True)
+    y0, y_obo, y_van = jax.jit(lambda zero, no_offset: (  # the three layers in one compile
+        run(layer, zero), run(layer.clone(softmax_type="off-by-one"), no_offset),
+        run(layer.clone(softmax_type="vanilla"), no_offset)))(zero, no_offset)
+    assert_close(y_obo, y0, TOL)
     assert float(jnp.max(jnp.abs(y_van - y0))) > 1e-3
     # a decoder layer: the cross-attention owns its own sink (TransformerEngine passes softmax_type to both)
     dec = layer.clone(layer_type="decoder")
@@ -396,7 +437,7 @@ def test_per_shard_under_a_mesh_splits_the_offset_with_the_heads():
     q, k, v = _qkv(70)
     m = DotProductAttention(head_dim=D, num_attention_heads=H, num_gqa_groups=G, attn_mask_type="causal",
                             softmax_type="learnable", backend="xla")
-    params = _with_offset(m.init(jax.random.key(0), q, k, v)["params"], ("softmax_offset",), OFFSET)
+    params = _with_offset(jax.jit(m.init)(jax.random.key(0), q, k, v)["params"], ("softmax_offset",), OFFSET)
     ct = _rand(71, (B, S, H, D))
 
     def loss(p, q, k, v):
@@ -406,6 +447,6 @@ def test_per_shard_under_a_mesh_splits_the_offset_with_the_heads():
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(params, q, k, v)
         assert "shard_map" in str(jaxpr)
         got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(params, q, k, v)
-    want = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(params, q, k, v)
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(params, q, k, v)
     assert_close(got, want, TOL)
     assert float(jnp.min(jnp.abs(got[1][0]["softmax_offset"]))) > 0

@@ -18,7 +18,6 @@ from test_flax_modules import (
     assert_close,
     assert_tree_close,
     causal_visible,
-    fwd_and_grads,
     fwd_and_grads_many,
     init_many,
     rand,
