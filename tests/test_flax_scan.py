@@ -44,8 +44,9 @@ def _loop(stacked, x):
 
 
 def test_scanned_layers_equal_a_python_loop_forward_and_gradients():
+    """(Everything jitted: eagerly every op compiles on its own.)"""
     x = jax.random.normal(jax.random.key(1), (B, S, D))
-    variables = Stack().init({"params": jax.random.key(0)}, x)
+    variables = jax.jit(Stack().init)({"params": jax.random.key(0)}, x)
     spec = nn.get_partition_spec(variables)["params"]["layers"]["layer"]["mlp"]["wi_kernel"]
     assert tuple(spec) == ("layers", "embed", "act", "mlp")  # the stacked axis gets its logical name
     params = meta.unbox(variables)["params"]
@@ -56,14 +57,17 @@ def test_scanned_layers_equal_a_python_loop_forward_and_gradients():
     ct = jax.random.normal(jax.random.key(2), (B, S, D))
     scan_loss = lambda p, x: jnp.sum(Stack().apply({"params": p}, x) * ct)
     loop_loss = lambda p, x: jnp.sum(_loop(p["layers"]["layer"], x) * ct)
-    y_scan, y_loop = Stack().apply({"params": params}, x), _loop(stacked, x)
-    assert_close(y_scan, y_loop, 1e-5, "scan forward")
-    g_scan = jax.grad(scan_loss, argnums=(0, 1))(params, x)
-    g_loop = jax.grad(loop_loss, argnums=(0, 1))(params, x)
-    assert_close(g_scan, g_loop, 1e-5, "scan grads")
 
+    @jax.jit  # one compile for both forms, forward and gradients, and the dropout run
+    def run(params, x, key):
+        return (Stack().apply({"params": params}, x), _loop(params["layers"]["layer"], x),
+                jax.grad(scan_loss, argnums=(0, 1))(params, x), jax.grad(loop_loss, argnums=(0, 1))(params, x),
+                Stack(deterministic=False).apply({"params": params}, x, rngs={"dropout": key}))
+
+    y_scan, y_loop, g_scan, g_loop, y_drop = run(params, x, jax.random.key(3))
+    assert_close(y_scan, y_loop, 1e-5, "scan forward")
+    assert_close(g_scan, g_loop, 1e-5, "scan grads")
     # dropout: one "dropout" key, split per layer
-    y_drop = Stack(deterministic=False).apply({"params": params}, x, rngs={"dropout": jax.random.key(3)})
     assert float(jnp.max(jnp.abs(y_drop - y_scan))) > 1e-3
 
 
@@ -77,5 +81,5 @@ def test_scan_without_metadata_params_needs_them():
             scanned = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=N)
             return scanned(name="layers")(x, None)[0]
 
-    with pytest.raises(Exception, match="PARTITION_NAME|metadata_params|Partitioning"):
-        Unnamed().init(jax.random.key(0), x)
+    with pytest.raises(Exception, match="PARTITION_NAME|metadata_params|Partitioning"):  # traced only
+        jax.eval_shape(Unnamed().init, jax.random.key(0), x)
