@@ -54,9 +54,10 @@ def _loss(model):
 def test_jit_layers_equal_the_plain_loop_forward_and_gradients():
     x = jax.random.normal(jax.random.key(1), (B, S, D), jnp.float32)
     loop = LoopStack()
-    p = loop.init(jax.random.key(0), x)
+    p = jax.jit(loop.init)(jax.random.key(0), x)  # jitted: eagerly every op compiles on its own
     p_jit = {"params": {k: {"layer": v} for k, v in p["params"].items()}}
-    assert jax.tree_util.tree_structure(p_jit) == jax.tree_util.tree_structure(JitStack().init(jax.random.key(0), x))
+    assert jax.tree_util.tree_structure(p_jit) == jax.tree_util.tree_structure(
+        jax.eval_shape(JitStack().init, jax.random.key(0), x))
     (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(_loss(m)))(q, x) for m, q in ((loop, p), (JitStack(), p_jit)))
     assert_close(l1, l0, 1e-5)
     g1 = {"params": {k: v["layer"] for k, v in g1["params"].items()}}
@@ -98,11 +99,12 @@ def test_train_lm_jit_layers_equals_the_plain_model_and_decodes():
     model, jitted = train_lm.make_model(args), train_lm.make_model(jit_args)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
     pos = jnp.arange(16)[None]
-    params = nn.unbox(model.init(jax.random.key(1), tokens, pos)["params"])
-    nested = {k: ({"layer": v} if k.startswith("layer_") else v) for k, v in params.items()}
-    want = jax.tree.map(jnp.shape, nn.unbox(jitted.init(jax.random.key(1), tokens, pos)["params"]))
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(1), tokens, pos)["params"])  # jitted: eagerly every op
+    nested = {k: ({"layer": v} if k.startswith("layer_") else v) for k, v in params.items()}  # compiles on its own
+    want = jax.tree.map(jnp.shape, nn.unbox(jax.eval_shape(jitted.init, jax.random.key(1), tokens, pos)["params"]))
     assert jax.tree.map(jnp.shape, nested) == want
-    np.testing.assert_allclose(jitted.apply({"params": nested}, tokens, pos), model.apply({"params": params}, tokens, pos),
-                               rtol=1e-5, atol=1e-5)
+    y_jit, y = jax.jit(lambda nested, params: (jitted.apply({"params": nested}, tokens, pos),
+                                               model.apply({"params": params}, tokens, pos)))(nested, params)
+    np.testing.assert_allclose(y_jit, y, rtol=1e-5, atol=1e-5)
     greedy = train_lm.generate(args, params, "def ", 3, seed=0, temperature=0.0)
     assert train_lm.generate(jit_args, nested, "def ", 3, seed=0, temperature=0.0) == greedy
