@@ -131,13 +131,16 @@ def test_scan_layers_matches_the_unscanned_stack_and_decodes():
     model, scanned = train_lm.make_model(args), train_lm.make_model(scanned_args)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
     pos = jnp.arange(16)[None]
-    params = flax.linen.unbox(model.init(jax.random.key(1), tokens, pos)["params"])
+    # jitted (eagerly every op compiles on its own); the scanned model's shapes from a trace
+    params = flax.linen.unbox(jax.jit(model.init)(jax.random.key(1), tokens, pos)["params"])
     stacked = {k: v for k, v in params.items() if not k.startswith("layer_")}
     stacked["layers"] = {"layer": jax.tree.map(lambda a, b: jnp.stack([a, b]), params["layer_0"], params["layer_1"])}
-    want_shapes = jax.tree.map(jnp.shape, flax.linen.unbox(scanned.init(jax.random.key(1), tokens, pos)["params"]))
+    want_shapes = jax.tree.map(jnp.shape, flax.linen.unbox(
+        jax.eval_shape(scanned.init, jax.random.key(1), tokens, pos)["params"]))
     assert jax.tree.map(jnp.shape, stacked) == want_shapes
-    np.testing.assert_allclose(scanned.apply({"params": stacked}, tokens, pos),
-                               model.apply({"params": params}, tokens, pos), rtol=1e-5, atol=1e-5)
+    y_scanned, y = jax.jit(lambda stacked, params: (scanned.apply({"params": stacked}, tokens, pos),
+                                                    model.apply({"params": params}, tokens, pos)))(stacked, params)
+    np.testing.assert_allclose(y_scanned, y, rtol=1e-5, atol=1e-5)
     greedy = train_lm.generate(args, params, "def ", 3, seed=0, temperature=0.0)
     assert train_lm.generate(scanned_args, stacked, "def ", 3, seed=0, temperature=0.0) == greedy
 
