@@ -8,6 +8,7 @@ Before, a kernel sharded along a feature or "mlp" axis made the module fall back
 partitioner: with the Pallas kernels (forced here; what auto takes on a GPU inside shard_map) they ran
 replicated, e.g. the [batch, seq, 3, heads, head_dim] qkv output and the kernel all-gathered over "tensor".
 """
+import functools
 import re
 
 import flax.linen as nn
@@ -19,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxpr_walk
-from helpers import cpu_mesh
+from helpers import cpu_mesh, rand
 from tolerance import assert_close
 from te_jax.flax import LayerNormDenseGeneral, LayerNormMLP
 
@@ -54,24 +55,34 @@ def _pallas_calls(jaxpr):
     return inside, outside
 
 
+def _value_and_grads(mod, kind, ws):
+    def loss(p, x):
+        out = mod.apply({"params": p}, x, **({"deterministic": True} if kind == "mlp" else {}))
+        return sum(jnp.sum(o * w) for o, w in zip(jax.tree.leaves(out), ws))
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+@functools.cache
+def _reference(return_ln, use_bias, kind):
+    """(x, params, cotangent weights, loss and grads on one device with the xla backend in fp32): shared by the
+    tests of one module configuration (inputs numpy-drawn, init jitted: no op-by-op compiles)."""
+    x = rand(0, (B, S, HIDDEN)) + 0.3
+    ref_mod = _module("xla", return_ln, use_bias, kind)
+    kw = {"deterministic": True} if kind == "mlp" else {}
+    params = nn.meta.unbox(jax.jit(lambda k, x: ref_mod.init(k, x, **kw))(jax.random.key(1), x)["params"])
+    params = jax.tree.map(lambda p: p + rand(2, p.shape, scale=0.1), params)
+    outs = jax.eval_shape(lambda: ref_mod.apply({"params": params}, x, **kw))
+    ws = [rand(3 + i, o.shape) for i, o in enumerate(jax.tree.leaves(outs))]
+    return x, params, ws, jax.jit(_value_and_grads(ref_mod, kind, ws))(params, x)
+
+
 def _run(return_ln, use_bias=True, kind="dense", dtype=jnp.float32, rules=RULES):
     """(loss and grads under the dp=2 x tp=2 mesh, Pallas forced, inputs in dtype; the same on one device with
     the xla backend in fp32; (Pallas calls inside, outside shard_map); the compiled HLO)."""
-    x = jax.random.normal(jax.random.key(0), (B, S, HIDDEN), jnp.float32) + 0.3
+    x, params, ws, ref = _reference(return_ln, use_bias, kind)
     ref_mod = _module("xla", return_ln, use_bias, kind)
     kw = {"deterministic": True} if kind == "mlp" else {}
-    params = nn.meta.unbox(ref_mod.init(jax.random.key(1), x, **kw)["params"])
-    params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(2), p.shape), params)
-    outs = jax.eval_shape(lambda: ref_mod.apply({"params": params}, x, **kw))
-    ws = [jax.random.normal(jax.random.key(3 + i), o.shape) for i, o in enumerate(jax.tree.leaves(outs))]
-
-    def value_and_grads(mod):
-        def loss(p, x):
-            out = mod.apply({"params": p}, x, **({"deterministic": True} if kind == "mlp" else {}))
-            return sum(jnp.sum(o * w) for o, w in zip(jax.tree.leaves(out), ws))
-        return jax.value_and_grad(loss, argnums=(0, 1))
-
-    ref = jax.jit(value_and_grads(ref_mod))(params, x)
+    value_and_grads = lambda mod: _value_and_grads(mod, kind, ws)  # noqa: E731
     xd = np.asarray(x.astype(dtype))
     mesh = cpu_mesh((2, 2), ("data", "tensor"), auto=True)
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
