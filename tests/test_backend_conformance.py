@@ -7,7 +7,9 @@ backend=name), forward and gradients (q, k, v), against softmax attention writte
 cannot serve a case here (cudnn off a GPU) must say why in the explanation: the test checks the reason,
 then skips, never passes silently. A capability the backend declares (`Capabilities`) must run: dense
 masks, packed input read in place, split forward/backward with logsumexp, mask-free ring blocks, kernel
-configurations. Each case runs in the first dtype the backend serves (fp32, else bf16).
+configurations. Each case runs in the first dtype the backend serves (fp32, else bf16). The cases a backend serves
+run as one compiled program, their references as another (a compile of such programs is mostly fixed cost); each
+case is checked on its own and named in failures.
 
 Norms and the MLP: every backend of the norm/MLP tables (te_jax/backends/ops.py) gives LayerNorm and
 RMSNorm as a plain fp32 reference does, forward and gradients.
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 import te_jax
-from helpers import fwd_bwd, qkv, rand, ref_norm
+from helpers import fwd_bwd, fwd_bwd_many, qkv, rand, ref_norm
 from naive_attention import naive_attention, naive_mask
 from te_jax.backends import base, ops, selection
 from tolerance import assert_close
@@ -87,18 +89,23 @@ CASES = [
 ]
 
 
-def _skip_with_reason(choice, name, what):
-    """The backend does not serve the call: its explanation must say why (a Reason with a kind); then skip."""
+def _checked_reason(choice, name, what):
+    """The backend does not serve the call: its explanation must say why (a Reason with a kind)."""
     why = choice.reasons[name]
     assert isinstance(why, base.Reason) and why.strip(), f"{name} refuses {what} without a reason:\n{choice}"
     assert why.kind in (base.ReasonKind.UNSUPPORTED, base.ReasonKind.DISABLED), (why.kind, str(choice))
     assert why in str(choice)
-    pytest.skip(f"{name} does not serve {what} here: {why}")
+    return why
 
 
-def _serving_dtype(explain, name, what):
-    """The first dtype of DTYPES in which `explain(dtype)` says `name` serves the call; else check the
-    float32 reason and skip."""
+def _skip_with_reason(choice, name, what):
+    """The backend does not serve the call: its explanation must say why (a Reason with a kind); then skip."""
+    pytest.skip(f"{name} does not serve {what} here: {_checked_reason(choice, name, what)}")
+
+
+def _serving_dtype_or_refusal(explain, name):
+    """(the first dtype of DTYPES in which `explain(dtype)` says `name` serves the call, its explanation), or
+    (None, the float32 explanation) when it serves none."""
     first = None
     for dt in DTYPES:
         choice = explain(jnp.dtype(dt))
@@ -106,7 +113,16 @@ def _serving_dtype(explain, name, what):
             assert choice.selected == name, str(choice)
             return jnp.dtype(dt), choice
         first = first or choice
-    _skip_with_reason(first, name, what)
+    return None, first
+
+
+def _serving_dtype(explain, name, what):
+    """The first dtype of DTYPES in which `explain(dtype)` says `name` serves the call; else check the
+    float32 reason and skip."""
+    dtype, choice = _serving_dtype_or_refusal(explain, name)
+    if dtype is None:
+        _skip_with_reason(choice, name, what)
+    return dtype, choice
 
 
 def _runs_here(name):
@@ -117,8 +133,8 @@ def _runs_here(name):
 
 
 def _check(f, ref, args, ct, tol, what):
-    out, grads = fwd_bwd(f, args, ct)
-    ref_out, ref_grads = fwd_bwd(ref, tuple(a.astype(jnp.float32) for a in args), ct)
+    (out, grads), (ref_out, ref_grads) = fwd_bwd_many([(f, args, ct),
+                                                       (ref, tuple(a.astype(jnp.float32) for a in args), ct)])
     assert_close(out, ref_out, tol, f"{what} out")
     for i, (gr, rg) in enumerate(zip(grads, ref_grads)):
         assert_close(gr, rg, tol, f"{what} grad[{i}]")
@@ -128,25 +144,52 @@ def _check(f, ref, args, ct, tol, what):
 
 @functools.cache
 def _case_inputs(case, dtype_name):
-    """(q, k, v, ct, kwargs, reference (out, grads)): one draw per case and dtype, shared by the backends."""
+    """(q, k, v, ct, kwargs, reference function): one draw per case and dtype, shared by the backends."""
     kw, mask = case.kwargs()
     q, k, v, ct = qkv(1, case.b, case.sq, case.skv, case.h, case.g, case.d, dtype=dtype_name, cotangent=True)
     ref = lambda q, k, v: naive_attention(q, k, v, mask, bias=kw.get("bias"), softcap=case.softcap)
-    return q, k, v, ct, kw, fwd_bwd(ref, tuple(t.astype(jnp.float32) for t in (q, k, v)), ct)
+    return q, k, v, ct, kw, ref
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@functools.cache
+def _references(cases):
+    """{(case, dtype name): reference (out, grads)} for (case, dtype name) pairs, in one compile."""
+    runs = []
+    for case, dtype_name in cases:
+        q, k, v, ct, _, ref = _case_inputs(case, dtype_name)
+        runs.append((ref, tuple(t.astype(jnp.float32) for t in (q, k, v)), ct))
+    return dict(zip(cases, fwd_bwd_many(runs)))
+
+
 @pytest.mark.parametrize("name", BACKENDS)
-def test_front_door_matches_reference(name, case):
-    kw, _ = case.kwargs()
-    dtype, _ = _serving_dtype(
-        lambda dt: te_jax.explain_attention_backend(*case.shapes(dt), backend=name, **kw), name, case.name)
-    q, k, v, ct, kw, (ref_out, ref_grads) = _case_inputs(case, dtype.name)
-    out, grads = fwd_bwd(lambda q, k, v: te_jax.dot_product_attention(q, k, v, backend=name, **kw), (q, k, v), ct)
-    tol, what = DTYPES[dtype.name], f"{name} {case.name}"
-    assert_close(out, ref_out, tol, f"{what} out")
-    for label, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(gr, rg, tol, f"{what} {label}")
+def test_front_door_matches_reference(name):
+    """Every case of CASES. The served ones run in one compile (their references in another), each checked; the
+    refused ones must give a reason (checked), and then the test skips, naming them."""
+    served, refused = [], []
+    for case in CASES:
+        kw, _ = case.kwargs()
+        dtype, choice = _serving_dtype_or_refusal(
+            lambda dt: te_jax.explain_attention_backend(*case.shapes(dt), backend=name, **kw), name)
+        if dtype is None:
+            refused.append(f"{case.name} ({_checked_reason(choice, name, case.name)})")
+        else:
+            served.append((case, dtype.name))
+    if served:
+        refs = _references(tuple(served))
+        runs = []
+        for case, dtype_name in served:
+            q, k, v, ct, kw, _ = _case_inputs(case, dtype_name)
+            runs.append((functools.partial(lambda q, k, v, kw: te_jax.dot_product_attention(q, k, v, backend=name,
+                                                                                            **kw), kw=kw),
+                         (q, k, v), ct))
+        for (case, dtype_name), (out, grads) in zip(served, fwd_bwd_many(runs)):
+            ref_out, ref_grads = refs[(case, dtype_name)]
+            tol, what = DTYPES[dtype_name], f"{name} {case.name}"
+            assert_close(out, ref_out, tol, f"{what} out")
+            for label, gr, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+                assert_close(gr, rg, tol, f"{what} {label}")
+    if refused:
+        pytest.skip(f"{name} does not serve here: " + "; ".join(refused))
 
 
 # ----------------------------------------------------------------------------- declared capabilities
@@ -289,8 +332,8 @@ def test_kernel_config(name):
     q, k, v, ct = qkv(9, case.b, case.sq, case.skv, case.h, case.g, case.d, dtype=dtype, cotangent=True)
     f = lambda q, k, v: te_jax.dot_product_attention(q, k, v, attn_mask_type="causal", config=cfg, backend=name)
     mask = naive_mask(case.b, case.sq, case.skv, "causal")
-    out = jax.jit(f)(q, k, v)
-    assert_close(out, naive_attention(q, k, v, mask), DTYPES[dtype.name], f"{name} config")
+    out, ref = jax.jit(lambda q, k, v: (f(q, k, v), naive_attention(q, k, v, mask)))(q, k, v)
+    assert_close(out, ref, DTYPES[dtype.name], f"{name} config")
 
 
 # ----------------------------------------------------------------------------- norms and the MLP (ops.py)
@@ -311,8 +354,7 @@ def test_norm_backend_matches_reference(name, layernorm_type):
         _skip_with_reason(choice, name, layernorm_type)
     f = lambda x, g, b: te_jax.norm(x, g, b, layernorm_type=layernorm_type, backend=name)
     ref = lambda x, g, b: ref_norm(x, g, b, rms)
-    out, grads = fwd_bwd(f, (x, g, b), dy)
-    ref_out, ref_grads = fwd_bwd(ref, (x, g, b), dy)
+    (out, grads), (ref_out, ref_grads) = fwd_bwd_many([(f, (x, g, b), dy), (ref, (x, g, b), dy)])
     assert_close(out, ref_out, 1e-4, f"{name} {layernorm_type}")
     assert_close(grads[:2 if rms else 3], ref_grads[:2 if rms else 3], 1e-4, f"{name} {layernorm_type} grads")
 
@@ -335,9 +377,7 @@ def test_mlp_backend_norm_matches_reference(name, layernorm_type):
         return jnp.einsum("...d,df->...f", ln, w, precision="highest"), ln
 
     cts = (rand(15, (4, 8, 24)), rand(16, (4, 8, 48)))
-    (y, ln), vjp = jax.vjp(jax.jit(f), x, g, b, w)
-    (ry, rln), rvjp = jax.vjp(jax.jit(ref), x, g, b, w)
+    ((y, ln), grads), ((ry, rln), ref_grads) = fwd_bwd_many([(f, (x, g, b, w), cts), (ref, (x, g, b, w), cts)])
     assert_close((y, ln), (ry, rln), 1e-4, f"{name} {layernorm_type} layernorm_dense")
     keep = [0, 1, 3] if rms else [0, 1, 2, 3]
-    grads, ref_grads = vjp(cts), rvjp(cts)
     assert_close([grads[i] for i in keep], [ref_grads[i] for i in keep], 1e-4, f"{name} {layernorm_type} grads")
