@@ -77,6 +77,17 @@ def makers(sq, g, lens, fa3, configs):
     return impls, kw
 
 
+def drop_failing(impls, *args):
+    """Run each implementation once (compiling it); one that cannot serve the row is reported and dropped."""
+    for name in list(impls):
+        try:
+            jax.block_until_ready(impls[name](*args))
+        except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
+            print(f"  {name}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+            impls.pop(name)
+    return impls
+
+
 def reference(q, k, v, lens):
     """fp32 output (every query sees the row's first lens[b] keys, or the whole cache)."""
     rep = q.shape[2] // k.shape[2]
@@ -161,12 +172,7 @@ def main():
         impls, kw = makers(sq, g, lens, fa3, row_configs)
         choice = te_jax.explain_attention_backend(q, k, v, **kw)
         print(f"\n== {name}: te_jax auto: {choice.selected}; {choice.detail[:160]}", flush=True)
-        for iname in list(impls):
-            try:
-                jax.block_until_ready(impls[iname](q, k, v))
-            except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
-                print(f"  {iname}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
-                impls.pop(iname)
+        drop_failing(impls, q, k, v)
         if "te_jax" in impls and b * s * g <= 16 * 32768 * 8:  # moderate rows
             ref = jax.jit(reference)(q, k, v, lens)
             for iname in impls:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from benchmarks import attention_hopper_gpu as ahg
 from benchmarks import timing
-from benchmarks.decode_gpu import D, H, makers
+from benchmarks.decode_gpu import D, H, drop_failing, makers
 
 ROWS = [  # name, batch, q_len, kv heads, cache, split counts to try
     ("q1 b16 GQA 32/8 cache 8k", 16, 1, 8, 8192, (1, 2, 3, 4, 6, 8)),
@@ -49,12 +49,7 @@ def main():
         part = min(s, 8192)
         k, v = (jnp.tile(jax.random.normal(kk, (b, part, g, D), jnp.bfloat16), (1, s // part, 1, 1)) for kk in ks[1:])
         impls, _ = makers(sq, g, None, fa3, {f"splits {n}": DecodeConfig(num_splits=n) for n in splits})
-        for i in list(impls):
-            try:
-                jax.block_until_ready(impls[i](q, k, v))
-            except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
-                print(f"  {i}: ERROR {type(e).__name__}: {str(e)[:200]}", flush=True)
-                impls.pop(i)
+        drop_failing(impls, q, k, v)
         ref = impls["te_jax"](q, k, v).astype(jnp.float32)
         for i in impls:
             if i.startswith("splits"):
