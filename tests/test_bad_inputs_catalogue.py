@@ -68,8 +68,11 @@ CATALOGUE = [
     ("layer heads do not divide hidden", lambda: _layer(num_attention_heads=5).init(KEY, h),
      ["num_attention_heads=5", "divisible"]),
     ("layer gqa groups", lambda: _layer(num_gqa_groups=3).init(KEY, h), ["num_gqa_groups=3"]),
-    ("layer unknown mask", lambda: _layer(self_attn_mask_type="diag").init(KEY, h), ["attn_mask_type='diag'"]),
-    ("layer unknown activation", lambda: _layer(mlp_activations=("swish",)).init(KEY, h), ["swish"]),
+    # traced only (jax.eval_shape): the layer's parts before the bad one would otherwise run op by op, each op
+    # compiled on its own, before the error (a static check either way)
+    ("layer unknown mask", lambda: jax.eval_shape(_layer(self_attn_mask_type="diag").init, KEY, h),
+     ["attn_mask_type='diag'"]),
+    ("layer unknown activation", lambda: jax.eval_shape(_layer(mlp_activations=("swish",)).init, KEY, h), ["swish"]),
     ("layer unknown format", lambda: _layer(attn_input_format="bsh").init(KEY, h), ["attn_input_format='bsh'"]),
     ("mha rank-2 input", lambda: tf.MultiHeadAttention(head_dim=16, num_attention_heads=4).init(
         KEY, jnp.ones((8, 64)), jnp.ones((8, 64))), ["inputs_q", "(8, 64)", "thd"]),

@@ -1,5 +1,6 @@
 """The decode kernel (pallas_kernels/flash_decode): short queries against a KV cache, in interpret mode on the
-CPU (the real kernel on a GPU), against an fp32 reference built from the dense mask; and its dispatch."""
+CPU (the real kernel on a GPU), against an fp32 reference built from the dense mask; and its dispatch.
+Kernel and reference run jitted in one program per test (eagerly every op compiles on its own)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,8 +62,9 @@ def test_matches_reference(case):
     mask = cache_mask(case["lens"], sq, skv, q_valid=case.get("q_valid"), causal=case.get("causal", True),
                       window=case.get("window", (-1, -1)))
     scale, cap = d ** -0.5, case.get("softcap")
-    out, lse = flash_decode(q, k, v, mask, scale=scale, softcap=cap, config=case.get("cfg"))
-    rout, rlse = reference(q, k, v, mask, scale, cap)
+    (out, lse), (rout, rlse) = jax.jit(lambda q, k, v: (
+        flash_decode(q, k, v, mask, scale=scale, softcap=cap, config=case.get("cfg")),
+        reference(q, k, v, mask, scale, cap)))(q, k, v)
     assert out.shape == (b, sq, h, d) and out.dtype == dtype and lse.shape == (b, h, sq)
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     assert _rel(out, rout) < tol
@@ -87,9 +89,11 @@ def test_paged_cache_matches_reference():
     for r, n in enumerate(lens):
         table[r, -(-n // page):] = -1 if r % 2 else 10**6  # unused entries: never read (and clamped)
     q_valid = np.array([[1, 1], [1, 0], [1, 1]], bool)
-    out, lse = flash_decode_paged(q, pool(k), pool(v), jnp.asarray(table), jnp.asarray(lens), scale=0.125,
-                                  q_valid=q_valid, window=(40, 0), config=DecodeConfig(block_kv=16, num_splits=3))
-    rout, rlse = reference(q, k, v, cache_mask(lens, sq, skv, q_valid=q_valid, window=(40, 0)), 0.125)
+    ref_mask = cache_mask(lens, sq, skv, q_valid=q_valid, window=(40, 0))
+    (out, lse), (rout, rlse) = jax.jit(lambda q, k, v: (
+        flash_decode_paged(q, pool(k), pool(v), jnp.asarray(table), jnp.asarray(lens), scale=0.125,
+                           q_valid=q_valid, window=(40, 0), config=DecodeConfig(block_kv=16, num_splits=3)),
+        reference(q, k, v, ref_mask, 0.125)))(q, k, v)
     assert _rel(out, rout) < 2e-2
     np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
     with pytest.raises(ValueError, match="page_size 24 is not a multiple of 16"):
@@ -110,9 +114,10 @@ def test_gradients_match_reference():
         return lambda q, k, v: (lambda o, l: jnp.sum(o * ct) + jnp.sum(jnp.where(jnp.isfinite(l), l, 0.0) * dl))(
             *fn(q, k, v))
 
-    ours = jax.grad(loss(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.2,
-                                                      config=DecodeConfig(block_kv=32))), (0, 1, 2))(q, k, v)
-    ref = jax.grad(loss(lambda q, k, v: reference(q, k, v, mask, 0.2)), (0, 1, 2))(q, k, v)
+    ours, ref = jax.jit(lambda q, k, v: (  # one compile
+        jax.grad(loss(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.2, config=DecodeConfig(block_kv=32))),
+                 (0, 1, 2))(q, k, v),
+        jax.grad(loss(lambda q, k, v: reference(q, k, v, mask, 0.2)), (0, 1, 2))(q, k, v)))(q, k, v)
     for a, r in zip(ours, ref):
         assert _rel(a, r) < 1e-4
 
@@ -140,8 +145,8 @@ def test_front_door_decode_with_per_row_lengths():
               q_seqlens=jnp.array([1, 1]), kv_seqlens=jnp.array([160, 45]))
     choice = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw)
     assert choice.selected == "pallas" and choice.detail.startswith("decode kernel (flash-decoding)"), choice
-    ours = te_jax.dot_product_attention(q, k, v, backend="pallas", **kw)
-    ref = te_jax.dot_product_attention(q, k, v, backend="xla", **kw)
+    ours, ref = jax.jit(lambda q, k, v: (te_jax.dot_product_attention(q, k, v, backend="pallas", **kw),
+                                         te_jax.dot_product_attention(q, k, v, backend="xla", **kw)))(q, k, v)
     assert _rel(ours, ref) < 1e-5
 
 

@@ -45,7 +45,8 @@ def _compare(module_cls, kw, fmt="bshd", cp=2, tol=2e-5):
     segz = reorder_causal_load_balancing(seg, cp, 1)  # segment ids come in the tokens' (zig-zag) order
     single, multi = dict(q_segment_ids=seg, kv_segment_ids=seg), dict(q_segment_ids=segz, kv_segment_ids=segz)
     base = module_cls(**kw)
-    p = unbox(base.init(jax.random.key(0), x, **single))
+    # init jitted: eagerly every op would compile on its own
+    p = unbox(jax.jit(lambda k, x, tok: base.init(k, x, **tok))(jax.random.key(0), x, single))
 
     def out(m, p, x, **tok):
         y = m.apply(p, x, **tok)
@@ -100,7 +101,7 @@ def test_mha_cross_attention_rope_load_balanced_kv_positions():
     xq, xkv = rand(3, (B, S, D)), rand(4, (B, S, D))
     kw = dict(MHA, fuse_qkv_params=False)
     base = MultiHeadAttention(**kw)
-    p = unbox(base.init(jax.random.key(0), xq, xkv))
+    p = unbox(jax.jit(base.init)(jax.random.key(0), xq, xkv))
     y_ref = jax.jit(lambda p: base.apply(p, xq, xkv)[0])(p)
     m = MultiHeadAttention(context_parallel_axis="cp", context_parallel_load_balanced=True, **kw)
     z = lambda t: reorder_causal_load_balancing(t, cp, 1)
