@@ -24,10 +24,11 @@ def paged_case(seed=0, dtype=jnp.float32):
 @pytest.mark.parametrize("backend,fmt", [("xla", "bshd"), ("pallas", "sbhd")])
 def test_matches_the_contiguous_cache(backend, fmt):
     q, k, v, kp, vp, table, lens = paged_case()
-    ref = te_jax.dot_product_attention(q, k, v, attn_input_format="bshd", attn_mask_type="padding_causal_bottom_right",
-                                       q_seqlens=jnp.full((B,), SQ), kv_seqlens=lens, backend="xla")
-    out = te_jax.paged_decode_attention(te_jax.from_bshd(q, fmt), kp, vp, table, lens, attn_input_format=fmt,
-                                        backend=backend)
+    ref, out = jax.jit(lambda q, k, v, kp, vp: (  # one compile (eagerly every op compiles on its own)
+        te_jax.dot_product_attention(q, k, v, attn_input_format="bshd", attn_mask_type="padding_causal_bottom_right",
+                                     q_seqlens=jnp.full((B,), SQ), kv_seqlens=lens, backend="xla"),
+        te_jax.paged_decode_attention(te_jax.from_bshd(q, fmt), kp, vp, table, lens, attn_input_format=fmt,
+                                      backend=backend)))(q, k, v, kp, vp)
     np.testing.assert_allclose(te_jax.to_bshd(out, fmt), ref, atol=2e-5, rtol=2e-5)
 
 
@@ -36,11 +37,12 @@ def test_window_and_padding_queries():
     q, k, v, kp, vp, table, lens = paged_case(1)
     q_valid = jnp.array([[True] * SQ, [True, True, False]])
     kw = dict(window_size=(8, 0), q_valid=q_valid)
-    ours = te_jax.paged_decode_attention(q, kp, vp, table, lens, backend="pallas", **kw)
-    ref = te_jax.paged_decode_attention(q, kp, vp, table, lens, backend="xla", **kw)
+    ours, ref, full = jax.jit(lambda q, kp, vp: (  # one compile
+        te_jax.paged_decode_attention(q, kp, vp, table, lens, backend="pallas", **kw),
+        te_jax.paged_decode_attention(q, kp, vp, table, lens, backend="xla", **kw),
+        te_jax.paged_decode_attention(q, kp, vp, table, lens, backend="xla")))(q, kp, vp)
     np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=2e-5)
     assert np.all(np.asarray(ours)[1, 2] == 0)
-    full = te_jax.paged_decode_attention(q, kp, vp, table, lens, backend="xla")
     assert not np.allclose(full[0], ref[0], atol=1e-3)  # the window changes the answer
 
 
