@@ -161,3 +161,17 @@ def test_sm90_auto_takes_the_decode_kernel(monkeypatch):
     assert "decode kernel" in str(choice) and "short query" in str(choice)
     prefill = te_jax.explain_attention_backend(*shapes(2048, 2048), attn_input_format="bshd", attn_mask_type="causal")
     assert not prefill.detail.startswith("decode kernel")
+
+
+def test_split_count_targets_one_wave_contiguous_and_two_waves_paged():
+    """The automatic share count: the fewest shares giving >= min_programs programs (contiguous cache) or
+    >= paged_min_programs (paged cache: page-long blocks through the block table), at most one per KV block."""
+    from pallas_kernels.flash_decode.kernel import _geometry
+    cfg = DecodeConfig()
+    # batch 16 x 8 KV heads x 1 row tile = 128 programs: one share contiguous, 3 shares paged (384 >= 264)
+    assert _geometry(cfg, 16, 1, 32, 32768, 8, 128, 128).n_splits == 1
+    assert _geometry(cfg, 16, 1, 32, 32768, 8, 128, 128, page_size=64).n_splits == 3
+    # batch 1 x 8 KV heads: 15 shares (120 programs); never more shares than KV blocks
+    assert _geometry(cfg, 1, 1, 32, 32768, 8, 128, 128).n_splits == 15
+    assert _geometry(cfg, 1, 1, 32, 256, 8, 128, 128).n_splits == 2
+    assert _geometry(DecodeConfig(num_splits=5), 1, 1, 32, 32768, 8, 128, 128, page_size=64).n_splits == 5

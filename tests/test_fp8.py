@@ -197,6 +197,27 @@ def test_fused_dense_path_takes_both_gemm_styles(monkeypatch):
         assert "@cast_transpose" in text and len(dots) == 1 and operand + ", tensor<" in dots[0], (style, dots)
 
 
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_wgrad_qdq_style_runs_only_the_weight_gradient_as_qdq(monkeypatch, fused):
+    """GEMM style "wgrad_qdq": the forward and dgrad dots take the FP8 operands (direct), the wgrad dot the
+    dequantized ones (qdq), in the fused and the unfused dense paths; values as the direct style's."""
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", fused)
+    x, w, g, y0, (dx0, dw0) = _dot_case(DENSE_DN, (2, 16, 64), (64, 32), seed=6)
+    x, w, g = (a.astype(jnp.bfloat16) for a in (x, w, g))
+    outs = {}
+    for style in ("direct", "wgrad_qdq"):
+        f = lambda x, w: Q.fp8_dot_general(x, w, DENSE_DN, Float8CurrentScaling(), gemm_style_override=style)
+        step = jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(f, x, w)))
+        outs[style] = step(x, w, g)
+        dots = [l for l in step.lower(x, w, g).as_text().splitlines() if "stablehlo.dot_general" in l]
+        f8 = [d for d in dots if "xf8E" in d.split("->")[0]]
+        assert len(dots) == 3 and len(f8) == (3 if style == "direct" else 2), (style, dots)
+    y, dx, dw = outs["wgrad_qdq"]
+    assert _rel(y, y0) < 2.0 ** -4 and _rel(dx, dx0) < 2.0 ** -3 and _rel(dw, dw0) < 2.0 ** -3
+    for a, b in zip(outs["direct"], outs["wgrad_qdq"]):
+        assert _rel(a, b) < 2.0 ** -7
+
+
 def test_fp8_dot_general_batched_dimension_numbers():
     dn = (((2,), (1,)), ((0,), (0,)))  # [b, m, k] x [b, k, n] contracted k, batch b
     x, w, g, y0, (dx0, dw0) = _dot_case(dn, (3, 8, 32), (3, 32, 16), seed=3)

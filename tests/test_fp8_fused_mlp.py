@@ -312,6 +312,25 @@ def test_fused_mlp_gemms_are_tn_fp8_dots():
         assert d.count("xf8E4M3FN>") + d.count("xf8E5M2>") == 2 and d.rstrip().endswith("xbf16>"), d
 
 
+def test_fused_mlp_wgrad_qdq_style(monkeypatch):
+    """TE_JAX_FP8_GEMM=wgrad_qdq: the two weight-gradient GEMMs take dequantized (bf16) operands, the other four
+    stay FP8 dots; the values are direct's to bf16 rounding."""
+    acts, recipe = ("silu", "linear"), DelayedScaling(amax_history_len=2)
+    x, w1, w2, g = _problem(acts, BF, seed=2)
+    outs = {}
+    for style in ("direct", "wgrad_qdq"):
+        monkeypatch.setenv("TE_JAX_FP8_GEMM", style)
+        step = jax.jit(lambda x, w1, w2, s1, s2, g: (lambda y, vjp: (y, *vjp(g)))(
+            *jax.vjp(lambda *a: _fused(*a, recipe, acts), x, w1, w2, s1, s2)))
+        s = Q.init_state(2)
+        outs[style] = step(x, w1, w2, s, s, g)
+        dots = [ln for ln in step.lower(x, w1, w2, s, s, g).as_text().splitlines() if "stablehlo.dot_general" in ln]
+        f8 = [d for d in dots if "xf8E" in d.split("->")[0]]
+        assert len(dots) == 6 and len(f8) == (6 if style == "direct" else 4), (style, dots)
+    for name, a, b in zip(("y", "dx", "dw1", "dw2"), outs["direct"], outs["wgrad_qdq"]):
+        assert _rel(b, a) < 2.0 ** -7, (name, _rel(b, a))
+
+
 # --- the Flax path --------------------------------------------------------------------------------
 
 def _mlp_module(**kw):

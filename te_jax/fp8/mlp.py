@@ -43,7 +43,7 @@ from jax import lax
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
-                                 gemm_style, quantize)
+                                 gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
 _TN = (((1,), (1,)), ((), ()))
@@ -77,11 +77,16 @@ def _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b):
     return _scaled_gemm(cfg.style, out_dtype, a_sinv, b_sinv)(a, b, _TN)
 
 
+def _wgrad(cfg, out_dtype, a_sinv, b_sinv, a, b):
+    """A weight-gradient GEMM (_gemm in quantize.wgrad_style(cfg.style))."""
+    return _scaled_gemm(wgrad_style(cfg.style), out_dtype, a_sinv, b_sinv)(a, b, _TN)
+
+
 def _gemm_owing_scale(cfg, out_dtype, a_sinv, b_sinv, a, b):
     """(y, scale y still owes) for a GEMM whose consumer is a cast kernel: the "direct" style leaves the product of
     the scale_invs to the kernel (its gu_scale / dh_scale: XLA would spend a pass over y on it, the cuBLASLt FP8
     call not folding it), so the kernel reads exactly what _gemm would have written. Other styles: (_gemm, None)."""
-    if cfg.style != "direct":
+    if cfg.style not in ("direct", "wgrad_qdq"):
         return _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b), None
     y = lax.dot_general(a, b, _TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
     return y, (a_sinv * b_sinv).astype(jnp.float32)
@@ -158,13 +163,13 @@ def _mlp_bwd(cfg, res, dy):
         sdy = compute_scale(amax(dy), 1.0, bmax)
     dyq, dyqT, ady = _k.cast_transpose(dy, sdy, out_dtype=bdt, **kw)
     dh, s_dh = _gemm_owing_scale(cfg, dt, 1.0 / sdy, sw2i, dyq, w2q)     # [M, F]     wo dgrad
-    dw2 = _gemm(cfg, dt, sai, 1.0 / sdy, aqT, dyqT)                       # [F, Dout]  wo wgrad
+    dw2 = _wgrad(cfg, dt, sai, 1.0 / sdy, aqT, dyqT)                       # [F, Dout]  wo wgrad
     owed = dict(gu_scale=s_gu, dh_scale=s_dh)
     if not delayed:
         sdgu = compute_scale(_k.dact_amax(dh, gu, **owed, **act), 1.0, bmax)
     dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act)
     dx = _gemm(cfg, dt, 1.0 / sdgu, sw1i, dguq.reshape(dh.shape[0], -1), w1q)   # [M, D]     wi dgrad
-    dw1 = _gemm(cfg, dt, sxi, 1.0 / sdgu, xqT, dguqT)                    # [D, n*F]   wi wgrad
+    dw1 = _wgrad(cfg, dt, sxi, 1.0 / sdgu, xqT, dguqT)                    # [D, n*F]   wi wgrad
     wi_ct = wo_ct = None
     if delayed:
         wi_ct = dict(zip(STATE_KEYS, new_fwd[0] + _update(recipe, wi_gh, sdgu, adgu, bmax)))

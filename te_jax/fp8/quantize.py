@@ -28,7 +28,9 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
     "qdq":    dot_general on dequantized operands (convert(f8) -> compute dtype -> * scale_inv), flax's
               Fp8DotGeneralOp pattern. On the H100 with jax 0.11.2 it is an FP8 GEMM (scales folded, no extra
               pass) only when the step is compiled with xla_gpu_enable_triton_gemm=False; by default XLA puts
-              the converts into a Triton fusion and runs bf16 GEMMs (benchmarks/results/fp8_layer_h100.md).
+              the converts into a Triton fusion and runs bf16 GEMMs (benchmarks/results/fp8_layer_h100.md);
+    "wgrad_qdq": the weight-gradient GEMMs as qdq (their output feeds no cast kernel that could take the
+              scale, so "direct" pays a pass over dw for it), every other GEMM as direct.
   On CPU both run as upcast GEMMs; the HLO still carries the f8 converts.
   state (DelayedScaling only; None otherwise): a dict of fp32 arrays
       input_scale (1,), input_amax_history (L,), kernel_scale (1,), kernel_amax_history (L,),
@@ -62,7 +64,7 @@ from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
 from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, check_recipe
 
-GEMM_STYLES = ("direct", "qdq")
+GEMM_STYLES = ("direct", "qdq", "wgrad_qdq")
 #: Default GEMM style (see the module docstring); TE_JAX_FP8_GEMM overrides it at trace time.
 GEMM_STYLE = "direct"
 
@@ -184,13 +186,19 @@ def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
     # precision=DEFAULT explicitly (as flax's fp8_ops does): a global jax_default_matmul_precision="highest"
     # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
     def gemm(a, b, dims):
-        if style == "qdq":
+        if style == "qdq":  # (wgrad_qdq is direct here: its wgrad GEMMs call with wgrad_style(style) == "qdq")
             return lax.dot_general(dequantize(a, a_sinv, out_dtype), dequantize(b, b_sinv, out_dtype), dims,
                                    precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         return (y.astype(jnp.float32) * s).astype(out_dtype)
 
     return gemm
+
+
+def wgrad_style(style: str) -> str:
+    """The style of the weight-gradient GEMMs: "wgrad_qdq" runs them as qdq (cuBLASLt folds both scales into the
+    FP8 call, with xla_gpu_enable_triton_gemm=False) and every other GEMM as direct."""
+    return "qdq" if style == "wgrad_qdq" else style
 
 
 def _canonical_dn(dimension_numbers):
@@ -248,7 +256,7 @@ def _per_tensor_bwd(dn, recipe, dtypes, style, res, g):
     gq = quantize(g, sg, bdt)
     sgi = 1.0 / sg
     dx = _transpose_lhs(gq, wq, xq.ndim, dn, _scaled_gemm(style, dtypes[0], sgi, swi))
-    dw = _transpose_rhs(gq, xq, wq.ndim, dn, _scaled_gemm(style, dtypes[1], sxi, sgi))
+    dw = _transpose_rhs(gq, xq, wq.ndim, dn, _scaled_gemm(wgrad_style(style), dtypes[1], sxi, sgi))
     return dx.astype(dtypes[0]), dw.astype(dtypes[1]), state_ct
 
 
@@ -399,7 +407,7 @@ def _dense_tn_bwd(n_contract, recipe, cfg, res, g):
         state_ct = None
     sgi = 1.0 / sg
     dx = _tn_gemm(gq, wq, cfg[0], sgi, swi, cfg[6])
-    dw = _tn_gemm(xtq, gtq, cfg[1], sxi, sgi, cfg[6])
+    dw = _tn_gemm(xtq, gtq, cfg[1], sxi, sgi, wgrad_style(cfg[6]))
     return dx.reshape(cfg[3]), dw.reshape(cfg[4]), state_ct
 
 
@@ -453,4 +461,5 @@ def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_el
 
 
 __all__ = ["fp8_dot_general", "quantize", "dequantize", "qdq", "compute_scale", "delayed_update", "amax",
-           "fp8_max", "init_state", "block_qdq", "STATE_KEYS", "GEMM_STYLES", "GEMM_STYLE", "gemm_style"]
+           "fp8_max", "init_state", "block_qdq", "STATE_KEYS", "GEMM_STYLES", "GEMM_STYLE", "gemm_style",
+           "wgrad_style"]
