@@ -593,3 +593,116 @@ def test_backward_register_split():
     for cfg in (default_config(128), default_config(64), HopperConfig(bwd_compute_registers=232)):
         regs, producer = bwd_registers(cfg)
         assert cfg.bwd_wgs * 128 * regs + 128 * producer <= REGISTERS_PER_CTA and producer >= 24
+
+
+# ---------------------------------------------------------------- data masks (segments, padding, windows, positions)
+def _runs(lengths, total):
+    """Segment ids [total]: run i (1-based) of lengths[i] tokens, then padding (0) up to total."""
+    ids = np.zeros(total, np.int32)
+    at = 0
+    for i, n in enumerate(lengths):
+        ids[at:at + n] = i + 1
+        at += n
+    return ids
+
+
+def _masked_case(name):
+    """(B, Sq, Skv, H, G, D, AttentionMask, softcap) of a named data-mask case."""
+    from pallas_kernels.mask import AttentionMask
+
+    if name == "padding":  # rows 512 and 300 valid, non-causal, GQA
+        seg = np.stack([_runs([512], 512), _runs([300], 512)])
+        return 2, 512, 512, 4, 2, 128, AttentionMask.from_segments(seg), None
+    if name == "padding_causal_hd64":
+        seg = np.stack([_runs([200], 384), _runs([384], 384)])
+        return 2, 384, 384, 2, 1, 64, AttentionMask.from_segments(seg, causal=True), None
+    if name == "documents_causal":  # packed documents, one of length 1, ragged total (padded to 640)
+        seg = _runs([100, 1, 250, 189], 600)[None]
+        return 1, 600, 600, 2, 2, 128, AttentionMask.from_segments(seg, causal=True), None
+    if name == "window_causal_hd64":
+        return 1, 768, 768, 2, 1, 64, AttentionMask.full(1, 768, 768, causal=True, window=(128, 0)), None
+    if name == "window_two_sided_softcap_hd256":
+        return 1, 384, 384, 2, 1, 256, AttentionMask.full(1, 384, 384, window=(100, 50)), 2.0
+    if name == "bottom_right_causal":  # q 256 against kv 640
+        return 1, 256, 640, 2, 1, 128, AttentionMask.full(1, 256, 640, causal=True, bottom_right=True), None
+    if name == "empty_rows":  # padding queries and a query segment no key has: their rows see nothing
+        q_seg = np.stack([_runs([100, 100], 256), np.full(256, 3, np.int32)])
+        kv_seg = np.stack([_runs([60, 140], 384), _runs([384], 384)])
+        q_seg[0, 150:170] = 7
+        return 2, 256, 384, 2, 1, 128, AttentionMask.from_segments(q_seg, kv_seg), None
+    if name == "ragged_lengths":  # q 129 against kv 1000, padding within
+        q_seg = _runs([129], 129)[None]
+        kv_seg = _runs([700], 1000)[None]
+        return 1, 129, 1000, 2, 2, 128, AttentionMask.from_segments(q_seg, kv_seg), None
+    raise KeyError(name)
+
+
+MASKED_CASES = ["padding", "padding_causal_hd64", "documents_causal", "window_causal_hd64",
+                "window_two_sided_softcap_hd256", "bottom_right_causal", "empty_rows", "ragged_lengths"]
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("name", MASKED_CASES)
+def test_data_mask_forward_and_grads(name):
+    """hopper_attention(mask=AttentionMask) against the fp32 reference with the same mask: out, lse, dq, dk, dv;
+    rows that see no key give out 0, lse -inf and zero dq."""
+    from pallas_kernels.flash_attention.reference import reference_attention
+
+    interpret = _mode()
+    B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
+    ks = jax.random.split(jax.random.key(len(name)), 5)
+    q = jax.random.normal(ks[0], (B, Sq, H, D), BF)
+    k = jax.random.normal(ks[1], (B, Skv, G, D), BF)
+    v = jax.random.normal(ks[2], (B, Skv, G, D), BF)
+    do = jax.random.normal(ks[3], (B, Sq, H, D), BF)
+    seen = np.asarray(mask.dense().any(-1))  # [B, Sq]: rows that see a key
+    dl = jax.random.normal(ks[4], (B, H, Sq), jnp.float32) * seen[:, None, :]
+    scale = D ** -0.5
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, mask=mask, interpret=interpret, softcap=softcap)
+    (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: reference_attention(q, k, v, mask, scale=scale, softcap=softcap)
+    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    assert _rel(out, rout) < 1e-2, _rel(out, rout)
+    lse, rlse = np.asarray(lse), np.asarray(rlse)
+    rows = np.broadcast_to(seen[:, None, :], lse.shape)
+    assert np.all(lse[~rows] == -np.inf) and np.all(np.isfinite(lse[rows]))
+    assert _rel(lse[rows], rlse[rows]) < 1e-4
+    assert np.all(np.asarray(out, np.float32)[~seen] == 0)
+    grads = jax.jit(vjp)((do, dl))
+    for g, rg in zip(grads, rvjp((f32(do), dl))):
+        assert g.shape == rg.shape and np.all(np.isfinite(np.asarray(g, np.float32)))
+        assert _rel(g, rg) < 2e-2, _rel(g, rg)
+    assert np.all(np.asarray(grads[0], np.float32)[~seen] == 0)
+
+
+@pytest.mark.parametrize("name", MASKED_CASES)
+def test_data_mask_tables_bound_the_visible_tiles(name):
+    """mask_tables (CPU): outside each row of bounds no (query, key) pair is visible, inside [flo, fhi) every pair
+    is, for the forward's, the dQ kernel's and the dK/dV kernel's (transposed) tiles."""
+    from pallas_kernels.flash_attention_hopper.config import default_config
+    from pallas_kernels.flash_attention_hopper.data_mask import mask_tables
+
+    B, Sq, Skv, H, G, D, mask, _ = _masked_case(name)
+    pq, pkv = -(-Sq // 128) * 128, -(-Skv // 128) * 128
+    cfg = default_config(D, pkv, False, pq)
+    m = mask.pad(pq, pkv)
+    t = mask_tables(m, cfg)
+    dense = np.asarray(m.dense())
+    np.testing.assert_array_equal(np.asarray(t.qm), np.stack([m.q_segment_ids, m.q_positions], 1))
+    for bounds, qt, kt, transposed in ((t.fwd, 2 * cfg.block_q, cfg.block_kv, False),
+                                       (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False),
+                                       (t.dkv, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True)):
+        bounds = np.asarray(bounds)
+        blocks = dense.reshape(B, pq // qt, qt, pkv // kt, kt).transpose(0, 1, 3, 2, 4)  # [B, nq, nk, qt, kt]
+        if transposed:
+            blocks = blocks.transpose(0, 2, 1, 4, 3)
+        any_seen, all_seen = blocks.any((-1, -2)), blocks.all((-1, -2))
+        assert bounds.shape == any_seen.shape[:2] + (4,)
+        for b in range(B):
+            for r in range(any_seen.shape[1]):
+                lo, flo, fhi, hi = bounds[b, r]
+                assert lo <= flo <= fhi <= hi
+                assert not any_seen[b, r, :lo].any() and not any_seen[b, r, hi:].any()
+                assert all_seen[b, r, flo:fhi].all()

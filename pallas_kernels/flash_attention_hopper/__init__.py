@@ -6,6 +6,10 @@
         operands) and the padded keys are masked in the kernels (causal: by the diagonal itself);
         out [B,S,H,D] (q.dtype), lse [B,H,S] float32 (natural log).  Differentiable.
         softcap t > 0: logits t * tanh(scale * q.k / t) (Gemma 2's), its derivative in the backward.
+        mask (pallas_kernels.mask.AttentionMask [B, Sq] / [B, Skv], causal=False): any mask as data (padding,
+        documents, causal top-left or bottom-right, windows, explicit positions); Sq and Skv may differ.  The
+        kernels skip the tiles the mask empties and apply it only where a tile is partly visible; rows that see no
+        key give out 0, lse -inf, and zero gradients.
     hopper_attention_fwd(q, k, v, *, scale, causal, softcap, config) -> (out, lse)
     hopper_attention_bwd(q, k, v, out, lse, dout, *, scale, causal, softcap, config, dlse=None) -> (dq, dk, dv)
         (block entry points, e.g. for ring attention: lengths must be multiples of 128; `lengths_reason`)
@@ -24,6 +28,7 @@ import jax.numpy as jnp
 
 from .backward import flash_bwd
 from .config import HopperConfig, check_lengths, default_config, describe_plan
+from .data_mask import MaskRule, mask_tables
 from .forward import flash_fwd
 from .reference import attention_reference
 
@@ -162,9 +167,54 @@ def _pad_seq(x, n):
 _attention.defvjp(_attention_fwd_rule, _attention_bwd_rule)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _masked_attention(q, k, v, tables, scale, config, interpret, softcap, rule):
+    return flash_fwd(q, k, v, scale=scale, causal=False, config=config, interpret=interpret, softcap=softcap,
+                     mask_tables=tables, mask_rule=rule)
+
+
+def _masked_fwd_rule(q, k, v, tables, scale, config, interpret, softcap, rule):
+    out, lse = _masked_attention(q, k, v, tables, scale, config, interpret, softcap, rule)
+    return (out, lse), (q, k, v, out, lse, tables)
+
+
+def _masked_bwd_rule(scale, config, interpret, softcap, rule, res, cts):
+    q, k, v, out, lse, tables = res
+    dout, dlse = cts
+    dq, dk, dv = flash_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=False, config=config,
+                           dlse=dlse, interpret=interpret, softcap=softcap, mask_tables=tables, mask_rule=rule)
+    return dq, dk, dv, None
+
+
+_masked_attention.defvjp(_masked_fwd_rule, _masked_bwd_rule)
+
+
+def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap):
+    _check(q, k, v, False, softcap)
+    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+    want = (b, sq, skv)
+    if (mask.batch, mask.q_len, mask.kv_len) != want:
+        raise ValueError(f"hopper_attention: mask is for [batch, q_len, kv_len] = {[mask.batch, mask.q_len, mask.kv_len]}"
+                         f", q/k are {list(want)}. Fix: build the AttentionMask from these q/k lengths.")
+    pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK
+    cfg = config or default_config(q.shape[-1], pkv, False, pq)
+    check_lengths(cfg, pq, pkv)
+    padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
+    tables = mask_tables(padded, cfg)
+    out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,
+                                 interpret, _softcap(softcap), MaskRule(padded.causal, tuple(padded.window)))
+    if pq != sq:
+        out, lse = out[:, :sq], lse[:, :, :sq]
+    return out, lse
+
+
 def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None,
-                     interpret: bool | None = None, softcap: float | None = None):
+                     interpret: bool | None = None, softcap: float | None = None, mask=None):
     """Flash attention on Hopper: (out, lse).  Differentiable (custom_vjp) in q, k, v."""
+    if mask is not None:
+        if causal:
+            raise ValueError("hopper_attention: pass causal in the mask (AttentionMask(causal=True)), not both")
+        return _hopper_masked(q, k, v, mask, scale=scale, config=config, interpret=interpret, softcap=softcap)
     _check(q, k, v, causal, softcap)
     sq, skv = q.shape[1], k.shape[1]
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK

@@ -30,6 +30,7 @@ from .._lower_once import lower_once
 
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
+from .data_mask import DataMask
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
                      dq_split, logit_units, piece_split_chosen, ring_choices)
 
@@ -38,7 +39,10 @@ from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_regi
 # Backward: dK/dV
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                   want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None, softcap=None, kv_valid=None):
+                   want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None, softcap=None, kv_valid=None,
+                   data_mask=None):
+    """data_mask (a DataMask): the key tile's query-block walk is [lo, hi) of its bounds row (mask.loop_bounds on the
+    transposed block classes), computed without the element mask on [flo, fhi); no PieceSplit, no reversal."""
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
@@ -51,6 +55,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     c, pre = logit_units(scale, softcap)
     split = cfg.split_causal
     reverse = causal and cfg.bwd_causal_reverse is not False  # None (auto) = reverse
+    dm = data_mask
     named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
     regs, producer_regs = bwd_registers(cfg)
 
@@ -68,7 +73,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         raise ValueError(f"atomic dQ: no 64-wide share per warpgroup for head_dim {D}, {cfg}")
 
     steps = rep * nq  # a non-causal key tile's walk
-    plan = None if causal else piece_split_chosen(cfg, G * n_kt * B, steps, cfg.bwd_ctas or num_sms(), Skv)
+    plan = None if causal or dm is not None else piece_split_chosen(cfg, G * n_kt * B, steps,
+                                                                    cfg.bwd_ctas or num_sms(), Skv)
     n_grads = int(want_dk) + int(want_dv)
 
     def tile_coords(tile):
@@ -78,10 +84,15 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         return rem(tile, B), div(tile, B * n_kt), rem(div(tile, B), n_kt)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if dm is not None:
+            (qm_ref, km_ref, bounds_ref), rest = rest[:3], rest[3:]
         if want_dq:
             dq_ref, rest = rest[0], rest[1:]
         outs = rest[: n_grads * (2 if plan is not None else 1)]
         smem, bars = rest[len(outs):]
+        if dm is not None:
+            (kvm_smem2, qm_ring), smem = smem[-2:], smem[:-2]
+            (kvm_bar, qm_bar, qm_cons), bars = bars[-3:], bars[:-3]
         dk_ref = outs[0] if want_dk else None
         dv_ref = outs[n_grads - 1] if want_dv else None
         part_refs = outs[n_grads:]  # plan: partial dK / dV of the pieces [piece CTAs, hi/lo, rows, D]
@@ -91,9 +102,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             bars, ds_ready = bars[:-1], bars[-1]
         (kv_bar, q_bar, do_bar, lse_bar, delta_bar,
          q_cons, do_cons, lse_cons, delta_cons) = bars
-        q_cons, do_cons, lse_cons, delta_cons = ring_slots(
-            plgpu, (q_cons, do_cons, lse_cons, delta_cons), stages, named=named_release,
-            producer_warp=producer_warp, compute_wgs=wgs)
+        rings = (q_cons, do_cons, lse_cons, delta_cons) + ((qm_cons,) if dm is not None else ())
+        rings = ring_slots(plgpu, rings, stages, named=named_release, producer_warp=producer_warp, compute_wgs=wgs)
+        q_cons, do_cons, lse_cons, delta_cons = rings[:4]
+        if dm is not None:
+            qm_cons = rings[4]
         wg = lax.axis_index("wg")
         if plan is None:
             b = lax.axis_index("batch")
@@ -115,17 +128,22 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         # last head would run alone at the end with the other SMs idle.
         kv_cta0 = kt * (wgs * bkv)
         q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
-        n_steps_h = nq - q_lo  # query blocks per query head
+        if dm is not None:  # the visible query blocks [lo, hi), full ones [flo, fhi)
+            q_lo, m_flo, m_fhi, m_hi = (bounds_ref[b, kt, i] for i in range(4))
+            n_steps_h = m_hi - q_lo
+        else:
+            n_steps_h = nq - q_lo  # query blocks per query head
         # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
         if causal:
             n_mask = (cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
         total = rep * n_steps_h
+        n_div = jnp.maximum(n_steps_h, 1) if dm is not None else n_steps_h  # a walk may be empty
 
         def query_block(j):  # the j-th query block of a head's walk
             return (nq - 1) - j if reverse else q_lo + j
 
         def step_coords(t):
-            return g * rep + div(t, n_steps_h), query_block(rem(t, n_steps_h))
+            return g * rep + div(t, n_div), query_block(rem(t, n_div))
 
         def _compute(wq):
             # wq: this warpgroup's index as a Python int when dQ is accumulated here (its dQ share
@@ -138,21 +156,29 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 sl = (bb, pl.ds(kv0, bkv), gg)
                 plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, kv_bar.at[2 * wg])
                 plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, kv_bar.at[2 * wg + 1])
+                if dm is not None:
+                    plgpu.copy_gmem_to_smem(km_ref.at[bb, :, pl.ds(kv0, bkv)], kvm_smem2.at[wg], kvm_bar.at[wg])
                 return kv0, sl
 
             def prime_rings():
-                for ring in (q_cons, do_cons, lse_cons, delta_cons):
+                for ring in (q_cons, do_cons, lse_cons, delta_cons) + ((qm_cons,) if dm is not None else ()):
                     ring.prime()
+
+            key_marks = []  # (segment, position) of this warpgroup's keys, data mask only
 
             def fresh_accumulators():
                 plgpu.barrier_wait(kv_bar.at[2 * wg])
                 plgpu.barrier_wait(kv_bar.at[2 * wg + 1])
+                if dm is not None:
+                    plgpu.barrier_wait(kvm_bar.at[wg])
+                    key_marks[:] = [plgpu.load(kvm_smem2.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
+                                    for i in range(2)]
                 zero = plgpu.layout_cast(jnp.full((bkv, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
                 return (zero if want_dk else None), (zero if want_dv else None)
 
-            def step_body(t, qb, carry, masked: bool, *, hh, bb, kv0):
+            def step_body(t, qb, carry, masked: bool, *, hh, bb, kv0, dm_masked: bool = False):
                 """One query block of query head hh against this warpgroup's keys.  t: the CTA's ring step (its Q /
-                dO / lse / delta slot and its dS buffer)."""
+                dO / lse / delta slot and its dS buffer).  dm_masked: apply the data mask's element mask."""
                 dk_acc, dv_acc = carry
                 slot = rem(t, stages)
                 plgpu.barrier_wait(q_bar.at[slot])
@@ -171,6 +197,18 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 if kv_valid is not None:  # padded keys (non-causal, every step)
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                     pT = jnp.where(rows + kv0 < kv_valid, pT, 0.0)
+                if dm is not None:  # the queries' (segment, position) rows are streamed every step
+                    plgpu.barrier_wait(qm_bar.at[slot])
+                    if dm_masked:
+                        q_seg, q_pos = (plgpu.load(qm_ring.at[slot, i], layout=plgpu.Layout.WGMMA.reduce(0))
+                                        for i in range(2))
+                    qm_cons.release(slot)
+                    if dm_masked:
+                        shape = (bkv, bq)
+                        keys = lambda x: lax.broadcast_in_dim(x, shape, [0])
+                        queries = lambda x: lax.broadcast_in_dim(x, shape, [1])
+                        seen = dm.visible(queries(q_seg), queries(q_pos), keys(key_marks[0]), keys(key_marks[1]))
+                        pT = jnp.where(seen, pT, 0.0)
                 plgpu.barrier_wait(do_bar.at[slot])
                 if want_dv and want_dk and not interpret:
                     # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
@@ -270,12 +308,17 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     base = i * n_steps_h
                     hh = g * rep + i
 
-                    def walk(lo, hi, carry, masked):
+                    def walk(lo, hi, carry, masked, dm_masked=False):
                         def body(j, carry):
-                            return step_body(base + j, query_block(j), carry, masked=masked, hh=hh, bb=b, kv0=kv0)
+                            return step_body(base + j, query_block(j), carry, masked=masked, hh=hh, bb=b, kv0=kv0,
+                                             dm_masked=dm_masked)
 
                         return lax.fori_loop(lo, hi, body, carry)
 
+                    if dm is not None:  # j counts from the walk's first block q_lo
+                        carry = walk(0, m_flo - q_lo, carry, masked=False, dm_masked=True)
+                        carry = walk(m_flo - q_lo, m_fhi - q_lo, carry, masked=False)
+                        return walk(m_fhi - q_lo, n_steps_h, carry, masked=False, dm_masked=True)
                     if reverse:  # from the last query block down: the diagonal blocks come last
                         carry = walk(0, n_steps_h - n_mask, carry, masked=False)
                         return walk(n_steps_h - n_mask, n_steps_h, carry, masked=True)
@@ -347,7 +390,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 [(lambda r: q_ref.at[r[0]], q_smem, q_bar, q_cons),
                  (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_cons),
                  (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_cons),
-                 (lambda r: delta_ref.at[r[1]], delta_smem, delta_bar, delta_cons)]), single_warp=producer_warp)
+                 (lambda r: delta_ref.at[r[1]], delta_smem, delta_bar, delta_cons)]
+                + ([(lambda r: qm_ref.at[r[0][0], :, r[0][1]], qm_ring, qm_bar, qm_cons)] if dm is not None else [])),
+                single_warp=producer_warp)
 
     tr = smem_transforms(plgpu, dtype)
     scratch = [
@@ -365,8 +410,12 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         (plgpu.Barrier(num_barriers=2 * wgs),)
         + (plgpu.Barrier(num_barriers=stages),) * 4
         + (plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),) * 4
-        + ((plgpu.Barrier(num_arrivals=wgs, num_barriers=2),) if want_dq else ()),
+        + ((plgpu.Barrier(num_arrivals=wgs, num_barriers=2),) if want_dq else ())
+        + ((plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)) if dm is not None else ()),
     ]
+    if dm is not None:
+        scratch[0] = scratch[0] + (plgpu.SMEM((wgs, 2, bkv), jnp.int32), plgpu.SMEM((stages, 2, bq), jnp.int32))
     out_type = []
     if want_dk:
         out_type.append(jax.ShapeDtypeStruct(k.shape, dtype))
@@ -381,7 +430,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                    grid_names=grid_names, compute_wgs=wgs,
                                    interpret=interpret, name=f"te_jax_attn_bwd_{outputs}",
                                    no_auto_barriers=producer_warp)(
-        q, k, v, do, lse2, delta, *((dq_acc_ref,) if want_dq else ()))
+        q, k, v, do, lse2, delta, *(dm.kernel_args("dkv") if dm is not None else ()),
+        *((dq_acc_ref,) if want_dq else ()))
     if plan is None:
         return tuple(outs)
     return tuple(_sum_pieces(grad, part, plan=plan, B=B, n_kt=n_kt, rows=wgs * bkv)
@@ -405,8 +455,10 @@ def _sum_pieces(grad, part, *, plan: PieceSplit, B: int, n_kt: int, rows: int):
 # Backward: dQ
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                  interpret: bool, softcap=None, kv_valid=None):
+                  interpret: bool, softcap=None, kv_valid=None, data_mask=None):
+    """data_mask (a DataMask): the query tile's K/V walk is [lo, hi) of its bounds row, unmasked on [flo, fhi)."""
     plgpu = mosaic_gpu()
+    dm = data_mask
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
     rep = H // G
@@ -420,11 +472,20 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
     regs, producer_regs = bwd_registers(cfg)
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, bars):
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        if dm is not None:
+            qm_ref, km_ref, bounds_ref, dq_ref, smem, bars = rest
+            (qm_smem2, km_smem), smem = smem[-2:], smem[:-2]
+            (km_bar, km_cons), bars = bars[-2:], bars[:-2]
+        else:
+            dq_ref, smem, bars = rest
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
         in_bar, k_bar, v_bar, k_cons, v_cons = bars
-        k_cons, v_cons = ring_slots(plgpu, (k_cons, v_cons), stages, named=named_release,
-                                    producer_warp=producer_warp, compute_wgs=wgs)
+        rings = ring_slots(plgpu, (k_cons, v_cons) + ((km_cons,) if dm is not None else ()), stages,
+                           named=named_release, producer_warp=producer_warp, compute_wgs=wgs)
+        k_cons, v_cons = rings[:2]
+        if dm is not None:
+            km_cons = rings[2]
         b = lax.axis_index("batch")
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
@@ -433,7 +494,10 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             qt = (n_qt - 1) - qt
         kvh = lax.div(h, jnp.int32(rep))
         q_cta0 = qt * (wgs * bq)
-        if causal:
+        first = 0
+        if dm is not None:  # kv blocks [first, total), unmasked [m_flo, m_fhi)
+            first, m_flo, m_fhi, total = (bounds_ref[b, qt, i] for i in range(4))
+        elif causal:
             total = cdiv(q_cta0 + wgs * bq, bkv)
             n_full = lax.div(q_cta0, jnp.int32(bkv)) if split else jnp.int32(0)
         else:
@@ -451,18 +515,30 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem, in_bar.at[4 * wg + 1])
             plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem, in_bar.at[4 * wg + 2])
             plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem, in_bar.at[4 * wg + 3])
+            if dm is not None:
+                plgpu.copy_gmem_to_smem(qm_ref.at[b, :, pl.ds(q0, bq)], qm_smem2.at[wg], in_bar.at[4 * wgs + wg])
+                km_cons.prime()
             k_cons.prime()
             v_cons.prime()
             for j in range(4):
                 plgpu.barrier_wait(in_bar.at[4 * wg + j])
+            if dm is not None:
+                plgpu.barrier_wait(in_bar.at[4 * wgs + wg])
+                q_marks = [plgpu.load(qm_smem2.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1)) for i in range(2)]
             lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             dq_acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def step_body(t, dq_acc, masked: bool):
-                slot = rem(t, stages)
+            def step_body(t, dq_acc, masked: bool, dm_masked: bool = False):
+                slot = rem(t - first, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
+                if dm is not None:  # the keys' (segment, position) rows are streamed every step
+                    plgpu.barrier_wait(km_bar.at[slot])
+                    if dm_masked:
+                        k_marks = [plgpu.load(km_smem.at[slot, i], layout=plgpu.Layout.WGMMA.reduce(0))
+                                   for i in range(2)]
+                    km_cons.release(slot)
 
                 def _s_dp(s_ref, dp_ref):
                     # one wgmma group, one wait
@@ -484,6 +560,12 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 if kv_valid is not None:  # padded keys (non-causal, every step)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(cols + t * bkv < kv_valid, p, 0.0)
+                if dm_masked:
+                    rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bkv), [0])
+                    cols_of = lambda x: lax.broadcast_in_dim(x, (bq, bkv), [1])
+                    seen = dm.visible(rows_of(q_marks[0]), rows_of(q_marks[1]), cols_of(k_marks[0]),
+                                      cols_of(k_marks[1]))
+                    p = jnp.where(seen, p, 0.0)
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 if pre is not None:
                     ds = ds * (1.0 - th * th)
@@ -492,7 +574,12 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 k_cons.release(slot)
                 return dq_acc
 
-            if causal:
+            if dm is not None:
+                masked_step = functools.partial(step_body, masked=False, dm_masked=True)
+                dq_acc = lax.fori_loop(first, m_flo, masked_step, dq_acc)
+                dq_acc = lax.fori_loop(m_flo, m_fhi, functools.partial(step_body, masked=False), dq_acc)
+                dq_acc = lax.fori_loop(m_fhi, total, masked_step, dq_acc)
+            elif causal:
                 dq_acc = lax.fori_loop(0, n_full, functools.partial(step_body, masked=False), dq_acc)
                 dq_acc = lax.fori_loop(n_full, total, functools.partial(step_body, masked=True), dq_acc)
             else:
@@ -506,9 +593,11 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         def _memory():
             plgpu.set_max_registers(producer_regs, action="decrease")
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, total, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
+                plgpu, total - first, stages, lambda g: (b, pl.ds((first + g) * bkv, bkv), kvh),
                 [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
-                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)]), single_warp=producer_warp)
+                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)]
+                + ([(lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_cons)] if dm is not None else [])),
+                single_warp=producer_warp)
 
     tr = smem_transforms(plgpu, dtype)
     scratch = [
@@ -521,26 +610,31 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
         ),
         (
-            plgpu.Barrier(num_barriers=4 * wgs),
+            plgpu.Barrier(num_barriers=(5 if dm is not None else 4) * wgs),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
             plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         ),
     ]
+    if dm is not None:
+        scratch[0] = scratch[0] + (plgpu.SMEM((wgs, 2, bq), jnp.int32), plgpu.SMEM((stages, 2, bkv), jnp.int32))
+        scratch[1] = scratch[1] + (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_arrivals=wgs,
+                                                                                     num_barriers=stages))
     dq = warp_specialized_kernel(plgpu, body, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
                                  grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
                                  interpret=interpret, name="te_jax_attn_bwd_dq",
-                                 no_auto_barriers=producer_warp)(q, k, v, do, lse2, delta)
+                                 no_auto_barriers=producer_warp)(
+        q, k, v, do, lse2, delta, *(dm.kernel_args("dq") if dm is not None else ()))
     return dq
 
 
-@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid"))
+@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule"))
 def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
               config: HopperConfig | None = None, dlse=None, interpret: bool | None = None,
-              softcap: float | None = None, kv_valid: int | None = None):
-    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S] (softcap, kv_valid as
-    flash_fwd's; padded keys get zero dk, dv)."""
+              softcap: float | None = None, kv_valid: int | None = None, mask_tables=None, mask_rule=None):
+    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S] (softcap, kv_valid, mask_tables
+    and mask_rule as flash_fwd's; padded keys get zero dk, dv; rows with lse -inf contribute nothing)."""
     interpret = resolve_interpret(interpret)
     D = q.shape[-1]
     cfg = config or default_config(D, k.shape[1], causal, q.shape[1])
@@ -553,6 +647,12 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     if causal and kv_valid is not None:
         raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
     kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret, softcap=softcap, kv_valid=kv_valid)
+    if mask_tables is not None:
+        if causal or kv_valid is not None:
+            raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
+        # rows without a visible key (lse -inf): 0, so that exp2(s - 0) is finite before the mask zeroes it
+        lse2 = jnp.where(lse == -jnp.inf, 0.0, lse2)
+        kw["data_mask"] = DataMask(mask_tables, mask_rule)
     if atomic_dq_chosen(D, k.shape[1], cfg, interpret):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,

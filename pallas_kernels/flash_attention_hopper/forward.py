@@ -72,7 +72,7 @@ class _Sched:
 
 
 def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_release, sched,
-                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None, pre=None):
+                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None, pre=None, may_be_empty=False):
     """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
 
     carry: (acc [bq, D] f32, m [bq] f32 (log2 units, scaled), l [bq] f32).  The QK^T wgmma is
@@ -81,6 +81,8 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_
     pre (softcap): the logits are tanh(s * pre) in units of c (common.logit_units).
     mask(shape) -> bool [bq, bkv] keeps logits (causal blocks); wait_next_k runs while the PV
     wgmma is in flight (the next K tile's barrier).  k_release / v_release hand the K / V slot back.
+    may_be_empty (a data mask): a row may have seen no visible key yet (its max still -inf); the exponentials then
+    use 0 in its place, never -inf - -inf.
     """
     acc, m_i, l_i = carry
     D = acc.shape[-1]
@@ -94,8 +96,9 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_
         s = jnp.where(mask(s.shape), s, -jnp.inf)
 
     m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l_i = l_i * alpha
     p16 = p.astype(dtype)
@@ -149,12 +152,15 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
                                    no_auto_barriers=producer_warp)(q, k, v, *extra_in)
 
 
-@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid"))
+@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule"))
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
-              interpret: bool | None = None, softcap: float | None = None, kv_valid: int | None = None):
+              interpret: bool | None = None, softcap: float | None = None, kv_valid: int | None = None,
+              mask_tables=None, mask_rule=None):
     """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log).  softcap: logits softcap * tanh(s / softcap)
     (s = scale * q.k; tanh in the score path, before the mask).  kv_valid (non-causal): keys at or past it are
-    padding (masked on every K/V step: the caller padded a ragged length up to a whole block)."""
+    padding (masked on every K/V step: the caller padded a ragged length up to a whole block).
+    mask_tables / mask_rule (data_mask.MaskTables / MaskRule; causal False, kv_valid None): a data mask; rows
+    that see no key give out 0 and lse -inf."""
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
     B, S, H, D = q.shape
@@ -168,6 +174,12 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         raise ValueError("causal needs Sq == Skv")
     if causal and kv_valid is not None:
         raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
+    if mask_tables is not None:
+        if causal or kv_valid is not None:
+            raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
+        return _flash_fwd_masked(q, k, v, mask_tables.qm, mask_tables.km, mask_tables.fwd, scale=scale, cfg=cfg,
+                                 interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
+                                 window=tuple(mask_rule.window))
     if not causal and cfg.fwd_persistent is not False and persistent_fits(cfg, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
                                      kv_valid=kv_valid)
@@ -291,6 +303,156 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                          grid_names=("heads", "q_seq", "batch"), interpret=interpret,
                          name="te_jax_attn_fwd_causal" if causal else "te_jax_attn_fwd", producer_warp=producer_warp)
     return out, lse
+
+
+def _flash_fwd_masked(q, k, v, qm, km, bounds, *, scale: float, cfg: HopperConfig, interpret: bool,
+                      softcap: float | None, mask_causal: bool, window: tuple[int, int]):
+    """Forward under a data mask (pallas_kernels.mask: segment ids and positions, causal, window), one CTA per
+    (head, query tile of 2 x block_q rows, batch).
+
+    qm [B, 2, S] and km [B, 2, Skv] int32: (segment id, position) of every query / key; bounds [B, S // (2 bq), 4]
+    int32: the tile's kv-block loop bounds (lo, flo, fhi, hi) (mask.loop_bounds): blocks outside [lo, hi) are never
+    loaded, [flo, fhi) are computed without the element mask, the rest with it.  The memory warpgroup streams K, V
+    and the keys' (segment, position) rows for blocks lo .. hi - 1.  Rows that see no key: out 0, lse -inf.
+    """
+    from ..mask import visible
+
+    plgpu = mosaic_gpu()
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    rep = H // G
+    dtype = q.dtype
+    bq, bkv = cfg.block_q, cfg.block_kv
+    n_kv = Skv // bkv
+    stages = max(1, min(cfg.stages, n_kv))
+    n_qt = S // (2 * bq)
+    c, pre = logit_units(scale, softcap)
+    named = cfg.fwd_named_barrier is not False and not interpret
+    named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
+    wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, bounds_ref, o_ref, lse_ref, smem, bars):
+        qo_smem2, k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem
+        k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
+        k_slots, v_slots, km_slots = ring_slots(plgpu, (k_cons, v_cons, km_cons), stages, named=named_release,
+                                                producer_warp=producer_warp, compute_wgs=2)
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        wg = lax.axis_index("wg")
+        qt = lax.axis_index("q_seq")
+        kvh = lax.div(h, jnp.int32(rep))
+        lo, flo, fhi, hi = (bounds_ref[b, qt, i] for i in range(4))
+        n_steps = hi - lo
+        sched = _Sched(plgpu, sched, named)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            lse_smem = lse_smem2.at[wg]
+            qm_smem = qm_smem2.at[wg]
+            q0 = qt * (2 * bq) + wg * bq
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(qm_ref.at[b, :, pl.ds(q0, bq)], qm_smem, qm_bar.at[wg])
+            k_slots.prime()
+            v_slots.prime()
+            km_slots.prime()
+            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(qm_bar.at[wg])
+            q_seg = plgpu.load(qm_smem.at[0], layout=wgmma_rows)
+            q_pos = plgpu.load(qm_smem.at[1], layout=wgmma_rows)
+
+            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
+            l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
+            acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+            when(n_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[0]))
+            pl.when(wg == 1)(sched.start)
+
+            def kv_body(step, carry, masked: bool):
+                g = step - lo
+                slot = rem(g, stages)
+
+                def mask(shape):
+                    plgpu.barrier_wait(km_bar.at[slot])
+                    k_seg = plgpu.load(km_smem.at[slot, 0], layout=wgmma_cols)
+                    k_pos = plgpu.load(km_smem.at[slot, 1], layout=wgmma_cols)
+                    km_slots.release(slot)
+                    rows = lambda x: lax.broadcast_in_dim(x, shape, [0])
+                    cols = lambda x: lax.broadcast_in_dim(x, shape, [1])
+                    return visible(rows(q_seg), rows(q_pos), cols(k_seg), cols(k_pos), causal=mask_causal,
+                                   window=window)
+
+                if not masked:  # the keys' (segment, position) tile is streamed for every step: hand it back
+                    plgpu.barrier_wait(km_bar.at[slot])
+                    km_slots.release(slot)
+
+                def wait_next_k():
+                    @pl.when(step + 1 < hi)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
+
+                return _fwd_kv_step(
+                    plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
+                    k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
+                    v_release=lambda: v_slots.release(slot),
+                    sched=sched, c=c, dtype=dtype, interpret=interpret,
+                    mask=mask if masked else None, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
+
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(lo, flo, functools.partial(kv_body, masked=True), carry)
+            carry = lax.fori_loop(flo, fhi, functools.partial(kv_body, masked=False), carry)
+            carry = lax.fori_loop(fhi, hi, functools.partial(kv_body, masked=True), carry)
+            acc, m_i, l_i = carry
+            pl.when(wg == 0)(sched.finish)
+
+            empty = l_i == 0.0  # a row without a visible key: out 0, lse -inf
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            qo_smem[...] = acc.astype(dtype)
+            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            run_producer(plgpu, lambda: stream_ring(
+                plgpu, n_steps, stages, lambda g: (b, pl.ds((lo + g) * bkv, bkv), kvh),
+                [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_slots),
+                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots),
+                 (lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_slots)]), single_warp=producer_warp)
+
+    tr = smem_transforms(plgpu, dtype)
+    i32 = jnp.int32
+    scratch = [
+        (
+            plgpu.SMEM((2, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((2, 2, bq), i32),
+            plgpu.SMEM((stages, 2, bkv), i32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ),
+    ]
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(H, n_qt, B),
+                                   grid_names=("heads", "q_seq", "batch"), compute_wgs=2, interpret=interpret,
+                                   name="te_jax_attn_fwd_masked", no_auto_barriers=producer_warp)(
+        q, k, v, qm, km, bounds)
 
 
 def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool, causal: bool = False,
