@@ -1,58 +1,113 @@
 """The Hopper-mask issue's rows: te_jax against every peer that supports each row, forward and forward+backward.
 
     bash benchmarks/install_peers.sh; export PYTHONPATH=.:/tmp/site   # carry [".whl"]
-    python3 -m benchmarks.attention_masks_gpu [--rounds 3] [--rows softcap_causal_4k,...]
+    python3 -m benchmarks.attention_masks_gpu [--rounds 3] [--rows window_causal_4k,...]
 
-Rows (bf16, hd128): see ROWS. Implementations, where each supports the row:
+Rows (bf16, hd128, 16 heads unless said): see ROWS. Implementations, where each supports the row:
   te_jax          te_jax.dot_product_attention(backend="auto"): what users get (the kernel it takes is printed)
   te_jax_pallas   the same with backend="pallas" (the Hopper kernel where it serves; only when auto takes another)
-  te_jax_portable the portable Triton-lowered kernel (what served these rows before the Hopper kernel did)
-  cudnn           jax.nn.dot_product_attention(implementation="cudnn")
+  te_jax_portable backend="pallas" with the portable kernel's BlockSizes (what served these rows before)
+  cudnn           jax.nn.dot_product_attention(implementation="cudnn") (seq lengths, windows; no segments)
   tokamax         tokamax.dot_product_attention(implementation="mosaic")
-  fa3             flash_attn3_jax.flash_mha (when its signature takes the row's feature)
-Before timing, each row checks te_jax's output on the last 256 query rows against an fp32 reference (relative
-error) and its gradients against the portable kernel's. Timing: `rounds` interleaved rounds (every implementation
-once per round), each the median of timing.measure's samples; the cell is the median over rounds. TFLOP/s counts
-the visible area: 4*B*H*D*visible for the forward, 3.5x that for forward+backward.
+  fa3             flash_attn3_jax.flash_mha / flash_mha_varlen (causal is bottom-right when lengths differ)
+Before timing, each row checks te_jax's output against an fp32 reference built from the row's mask
+(pallas_kernels.mask.AttentionMask; the last 512 query rows of each batch row, every row for thd) and its gradients
+against the portable kernel's. A peer that fails on a row is reported and left out. Timing: `rounds` interleaved
+rounds (every implementation once per round), each the median of timing.measure's samples; the cell is the median
+over rounds. TFLOP/s counts the visible area: 4*H*D*visible pairs for the forward, 3.5x that for forward+backward.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import inspect
 import statistics
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg  # inputs, peer imports, gpu_warmup
 from benchmarks import timing
+from pallas_kernels.mask import AttentionMask
 
-# name: (B, S, H, causal, softcap)
-ROWS = {
-    "softcap_causal_4k": (4, 4096, 16, True, 50.0),
-    "softcap_full_4k": (4, 4096, 16, False, 50.0),
-    "ragged_16534_full": (1, 16534, 18, False, None),  # any length: not a multiple of 128
-    "ragged_16534_causal": (1, 16534, 18, True, None),
-}
 D = 128
+THD_DOCS = (2048, 512, 3000, 1024, 777, 2500, 1600, 900, 1200, 1823, 1000)  # 11 documents, 16,384 tokens
 
 
-def visible(S, causal):
-    return S * (S + 1) // 2 if causal else S * S
+@dataclasses.dataclass(frozen=True)
+class Row:
+    label: str
+    B: int
+    Sq: int
+    H: int = 16
+    Skv: int | None = None  # None: Sq
+    causal: bool = False
+    softcap: float | None = None
+    window: tuple[int, int] | None = None
+    seqlens: tuple[int, ...] | None = None      # bshd padding: valid length per batch row (q and kv)
+    docs: tuple[int, ...] | None = None         # documents per batch row (bshd segment ids), or thd's documents
+    thd: bool = False
+    bottom_right: bool = False
+
+    @property
+    def kv(self):
+        return self.Skv or self.Sq
+
+    def mask_type(self):
+        """te_jax's attn_mask_type for the row."""
+        pad = "padding_" if self.seqlens is not None or self.docs is not None else ""
+        if self.bottom_right:
+            return pad + "causal_bottom_right"
+        if self.causal:
+            return pad + "causal"
+        return "padding" if pad else "no_mask"
+
+    def attention_mask(self) -> AttentionMask:
+        """The row's mask as data (the reference's and the visible-area count's), batch-first; thd as batch 1."""
+        b = 1 if self.thd else self.B
+        if self.docs is not None:
+            ids = np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(self.docs)])
+            seg = np.broadcast_to(ids, (b, ids.size))
+            return AttentionMask.from_segments(seg, causal=self.causal, window=self.window or (-1, -1))
+        if self.seqlens is not None:
+            seg = (np.arange(self.Sq)[None] < np.asarray(self.seqlens)[:, None]).astype(np.int32)
+            return AttentionMask.from_segments(seg, causal=self.causal, window=self.window or (-1, -1))
+        return AttentionMask.full(b, self.Sq, self.kv, causal=self.causal, window=self.window or (-1, -1),
+                                  bottom_right=self.bottom_right)
 
 
-def reference_tail(q, k, v, scale, causal, softcap, n):
-    """fp32 output of the last n query rows (softcap * tanh(s / softcap) on the scaled logits)."""
-    S = q.shape[1]
-    f32 = lambda x: x.astype(jnp.float32)
-    s = jnp.einsum("bqhd,bkhd->bhqk", f32(q[:, S - n:]), f32(k), precision=jax.lax.Precision.HIGHEST) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    if causal:
-        s = jnp.where(jnp.arange(S)[None, :] <= jnp.arange(S - n, S)[:, None], s, -jnp.inf)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), f32(v), precision=jax.lax.Precision.HIGHEST)
+ROWS = {
+    "softcap_causal_4k": Row("softcap 50, causal, B4 x 4k", 4, 4096, causal=True, softcap=50.0),
+    "softcap_full_4k": Row("softcap 50, non-causal, B4 x 4k", 4, 4096, softcap=50.0),
+    "ragged_16534_full": Row("seq 16,534, 18 heads, non-causal", 1, 16534, H=18),
+    "ragged_16534_causal": Row("seq 16,534, 18 heads, causal", 1, 16534, H=18, causal=True),
+    "window_causal_4k": Row("window (1024, 0), causal, B4 x 4k", 4, 4096, causal=True, window=(1024, 0)),
+    "window_256_256_4k": Row("window (256, 256), non-causal, B4 x 4k", 4, 4096, window=(256, 256)),
+    "padding_causal_4k": Row("padding_causal, rows 4096/3000/2048/3500", 4, 4096, causal=True,
+                             seqlens=(4096, 3000, 2048, 3500)),
+    "thd_11_docs_16k": Row("thd, 11 documents in 16,384 tokens, causal", 1, 16384, causal=True, docs=THD_DOCS,
+                           thd=True),
+    "segments_bshd_4docs": Row("segment ids, 4 documents per row, causal, B4 x 4k", 4, 4096, causal=True,
+                               docs=(1500, 1000, 1096, 500)),
+    "bottom_right_2k_8k": Row("causal bottom-right, q 2k x kv 8k, B4", 4, 2048, Skv=8192, causal=True,
+                              bottom_right=True),
+}
+
+
+def visible_pairs(row: Row) -> int:
+    """Visible (query, key) pairs of the whole call (all batch rows), counted from the mask in chunks."""
+    m = row.attention_mask()
+    total = 0
+    for b in range(m.batch):
+        one = jax.tree_util.tree_map(lambda x: x[b:b + 1], m)
+        for s in range(0, m.q_len, 2048):
+            part = dataclasses.replace(one, q_segment_ids=one.q_segment_ids[:, s:s + 2048],
+                                       q_positions=one.q_positions[:, s:s + 2048])
+            total += int(jnp.sum(part.dense()))
+    return total * (1 if row.thd else row.B // m.batch)
 
 
 def fwd_and_fb(f):
@@ -61,33 +116,93 @@ def fwd_and_fb(f):
     return jax.jit(f), jax.jit(fb)
 
 
-def makers(row, scale, tk, fa3):
-    B, S, H, causal, softcap = row
+def _te_kwargs(row: Row):
+    kw = dict(attn_input_format="thd" if row.thd else "bshd", attn_mask_type=row.mask_type(), softcap=row.softcap)
+    if row.window is not None:
+        kw["window_size"] = row.window
+    if row.seqlens is not None:
+        kw["q_seqlens"] = kw["kv_seqlens"] = jnp.asarray(row.seqlens, jnp.int32)
+    if row.docs is not None:
+        if row.thd:
+            kw["q_seqlens"] = kw["kv_seqlens"] = jnp.asarray(row.docs, jnp.int32)
+        else:
+            ids = np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(row.docs)])
+            kw["q_segment_ids"] = kw["kv_segment_ids"] = jnp.asarray(np.broadcast_to(ids, (row.B, ids.size)))
+    return kw
+
+
+def makers(row: Row, scale, tk, fa3):
+    from pallas_kernels.flash_attention import BlockSizes
+
+    kw = _te_kwargs(row)
     out = {}
-    for name, backend in (("te_jax", "auto"), ("te_jax_pallas", "pallas")):
-        out[name] = (lambda backend: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
-            q, k, v, attn_input_format="bshd", attn_mask_type="causal" if causal else "no_mask", softcap=softcap,
-            scale=scale, backend=backend)))(backend)
-
-    def portable(q, k, v):
-        from pallas_kernels.flash_attention import AttentionMask, flash_attention
-        mask = AttentionMask.full(q.shape[0], q.shape[1], k.shape[1], causal=causal)
-        return flash_attention(q, k, v, mask, scale=scale, softcap=softcap)[0]
-
-    out["te_jax_portable"] = lambda: fwd_and_fb(portable)
-    if softcap is None:
+    for name, extra in (("te_jax", dict(backend="auto")), ("te_jax_pallas", dict(backend="pallas")),
+                        ("te_jax_portable", dict(backend="pallas", config=BlockSizes()))):
+        out[name] = (lambda extra: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
+            q, k, v, scale=scale, **kw, **extra)))(extra)
+    docs = row.docs is not None
+    if row.softcap is None and not docs and not row.bottom_right and not row.thd:
+        lens = None if row.seqlens is None else jnp.asarray(row.seqlens, jnp.int32)
+        win = {} if row.window is None else {"local_window_size": row.window}
         out["cudnn"] = lambda: fwd_and_fb(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=causal, implementation="cudnn"))
-    if tk is not None:
-        out["tokamax"] = lambda: fwd_and_fb(lambda q, k, v: tk.dot_product_attention(
-            q, k, v, scale=scale, is_causal=causal, logits_soft_cap=softcap, implementation="mosaic"))
-    if fa3 is not None:
+            q, k, v, scale=scale, is_causal=row.causal, query_seq_lengths=lens, key_value_seq_lengths=lens,
+            implementation="cudnn", **win))
+    if tk is not None and not docs and not row.bottom_right and not row.thd:
+        params = inspect.signature(tk.dot_product_attention).parameters
+        extra = {}
+        if row.seqlens is not None:
+            extra.update(query_seq_lengths=jnp.asarray(row.seqlens, jnp.int32),
+                         key_value_seq_lengths=jnp.asarray(row.seqlens, jnp.int32))
+        if row.window is not None:
+            extra["local_window_size"] = row.window
+        if row.softcap is not None:
+            extra["logits_soft_cap"] = row.softcap
+        if all(p in params for p in extra):
+            out["tokamax"] = lambda: fwd_and_fb(lambda q, k, v: tk.dot_product_attention(
+                q, k, v, scale=scale, is_causal=row.causal, implementation="mosaic", **extra))
+    if fa3 is not None and row.softcap is None and row.seqlens is None:
         params = inspect.signature(fa3.flash_mha).parameters
-        if softcap is None or "softcap" in params:
-            extra = {} if softcap is None else {"softcap": float(softcap)}
+        if docs:
+            docs_all = (row.docs if row.thd else row.docs * row.B)
+            cu = jnp.asarray(np.concatenate([[0], np.cumsum(docs_all)]), jnp.int32)
+            mx = int(max(docs_all))
+
+            def varlen(q, k, v):
+                flat = lambda x: x.reshape((-1,) + x.shape[-2:])
+                o = fa3.flash_mha_varlen(flat(q), flat(k), flat(v), cu, cu, max_seqlen_q=mx, max_seqlen_k=mx,
+                                         softmax_scale=float(scale), is_causal=row.causal)
+                return o.reshape(q.shape)
+
+            out["fa3"] = lambda: fwd_and_fb(varlen)
+        elif row.window is None or "window_size" in params:
+            extra = {} if row.window is None else {"window_size": tuple(row.window)}
             out["fa3"] = lambda: fwd_and_fb(lambda q, k, v: fa3.flash_mha(
-                q, k, v, softmax_scale=float(scale), is_causal=causal, **extra))
+                q, k, v, softmax_scale=float(scale), is_causal=row.causal, **extra))
     return out
+
+
+def inputs(row: Row, key):
+    ks = jax.random.split(key, 4)
+    lead = () if row.thd else (row.B,)
+    q = jax.random.normal(ks[0], lead + (row.Sq, row.H, D), jnp.bfloat16)
+    k = jax.random.normal(ks[1], lead + (row.kv, row.H, D), jnp.bfloat16)
+    v = jax.random.normal(ks[2], lead + (row.kv, row.H, D), jnp.bfloat16)
+    do = jax.random.normal(ks[3], lead + (row.Sq, row.H, D), jnp.bfloat16)
+    return q, k, v, do
+
+
+def reference_rows(row: Row, q, k, v, scale, n=512):
+    """fp32 output of the last n query rows of every batch row under the row's mask, and te_jax's index for them."""
+    from pallas_kernels.flash_attention.reference import reference_attention
+
+    m = row.attention_mask()
+    batched = (lambda x: x[None]) if row.thd else (lambda x: x)
+    qb, kb, vb = (batched(x).astype(jnp.float32) for x in (q, k, v))
+    s0 = max(0, m.q_len - n)
+    tail = dataclasses.replace(m, q_segment_ids=m.q_segment_ids[:, s0:], q_positions=m.q_positions[:, s0:])
+    out, _ = jax.jit(lambda q, k, v: reference_attention(q, k, v, tail, scale=scale, softcap=row.softcap))(
+        qb[:, s0:], kb, vb)
+    return out, s0
 
 
 def main():
@@ -102,17 +217,16 @@ def main():
     print(fa3_line, flush=True)
     if fa3 is not None:
         print(f"flash_mha{inspect.signature(fa3.flash_mha)}", flush=True)
+        if hasattr(fa3, "flash_mha_varlen"):
+            print(f"flash_mha_varlen{inspect.signature(fa3.flash_mha_varlen)}", flush=True)
     ahg.gpu_warmup()
     table = []
     for name in args.rows.split(","):
         row = ROWS[name]
-        B, S, H, causal, softcap = row
         scale = D ** -0.5
-        q, k, v, do = ahg.inputs(jax.random.key(hash(name) % 1000), B, S, H, H, D, jnp.bfloat16)
-        choice = te_jax.explain_attention_backend(q, k, v, attn_input_format="bshd",
-                                                  attn_mask_type="causal" if causal else "no_mask", softcap=softcap)
-        print(f"\n== {name}: B{B} S{S} H{H} D{D} causal={causal} softcap={softcap}\n"
-              f"te_jax auto: {choice.selected}; {choice.detail}", flush=True)
+        q, k, v, do = inputs(row, jax.random.key(hash(name) % 1000))
+        choice = te_jax.explain_attention_backend(q, k, v, **_te_kwargs(row))
+        print(f"\n== {name}: {row}\nte_jax auto: {choice.selected}; {choice.detail}", flush=True)
         impls = {}
         for iname, make in makers(row, scale, tk, fa3).items():
             if iname == "te_jax_pallas" and choice.selected == "pallas":
@@ -123,16 +237,20 @@ def main():
             except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
                 print(f"  {iname}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
                 impls.pop(iname, None)
-        if "te_jax" in impls:
-            ref = jax.jit(reference_tail, static_argnums=(3, 4, 5, 6))(q, k, v, scale, causal, softcap, 256)
-            out = impls["te_jax"][0](q, k, v)[:, S - 256:].astype(jnp.float32)
-            print(f"  te_jax out (last 256 rows) vs fp32: rel {ahg.rel(out, ref):.2e}", flush=True)
-            if "te_jax_portable" in impls:
-                g = impls["te_jax"][1](q, k, v, do)
-                gp = impls["te_jax_portable"][1](q, k, v, do)
-                print("  te_jax grads vs portable kernel: rel " +
-                      ", ".join(f"{n} {ahg.rel(a, b):.2e}" for n, a, b in zip("qkv", g, gp)), flush=True)
-        flops = 4 * B * H * D * visible(S, causal)
+        ref, s0 = reference_rows(row, q, k, v, scale)
+        for iname in impls:
+            o = impls[iname][0](q, k, v)
+            o = (o[None] if row.thd else o)[:, s0:].astype(jnp.float32)
+            print(f"  {iname} out (last {ref.shape[1]} rows of each batch row) vs fp32: rel {ahg.rel(o, ref):.2e}",
+                  flush=True)
+        if "te_jax_portable" in impls:
+            gp = impls["te_jax_portable"][1](q, k, v, do)
+            for iname in ("te_jax", "te_jax_pallas"):
+                if iname in impls:
+                    g = impls[iname][1](q, k, v, do)
+                    print(f"  {iname} grads vs portable kernel: rel " +
+                          ", ".join(f"d{n} {ahg.rel(a, b):.2e}" for n, a, b in zip("qkv", g, gp)), flush=True)
+        flops = 4 * row.H * D * visible_pairs(row)
         times = {(i, m): [] for i in impls for m in ("fwd", "fb")}
         for r in range(args.rounds):
             for iname, (f, fb) in impls.items():
@@ -147,7 +265,7 @@ def main():
             cells = " | ".join(f"{i} {tf[(i, m)]:.0f}" for i in impls)
             ours = max((i for i in ("te_jax", "te_jax_pallas") if i in impls), key=lambda i: tf[(i, m)], default=None)
             ratio = f"{ours} {tf[(ours, m)] / tf[(best, m)]:.2f} of {best}" if best and ours else "-"
-            table.append(f"| {name} | {m} | {cells} | {ratio} |")
+            table.append(f"| {row.label} | {m} | {cells} | {ratio} |")
     print(f"\n## Hopper masks: TFLOP/s on the visible area ({args.rounds} interleaved rounds, medians), "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}\n")
     print("| row | pass | implementations (TFLOP/s) | te_jax's best / best peer |")

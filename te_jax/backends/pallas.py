@@ -158,6 +158,17 @@ class PallasBackend:
                                  (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v))
 
     @staticmethod
+    def hopper_data_mask(call) -> bool:
+        """Whether the Hopper kernel runs this call under a data mask (pallas_kernels.mask.AttentionMask: padding,
+        segments / thd documents, windows, bottom-right or unequal-length causal) rather than its plain no-mask /
+        top-left causal schedules."""
+        d = call.dims
+        plain = call.mask.mask_type in ("no_mask", "causal") or (
+            call.mask.mask_type == "causal_bottom_right" and d.q_len == d.kv_len)
+        return not (plain and call.padding_source == "none" and call.window == (-1, -1)
+                    and not (call.mask.causal and d.q_len != d.kv_len))
+
+    @staticmethod
     def _hopper_feature_reason(call):
         """(module, reason): what about the call keeps the Hopper kernel out (arch, mask, features)."""
         if call.compute_capability != (9, 0):
@@ -165,16 +176,8 @@ class PallasBackend:
         mod, err = _import("pallas_kernels.flash_attention_hopper")
         if mod is None or not hasattr(mod, "supports"):
             return None, f"the Hopper kernel could not be imported ({err or 'no supports()'})"
-        d = call.dims
-        if call.mask.mask_type not in ("no_mask", "causal") and not (
-                call.mask.mask_type == "causal_bottom_right" and d.q_len == d.kv_len):
-            return mod, f"attn_mask_type={call.mask.mask_type!r}: the Hopper kernel serves no_mask and causal only"
         if call.mask_shape is not None:
             return mod, "mask (a dense boolean mask): the Hopper kernel has neither a mask nor a bias to fold it into"
-        if call.padding_source != "none":
-            return mod, "padding/segments: the Hopper kernel has no padding"
-        if call.window != (-1, -1):
-            return mod, f"window_size={call.window}: the Hopper kernel has no sliding window"
         if call.bias_shape is not None:
             return mod, "bias: the Hopper kernel has no bias"
         return mod, None
@@ -193,11 +196,12 @@ class PallasBackend:
             return ("context parallelism calls the kernel per ring block: see the ring's inner-kernel "
                     "explanation (explain_context_parallel_backend)")
         d = call.dims
+        data_mask = self.hopper_data_mask(call)  # the mask's causal rule then runs as data, any lengths
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
-                            call.dtype, call.mask.causal, softcap=call.softcap) or self._unverified_reason(
-            call, mod.BLOCK) or hopper_device_reason()
+                            call.dtype, call.mask.causal and not data_mask, softcap=call.softcap) or (
+            self._unverified_reason(call, mod.BLOCK)) or hopper_device_reason()
 
     @staticmethod
     def _unverified_reason(call, block):
@@ -209,7 +213,8 @@ class PallasBackend:
 
         d = call.dims
         used = [f for f, on in (("softcap", call.softcap is not None),
-                                ("ragged lengths", d.q_len % block or d.kv_len % block)) if on]
+                                ("ragged lengths", d.q_len % block or d.kv_len % block),
+                                ("data mask", PallasBackend.hopper_data_mask(call))) if on]
         verified = tuning.HOPPER_GPU_VERIFIED
         missing = [f for f in used if d.head_dim_qk not in verified.value[f]]
         if missing:
@@ -277,13 +282,22 @@ class PallasBackend:
 
         d = call.dims
         kv_padded = -(-d.kv_len // fh.BLOCK) * fh.BLOCK  # the kernels run (and choose schedules on) padded lengths
-        plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config)
+        if self.hopper_data_mask(call):
+            what = [x for x, on in ((f"attn_mask_type={call.mask.mask_type!r}", call.mask.mask_type != "no_mask"),
+                                    (f"padding from {call.padding_source}", call.padding_source != "none"),
+                                    (f"window_size={call.window}", call.window != (-1, -1))) if on]
+            plan = ("data-mask schedule (" + ", ".join(what) + "): the mask's segment ids and positions are "
+                    "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
+                    "the element mask, partial tiles apply it; one CTA per query tile (no persistent schedule)")
+        else:
+            plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config)
         if call.softcap is not None:
             plan += f"; softcap {call.softcap:g} (tanh on every score tile, its derivative in the backward)"
         ragged = [f"{n} {x}" for n, x in (("q_len", d.q_len), ("kv_len", d.kv_len)) if x % fh.BLOCK]
         if ragged:
             plan += (f"; {', '.join(ragged)} padded with zeros to a multiple of {fh.BLOCK} (a copy of the operands), "
-                     + ("the padded keys hidden by the causal diagonal" if call.mask.causal
+                     + ("the padded tokens masked as padding" if self.hopper_data_mask(call)
+                        else "the padded keys hidden by the causal diagonal" if call.mask.causal
                         else "the padded keys masked on every K/V step"))
         return f"Hopper (Mosaic GPU) kernel: {plan}{cfg}"
 
@@ -333,8 +347,12 @@ class PallasBackend:
             return (out, lse) if with_lse else out
         if kernel == "hopper":
             from pallas_kernels import flash_attention_hopper as fh
-            out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config,
-                                           softcap=softcap)
+            if self.hopper_data_mask(call):
+                out, lse = fh.hopper_attention(q, k, v, scale=scale, config=call.kernel_config, softcap=softcap,
+                                               mask=tm.with_rule(causal, window))
+            else:
+                out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config,
+                                               softcap=softcap)
             return (out, lse) if with_lse else out
         from pallas_kernels import flash_attention as fa
         out, lse = fa.flash_attention(q, k, v, tm.with_rule(causal, window), bias, scale=scale, softcap=softcap,
