@@ -678,9 +678,10 @@ def test_data_mask_forward_and_grads(name):
 
 
 @pytest.mark.parametrize("name", MASKED_CASES)
-def test_data_mask_tables_bound_the_visible_tiles(name):
-    """mask_tables (CPU): outside each row of bounds no (query, key) pair is visible, inside [flo, fhi) every pair
-    is, for the forward's, the dQ kernel's and the dK/dV kernel's (transposed) tiles."""
+def test_data_mask_tables_list_the_visible_tiles(name):
+    """mask_tables (CPU): each tile's block list holds every block with a visible (query, key) pair, each once, the
+    blocks after the partial ones all fully visible; for the forward's, the dQ kernel's and the dK/dV kernel's
+    (transposed) tiles."""
     from pallas_kernels.flash_attention_hopper.config import default_config
     from pallas_kernels.flash_attention_hopper.data_mask import mask_tables
 
@@ -688,21 +689,23 @@ def test_data_mask_tables_bound_the_visible_tiles(name):
     pq, pkv = -(-Sq // 128) * 128, -(-Skv // 128) * 128
     cfg = default_config(D, pkv, False, pq)
     m = mask.pad(pq, pkv)
-    t = mask_tables(m, cfg)
+    t = jax.jit(lambda m: mask_tables(m, cfg))(m)
     dense = np.asarray(m.dense())
-    np.testing.assert_array_equal(np.asarray(t.qm), np.stack([m.q_segment_ids, m.q_positions], 1))
-    for bounds, qt, kt, transposed in ((t.fwd, 2 * cfg.block_q, cfg.block_kv, False),
-                                       (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False),
-                                       (t.dkv, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True)):
-        bounds = np.asarray(bounds)
-        blocks = dense.reshape(B, pq // qt, qt, pkv // kt, kt).transpose(0, 1, 3, 2, 4)  # [B, nq, nk, qt, kt]
+    qseg = np.where(np.asarray(m.q_segment_ids) == 0, -1, m.q_segment_ids)  # padding queries: -1
+    np.testing.assert_array_equal(np.asarray(t.qm), np.stack([qseg, m.q_positions], 1))
+    for (counts, blocks), qt, kt, transposed in ((t.fwd, 2 * cfg.block_q, cfg.block_kv, False),
+                                                 (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False),
+                                                 (t.dkv, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True)):
+        counts, blocks = np.asarray(counts), np.asarray(blocks)
+        tiles = dense.reshape(B, pq // qt, qt, pkv // kt, kt).transpose(0, 1, 3, 2, 4)  # [B, nq, nk, qt, kt]
         if transposed:
-            blocks = blocks.transpose(0, 2, 1, 4, 3)
-        any_seen, all_seen = blocks.any((-1, -2)), blocks.all((-1, -2))
-        assert bounds.shape == any_seen.shape[:2] + (4,)
+            tiles = tiles.transpose(0, 2, 1, 4, 3)
+        any_seen, all_seen = tiles.any((-1, -2)), tiles.all((-1, -2))
+        assert counts.shape == any_seen.shape[:2] + (2,) and blocks.shape == any_seen.shape
         for b in range(B):
             for r in range(any_seen.shape[1]):
-                lo, flo, fhi, hi = bounds[b, r]
-                assert lo <= flo <= fhi <= hi
-                assert not any_seen[b, r, :lo].any() and not any_seen[b, r, hi:].any()
-                assert all_seen[b, r, flo:fhi].all()
+                n_partial, n = counts[b, r]
+                listed = blocks[b, r, :n]
+                assert len(set(listed.tolist())) == n
+                assert set(np.flatnonzero(any_seen[b, r])) <= set(listed.tolist())
+                assert all_seen[b, r, listed[n_partial:]].all()

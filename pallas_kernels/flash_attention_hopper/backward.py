@@ -85,7 +85,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if dm is not None:
-            (qm_ref, km_ref, bounds_ref), rest = rest[:3], rest[3:]
+            (qm_ref, km_ref, counts_ref, blocks_ref), rest = rest[:4], rest[4:]
         if want_dq:
             dq_ref, rest = rest[0], rest[1:]
         outs = rest[: n_grads * (2 if plan is not None else 1)]
@@ -128,9 +128,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         # last head would run alone at the end with the other SMs idle.
         kv_cta0 = kt * (wgs * bkv)
         q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
-        if dm is not None:  # the visible query blocks [lo, hi), full ones [flo, fhi)
-            q_lo, m_flo, m_fhi, m_hi = (bounds_ref[b, kt, i] for i in range(4))
-            n_steps_h = m_hi - q_lo
+        if dm is not None:  # the visible query blocks of this key tile, the partial ones first (block_lists)
+            m_partial, n_steps_h = counts_ref[b, kt, 0], counts_ref[b, kt, 1]
         else:
             n_steps_h = nq - q_lo  # query blocks per query head
         # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
@@ -140,6 +139,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         n_div = jnp.maximum(n_steps_h, 1) if dm is not None else n_steps_h  # a walk may be empty
 
         def query_block(j):  # the j-th query block of a head's walk
+            if dm is not None:
+                return blocks_ref[b, kt, j]
             return (nq - 1) - j if reverse else q_lo + j
 
         def step_coords(t):
@@ -204,11 +205,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                         for i in range(2))
                     qm_cons.release(slot)
                     if dm_masked:
-                        shape = (bkv, bq)
-                        keys = lambda x: lax.broadcast_in_dim(x, shape, [0])
-                        queries = lambda x: lax.broadcast_in_dim(x, shape, [1])
-                        seen = dm.visible(queries(q_seg), queries(q_pos), keys(key_marks[0]), keys(key_marks[1]))
-                        pT = jnp.where(seen, pT, 0.0)
+                        pT = dm.apply(pT, (q_seg, q_pos), key_marks, 0.0, q_axis=1)
                 plgpu.barrier_wait(do_bar.at[slot])
                 if want_dv and want_dk and not interpret:
                     # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
@@ -315,10 +312,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
                         return lax.fori_loop(lo, hi, body, carry)
 
-                    if dm is not None:  # j counts from the walk's first block q_lo
-                        carry = walk(0, m_flo - q_lo, carry, masked=False, dm_masked=True)
-                        carry = walk(m_flo - q_lo, m_fhi - q_lo, carry, masked=False)
-                        return walk(m_fhi - q_lo, n_steps_h, carry, masked=False, dm_masked=True)
+                    if dm is not None:
+                        carry = walk(0, m_partial, carry, masked=False, dm_masked=True)
+                        return walk(m_partial, n_steps_h, carry, masked=False)
                     if reverse:  # from the last query block down: the diagonal blocks come last
                         carry = walk(0, n_steps_h - n_mask, carry, masked=False)
                         return walk(n_steps_h - n_mask, n_steps_h, carry, masked=True)
@@ -474,7 +470,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if dm is not None:
-            qm_ref, km_ref, bounds_ref, dq_ref, smem, bars = rest
+            qm_ref, km_ref, counts_ref, blocks_ref, dq_ref, smem, bars = rest
             (qm_smem2, km_smem), smem = smem[-2:], smem[:-2]
             (km_bar, km_cons), bars = bars[-2:], bars[:-2]
         else:
@@ -494,9 +490,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             qt = (n_qt - 1) - qt
         kvh = lax.div(h, jnp.int32(rep))
         q_cta0 = qt * (wgs * bq)
-        first = 0
-        if dm is not None:  # kv blocks [first, total), unmasked [m_flo, m_fhi)
-            first, m_flo, m_fhi, total = (bounds_ref[b, qt, i] for i in range(4))
+        if dm is not None:  # the listed kv blocks, the partial ones first (block_lists)
+            m_partial, total = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
         elif causal:
             total = cdiv(q_cta0 + wgs * bq, bkv)
             n_full = lax.div(q_cta0, jnp.int32(bkv)) if split else jnp.int32(0)
@@ -530,7 +525,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             dq_acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def step_body(t, dq_acc, masked: bool, dm_masked: bool = False):
-                slot = rem(t - first, stages)
+                slot = rem(t, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
                 if dm is not None:  # the keys' (segment, position) rows are streamed every step
@@ -561,11 +556,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(cols + t * bkv < kv_valid, p, 0.0)
                 if dm_masked:
-                    rows_of = lambda x: lax.broadcast_in_dim(x, (bq, bkv), [0])
-                    cols_of = lambda x: lax.broadcast_in_dim(x, (bq, bkv), [1])
-                    seen = dm.visible(rows_of(q_marks[0]), rows_of(q_marks[1]), cols_of(k_marks[0]),
-                                      cols_of(k_marks[1]))
-                    p = jnp.where(seen, p, 0.0)
+                    p = dm.apply(p, q_marks, k_marks, 0.0, q_axis=0)
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 if pre is not None:
                     ds = ds * (1.0 - th * th)
@@ -576,9 +567,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
 
             if dm is not None:
                 masked_step = functools.partial(step_body, masked=False, dm_masked=True)
-                dq_acc = lax.fori_loop(first, m_flo, masked_step, dq_acc)
-                dq_acc = lax.fori_loop(m_flo, m_fhi, functools.partial(step_body, masked=False), dq_acc)
-                dq_acc = lax.fori_loop(m_fhi, total, masked_step, dq_acc)
+                dq_acc = lax.fori_loop(0, m_partial, masked_step, dq_acc)
+                dq_acc = lax.fori_loop(m_partial, total, functools.partial(step_body, masked=False), dq_acc)
             elif causal:
                 dq_acc = lax.fori_loop(0, n_full, functools.partial(step_body, masked=False), dq_acc)
                 dq_acc = lax.fori_loop(n_full, total, functools.partial(step_body, masked=True), dq_acc)
@@ -593,7 +583,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         def _memory():
             plgpu.set_max_registers(producer_regs, action="decrease")
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, total - first, stages, lambda g: (b, pl.ds((first + g) * bkv, bkv), kvh),
+                plgpu, total, stages, lambda g: (b, pl.ds((blocks_ref[b, qt, g] if dm is not None else g) * bkv, bkv),
+                                                  kvh),
                 [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
                  (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)]
                 + ([(lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_cons)] if dm is not None else [])),

@@ -72,7 +72,8 @@ class _Sched:
 
 
 def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_release, sched,
-                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None, pre=None, may_be_empty=False):
+                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None, pre=None, may_be_empty=False,
+                 apply_mask=None):
     """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
 
     carry: (acc [bq, D] f32, m [bq] f32 (log2 units, scaled), l [bq] f32).  The QK^T wgmma is
@@ -81,7 +82,8 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_
     pre (softcap): the logits are tanh(s * pre) in units of c (common.logit_units).
     mask(shape) -> bool [bq, bkv] keeps logits (causal blocks); wait_next_k runs while the PV
     wgmma is in flight (the next K tile's barrier).  k_release / v_release hand the K / V slot back.
-    may_be_empty (a data mask): a row may have seen no visible key yet (its max still -inf); the exponentials then
+    apply_mask(s) -> s with the hidden logits -inf (a data mask).  may_be_empty (a data mask): a row may have seen
+    no visible key yet (its max still -inf); the exponentials then
     use 0 in its place, never -inf - -inf.
     """
     acc, m_i, l_i = carry
@@ -94,6 +96,8 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_
         s = jnp.tanh(s * pre)
     if mask is not None:
         s = jnp.where(mask(s.shape), s, -jnp.inf)
+    if apply_mask is not None:  # a data mask: s with the hidden logits -inf
+        s = apply_mask(s)
 
     m_new = jnp.maximum(m_i, s.max(axis=1) * c)
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
@@ -177,7 +181,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     if mask_tables is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
-        return _flash_fwd_masked(q, k, v, mask_tables.qm, mask_tables.km, mask_tables.fwd, scale=scale, cfg=cfg,
+        return _flash_fwd_masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
                                  interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
                                  window=tuple(mask_rule.window))
     if not causal and cfg.fwd_persistent is not False and persistent_fits(cfg, D, dtype):
@@ -305,18 +309,20 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     return out, lse
 
 
-def _flash_fwd_masked(q, k, v, qm, km, bounds, *, scale: float, cfg: HopperConfig, interpret: bool,
+def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
                       softcap: float | None, mask_causal: bool, window: tuple[int, int]):
     """Forward under a data mask (pallas_kernels.mask: segment ids and positions, causal, window), one CTA per
     (head, query tile of 2 x block_q rows, batch).
 
-    qm [B, 2, S] and km [B, 2, Skv] int32: (segment id, position) of every query / key; bounds [B, S // (2 bq), 4]
-    int32: the tile's kv-block loop bounds (lo, flo, fhi, hi) (mask.loop_bounds): blocks outside [lo, hi) are never
-    loaded, [flo, fhi) are computed without the element mask, the rest with it.  The memory warpgroup streams K, V
-    and the keys' (segment, position) rows for blocks lo .. hi - 1.  Rows that see no key: out 0, lse -inf.
+    qm [B, 2, S] and km [B, 2, Skv] int32: (segment id, position) of every query / key (data_mask.MaskTables);
+    counts [B, S // (2 bq), 2], blocks [B, S // (2 bq), Skv // bkv] (data_mask.block_lists): each tile's visible kv
+    blocks, the partial ones (computed with the element mask) first, then the full ones; no other block is loaded.
+    The memory warpgroup streams K, V and the keys' (segment, position) rows of the listed blocks.  Rows that see
+    no key: out 0, lse -inf.
     """
-    from ..mask import visible
+    from .data_mask import MaskRule
 
+    rule = MaskRule(mask_causal, window)
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
@@ -331,7 +337,7 @@ def _flash_fwd_masked(q, k, v, qm, km, bounds, *, scale: float, cfg: HopperConfi
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, bounds_ref, o_ref, lse_ref, smem, bars):
+    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
         qo_smem2, k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem
         k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
         k_slots, v_slots, km_slots = ring_slots(plgpu, (k_cons, v_cons, km_cons), stages, named=named_release,
@@ -341,8 +347,7 @@ def _flash_fwd_masked(q, k, v, qm, km, bounds, *, scale: float, cfg: HopperConfi
         wg = lax.axis_index("wg")
         qt = lax.axis_index("q_seq")
         kvh = lax.div(h, jnp.int32(rep))
-        lo, flo, fhi, hi = (bounds_ref[b, qt, i] for i in range(4))
-        n_steps = hi - lo
+        n_partial, n_steps = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
         sched = _Sched(plgpu, sched, named)
 
         @pl.when(wg < 2)
@@ -359,8 +364,7 @@ def _flash_fwd_masked(q, k, v, qm, km, bounds, *, scale: float, cfg: HopperConfi
             km_slots.prime()
             plgpu.barrier_wait(q_bar.at[wg])
             plgpu.barrier_wait(qm_bar.at[wg])
-            q_seg = plgpu.load(qm_smem.at[0], layout=wgmma_rows)
-            q_pos = plgpu.load(qm_smem.at[1], layout=wgmma_rows)
+            q_marks = [plgpu.load(qm_smem.at[i], layout=wgmma_rows) for i in range(2)]
 
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
             l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
@@ -370,39 +374,33 @@ def _flash_fwd_masked(q, k, v, qm, km, bounds, *, scale: float, cfg: HopperConfi
             pl.when(wg == 1)(sched.start)
 
             def kv_body(step, carry, masked: bool):
-                g = step - lo
-                slot = rem(g, stages)
+                slot = rem(step, stages)
 
-                def mask(shape):
+                def apply_mask(x):
                     plgpu.barrier_wait(km_bar.at[slot])
-                    k_seg = plgpu.load(km_smem.at[slot, 0], layout=wgmma_cols)
-                    k_pos = plgpu.load(km_smem.at[slot, 1], layout=wgmma_cols)
+                    k_marks = [plgpu.load(km_smem.at[slot, i], layout=wgmma_cols) for i in range(2)]
                     km_slots.release(slot)
-                    rows = lambda x: lax.broadcast_in_dim(x, shape, [0])
-                    cols = lambda x: lax.broadcast_in_dim(x, shape, [1])
-                    return visible(rows(q_seg), rows(q_pos), cols(k_seg), cols(k_pos), causal=mask_causal,
-                                   window=window)
+                    return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
 
                 if not masked:  # the keys' (segment, position) tile is streamed for every step: hand it back
                     plgpu.barrier_wait(km_bar.at[slot])
                     km_slots.release(slot)
 
                 def wait_next_k():
-                    @pl.when(step + 1 < hi)
+                    @pl.when(step + 1 < n_steps)
                     def _():
-                        plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
+                        plgpu.barrier_wait(k_bar.at[rem(step + 1, stages)])
 
                 return _fwd_kv_step(
                     plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
                     k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                     v_release=lambda: v_slots.release(slot),
                     sched=sched, c=c, dtype=dtype, interpret=interpret,
-                    mask=mask if masked else None, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
+                    apply_mask=apply_mask if masked else None, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
 
             carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(lo, flo, functools.partial(kv_body, masked=True), carry)
-            carry = lax.fori_loop(flo, fhi, functools.partial(kv_body, masked=False), carry)
-            carry = lax.fori_loop(fhi, hi, functools.partial(kv_body, masked=True), carry)
+            carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)
+            carry = lax.fori_loop(n_partial, n_steps, functools.partial(kv_body, masked=False), carry)
             acc, m_i, l_i = carry
             pl.when(wg == 0)(sched.finish)
 
@@ -420,7 +418,7 @@ def _flash_fwd_masked(q, k, v, qm, km, bounds, *, scale: float, cfg: HopperConfi
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, n_steps, stages, lambda g: (b, pl.ds((lo + g) * bkv, bkv), kvh),
+                plgpu, n_steps, stages, lambda g: (b, pl.ds(blocks_ref[b, qt, g] * bkv, bkv), kvh),
                 [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_slots),
                  (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots),
                  (lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_slots)]), single_warp=producer_warp)
@@ -452,7 +450,7 @@ def _flash_fwd_masked(q, k, v, qm, km, bounds, *, scale: float, cfg: HopperConfi
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(H, n_qt, B),
                                    grid_names=("heads", "q_seq", "batch"), compute_wgs=2, interpret=interpret,
                                    name="te_jax_attn_fwd_masked", no_auto_barriers=producer_warp)(
-        q, k, v, qm, km, bounds)
+        q, k, v, qm, km, counts, blocks)
 
 
 def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool, causal: bool = False,
