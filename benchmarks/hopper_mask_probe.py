@@ -1,16 +1,20 @@
-"""Where the Hopper data-mask forward spends its time: the kernel alone on prebuilt tables (documents, padding, and
-documents with every step computed under the element mask), the XLA pre-pass (mask_tables) alone, and the whole
-te_jax call.  bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
+"""Where the Hopper data-mask kernels spend their time: forward and forward+backward on prebuilt tables (so the
+XLA pre-pass is timed apart), with the backward's dQ accumulated in the dK/dV kernel (atomic) or by the dQ
+kernel, for documents, padding and plain causal given as data; then the pre-pass (mask_tables) alone.
+bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
 
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
+from pallas_kernels.flash_attention_hopper.backward import flash_bwd
 from pallas_kernels.flash_attention_hopper.config import default_config
 from pallas_kernels.flash_attention_hopper.data_mask import MaskRule, mask_tables
 from pallas_kernels.flash_attention_hopper.forward import flash_fwd
@@ -20,36 +24,38 @@ B, S, H, D = 4, 4096, 16, 128
 
 
 def main():
-    ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in ks)
-    cfg = default_config(D, S, False, S)
+    ks = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in ks)
+    base = default_config(D, S, False, S)
     docs = np.repeat(np.arange(1, 5), [1500, 1000, 1096, 500])[None].repeat(B, 0)
     pad = (np.arange(S)[None] < np.array([4096, 3000, 2048, 3500])[:, None]).astype(np.int32)
     masks = {"documents": AttentionMask.from_segments(docs, causal=True),
              "padding": AttentionMask.from_segments(pad, causal=True),
-             "plain causal as data": AttentionMask.full(B, S, S, causal=True)}
-    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  B{B} S{S} H{H} D{D}  {cfg}")
+             "causal as data": AttentionMask.full(B, S, S, causal=True)}
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  B{B} S{S} H{H} D{D}")
     for name, m in masks.items():
-        t = jax.jit(lambda m: mask_tables(m, cfg))(m)
-        rule = MaskRule(m.causal, m.window)
         vis = int(jnp.sum(m.dense()))
-        bounds = np.asarray(t.fwd)
-        steps = int((bounds[..., 3] - bounds[..., 0]).sum()) * H
-        masked = int(((bounds[..., 1] - bounds[..., 0]) + (bounds[..., 3] - bounds[..., 2])).sum()) * H
-        variants = {"tables": t, "every step masked": t._replace(fwd=t.fwd.at[..., 1].set(t.fwd[..., 0])
-                                                                   .at[..., 2].set(t.fwd[..., 0]))}
-        for vname, tv in variants.items():
-            f = jax.jit(lambda q, k, v, tv: flash_fwd(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
-                                                      mask_tables=tv, mask_rule=rule))
-            sec = timing.measure(f, (q, k, v, tv), samples=20)[0]
-            print(f"{name:22s} {vname:18s} kernel {sec * 1e6:8.1f} us  {4 * H * D * vis / sec / 1e12:6.0f} TFLOP/s  "
-                  f"tile steps {steps} (masked {masked}: {sec * 1e9 / max(steps, 1):.2f} ns per step, whole GPU)")
-        pre = jax.jit(lambda m: mask_tables(m, cfg))
-        print(f"{name:22s} pre-pass (mask_tables) {timing.measure(pre, (m,), samples=20)[0] * 1e6:8.1f} us")
-    dense = jax.jit(lambda q, k, v: flash_fwd(q, k, v, scale=D ** -0.5, causal=True, config=cfg))
+        fl = 4 * H * D * vis
+        rule = MaskRule(m.causal, m.window)
+        for atomic, lpt in ((None, None), (True, None), (None, True)):
+            cfg = dataclasses.replace(base, bwd_dq_atomic=atomic, mask_lpt=lpt)
+            t = jax.jit(lambda m: mask_tables(m, cfg))(m)
+            kw = dict(scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=rule)
+            fwd = jax.jit(lambda q, k, v: flash_fwd(q, k, v, **kw))
+            out, lse = fwd(q, k, v)
+            bwd = jax.jit(lambda q, k, v, o, l, do: flash_bwd(q, k, v, o, l, do, **kw))
+            tf = timing.measure(fwd, (q, k, v), samples=20)[0]
+            tb = timing.measure(bwd, (q, k, v, out, lse, do), samples=20)[0]
+            print(f"{name:15s} dQ {'atomic' if atomic else 'kernel':6s} lpt {bool(lpt)!s:5s} fwd {tf * 1e6:7.1f} us "
+                  f"{fl / tf / 1e12:5.0f} TFLOP/s | bwd {tb * 1e6:7.1f} us | fwd+bwd {3.5 * fl / (tf + tb) / 1e12:5.0f}"
+                  f" TFLOP/s   (visible steps fwd {int(t.fwd[0][..., 1].sum()) * H}, "
+                  f"partial {int(t.fwd[0][..., 0].sum()) * H})", flush=True)
+        pre = jax.jit(lambda m: mask_tables(m, base))
+        print(f"{name:15s} pre-pass (mask_tables) {timing.measure(pre, (m,), samples=20)[0] * 1e6:7.1f} us", flush=True)
+    dense = jax.jit(lambda q, k, v: flash_fwd(q, k, v, scale=D ** -0.5, causal=True, config=base))
     sec = timing.measure(dense, (q, k, v), samples=20)[0]
-    print(f"plain causal kernel (persistent schedule) {sec * 1e6:8.1f} us  {4 * H * D * B * S * (S + 1) / 2 / sec / 1e12:6.0f}"
-          " TFLOP/s")
+    print(f"plain causal kernel (persistent schedule) fwd {sec * 1e6:7.1f} us "
+          f"{4 * H * D * B * S * (S + 1) / 2 / sec / 1e12:5.0f} TFLOP/s")
 
 
 if __name__ == "__main__":

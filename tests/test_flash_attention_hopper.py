@@ -691,7 +691,7 @@ def test_data_mask_tables_list_the_visible_tiles(name):
     m = mask.pad(pq, pkv)
     t = jax.jit(lambda m: mask_tables(m, cfg))(m)
     dense = np.asarray(m.dense())
-    qseg = np.where(np.asarray(m.q_segment_ids) == 0, -1, m.q_segment_ids)  # padding queries: -1
+    qseg = np.where(np.asarray(m.q_segment_ids) == 0, np.iinfo(np.int32).min, m.q_segment_ids)  # padding queries
     np.testing.assert_array_equal(np.asarray(t.qm), np.stack([qseg, m.q_positions], 1))
     for (counts, blocks), qt, kt, transposed in ((t.fwd, 2 * cfg.block_q, cfg.block_kv, False),
                                                  (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False),
@@ -709,3 +709,20 @@ def test_data_mask_tables_list_the_visible_tiles(name):
                 assert len(set(listed.tolist())) == n
                 assert set(np.flatnonzero(any_seen[b, r])) <= set(listed.tolist())
                 assert all_seen[b, r, listed[n_partial:]].all()
+
+
+def test_block_lists_one_hot_and_sort_agree(monkeypatch):
+    """block_lists: partial blocks first, then full ones, each group in index order, built the same by the one-hot
+    sum (short rows) and the stable sort (long rows); counts = (partial, visible)."""
+    from pallas_kernels.flash_attention_hopper import data_mask
+
+    classes = jnp.asarray(np.random.default_rng(0).integers(0, 3, (3, 5, 40)), jnp.int8)
+    counts, blocks = data_mask.block_lists(classes)
+    monkeypatch.setattr(data_mask, "ONE_HOT_MAX", 8)
+    counts2, blocks2 = data_mask.block_lists(classes)
+    c = np.asarray(classes)
+    for r in np.ndindex(c.shape[:-1]):
+        want = np.concatenate([np.flatnonzero(c[r] == 1), np.flatnonzero(c[r] == 2)])
+        assert tuple(np.asarray(counts)[r]) == ((c[r] == 1).sum(), len(want)) == tuple(np.asarray(counts2)[r])
+        np.testing.assert_array_equal(np.asarray(blocks)[r][:len(want)], want)
+        np.testing.assert_array_equal(np.asarray(blocks2)[r][:len(want)], want)

@@ -200,7 +200,7 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap):
     cfg = config or default_config(q.shape[-1], pkv, False, pq)
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
-    tables = mask_tables(padded, cfg)
+    tables = mask_tables(padded, cfg, backward=False)  # the backward adds its lists (flash_bwd)
     out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,
                                  interpret, _softcap(softcap), MaskRule(padded.causal, tuple(padded.window)))
     if pq != sq:

@@ -30,7 +30,7 @@ from .._lower_once import lower_once
 
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
-from .data_mask import DataMask
+from .data_mask import DataMask, backward_tables
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
                      dq_split, logit_units, piece_split_chosen, ring_choices)
 
@@ -643,8 +643,10 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
         # rows without a visible key (lse -inf): 0, so that exp2(s - 0) is finite before the mask zeroes it
         lse2 = jnp.where(lse == -jnp.inf, 0.0, lse2)
-        kw["data_mask"] = DataMask(mask_tables, mask_rule)
-    if atomic_dq_chosen(D, k.shape[1], cfg, interpret):
+        kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), mask_rule)
+    # Under a data mask dQ comes from its own kernel: the dK/dV kernel with the atomic dQ and the element mask spills
+    # registers, and the H100 measured the dQ kernel 5-11% faster there (benchmarks/hopper_mask_probe.py).
+    if atomic_dq_chosen(D, k.shape[1], cfg, interpret) and (mask_tables is None or cfg.bwd_dq_atomic is True):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)
