@@ -293,3 +293,44 @@ def test_sm90_ragged_lengths_take_the_hopper_kernel_padded(fake_h100, monkeypatc
     assert "hidden by the causal diagonal" in causal.detail, causal.detail
     whole = te_jax.explain_attention_backend(*_qkv(sq=1024, skv=1024, d=128), attn_mask_type="causal")
     assert "padded" not in whole.detail
+
+
+def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
+    """On sm90, padding (seqlens or segment ids), thd documents, windows, bottom-right and unequal-length causal
+    run on the Hopper kernel's data-mask schedule (GPU-checked: tuning.HOPPER_GPU_VERIFIED); a dense mask and a
+    bias keep it out by name; without the GPU check auto leaves data masks to the portable kernel."""
+    from te_jax.backends import pallas as pallas_mod
+    from te_jax.backends import tuning
+
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    q, k, v = _qkv(b=2, sq=1024, skv=1024, d=128)
+    lens = jnp.array([1024, 700], jnp.int32)
+    seg = jnp.concatenate([jnp.ones((2, 300), jnp.int32), 2 * jnp.ones((2, 724), jnp.int32)], axis=1)
+    cases = {
+        "padding_causal from seqlens": dict(attn_mask_type="padding_causal", q_seqlens=lens, kv_seqlens=lens),
+        "segments": dict(attn_mask_type="padding_causal", q_segment_ids=seg, kv_segment_ids=seg),
+        "window": dict(attn_mask_type="causal", window_size=(128, 0)),
+        "two-sided window": dict(window_size=(64, 64)),
+    }
+    for name, kw in cases.items():
+        choice = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw)
+        assert choice.selected == "pallas" and "data-mask schedule" in choice.detail, (name, choice.detail)
+    br = te_jax.explain_attention_backend(*_qkv(b=2, sq=256, skv=1024, d=128), attn_mask_type="causal_bottom_right",
+                                          backend="pallas")
+    assert "data-mask schedule" in br.detail and "causal_bottom_right" in br.detail, br.detail
+    tq, tk, tv = _qkv(b=1, sq=1024, skv=1024, d=128, fmt="thd")
+    docs = jnp.array([300, 1, 723], jnp.int32)
+    thd = te_jax.explain_attention_backend(tq, tk, tv, attn_input_format="thd", attn_mask_type="padding_causal",
+                                           q_seqlens=docs, kv_seqlens=docs, backend="pallas")
+    assert "data-mask schedule" in thd.detail, thd.detail
+    dense = te_jax.explain_attention_backend(q, k, v, mask=jnp.zeros((2, 1, 1024, 1024), bool), backend="pallas")
+    assert dense.detail.startswith("portable") and "dense boolean mask" in dense.detail, dense.detail
+    biased = te_jax.explain_attention_backend(q, k, v, bias=jnp.zeros((1, 4, 1024, 1024), jnp.bfloat16),
+                                              backend="pallas")
+    assert biased.detail.startswith("portable") and "bias" in biased.detail, biased.detail
+    plain = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal", backend="pallas")
+    assert "data-mask" not in plain.detail and "Hopper (Mosaic GPU) kernel" in plain.detail
+    monkeypatch.setattr(tuning, "HOPPER_GPU_VERIFIED", tuning.Tuned(
+        {"softcap": (128,), "ragged lengths": (128,), "data mask": ()}, "stand-in", "results.md"))
+    unchecked = te_jax.explain_attention_backend(q, k, v, backend="pallas", **cases["window"])
+    assert unchecked.detail.startswith("portable") and "data mask at head_dim 128: not yet checked" in unchecked.detail

@@ -104,6 +104,12 @@ def _import(name):
         return None, f"{type(e).__name__}: {e}"
 
 
+#: The mask kinds the Hopper kernel serves (each as data: pallas_kernels.mask.AttentionMask); a kind added to
+#: te_jax/masks.py is refused by name until it is checked here.
+_HOPPER_MASK_KINDS = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal",
+                      "padding_causal_bottom_right")
+
+
 class PallasBackend:
     name = "pallas"
     capabilities = Capabilities(split_backward=True, ring_blocks=True, packed_inputs=True, dense_mask=True,
@@ -176,6 +182,9 @@ class PallasBackend:
         mod, err = _import("pallas_kernels.flash_attention_hopper")
         if mod is None or not hasattr(mod, "supports"):
             return None, f"the Hopper kernel could not be imported ({err or 'no supports()'})"
+        if call.mask.mask_type not in _HOPPER_MASK_KINDS:
+            return mod, (f"attn_mask_type={call.mask.mask_type!r}: the Hopper kernel serves "
+                         f"{', '.join(_HOPPER_MASK_KINDS)} (as segment ids and positions)")
         if call.mask_shape is not None:
             return mod, "mask (a dense boolean mask): the Hopper kernel has neither a mask nor a bias to fold it into"
         if call.bias_shape is not None:
