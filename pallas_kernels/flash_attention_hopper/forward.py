@@ -8,7 +8,9 @@ so one warpgroup's softmax runs while the other's QK^T / PV wgmma runs.
     memory allows: non-causal, and causal (top-left, Sq == Skv) with block_kv = 2 x block_q and an even
     number of query tiles (config.CausalDeal: heavy/light tile pairs, then the last tiles to the least-loaded CTA);
   * otherwise one CTA per query tile (causal: heaviest tiles first); a causal CTA loads only the K/V
-    blocks left of its diagonal and masks only the blocks that cross it.
+    blocks left of its diagonal and masks only the blocks that cross it;
+  * under a data mask (segment ids and positions): forward_masked.py, one CTA per query tile walking its block list.
+The K/V step and the ping-pong schedule they share are in forward_step.py.
 Outputs: out [B,S,H,D] (q.dtype) and lse [B,H,S] float32 (natural log).
 Mosaic GPU is imported lazily (inside functions): this module imports on any machine.
 """
@@ -25,102 +27,12 @@ from .._compat import mosaic_gpu, pl
 
 from .._lower_once import lower_once
 
-from .common import (cdiv, div, mma, mma_into, named_barrier, num_sms, rem, resolve_interpret, ring_slots, run_producer,
-                     smem_transforms, stream_ring, warp_specialized_kernel, when)
+from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
+                     stream_ring, warp_specialized_kernel, when)
+from .forward_masked import _flash_fwd_masked
+from .forward_step import _Sched, _fwd_kv_step
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
                      logit_units, persistent_causal_chosen, persistent_fits, ring_choices, split_tail_chosen)
-
-
-_SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
-
-
-class _Sched:
-    """The two compute warpgroups' ping-pong on the tensor cores (the forward's schedule).
-
-    Each step of a warpgroup: QK^T wgmma, `after_qk`, softmax, `before_pv`, PV wgmma.  Warpgroup 1 calls `start`
-    before its first step, warpgroup 0 `finish` after its last.  Both warpgroups meet after issuing QK^T and again
-    before PV (mbarrier: one 2-arrival barrier; named: `bar.sync 4, 256`), so one's softmax runs while the other's
-    wgmmas do.  (FA3's hand-off, each warpgroup waiting on its own barrier, is no faster and needs two barriers.)
-    """
-
-    def __init__(self, plgpu, bar, named: bool):
-        self.plgpu, self.bar, self.named = plgpu, bar, named
-
-    def _meet(self):
-        if self.named:
-            named_barrier(self.plgpu, "sync", _SCHED_BAR_ID, 256)
-        else:
-            self.plgpu.barrier_arrive(self.bar)
-            self.plgpu.barrier_wait(self.bar)
-
-    start = after_qk = finish = _meet
-
-    def before_pv(self, v_ready):
-        """After the softmax: V ready, and the other warpgroup done with the tensor cores."""
-        if self.named:
-            self.plgpu.barrier_wait(v_ready)
-            self._meet()
-        else:
-            self.plgpu.barrier_arrive(self.bar)  # done with softmax
-            self.plgpu.barrier_wait(v_ready)
-            self.plgpu.barrier_wait(self.bar)  # tensor cores free
-
-    def flush_step(self):
-        """A step's two schedule points with no work (a warpgroup done before the other, causal)."""
-        self._meet()
-        self._meet()
-
-
-def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_release, sched,
-                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None, pre=None, may_be_empty=False,
-                 apply_mask=None):
-    """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
-
-    carry: (acc [bq, D] f32, m [bq] f32 (log2 units, scaled), l [bq] f32).  The QK^T wgmma is
-    followed by a rendezvous on `sched` (the other warpgroup then runs its softmax while this
-    one's wgmma runs); after the softmax a second rendezvous waits for the tensor cores.
-    pre (softcap): the logits are tanh(s * pre) in units of c (common.logit_units).
-    mask(shape) -> bool [bq, bkv] keeps logits (causal blocks); wait_next_k runs while the PV
-    wgmma is in flight (the next K tile's barrier).  k_release / v_release hand the K / V slot back.
-    apply_mask(s) -> s with the hidden logits -inf (a data mask).  may_be_empty (a data mask): a row may have seen
-    no visible key yet (its max still -inf); the exponentials then
-    use 0 in its place, never -inf - -inf.
-    """
-    acc, m_i, l_i = carry
-    D = acc.shape[-1]
-
-    bq, bkv = q_smem.shape[0], k_tile.shape[0]
-    s = mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=sched.after_qk)
-    k_release()
-    if pre is not None:
-        s = jnp.tanh(s * pre)
-    if mask is not None:
-        s = jnp.where(mask(s.shape), s, -jnp.inf)
-    if apply_mask is not None:  # a data mask: s with the hidden logits -inf
-        s = apply_mask(s)
-
-    m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
-    alpha = jnp.exp2(m_i - m_use)
-    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    l_i = l_i * alpha
-    p16 = p.astype(dtype)
-
-    def end_softmax():
-        sched.before_pv(v_ready)
-
-    if D <= 128:
-        l_i = l_i + p.sum(axis=1)
-        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        end_softmax()
-    else:
-        end_softmax()
-        l_i = l_i + p.sum(axis=1)
-
-    acc = mma_into(plgpu, acc, p16, v_tile, interpret=interpret, after=wait_next_k)
-    v_release()
-    return acc, m_new, l_i
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
@@ -307,167 +219,6 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                          grid_names=("heads", "q_seq", "batch"), interpret=interpret,
                          name="te_jax_attn_fwd_causal" if causal else "te_jax_attn_fwd", producer_warp=producer_warp)
     return out, lse
-
-
-def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
-                      softcap: float | None, mask_causal: bool, window: tuple[int, int]):
-    """Forward under a data mask (pallas_kernels.mask: segment ids and positions, causal, window), one CTA per
-    (head, query tile of 2 x block_q rows, batch).
-
-    qm [B, 2, S] and km [B, 2, Skv] int32: (segment id, position) of every query / key (data_mask.MaskTables);
-    counts [B, S // (2 bq), 2], blocks [B, S // (2 bq), Skv // bkv] (data_mask.block_lists): each tile's visible kv
-    blocks, the partial ones (computed with the element mask) first, then the full ones; no other block is loaded.
-    The memory warpgroup streams K, V and the keys' (segment, position) rows of the listed blocks.  Rows that see
-    no key: out 0, lse -inf.
-    """
-    from .data_mask import MaskRule
-
-    rule = MaskRule(mask_causal, window)
-    plgpu = mosaic_gpu()
-    B, S, H, D = q.shape
-    Skv, G = k.shape[1], k.shape[2]
-    rep = H // G
-    dtype = q.dtype
-    bq, bkv = cfg.block_q, cfg.block_kv
-    n_kv = Skv // bkv
-    stages = max(1, min(cfg.stages, n_kv))
-    n_qt = S // (2 * bq)
-    c, pre = logit_units(scale, softcap)
-    named = cfg.fwd_named_barrier is not False and not interpret
-    named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
-    wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-
-    lpt = cfg.mask_lpt is True
-    n_tiles = B * n_qt
-
-    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, *rest):
-        if lpt:
-            order_ref, o_ref, lse_ref, smem, bars = rest
-        else:
-            o_ref, lse_ref, smem, bars = rest
-        qo_smem2, k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem
-        k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
-        k_slots, v_slots, km_slots = ring_slots(plgpu, (k_cons, v_cons, km_cons), stages, named=named_release,
-                                                producer_warp=producer_warp, compute_wgs=2)
-        wg = lax.axis_index("wg")
-        if lpt:  # CTA r runs tile order[r // H] (longest walks first) of head r % H
-            r = lax.axis_index("cta")
-            tile = order_ref[div(r, H)]
-            b, qt, h = div(tile, n_qt), rem(tile, n_qt), rem(r, H)
-        else:
-            b = lax.axis_index("batch")
-            h = lax.axis_index("heads")
-            qt = lax.axis_index("q_seq")
-        kvh = lax.div(h, jnp.int32(rep))
-        n_partial, n_steps = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
-        sched = _Sched(plgpu, sched, named)
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            qo_smem = qo_smem2.at[wg]
-            lse_smem = lse_smem2.at[wg]
-            qm_smem = qm_smem2.at[wg]
-            q0 = qt * (2 * bq) + wg * bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
-            plgpu.copy_gmem_to_smem(qm_ref.at[b, :, pl.ds(q0, bq)], qm_smem, qm_bar.at[wg])
-            k_slots.prime()
-            v_slots.prime()
-            km_slots.prime()
-            plgpu.barrier_wait(q_bar.at[wg])
-            plgpu.barrier_wait(qm_bar.at[wg])
-            q_marks = [plgpu.load(qm_smem.at[i], layout=wgmma_rows) for i in range(2)]
-
-            m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
-            l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
-            acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
-            when(n_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[0]))
-            pl.when(wg == 1)(sched.start)
-
-            def kv_body(step, carry, masked: bool):
-                slot = rem(step, stages)
-
-                def apply_mask(x):
-                    plgpu.barrier_wait(km_bar.at[slot])
-                    k_marks = [plgpu.load(km_smem.at[slot, i], layout=wgmma_cols) for i in range(2)]
-                    km_slots.release(slot)
-                    return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
-
-                if not masked:  # the keys' (segment, position) tile is streamed for every step: hand it back
-                    plgpu.barrier_wait(km_bar.at[slot])
-                    km_slots.release(slot)
-
-                def wait_next_k():
-                    @pl.when(step + 1 < n_steps)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[rem(step + 1, stages)])
-
-                return _fwd_kv_step(
-                    plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
-                    k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
-                    v_release=lambda: v_slots.release(slot),
-                    sched=sched, c=c, dtype=dtype, interpret=interpret,
-                    apply_mask=apply_mask if masked else None, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
-
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)
-            carry = lax.fori_loop(n_partial, n_steps, functools.partial(kv_body, masked=False), carry)
-            acc, m_i, l_i = carry
-            pl.when(wg == 0)(sched.finish)
-
-            empty = l_i == 0.0  # a row without a visible key: out 0, lse -inf
-            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
-            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            qo_smem[...] = acc.astype(dtype)
-            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
-            plgpu.wait_smem_to_gmem(0)
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            run_producer(plgpu, lambda: stream_ring(
-                plgpu, n_steps, stages, lambda g: (b, pl.ds(blocks_ref[b, qt, g] * bkv, bkv), kvh),
-                [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_slots),
-                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots),
-                 (lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_slots)]), single_warp=producer_warp)
-
-    tr = smem_transforms(plgpu, dtype)
-    i32 = jnp.int32
-    scratch = [
-        (
-            plgpu.SMEM((2, bq, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((2, bq), jnp.float32),
-            plgpu.SMEM((2, 2, bq), i32),
-            plgpu.SMEM((stages, 2, bkv), i32),
-        ),
-        (
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2),
-            plgpu.Barrier(num_barriers=2),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        ),
-    ]
-    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
-    if lpt:
-        order = jnp.argsort(-counts[..., 1].reshape(-1), stable=True).astype(jnp.int32)  # [B * n_qt]
-        grid, grid_names, extra = (H * n_tiles,), ("cta",), (order,)
-    else:
-        grid, grid_names, extra = (H, n_qt, B), ("heads", "q_seq", "batch"), ()
-    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=grid,
-                                   grid_names=grid_names, compute_wgs=2, interpret=interpret,
-                                   name="te_jax_attn_fwd_masked", no_auto_barriers=producer_warp)(
-        q, k, v, qm, km, counts, blocks, *extra)
 
 
 def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool, causal: bool = False,

@@ -1,0 +1,100 @@
+"""The Hopper forward's shared step: one K/V block of the online softmax for one compute warpgroup, with the two
+warpgroups' ping-pong on the tensor cores (used by the plain, persistent and data-mask forwards).
+Mosaic GPU is imported lazily by the callers: this module imports on any machine."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from .common import mma, mma_into, named_barrier
+
+_SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
+
+
+class _Sched:
+    """The two compute warpgroups' ping-pong on the tensor cores (the forward's schedule).
+
+    Each step of a warpgroup: QK^T wgmma, `after_qk`, softmax, `before_pv`, PV wgmma.  Warpgroup 1 calls `start`
+    before its first step, warpgroup 0 `finish` after its last.  Both warpgroups meet after issuing QK^T and again
+    before PV (mbarrier: one 2-arrival barrier; named: `bar.sync 4, 256`), so one's softmax runs while the other's
+    wgmmas do.  (FA3's hand-off, each warpgroup waiting on its own barrier, is no faster and needs two barriers.)
+    """
+
+    def __init__(self, plgpu, bar, named: bool):
+        self.plgpu, self.bar, self.named = plgpu, bar, named
+
+    def _meet(self):
+        if self.named:
+            named_barrier(self.plgpu, "sync", _SCHED_BAR_ID, 256)
+        else:
+            self.plgpu.barrier_arrive(self.bar)
+            self.plgpu.barrier_wait(self.bar)
+
+    start = after_qk = finish = _meet
+
+    def before_pv(self, v_ready):
+        """After the softmax: V ready, and the other warpgroup done with the tensor cores."""
+        if self.named:
+            self.plgpu.barrier_wait(v_ready)
+            self._meet()
+        else:
+            self.plgpu.barrier_arrive(self.bar)  # done with softmax
+            self.plgpu.barrier_wait(v_ready)
+            self.plgpu.barrier_wait(self.bar)  # tensor cores free
+
+    def flush_step(self):
+        """A step's two schedule points with no work (a warpgroup done before the other, causal)."""
+        self._meet()
+        self._meet()
+
+
+def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_release, sched,
+                 c: float, dtype, interpret: bool, mask=None, wait_next_k=None, pre=None, may_be_empty=False,
+                 apply_mask=None):
+    """One K/V block of the forward for one compute warpgroup (online softmax, ping-pong).
+
+    carry: (acc [bq, D] f32, m [bq] f32 (log2 units, scaled), l [bq] f32).  The QK^T wgmma is
+    followed by a rendezvous on `sched` (the other warpgroup then runs its softmax while this
+    one's wgmma runs); after the softmax a second rendezvous waits for the tensor cores.
+    pre (softcap): the logits are tanh(s * pre) in units of c (common.logit_units).
+    mask(shape) -> bool [bq, bkv] keeps logits (causal blocks); wait_next_k runs while the PV
+    wgmma is in flight (the next K tile's barrier).  k_release / v_release hand the K / V slot back.
+    apply_mask(s) -> s with the hidden logits -inf (a data mask).  may_be_empty (a data mask): a row may have seen
+    no visible key yet (its max still -inf); the exponentials then
+    use 0 in its place, never -inf - -inf.
+    """
+    acc, m_i, l_i = carry
+    D = acc.shape[-1]
+
+    bq, bkv = q_smem.shape[0], k_tile.shape[0]
+    s = mma(plgpu, (bq, bkv), q_smem, k_tile.transpose((1, 0)), after=sched.after_qk)
+    k_release()
+    if pre is not None:
+        s = jnp.tanh(s * pre)
+    if mask is not None:
+        s = jnp.where(mask(s.shape), s, -jnp.inf)
+    if apply_mask is not None:  # a data mask: s with the hidden logits -inf
+        s = apply_mask(s)
+
+    m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if may_be_empty else m_new
+    alpha = jnp.exp2(m_i - m_use)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l_i = l_i * alpha
+    p16 = p.astype(dtype)
+
+    def end_softmax():
+        sched.before_pv(v_ready)
+
+    if D <= 128:
+        l_i = l_i + p.sum(axis=1)
+        acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+        end_softmax()
+    else:
+        end_softmax()
+        l_i = l_i + p.sum(axis=1)
+
+    acc = mma_into(plgpu, acc, p16, v_tile, interpret=interpret, after=wait_next_k)
+    v_release()
+    return acc, m_new, l_i
