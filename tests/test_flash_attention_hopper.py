@@ -284,14 +284,16 @@ def _fp32_reference_vjp(q, k, v, causal=False):
 @needs_kernel
 @pytest.mark.parametrize("ctas", [3, 5])
 def test_persistent_forward_loops_over_tiles(ctas):
-    """Non-causal forward on a persistent grid with fewer CTAs than query tiles (uneven split); the next tile's Q
-    loaded during the tile's second step."""
-    from pallas_kernels.flash_attention_hopper.config import default_config
+    """Non-causal forward on a persistent grid with fewer CTAs than query tiles (uneven split with 5 CTAs); the next
+    tile's Q loaded during the tile's second step.  512 keys in 256-key blocks: two K/V steps per tile (one-step
+    tiles stay on the grid kernel: config.persistent_chosen)."""
+    from pallas_kernels.flash_attention_hopper.config import default_config, persistent_chosen
 
     interpret = _mode()
-    B, S, H, G, D = 2, 256, 3, 1, 64  # 2 * 3 * 2 = 12 query tiles
+    B, S, H, G, D = 2, 512, 3, 1, 64  # 2 * 3 * 4 = 24 query tiles
     q, k, v, do = _random_qkv_do(ctas, B, S, H, G, D)
     cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas)
+    assert persistent_chosen(cfg, S, D, q.dtype)
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
                                          interpret=interpret)
     (out, lse), vjp = jax.vjp(f, q, k, v)
@@ -726,3 +728,16 @@ def test_block_lists_one_hot_and_sort_agree(monkeypatch):
         assert tuple(np.asarray(counts)[r]) == ((c[r] == 1).sum(), len(want)) == tuple(np.asarray(counts2)[r])
         np.testing.assert_array_equal(np.asarray(blocks)[r][:len(want)], want)
         np.testing.assert_array_equal(np.asarray(blocks2)[r][:len(want)], want)
+
+
+def test_one_step_tiles_stay_off_the_persistent_forward():
+    """config.persistent_chosen: the non-causal persistent forward needs two K/V steps per tile (one-step tiles with
+    an uneven tile count per CTA gave zero output tiles on the H100); the explanation says why."""
+    from pallas_kernels.flash_attention_hopper.config import default_config, describe_plan, persistent_chosen
+
+    cfg = default_config(64)  # 256-key blocks
+    assert not persistent_chosen(cfg, 256, 64, BF) and persistent_chosen(cfg, 512, 64, BF)
+    assert not persistent_chosen(default_config(128), 128, 128, BF) and persistent_chosen(default_config(128), 256,
+                                                                                          128, BF)
+    assert "one K/V step per tile" in describe_plan(64, 256, False, BF, cfg)
+    assert "persistent grid" in describe_plan(64, 512, False, BF, cfg)

@@ -204,6 +204,15 @@ def persistent_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
     return need <= SMEM_BYTES
 
 
+def persistent_chosen(cfg: HopperConfig, kv_len: int, head_dim: int, dtype) -> bool:
+    """Whether the non-causal forward runs on the persistent grid: allowed (fwd_persistent), its shared memory fits,
+    and each query tile takes at least two K/V steps.  Tiles of one K/V step stay on the grid kernel: on the H100
+    (2026-11-26) the persistent forward with one-step tiles and an uneven tile count per CTA (12 tiles on 5 CTAs,
+    hd64, 256 keys) gave zero output for whole tiles; not yet diagnosed (gpu_tests_h100.md)."""
+    return (cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype)
+            and kv_len // cfg.block_kv >= 2)
+
+
 def persistent_causal_served(cfg: HopperConfig, q_len: int, head_dim: int, dtype) -> bool:
     """Whether the causal forward can run on the persistent grid: block_kv = 2 x block_q (a query tile's diagonal
     is its last K/V block, the same for both warpgroups), an even number of query tiles (heavy/light pairs), and
@@ -466,7 +475,7 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
             if not persistent_fits(cfg, head_dim, dtype):
                 why.append(f"shared memory for two Q/O buffers beside the K/V ring (head_dim {head_dim})")
             fwd += f" (the persistent causal grid needs {'; and '.join(why)})"
-    elif cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype):
+    elif persistent_chosen(cfg, kv_len, head_dim, dtype):
         fwd = "forward on a persistent grid (one CTA per SM"
         if cfg.fwd_split_tail is False:
             fwd += "; whole tiles only: fwd_split_tail=False)"
@@ -476,7 +485,10 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
             fwd += f"; whole tiles: keys {kv_len} < {FWD_SPLIT_TAIL_AUTO_MIN_KV})"
     else:
         fwd = "forward one CTA per query tile" + (
-            "" if cfg.fwd_persistent is False else f" (head_dim {head_dim}: no shared memory for the persistent grid)")
+            "" if cfg.fwd_persistent is False
+            else f" (head_dim {head_dim}: no shared memory for the persistent grid)"
+            if not persistent_fits(cfg, head_dim, dtype)
+            else f" (keys {kv_len}: one K/V step per tile, which the persistent grid does not take)")
     if causal:
         fwd += ("; backward walks each key tile's query blocks from the diagonal up (bwd_causal_reverse=False)"
                 if cfg.bwd_causal_reverse is False else

@@ -32,7 +32,7 @@ from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run
 from .forward_masked import _flash_fwd_masked
 from .forward_step import _Sched, _fwd_kv_step
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
-                     logit_units, persistent_causal_chosen, persistent_fits, ring_choices, split_tail_chosen)
+                     logit_units, persistent_causal_chosen, persistent_chosen, ring_choices, split_tail_chosen)
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
@@ -96,7 +96,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         return _flash_fwd_masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
                                  interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
                                  window=tuple(mask_rule.window))
-    if not causal and cfg.fwd_persistent is not False and persistent_fits(cfg, D, dtype):
+    if not causal and persistent_chosen(cfg, Skv, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
                                      kv_valid=kv_valid)
     if causal and persistent_causal_chosen(cfg, S, D, dtype):
