@@ -157,7 +157,12 @@ def explain_attention_backend(query, key, value, *, backend="auto", **kwargs) ->
     kwargs.pop("dropout_rng", None)
     rate = kwargs.get("dropout_rate", 0.0)
     prep = prepare_attention(query, key, value, dropout_rng=jax.random.key(0) if rate else None, **kwargs)
-    return _choose(prep, backend)
+    choice = _choose(prep, backend)
+    if choice.selected == "pallas":  # the Hopper kernel under a data mask: how many tiles it computes and skips
+        tiles = BACKENDS["pallas"].data_mask_tiles(prep.call, prep.token_mask, prep.window)
+        if tiles:
+            choice.detail += f"; {tiles}"
+    return choice
 
 
 def dot_product_attention(query, key, value, *, attn_input_format="bshd", attn_mask_type="no_mask",

@@ -334,3 +334,22 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
         {"softcap": (128,), "ragged lengths": (128,), "data mask": ()}, "stand-in", "results.md"))
     unchecked = te_jax.explain_attention_backend(q, k, v, backend="pallas", **cases["window"])
     assert unchecked.detail.startswith("portable") and "data mask at head_dim 128: not yet checked" in unchecked.detail
+
+
+def test_sm90_data_mask_explanation_counts_the_tiles(fake_h100, monkeypatch):
+    """With concrete seqlens, the explanation of a data-mask call on the Hopper kernel counts the forward's
+    (query tile, key tile) pairs it computes, masks and skips (per head), from the same tables the kernel reads."""
+    from te_jax.backends import pallas as pallas_mod
+
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    q, k, v = _qkv(b=2, sq=512, skv=512, d=128)
+    lens = jnp.array([512, 200], jnp.int32)
+    choice = te_jax.explain_attention_backend(q, k, v, attn_mask_type="padding_causal", q_seqlens=lens,
+                                              kv_seqlens=lens, backend="pallas")
+    # 128 x 128 tiles, 16 per batch row. Row 0 (causal, 512 tokens): 10 visible, the 4 diagonal ones partial.
+    # Row 1 (200 tokens): query tile 0 sees key tile 0 (diagonal: partial); query tile 1 (rows 128-199 valid)
+    # sees key tiles 0 and 1, both partial (padding rows); query tiles 2 and 3 are padding and see nothing.
+    assert ("forward tiles (128 queries x 128 keys, per head): 13 of 32 computed (7 with the element mask, 6 full), "
+            "19 skipped") in choice.detail, choice.detail
+    plain = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal", backend="pallas")
+    assert "forward tiles" not in plain.detail

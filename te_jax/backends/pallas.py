@@ -310,6 +310,31 @@ class PallasBackend:
                         else "the padded keys masked on every K/V step"))
         return f"Hopper (Mosaic GPU) kernel: {plan}{cfg}"
 
+    def data_mask_tiles(self, call, tm, window) -> str | None:
+        """For a call the Hopper kernel runs under a data mask, with concrete mask arrays: how its forward walks
+        the (query tile, key tile) pairs, e.g. "forward tiles: 96 of 256 computed (40 with the element mask, 56
+        full), 160 skipped". None otherwise (other kernels, traced masks)."""
+        if call.platform != "gpu" or self.kernel_name(call) != "hopper" or not self.hopper_data_mask(call):
+            return None
+        import jax
+
+        from te_jax.masks import _is_concrete
+
+        mask = tm.with_rule(call.mask.causal, window)
+        if not all(_is_concrete(x) for x in jax.tree_util.tree_leaves(mask)):
+            return None
+        from pallas_kernels import flash_attention_hopper as fh
+        from pallas_kernels.flash_attention_hopper.data_mask import mask_tables
+
+        d = call.dims
+        pq, pkv = -(-d.q_len // fh.BLOCK) * fh.BLOCK, -(-d.kv_len // fh.BLOCK) * fh.BLOCK
+        cfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, pkv, False, pq)
+        counts = jax.device_get(mask_tables(mask.pad(pq, pkv), cfg, backward=False).fwd[0])  # [B, nq, 2]
+        total = counts.shape[0] * counts.shape[1] * (pkv // cfg.block_kv)
+        partial, visible = int(counts[..., 0].sum()), int(counts[..., 1].sum())
+        return (f"forward tiles ({2 * cfg.block_q} queries x {cfg.block_kv} keys, per head): {visible} of {total} "
+                f"computed ({partial} with the element mask, {visible - partial} full), {total - visible} skipped")
+
     def kernel_name(self, call) -> str:
         """"decode", "hopper" or "portable": the kernel that runs `call`."""
         if self.decode_reason(call) is None:
