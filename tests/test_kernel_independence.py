@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _CHECK = (
     "import sys, pallas_kernels.flash_attention, pallas_kernels.norms, pallas_kernels.ln_mlp, pallas_kernels.fp8_cast, "
-    "pallas_kernels.flash_attention_hopper; "
+    "pallas_kernels.flash_attention_hopper, pallas_kernels.fp8_gemm; "
     "bad = sorted(m for m in sys.modules if m == 'te_jax' or m.startswith('te_jax.')); "
     "assert not bad, bad"
 )

@@ -1,0 +1,65 @@
+"""The block-scaled FP8 GEMM (pallas_kernels.fp8_gemm): its quantization and reference on the CPU (against te_jax's
+block_qdq numerics and a plain fp32 GEMM), its argument checks, and the kernel itself on an sm90 GPU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.fp8_gemm import (block_scaled_gemm, block_scaled_gemm_reference, gemm_shape_reason,
+                                     quantize_blocks, row_scales)
+from te_jax.fp8.quantize import block_qdq
+
+E4 = jnp.float8_e4m3fn
+
+
+def _operands(m=256, k=384, n=128, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.standard_normal((m, 1))), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, jnp.float32)
+    xq, xs = quantize_blocks(x, (1, 128), E4)
+    wq, ws = quantize_blocks(w.T, (128, 128), E4)
+    return x, w, xq, wq, xs.T, row_scales(ws, 128)
+
+
+def test_quantize_blocks_matches_block_qdq_and_the_reference_gemm_matches_fp32():
+    """quantize_blocks dequantizes to block_qdq's values (the recipe's numerics: 1x128 activations, 128x128
+    weights); the reference GEMM on those operands equals the fp32 GEMM of the dequantized arrays and is within
+    FP8 error of the unquantized product."""
+    x, w, xq, wq, sa, sb = _operands()
+    dq_x = xq.astype(jnp.float32) * jnp.repeat(sa.T, 128, axis=1)
+    np.testing.assert_allclose(dq_x, block_qdq(x, (1, 128), E4, jnp.float32), rtol=1e-6, atol=1e-30)
+    dq_w = wq.astype(jnp.float32) * sb.T.repeat(128, axis=1)  # [N, K]
+    np.testing.assert_allclose(dq_w.T, block_qdq(w, (128, 128), E4, jnp.float32), rtol=1e-6, atol=1e-30)
+    ref = block_scaled_gemm_reference(xq, wq, sa, sb)
+    np.testing.assert_allclose(ref, jnp.dot(dq_x, dq_w.T, precision="highest"), rtol=2e-5, atol=1e-4)
+    exact = jnp.dot(x, w, precision="highest")
+    assert float(jnp.linalg.norm(ref - exact) / jnp.linalg.norm(exact)) < 0.05
+
+
+def test_bad_operands_are_named():
+    x, w, xq, wq, sa, sb = _operands()
+    assert gemm_shape_reason(xq.shape, wq.shape, xq.dtype, wq.dtype) is None
+    assert "multiple of 128" in gemm_shape_reason((200, 384), (128, 384), E4, E4)
+    assert "float8" in gemm_shape_reason((256, 384), (128, 384), jnp.bfloat16, E4)
+    assert "contraction lengths differ" in gemm_shape_reason((256, 384), (128, 256), E4, E4)
+    with pytest.raises(ValueError, match=r"a_scales has shape \(256, 3\); expected \(3, 256\)"):
+        block_scaled_gemm(xq, wq, sa.T, sb)
+    with pytest.raises(ValueError, match="quantize_blocks: shape"):
+        quantize_blocks(x[:, :100], (1, 128), E4)
+
+
+def _on_sm90():
+    from te_jax._compat import gpu_compute_capability
+
+    cc = gpu_compute_capability()
+    return cc is not None and cc[0] == 9
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="the Mosaic GPU kernel needs an sm90 GPU (no interpreter on jax 0.10.2)")
+@pytest.mark.parametrize("m,k,n,block_n", [(256, 384, 128, 128), (384, 1024, 512, 128), (128, 128, 256, 256)])
+def test_kernel_matches_the_reference(m, k, n, block_n):
+    _, _, xq, wq, sa, sb = _operands(m, k, n, seed=m + n)
+    got = jax.jit(lambda *a: block_scaled_gemm(*a, block_n=block_n))(xq, wq, sa, sb)
+    ref = block_scaled_gemm_reference(xq, wq, sa, sb)
+    assert got.dtype == jnp.bfloat16
+    assert float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 1e-2
