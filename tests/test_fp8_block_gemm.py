@@ -63,3 +63,48 @@ def test_kernel_matches_the_reference(m, k, n, block_n):
     ref = block_scaled_gemm_reference(xq, wq, sa, sb)
     assert got.dtype == jnp.bfloat16
     assert float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+def test_block_gemm_path_equals_the_reference_path(monkeypatch, fmt):
+    """te_jax/fp8/block.py's layouts and scales (TE_JAX_FP8_BLOCK_GEMM=emulate: the kernel's jnp reference in its
+    place) give fp8_dot_general's Float8BlockScaling results: the reference path's to bf16 rounding (it GEMMs
+    bf16-dequantized operands), forward, dx and dw, and both within FP8 error of fp32. Shapes off the 128 grid
+    fall back to the reference path."""
+    from te_jax.fp8 import quantize as Q
+    from te_jax.fp8.recipe import Float8BlockScaling, Format
+
+    recipe = Float8BlockScaling(fp8_format=getattr(Format, fmt))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 128, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 384)) * 256 ** -0.5, jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((2, 128, 384)), jnp.bfloat16)
+    dn = (((2,), (0,)), ((), ()))
+
+    def run(mode):
+        monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", mode)
+        f = lambda x, w: Q.fp8_dot_general(x, w, dn, recipe)
+        step = jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(f, x, w)))
+        return step(x, w, g), step.lower(x, w, g).as_text()
+
+    (y, dx, dw), text = run("emulate")
+    (y0, dx0, dw0), text0 = run("xla")
+    assert "f8E4M3FN" in text and y.dtype == jnp.bfloat16 and dw.dtype == w.dtype
+    rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+    for a, b in ((y, y0), (dx, dx0), (dw, dw0)):
+        assert rel(a, b) < 2.0 ** -6, rel(a, b)
+    exact = jax.vjp(lambda x, w: jnp.einsum("bsk,kn->bsn", x.astype(jnp.float32), w.astype(jnp.float32)), x, w)
+    ey, evjp = exact
+    edx, edw = evjp(g.astype(jnp.float32))
+    assert rel(y, ey) < 0.05 and rel(dx, edx) < 0.1 and rel(dw, edw) < 0.1
+    # off the grid (N = 200): the reference path, whatever the mode
+    from te_jax.fp8 import block
+
+    assert "N=200 not a multiple of 128" in block.block_gemm_reason(x.shape, (256, 200), 1)
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "emulate")
+    monkeypatch.setattr(Q, "block_scaled_dot", lambda *a, **k: (_ for _ in ()).throw(AssertionError("taken")))
+    y_odd = Q.fp8_dot_general(x, w[:, :200], dn, recipe)
+    assert y_odd.shape == (2, 128, 200)
+    with pytest.raises(ValueError, match="TE_JAX_FP8_BLOCK_GEMM='gpu' must be one of"):
+        monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "gpu")
+        Q.fp8_dot_general(x, w, dn, recipe)

@@ -47,7 +47,8 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
   Float8CurrentScaling: the amax of x, w (forward) and g (backward) is computed on the spot.
   Float8BlockScaling: a reference implementation (blockwise quantize -> dequantize -> GEMM in the
   compute dtype); NOT an FP8 GEMM. Only dense dimension numbers (x's trailing axes with w's leading
-  axes, no batch axes).
+  axes, no batch axes). TE_JAX_FP8_BLOCK_GEMM=pallas runs FP8 GEMMs with block scales instead
+  (te_jax/fp8/block.py; experimental, Hopper only, M, K and N multiples of 128).
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
+from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
 from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, check_recipe
 
@@ -434,9 +436,14 @@ def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_el
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     dtypes = (jnp.dtype(x.dtype), jnp.dtype(w.dtype), out_dtype)
     if isinstance(recipe, Float8BlockScaling):
-        if _dense_split(dn, x.ndim, w.ndim) is None:
+        n_contract = _dense_split(dn, x.ndim, w.ndim)
+        if n_contract is None:
             raise ValueError(f"fp8_dot_general: Float8BlockScaling supports dense dimension_numbers only (x's "
                              f"trailing axes with w's leading axes, no batch axes); got {dn}.")
+        mode = block_gemm_mode()
+        if (mode != "xla" and recipe.x_block == recipe.w_block == 128
+                and block_gemm_reason(x.shape, w.shape, n_contract) is None):
+            return block_scaled_dot(x, w, n_contract, recipe, out_dtype, mode)
         return _block_dot(x, w, dn, recipe, dtypes + (tuple(x.shape), tuple(w.shape)))
     if isinstance(recipe, DelayedScaling):
         if state is None or set(state) != set(STATE_KEYS):

@@ -1,0 +1,102 @@
+"""Float8BlockScaling through FP8 GEMMs with block scales (pallas_kernels.fp8_gemm), the DeepSeek-V3 recipe.
+
+    block_gemm_mode() -> "xla" | "pallas" | "emulate"   (env TE_JAX_FP8_BLOCK_GEMM, read at trace time)
+      "xla" (default): quantize.py's reference (dequantize per block, GEMM in the compute dtype);
+      "pallas": the Hopper kernel, sm90 only. **Experimental:** no GPU run has checked it yet, so it is opt-in;
+      "emulate": this module's layouts and scales with the kernel replaced by its jnp reference. The CPU tests
+                 use it to check the plumbing against the "xla" path (same numerics).
+    block_gemm_reason(x_shape, w_shape, n_contract) -> None or why the block GEMM path cannot take the operands.
+    block_scaled_dot(x [..., K], w [K, N], recipe, out_dtype, mode) -> [..., N]   (custom VJP)
+
+The three GEMMs, each "TN" with per-row scales per 128-wide contraction block (M = tokens):
+  forward  y  = x_q   [M, K] (1x128 tiles along K) . w^T_q [N, K] (128x128 tiles)
+  dgrad    dx = g_q   [M, N] (1x128 along N)       . w_q   [K, N] (the same 128x128 tiles, transposed)
+  wgrad    dw = x^T_q [K, M] (1x128 along M)       . g^T_q [N, M] (1x128 along M)
+The weight tiles are square, so w and w^T quantize to the same values: each is cast in its own layout.
+Quantization runs in XLA here (a fused Pallas block-cast kernel would save passes: not written yet).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_gemm import BLOCK_K, block_scaled_gemm, block_scaled_gemm_reference, quantize_blocks, row_scales
+
+BLOCK_GEMM_ENV = "TE_JAX_FP8_BLOCK_GEMM"
+BLOCK_GEMM_MODES = ("xla", "pallas", "emulate")
+
+
+def block_gemm_mode() -> str:
+    v = os.environ.get(BLOCK_GEMM_ENV, "xla")
+    if v not in BLOCK_GEMM_MODES:
+        raise ValueError(f"{BLOCK_GEMM_ENV}={v!r} must be one of {BLOCK_GEMM_MODES} (unset: 'xla').")
+    return v
+
+
+def block_gemm_reason(x_shape, w_shape, n_contract: int) -> str | None:
+    """Why block_scaled_dot cannot take x [..., K...] . w [K..., N...] (None when it can): every one of M, K and
+    N must be a multiple of 128 (the scale blocks and the kernel's tiles)."""
+    k = math.prod(x_shape[len(x_shape) - n_contract:])
+    m = math.prod(x_shape[:len(x_shape) - n_contract])
+    n = math.prod(w_shape[n_contract:])
+    bad = [f"{name}={v}" for name, v in (("tokens M", m), ("K", k), ("N", n)) if v % BLOCK_K]
+    return f"{', '.join(bad)} not a multiple of {BLOCK_K}" if bad else None
+
+
+def _gemm(mode, out_dtype):
+    if mode == "emulate":
+        return lambda a, b, sa, sb: block_scaled_gemm_reference(a, b, sa, sb, out_dtype)
+    return lambda a, b, sa, sb: block_scaled_gemm(a, b, sa, sb, out_dtype=out_dtype)
+
+
+def _rows_along(a, dtype):
+    """a [R, C] in 1x128 tiles along C -> (q [R, C], scales [C/128, R]) (the kernel's operand and scale layout)."""
+    q, s = quantize_blocks(a, (1, BLOCK_K), dtype)
+    return q, s.T
+
+
+def _square_tiles(a, dtype):
+    """a [R, C] in 128x128 tiles -> (q [R, C], scales [C/128, R])."""
+    q, s = quantize_blocks(a, (BLOCK_K, BLOCK_K), dtype)
+    return q, row_scales(s, BLOCK_K)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode):
+    return _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode)[0]
+
+
+def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode):
+    xq, xs = _rows_along(x2, fwd_dtype)
+    wtq, wts = _square_tiles(w2.T, fwd_dtype)
+    return _gemm(mode, out_dtype)(xq, wtq, xs, wts), (x2, w2)
+
+
+def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, res, g):
+    x2, w2 = res
+    gq, gs = _rows_along(g, bwd_dtype)
+    wq, ws = _square_tiles(w2, fwd_dtype)
+    dx = _gemm(mode, x2.dtype)(gq, wq, gs, ws)
+    xtq, xts = _rows_along(x2.T, fwd_dtype)
+    gtq, gts = _rows_along(g.T, bwd_dtype)
+    dw = _gemm(mode, w2.dtype)(xtq, gtq, xts, gts)
+    return dx, dw
+
+
+_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def block_scaled_dot(x, w, n_contract: int, recipe, out_dtype, mode: str):
+    """x [..., K...] . w [K..., N...] under Float8BlockScaling with FP8 block GEMMs (see the module docstring);
+    the caller checked block_gemm_reason."""
+    fmt = recipe.fp8_format
+    k = math.prod(x.shape[x.ndim - n_contract:])
+    y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode)
+    return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:])
+
+
+__all__ = ["BLOCK_GEMM_ENV", "BLOCK_GEMM_MODES", "block_gemm_mode", "block_gemm_reason", "block_scaled_dot"]
