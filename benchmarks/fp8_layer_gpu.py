@@ -67,7 +67,8 @@ def parse():
                    help="XLA's Triton GEMM fusions: on (XLA's default), off (compiler_options "
                         "xla_gpu_enable_triton_gemm=False for every variant: the qdq style then reaches cuBLASLt's FP8 "
                         "GEMM with the scales folded), or both as variants")
-    p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling (reference, not an FP8 GEMM)")
+    p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling: the reference (not an FP8 GEMM) and the experimental FP8 block "
+                   "GEMM (TE_JAX_FP8_BLOCK_GEMM=pallas; its Mosaic GPU kernels are not counted as FP8 GEMMs)")
     p.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--fused-mlp", choices=["on", "off", "both"], default="on",
                    help="LayerNormMLP's fused FP8 path (te_jax/fp8/mlp.py; TE_JAX_FP8_FUSED): on, off, or both "
@@ -144,6 +145,8 @@ def main():
             variants[f"Float8CurrentScaling{suffix}"] = (fp8.Float8CurrentScaling(), st, fu)
     if args.with_block:
         variants["Float8BlockScaling (reference)"] = (fp8.Float8BlockScaling(), "direct", "1")
+        # the experimental FP8 block GEMM (te_jax/fp8/block.py): style "block-pallas" sets TE_JAX_FP8_BLOCK_GEMM
+        variants["Float8BlockScaling (FP8 block GEMM, pallas)"] = (fp8.Float8BlockScaling(), "block-pallas", "1")
 
     peers = {}
     if args.flax_peer:
@@ -175,8 +178,10 @@ def main():
     for name, (recipe, style, fused_mlp, no_triton) in variants.items():
         module = peers.get(name, layer)
         grad_fn = make_grad_fn(module)
-        with (fp8.autocast(enabled=recipe is not None, recipe=recipe), env("TE_JAX_FP8_GEMM", style),
-              env("TE_JAX_FP8_FUSED", fused_mlp)):
+        block_gemm = "pallas" if style == "block-pallas" else "xla"
+        with (fp8.autocast(enabled=recipe is not None, recipe=recipe),
+              env("TE_JAX_FP8_GEMM", "direct" if style == "block-pallas" else style),
+              env("TE_JAX_FP8_FUSED", fused_mlp), env("TE_JAX_FP8_BLOCK_GEMM", block_gemm)):
             variables = jax.jit(lambda k: nn.meta.unbox(module.init(k, x[:1, :8], deterministic=True)))(kp)
             params, state = variables["params"], variables.get(fp8.FP8_COLLECTION, {})
             if name == "bf16":
