@@ -81,14 +81,19 @@ def test_block_gemm_path_equals_the_reference_path(monkeypatch, fmt):
     g = jnp.asarray(rng.standard_normal((2, 128, 384)), jnp.bfloat16)
     dn = (((2,), (0,)), ((), ()))
 
-    def run(mode):
+    def run(mode, fused="0"):
         monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", mode)
+        monkeypatch.setenv("TE_JAX_FP8_FUSED", fused)
         f = lambda x, w: Q.fp8_dot_general(x, w, dn, recipe)
         step = jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(f, x, w)))
         return step(x, w, g), step.lower(x, w, g).as_text()
 
     (y, dx, dw), text = run("emulate")
     (y0, dx0, dw0), text0 = run("xla")
+    (yf, dxf, dwf), textf = run("emulate", fused="1")  # the one-pass block cast kernel (interpret mode)
+    assert "@block_cast_transpose" in textf and "@block_cast_transpose" not in text
+    for a, b in ((yf, y), (dxf, dx), (dwf, dw)):  # the same quantized values: the same results
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert "f8E4M3FN" in text and y.dtype == jnp.bfloat16 and dw.dtype == w.dtype
     rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
     for a, b in ((y, y0), (dx, dx0), (dw, dw0)):
@@ -108,3 +113,29 @@ def test_block_gemm_path_equals_the_reference_path(monkeypatch, fmt):
     with pytest.raises(ValueError, match="TE_JAX_FP8_BLOCK_GEMM='gpu' must be one of"):
         monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "gpu")
         Q.fp8_dot_general(x, w, dn, recipe)
+
+
+@pytest.mark.parametrize("tiles,dtype,in_dtype", [("rows", E4, jnp.bfloat16), ("square", E4, jnp.float32),
+                                                  ("rows", jnp.float8_e5m2, jnp.float32)])
+def test_block_cast_transpose_matches_quantize_blocks(tiles, dtype, in_dtype):
+    """The one-pass block cast (interpret mode on the CPU) writes quantize_blocks' values bit for bit, in both
+    layouts, with the scales in the GEMM's [blocks, rows] layout; an all-zero tile gets scale 1."""
+    from pallas_kernels.fp8_gemm import block_cast_transpose
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((256, 384)) * np.exp(rng.standard_normal((256, 1))), in_dtype)
+    x = x.at[128:, :128].set(0)
+    q, qs, qt, qts = block_cast_transpose(x, out_dtype=dtype, tiles=tiles, interpret=True)
+    block = (1, 128) if tiles == "rows" else (128, 128)
+    rq, rs = quantize_blocks(x, block, dtype)
+    rqt, rts = quantize_blocks(x.T, block, dtype)
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))
+    np.testing.assert_array_equal(f32(q), f32(rq))
+    np.testing.assert_array_equal(f32(qt), f32(rqt))
+    want_qs = rs.T if tiles == "rows" else row_scales(rs, 128)
+    want_qts = rts.T if tiles == "rows" else row_scales(rts, 128)
+    np.testing.assert_array_equal(qs, want_qs)
+    np.testing.assert_array_equal(qts, want_qts)
+    assert float(qs.min()) > 0 and (tiles == "rows" or float(qs[0, 128]) == 1.0)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        block_cast_transpose(x[:, :100], out_dtype=dtype)

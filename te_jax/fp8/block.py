@@ -13,7 +13,9 @@ The three GEMMs, each "TN" with per-row scales per 128-wide contraction block (M
   dgrad    dx = g_q   [M, N] (1x128 along N)       . w_q   [K, N] (the same 128x128 tiles, transposed)
   wgrad    dw = x^T_q [K, M] (1x128 along M)       . g^T_q [N, M] (1x128 along M)
 The weight tiles are square, so w and w^T quantize to the same values: each is cast in its own layout.
-Quantization runs in XLA here (a fused Pallas block-cast kernel would save passes: not written yet).
+Quantization: each operand and its transpose in one pass of pallas_kernels.fp8_gemm.block_cast_transpose where
+the FP8 casts are fused (TE_JAX_FP8_FUSED: on a GPU by default), else two XLA quantizations. The forward keeps
+x^T's FP8 copy for the wgrad; the weight is re-cast in the backward.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_gemm import BLOCK_K, block_scaled_gemm, block_scaled_gemm_reference, quantize_blocks, row_scales
+from pallas_kernels.fp8_gemm import (BLOCK_K, block_cast_transpose, block_scaled_gemm, block_scaled_gemm_reference,
+                                     quantize_blocks, row_scales)
+from te_jax.fp8.fused import fused_setting
 
 BLOCK_GEMM_ENV = "TE_JAX_FP8_BLOCK_GEMM"
 BLOCK_GEMM_MODES = ("xla", "pallas", "emulate")
@@ -53,37 +57,42 @@ def _gemm(mode, out_dtype):
     return lambda a, b, sa, sb: block_scaled_gemm(a, b, sa, sb, out_dtype=out_dtype)
 
 
-def _rows_along(a, dtype):
-    """a [R, C] in 1x128 tiles along C -> (q [R, C], scales [C/128, R]) (the kernel's operand and scale layout)."""
-    q, s = quantize_blocks(a, (1, BLOCK_K), dtype)
-    return q, s.T
+def _cast(a, dtype, tiles: str, fused: bool):
+    """a [R, C] -> (q [R, C], its scales [C/128, R], q^T [C, R], its scales [R/128, C]) in 1x128 ("rows") or
+    128x128 ("square") tiles: one pass of pallas_kernels.fp8_gemm.block_cast_transpose when fused, else XLA
+    (quantize_blocks of a and of a^T: the same values)."""
+    if fused:
+        return block_cast_transpose(a, out_dtype=dtype, tiles=tiles)
+    block = (1, BLOCK_K) if tiles == "rows" else (BLOCK_K, BLOCK_K)
+    (q, s), (qt, st) = quantize_blocks(a, block, dtype), quantize_blocks(a.T, block, dtype)
+    if tiles == "rows":
+        return q, s.T, qt, st.T
+    return q, row_scales(s, BLOCK_K), qt, row_scales(st, BLOCK_K)
 
 
-def _square_tiles(a, dtype):
-    """a [R, C] in 128x128 tiles -> (q [R, C], scales [C/128, R])."""
-    q, s = quantize_blocks(a, (BLOCK_K, BLOCK_K), dtype)
-    return q, row_scales(s, BLOCK_K)
+def _fused() -> bool:
+    setting = fused_setting()
+    return setting == "1" or (setting == "auto" and jax.default_backend() == "gpu")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode):
-    return _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
+    return _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused)[0]
 
 
-def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode):
-    xq, xs = _rows_along(x2, fwd_dtype)
-    wtq, wts = _square_tiles(w2.T, fwd_dtype)
-    return _gemm(mode, out_dtype)(xq, wtq, xs, wts), (x2, w2)
+def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
+    xq, xs, xqt, xts = _cast(x2, fwd_dtype, "rows", fused)
+    _, _, wqt, wts = _cast(w2, fwd_dtype, "square", fused)
+    # saved: x's transposed copy for the wgrad (FP8); the weight is re-cast in the backward
+    return _gemm(mode, out_dtype)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
 
 
-def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, res, g):
-    x2, w2 = res
-    gq, gs = _rows_along(g, bwd_dtype)
-    wq, ws = _square_tiles(w2, fwd_dtype)
-    dx = _gemm(mode, x2.dtype)(gq, wq, gs, ws)
-    xtq, xts = _rows_along(x2.T, fwd_dtype)
-    gtq, gts = _rows_along(g.T, bwd_dtype)
-    dw = _gemm(mode, w2.dtype)(xtq, gtq, xts, gts)
+def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, fused, res, g):
+    xqt, xts, w2, x_dtype_carrier = res
+    gq, gs, gqt, gts = _cast(g, bwd_dtype, "rows", fused)
+    wq, ws, _, _ = _cast(w2, fwd_dtype, "square", fused)
+    dx = _gemm(mode, x_dtype_carrier.dtype)(gq, wq, gs, ws)
+    dw = _gemm(mode, w2.dtype)(xqt, gqt, xts, gts)
     return dx, dw
 
 
@@ -95,7 +104,7 @@ def block_scaled_dot(x, w, n_contract: int, recipe, out_dtype, mode: str):
     the caller checked block_gemm_reason."""
     fmt = recipe.fp8_format
     k = math.prod(x.shape[x.ndim - n_contract:])
-    y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode)
+    y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode, _fused())
     return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:])
 
 

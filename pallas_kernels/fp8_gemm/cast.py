@@ -1,0 +1,71 @@
+"""Block quantization in one pass (Triton-lowered Pallas): an array and its transpose in FP8 with the block scales
+the block-scaled GEMM takes.
+
+    block_cast_transpose(x [R, C], *, out_dtype, tiles="rows" | "square")
+        -> (q [R, C], q_scales [C/128, R], qt [C, R], qt_scales [R/128, C])
+    "rows":   1x128 tiles: q has one scale per row and 128-wide column block, qt (= x^T's 1x128 tiles) one per
+              column and 128-tall row block (activations and gradients: the GEMM's operand and its wgrad operand);
+    "square": 128x128 tiles, one scale per tile, repeated over its rows in both layouts (weights).
+Each scale is amax / fp8_max (1 for an all-zero tile); q = saturate(x / scale), as reference.quantize_blocks,
+whose values it reproduces. One program per 128x128 tile reads x once and writes both copies and their scales.
+R % 128 == C % 128 == 0.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .._compat import default_interpret, pl, triton_params
+from .._lower_once import lower_once
+from .reference import BLOCK_K
+
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+TILES = ("rows", "square")
+
+
+def _kernel(x_ref, q_ref, qs_ref, qt_ref, qts_ref, *, out_dtype, square):
+    fmax = float(jnp.finfo(out_dtype).max)
+    x = x_ref[...].astype(jnp.float32)
+    ax = jnp.abs(x)
+    if square:
+        amax = jnp.max(ax)
+        s = jnp.where(amax > 0, amax / fmax, 1.0)
+        s_rows = jnp.full((x.shape[0],), s, jnp.float32)
+        s_cols = jnp.full((x.shape[1],), s, jnp.float32)
+    else:
+        a_rows, a_cols = jnp.max(ax, axis=1), jnp.max(ax, axis=0)
+        s_rows = jnp.where(a_rows > 0, a_rows / fmax, 1.0)
+        s_cols = jnp.where(a_cols > 0, a_cols / fmax, 1.0)
+    q_ref[...] = jnp.clip(x / s_rows[:, None], -fmax, fmax).astype(out_dtype)
+    qt_ref[...] = jnp.clip(x / s_cols[None, :], -fmax, fmax).astype(out_dtype).T
+    qs_ref[...] = s_rows[None, :]
+    qts_ref[...] = s_cols[None, :]
+
+
+@lower_once(static_argnames=("out_dtype", "tiles", "interpret", "num_warps"))
+def block_cast_transpose(x, *, out_dtype, tiles: str = "rows", interpret: bool | None = None, num_warps: int = 8):
+    """See the module docstring."""
+    if tiles not in TILES:
+        raise ValueError(f"block_cast_transpose: tiles={tiles!r} must be one of {TILES}.")
+    if jnp.dtype(out_dtype) not in _FP8:
+        raise ValueError(f"block_cast_transpose: out_dtype={out_dtype!r} must be float8_e4m3fn or float8_e5m2.")
+    if x.ndim != 2 or x.shape[0] % BLOCK_K or x.shape[1] % BLOCK_K:
+        raise ValueError(f"block_cast_transpose: x must be [R, C] with R and C multiples of {BLOCK_K}; got shape "
+                         f"{tuple(x.shape)}.")
+    r, c = x.shape
+    b = BLOCK_K
+    tile = pl.BlockSpec((b, b), lambda i, j: (i, j))
+    return pl.pallas_call(
+        functools.partial(_kernel, out_dtype=jnp.dtype(out_dtype), square=tiles == "square"),
+        out_shape=[jax.ShapeDtypeStruct((r, c), out_dtype), jax.ShapeDtypeStruct((c // b, r), jnp.float32),
+                   jax.ShapeDtypeStruct((c, r), out_dtype), jax.ShapeDtypeStruct((r // b, c), jnp.float32)],
+        grid=(r // b, c // b),
+        in_specs=[tile],
+        out_specs=[tile, pl.BlockSpec((1, b), lambda i, j: (j, i)), pl.BlockSpec((b, b), lambda i, j: (j, i)),
+                   pl.BlockSpec((1, b), lambda i, j: (i, j))],
+        compiler_params=triton_params(num_warps, 1),
+        interpret=default_interpret() if interpret is None else interpret,
+        name="te_fp8_block_cast_transpose",
+    )(x)
