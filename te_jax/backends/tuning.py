@@ -49,8 +49,8 @@ ATTENTION_GPU_PREFERENCE = Tuned(
 #: Backend order on a GPU for short queries (q_len <= pallas_kernels.flash_decode.MAX_QUERY_LEN) against a KV cache.
 DECODE_GPU_PREFERENCE = Tuned(
     ("pallas", "cudnn", "xla"),
-    "H100, bf16 hd128, q 1/8 x cache 8k-128k x GQA/MHA x batch 1/16: 0.90-7.5x the best of cuDNN and "
-    "FlashAttention-3 (16 of 25 rows >= 1.0, the rest 0.90-0.99); cuDNN trails far on q 8 GQA and batch 1 "
+    "H100, bf16 hd128, q 1/8 x cache 8k-128k x GQA/MHA x batch 1/16: 0.96-7.8x the best of cuDNN and "
+    "FlashAttention-3 (17 of 25 rows >= 1.0, the rest 0.96-0.99); cuDNN trails far on q 8 GQA and batch 1 "
     "(0.3-1.4 TB/s against 0.5-2.8)",
     DECODE_RESULTS)
 
