@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
+from .._lower_once import lower_once
 from ..flash_attention_hopper.common import (mma, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                                              stream_ring, warp_specialized_kernel)
 from .reference import BLOCK_K
@@ -50,6 +51,7 @@ def gemm_shape_reason(a_shape, b_shape, a_dtype, b_dtype, block_n: int = 128) ->
     return None
 
 
+@lower_once(static_argnames=("out_dtype", "block_n", "stages", "interpret"))
 def block_scaled_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16, block_n: int = 128, stages: int = 4,
                       interpret: bool | None = None):
     """See the module docstring.  a_scales [K/128, M], b_scales [K/128, N] float32 (dequantization factors)."""
