@@ -60,6 +60,18 @@ def fwd_bwd_many(cases):
     return jax.jit(run)([tuple(c[1]) for c in cases], [c[2] for c in cases])
 
 
+def fwd_bwd_pairs(cases, seed=99):
+    """cases [(name, fn, ref_fn, args)] -> [(name, (out, grads), (ref, ref_grads))]: each fn and its reference
+    under the same random cotangent (drawn from `seed`, shaped like ref_fn's output), all in one fwd_bwd_many
+    program; the caller compares with its own tolerances."""
+    runs = []
+    for _, fn, ref_fn, args in cases:
+        ct = rand(seed, jax.eval_shape(ref_fn, *args).shape)
+        runs += [(fn, args, ct), (ref_fn, args, ct)]
+    res = fwd_bwd_many(runs)
+    return [(c[0], res[2 * i], res[2 * i + 1]) for i, c in enumerate(cases)]
+
+
 def cpu_mesh(shape, names, *, auto=False):
     """A mesh over the first prod(shape) devices; Explicit axes (jax.make_mesh's default), or Auto ones."""
     shape, names = tuple(shape), tuple(names)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import te_jax
-from helpers import fwd_bwd_many, qkv as _qkv, rand as _rand
+from helpers import fwd_bwd_pairs, qkv as _qkv, rand as _rand
 from naive_attention import naive_attention, naive_mask
 
 MASKS = te_jax.MASK_TYPES
@@ -37,20 +37,15 @@ def _fmt_out(x, fmt):
 def _check_many(cases, rtol_fwd=2e-5, rtol_grad=5e-5):
     """cases: [(name, fn_te, fn_ref, args)]; output and gradients of <out, ct> of fn_te against fn_ref, every case
     and reference in one compile. Returns the te outputs."""
-    runs = []
-    for _, fn_te, fn_ref, args in cases:
-        ct = _rand(99, jax.eval_shape(fn_ref, *args).shape)
-        runs += [(fn_te, args, ct), (fn_ref, args, ct)]
-    res = fwd_bwd_many(runs)
-    for i, (name, *_) in enumerate(cases):
-        (out, g_te), (ref, g_ref) = res[2 * i], res[2 * i + 1]
+    pairs = fwd_bwd_pairs(cases)
+    for name, (out, g_te), (ref, g_ref) in pairs:
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=rtol_fwd, atol=rtol_fwd,
                                    err_msg=f"{name}: out")
         for t, a, b in zip("qkvb", g_te, g_ref):
             assert np.isfinite(np.asarray(a, np.float32)).all(), f"{name}: d{t}"
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=rtol_grad, atol=rtol_grad,
                                        err_msg=f"{name}: d{t}")
-    return [res[2 * i][0] for i in range(len(cases))]
+    return [out for _, (out, _), _ in pairs]
 
 
 def _check(fn_te, fn_ref, args, rtol_fwd=2e-5, rtol_grad=5e-5):

@@ -22,7 +22,7 @@ import te_jax
 from te_jax import context_parallel as tcp
 from te_jax import reference
 from te_jax.flax import DotProductAttention, MultiHeadAttention, TransformerLayer
-from helpers import fwd_bwd_many, rand
+from helpers import fwd_bwd_pairs, rand
 from tolerance import assert_close
 
 B, S, H, G, D = 2, 16, 4, 2, 16
@@ -74,18 +74,13 @@ def sink_reference(q, k, v, sink, *, scale=None, causal=False, q_lens=None, kv_l
 
 def _check_many(cases, tol=TOL):
     """cases [(what, fn, ref_fn, args)]: forward and gradients w.r.t. every argument under a random cotangent,
-    every fn and ref_fn in one jitted program (helpers.fwd_bwd_many); returns [(out, grads)] of the fns."""
-    runs = []
-    for _, fn, ref_fn, args in cases:
-        ct = _rand(99, jax.eval_shape(ref_fn, *args).shape)
-        runs += [(fn, args, ct), (ref_fn, args, ct)]
-    res = fwd_bwd_many(runs)
-    for i, (what, *_) in enumerate(cases):
-        (out, grads), (ref, grads_ref) = res[2 * i], res[2 * i + 1]
+    every fn and ref_fn in one jitted program (helpers.fwd_bwd_pairs); returns [(out, grads)] of the fns."""
+    pairs = fwd_bwd_pairs(cases)
+    for what, (out, grads), (ref, grads_ref) in pairs:
         assert_close(out, ref, tol, f"{what} out")
         for j, (a, r) in enumerate(zip(grads, grads_ref)):
             assert_close(a, r, tol, f"{what} grad {j}")
-    return [res[2 * i] for i in range(len(cases))]
+    return [mine for _, mine, _ in pairs]
 
 
 def _check(fn, ref_fn, args, tol=TOL, what=""):

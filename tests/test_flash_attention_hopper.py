@@ -741,3 +741,19 @@ def test_one_step_tiles_stay_off_the_persistent_forward():
                                                                                           128, BF)
     assert "one K/V step per tile" in describe_plan(64, 256, False, BF, cfg)
     assert "persistent grid" in describe_plan(64, 512, False, BF, cfg)
+
+
+def test_data_mask_bad_arguments_are_named():
+    """hopper_attention(mask=...) refuses, before any kernel: a mask built for other lengths (both shapes named, and
+    the fix), causal given twice, and a mask that is not an AttentionMask."""
+    from pallas_kernels.mask import AttentionMask
+
+    q = jnp.zeros((2, 256, 2, 128), BF)
+    k = jnp.zeros((2, 384, 2, 128), BF)
+    with pytest.raises(ValueError, match=r"mask is for \[batch, q_len, kv_len\] = \[2, 256, 256\], q/k are "
+                                         r"\[2, 256, 384\]\. Fix: build the AttentionMask"):
+        hopper_attention(q, k, k, scale=0.1, mask=AttentionMask.full(2, 256, 256))
+    with pytest.raises(ValueError, match="pass causal in the mask"):
+        hopper_attention(q, k, k, scale=0.1, causal=True, mask=AttentionMask.full(2, 256, 384, causal=True))
+    with pytest.raises(ValueError, match="mask=ndarray must be a pallas_kernels.mask.AttentionMask"):
+        hopper_attention(q, k, k, scale=0.1, mask=np.ones((2, 256, 384), bool))

@@ -1,5 +1,5 @@
-"""The block-scaled FP8 GEMM (pallas_kernels.fp8_gemm): its quantization and reference on the CPU (against te_jax's
-block_qdq numerics and a plain fp32 GEMM), its argument checks, and the kernel itself on an sm90 GPU."""
+"""The block-scaled FP8 GEMM (pallas_kernels.fp8_gemm): its quantization and reference on the CPU (against a numpy
+model and a plain fp32 GEMM), its argument checks, and the kernel itself on an sm90 GPU."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,15 +21,36 @@ def _operands(m=256, k=384, n=128, seed=0):
     return x, w, xq, wq, xs.T, row_scales(ws, 128)
 
 
-def test_quantize_blocks_matches_block_qdq_and_the_reference_gemm_matches_fp32():
-    """quantize_blocks dequantizes to block_qdq's values (the recipe's numerics: 1x128 activations, 128x128
-    weights); the reference GEMM on those operands equals the fp32 GEMM of the dequantized arrays and is within
-    FP8 error of the unquantized product."""
+def _numpy_quantize(x, block, dtype):
+    """An independent model of block quantization: per-tile amax with numpy loops, x / (amax / fp8_max) clipped
+    and cast with ml_dtypes."""
+    x = np.asarray(x, np.float32)
+    fmax = float(jnp.finfo(dtype).max)
+    q = np.zeros(x.shape, jnp.dtype(dtype))
+    s = np.ones((x.shape[0] // block[0], x.shape[1] // block[1]), np.float32)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            t = x[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            amax = np.abs(t).max()
+            s[i, j] = amax / np.float32(fmax) if amax > 0 else 1.0
+            q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = np.clip(
+                t / s[i, j], -fmax, fmax).astype(jnp.dtype(dtype))
+    return q, s
+
+
+def test_quantize_blocks_and_the_reference_gemm_against_independent_models():
+    """quantize_blocks against a numpy model (1x128 activations, 128x128 weights; te_jax's block_qdq is built on
+    it); the reference GEMM on those operands equals the fp32 GEMM of the dequantized arrays and is within FP8
+    error of the unquantized product."""
     x, w, xq, wq, sa, sb = _operands()
+    for a, block, q, scales in ((x, (1, 128), xq, sa.T), (w.T, (128, 128), wq, None)):
+        nq, ns = _numpy_quantize(a, block, E4)
+        np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)), nq.astype(np.float32))
+        if scales is not None:
+            np.testing.assert_allclose(scales, ns, rtol=2.5e-7)  # XLA divides to within 1 ulp
     dq_x = xq.astype(jnp.float32) * jnp.repeat(sa.T, 128, axis=1)
-    np.testing.assert_allclose(dq_x, block_qdq(x, (1, 128), E4, jnp.float32), rtol=1e-6, atol=1e-30)
     dq_w = wq.astype(jnp.float32) * sb.T.repeat(128, axis=1)  # [N, K]
-    np.testing.assert_allclose(dq_w.T, block_qdq(w, (128, 128), E4, jnp.float32), rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(dq_x, block_qdq(x, (1, 128), E4, jnp.float32), rtol=1e-6, atol=1e-30)
     ref = block_scaled_gemm_reference(xq, wq, sa, sb)
     np.testing.assert_allclose(ref, jnp.dot(dq_x, dq_w.T, precision="highest"), rtol=2e-5, atol=1e-4)
     exact = jnp.dot(x, w, precision="highest")
@@ -137,8 +158,12 @@ def test_block_cast_transpose_matches_quantize_blocks(tiles, dtype, in_dtype):
     np.testing.assert_array_equal(qs, want_qs)
     np.testing.assert_array_equal(qts, want_qts)
     assert float(qs.min()) > 0 and (tiles == "rows" or float(qs[0, 128]) == 1.0)
-    with pytest.raises(ValueError, match="multiples of 128"):
+    with pytest.raises(ValueError, match=r"multiples of 128; got shape \(256, 100\)"):
         block_cast_transpose(x[:, :100], out_dtype=dtype)
+    with pytest.raises(ValueError, match="tiles='cols' must be one of"):
+        block_cast_transpose(x, out_dtype=dtype, tiles="cols")
+    with pytest.raises(ValueError, match="out_dtype=.*must be float8_e4m3fn or float8_e5m2"):
+        block_cast_transpose(x, out_dtype=jnp.bfloat16)
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="the Mosaic GPU kernel needs an sm90 GPU (no interpreter on jax 0.10.2)")

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from .backward import flash_bwd
 from .config import HopperConfig, check_lengths, default_config, describe_plan
+from ..mask import AttentionMask
 from .data_mask import MaskRule, mask_tables
 from .forward import flash_fwd
 from .reference import attention_reference
@@ -190,6 +191,9 @@ _masked_attention.defvjp(_masked_fwd_rule, _masked_bwd_rule)
 
 
 def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap):
+    if not isinstance(mask, AttentionMask):
+        raise ValueError(f"hopper_attention: mask={type(mask).__name__} must be a pallas_kernels.mask.AttentionMask "
+                         f"(segment ids and positions [batch, length]; AttentionMask.from_segments / .full build one).")
     _check(q, k, v, False, softcap)
     b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
     want = (b, sq, skv)

@@ -205,7 +205,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                         for i in range(2))
                     qm_cons.release(slot)
                     if dm_masked:
-                        pT = dm.apply(pT, (q_seg, q_pos), key_marks, 0.0, q_axis=1)
+                        pT = dm.rule.apply(pT, (q_seg, q_pos), key_marks, 0.0, q_axis=1)
                 plgpu.barrier_wait(do_bar.at[slot])
                 if want_dv and want_dk and not interpret:
                     # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
@@ -556,7 +556,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(cols + t * bkv < kv_valid, p, 0.0)
                 if dm_masked:
-                    p = dm.apply(p, q_marks, k_marks, 0.0, q_axis=0)
+                    p = dm.rule.apply(p, q_marks, k_marks, 0.0, q_axis=0)
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 if pre is not None:
                     ds = ds * (1.0 - th * th)

@@ -103,12 +103,6 @@ class HopperConfig:
     # left of the CTA's 168 x 384.  None: 232 with two compute warpgroups (producer 40), 240 with one.  The hd64
     # and hd128 default configs: 240 (producer 24, as FA3).
     bwd_compute_registers: int | None = None
-    # Under a data mask, the forward launches its (head, query tile) CTAs longest walk first (a table sorted by the
-    # tiles' visible-block counts, every head's copy of a tile together) instead of in grid order.  None (auto):
-    # off: on the H100 it was 1.0x (padding) to 0.82x (documents) the grid order, whose neighbouring CTAs share K/V
-    # in L2 (benchmarks/hopper_mask_probe.py, benchmarks/results/attention_masks_h100.md).
-    mask_lpt: bool | None = None
-
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
             if getattr(self, name) % 64:
@@ -121,7 +115,7 @@ class HopperConfig:
             raise ValueError("bwd_wgs must be 1 or 2")
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
-                     "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "mask_lpt"):
+                     "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.bwd_compute_registers is not None:

@@ -139,9 +139,6 @@ class DataMask(NamedTuple):
     tables: MaskTables
     rule: MaskRule
 
-    def apply(self, x, q_marks, k_marks, fill, *, q_axis: int):
-        return self.rule.apply(x, q_marks, k_marks, fill, q_axis=q_axis)
-
     def kernel_args(self, kind: str):
         """(qm, km, counts, blocks) for the "fwd", "dq" or "dkv" kernel."""
         return (self.tables.qm, self.tables.km) + tuple(getattr(self.tables, kind))

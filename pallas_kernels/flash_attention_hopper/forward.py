@@ -30,7 +30,7 @@ from .._lower_once import lower_once
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
 from .forward_masked import _flash_fwd_masked
-from .forward_step import _Sched, _fwd_kv_step
+from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
                      logit_units, persistent_causal_chosen, persistent_chosen, ring_choices, split_tail_chosen)
 
@@ -79,12 +79,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     that see no key give out 0 and lse -inf."""
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
-    B, S, H, D = q.shape
-    Skv, G = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, k.shape[1], causal, q.shape[1])
-    rep = H // G
-    dtype = q.dtype
-    bq, bkv = cfg.block_q, cfg.block_kv
+    cfg = config or default_config(q.shape[-1], k.shape[1], causal, q.shape[1])
+    B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
     check_lengths(cfg, S, Skv, backward=False)
     if causal and S != Skv:
         raise ValueError("causal needs Sq == Skv")
@@ -102,9 +98,6 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     if causal and persistent_causal_chosen(cfg, S, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, causal=True,
                                      softcap=softcap)
-    n_kv = Skv // bkv
-    stages = max(1, min(cfg.stages, n_kv))
-    n_qt = S // (2 * bq)
     c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
@@ -241,14 +234,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     outputs, and _merge_cut_tiles combines the two pieces of each cut tile after the kernel.
     """
     plgpu = mosaic_gpu()
-    B, S, H, D = q.shape
-    Skv, G = k.shape[1], k.shape[2]
-    rep = H // G
-    dtype = q.dtype
-    bq, bkv = cfg.block_q, cfg.block_kv
-    n_kv = Skv // bkv
-    stages = max(1, min(cfg.stages, n_kv))
-    n_qt = S // (2 * bq)
+    B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
     n_tiles = B * H * n_qt
     half = n_qt // 2  # causal: pairs per (batch, head)
     lpt = cfg.fwd_causal_lpt is not False

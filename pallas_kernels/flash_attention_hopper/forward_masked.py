@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
-from .common import div, rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
+from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
 from .config import LN2, HopperConfig, logit_units, ring_choices
-from .forward_step import _Sched, _fwd_kv_step
+from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
 
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
                       softcap: float | None, mask_causal: bool, window: tuple[int, int]):
@@ -29,40 +29,21 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
 
     rule = MaskRule(mask_causal, window)
     plgpu = mosaic_gpu()
-    B, S, H, D = q.shape
-    Skv, G = k.shape[1], k.shape[2]
-    rep = H // G
-    dtype = q.dtype
-    bq, bkv = cfg.block_q, cfg.block_kv
-    n_kv = Skv // bkv
-    stages = max(1, min(cfg.stages, n_kv))
-    n_qt = S // (2 * bq)
+    B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
     c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    lpt = cfg.mask_lpt is True
-    n_tiles = B * n_qt
-
-    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, *rest):
-        if lpt:
-            order_ref, o_ref, lse_ref, smem, bars = rest
-        else:
-            o_ref, lse_ref, smem, bars = rest
+    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
         qo_smem2, k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem
         k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
         k_slots, v_slots, km_slots = ring_slots(plgpu, (k_cons, v_cons, km_cons), stages, named=named_release,
                                                 producer_warp=producer_warp, compute_wgs=2)
         wg = lax.axis_index("wg")
-        if lpt:  # CTA r runs tile order[r // H] (longest walks first) of head r % H
-            r = lax.axis_index("cta")
-            tile = order_ref[div(r, H)]
-            b, qt, h = div(tile, n_qt), rem(tile, n_qt), rem(r, H)
-        else:
-            b = lax.axis_index("batch")
-            h = lax.axis_index("heads")
-            qt = lax.axis_index("q_seq")
+        b = lax.axis_index("batch")
+        h = lax.axis_index("heads")
+        qt = lax.axis_index("q_seq")
         kvh = lax.div(h, jnp.int32(rep))
         n_partial, n_steps = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
         sched = _Sched(plgpu, sched, named)
@@ -164,12 +145,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
         ),
     ]
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
-    if lpt:
-        order = jnp.argsort(-counts[..., 1].reshape(-1), stable=True).astype(jnp.int32)  # [B * n_qt]
-        grid, grid_names, extra = (H * n_tiles,), ("cta",), (order,)
-    else:
-        grid, grid_names, extra = (H, n_qt, B), ("heads", "q_seq", "batch"), ()
-    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=grid,
-                                   grid_names=grid_names, compute_wgs=2, interpret=interpret,
+    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(H, n_qt, B),
+                                   grid_names=("heads", "q_seq", "batch"), compute_wgs=2, interpret=interpret,
                                    name="te_jax_attn_fwd_masked", no_auto_barriers=producer_warp)(
-        q, k, v, qm, km, counts, blocks, *extra)
+        q, k, v, qm, km, counts, blocks)

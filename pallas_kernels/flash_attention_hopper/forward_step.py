@@ -3,10 +3,39 @@ warpgroups' ping-pong on the tensor cores (used by the plain, persistent and dat
 Mosaic GPU is imported lazily by the callers: this module imports on any machine."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax.numpy as jnp
 from jax import lax
 
 from .common import mma, mma_into, named_barrier
+from .config import HopperConfig
+
+
+class FwdGeometry(NamedTuple):
+    """What every forward kernel derives from q [B,S,H,D], k [B,Skv,G,D] and its config."""
+    B: int
+    S: int
+    H: int
+    D: int
+    Skv: int
+    G: int
+    rep: int  # query heads per K/V head
+    dtype: object
+    bq: int
+    bkv: int
+    n_kv: int  # K/V blocks
+    stages: int  # K/V ring depth (at most n_kv)
+    n_qt: int  # query tiles of 2 x block_q rows
+
+
+def fwd_geometry(q, k, cfg: HopperConfig) -> FwdGeometry:
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    n_kv = Skv // cfg.block_kv
+    return FwdGeometry(B, S, H, D, Skv, G, H // G, q.dtype, cfg.block_q, cfg.block_kv, n_kv,
+                       max(1, min(cfg.stages, n_kv)), S // (2 * cfg.block_q))
+
 
 _SCHED_BAR_ID = 4  # Mosaic GPU uses named barriers 0 (CTA) and 1 + warpgroup
 

@@ -39,6 +39,15 @@ def disabled_by_env(var: str) -> str | None:
                      f"the backend, 1, true, yes or on (or unset it) to leave it enabled.")
 
 
+def env_choice(var: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of environment variable `var` (default when unset), which must be one of `choices`; a
+    ValueError naming the variable, the value and the choices otherwise."""
+    value = os.environ.get(var, default)
+    if value not in choices:
+        raise ValueError(f"{var}={value!r} must be one of {choices} (unset: {default!r}).")
+    return value
+
+
 def resolve_request(op: str, requested: str, names: tuple[str, ...], force_env: str) -> tuple[str | None, str]:
     """(forced backend or None for auto, where the decision came from). Raises on unknown names."""
     if not isinstance(requested, str) or (requested != "auto" and requested not in names):

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_gemm import (BLOCK_K, block_cast_transpose, block_scaled_gemm, block_scaled_gemm_reference,
                                      quantize_blocks, row_scales)
+from te_jax.backends import policy
 from te_jax.fp8.fused import fused_setting
 
 BLOCK_GEMM_ENV = "TE_JAX_FP8_BLOCK_GEMM"
@@ -35,10 +35,7 @@ BLOCK_GEMM_MODES = ("xla", "pallas", "emulate")
 
 
 def block_gemm_mode() -> str:
-    v = os.environ.get(BLOCK_GEMM_ENV, "xla")
-    if v not in BLOCK_GEMM_MODES:
-        raise ValueError(f"{BLOCK_GEMM_ENV}={v!r} must be one of {BLOCK_GEMM_MODES} (unset: 'xla').")
-    return v
+    return policy.env_choice(BLOCK_GEMM_ENV, BLOCK_GEMM_MODES, "xla")
 
 
 def block_gemm_reason(x_shape, w_shape, n_contract: int) -> str | None:

@@ -103,13 +103,14 @@ def resolve(where: str, enable_fp8=None, fp8_recipe=None):
 def gemm_support_reason(recipe, k: int, n: int) -> str | None:
     """Why XLA would NOT run a per-tensor FP8 GEMM of contraction size k and output width n (None: it would)."""
     if isinstance(recipe, Float8BlockScaling):
-        from te_jax.fp8.block import BLOCK_GEMM_ENV, block_gemm_mode
+        from te_jax.fp8.block import BLOCK_GEMM_ENV, block_gemm_mode, block_gemm_reason
 
         mode = block_gemm_mode()
         if mode == "pallas" and recipe.x_block == recipe.w_block == 128:
-            if k % 128 or n % 128:
-                return (f"{BLOCK_GEMM_ENV}=pallas, but K={k} or N={n} is not a multiple of 128: the reference "
-                        f"implementation runs (block-scaling numerics, not an FP8 GEMM)")
+            why = block_gemm_reason((128, k), (k, n), 1)  # the token count is not known here
+            if why is not None:
+                return (f"{BLOCK_GEMM_ENV}=pallas, but {why}: the reference implementation runs (block-scaling "
+                        f"numerics, not an FP8 GEMM)")
             return None  # FP8 block GEMMs (experimental: te_jax/fp8/block.py), the token count permitting
         return ("Float8BlockScaling on XLA is a reference implementation (blockwise quantize -> dequantize -> "
                 f"GEMM in the compute dtype): block-scaling numerics, not an FP8 GEMM ({BLOCK_GEMM_ENV}=pallas "

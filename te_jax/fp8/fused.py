@@ -10,8 +10,6 @@ array), and LayerNormMLP runs te_jax/fp8/mlp.py (activation + cast, dActivation 
 """
 from __future__ import annotations
 
-import os
-
 import jax
 
 from te_jax.backends import policy
@@ -22,10 +20,7 @@ FUSED_SETTINGS = ("auto", "0", "1")
 
 
 def fused_setting() -> str:
-    v = os.environ.get(FUSED_ENV, "auto")
-    if v not in FUSED_SETTINGS:
-        raise ValueError(f"{FUSED_ENV}={v!r} must be one of {FUSED_SETTINGS} (unset: 'auto').")
-    return v
+    return policy.env_choice(FUSED_ENV, FUSED_SETTINGS, "auto")
 
 
 def fused_cast_unavailable(recipe) -> str | None:

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +61,8 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
+from pallas_kernels.fp8_gemm import quantize_blocks
+from te_jax.backends import policy
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
 from te_jax.fp8.fused import fused_cast_unavailable
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, check_recipe
@@ -75,10 +76,7 @@ STATE_KEYS = ("input_scale", "input_amax_history", "kernel_scale", "kernel_amax_
 
 
 def gemm_style() -> str:
-    style = os.environ.get("TE_JAX_FP8_GEMM", GEMM_STYLE)
-    if style not in GEMM_STYLES:
-        raise ValueError(f"TE_JAX_FP8_GEMM={style!r} must be one of {GEMM_STYLES}.")
-    return style
+    return policy.env_choice("TE_JAX_FP8_GEMM", GEMM_STYLES, GEMM_STYLE)
 
 
 def fp8_max(dtype) -> float:
@@ -268,21 +266,18 @@ _per_tensor_dot.defvjp(_per_tensor_fwd, _per_tensor_bwd)
 # --- block scaling (reference implementation) ------------------------------------------------------
 
 def block_qdq(a, tile, dtype, out_dtype):
-    """Quantize a 2D array with one scale per (tile[0] x tile[1]) tile (amax of the tile), dequantize.
+    """Quantize a 2D array with one scale per (tile[0] x tile[1]) tile, dequantize (the block recipe's numerics:
+    pallas_kernels.fp8_gemm.quantize_blocks, scale = amax / fp8_max, 1 for an all-zero tile).
 
-    Edges that do not fill a tile are padded with zeros (which do not change a tile's amax).
-    An all-zero tile gets scale 1. Returns an array of a's shape in out_dtype.
+    A tile larger than the array shrinks to it; edges that do not fill a tile are padded with zeros (which do not
+    change a tile's amax). Returns an array of a's shape in out_dtype.
     """
     r, c = a.shape
     tr, tc = min(tile[0], r), min(tile[1], c)
-    pr, pc = -r % tr, -c % tc
-    ap = jnp.pad(a.astype(jnp.float32), ((0, pr), (0, pc)))
-    t = ap.reshape((r + pr) // tr, tr, (c + pc) // tc, tc)
-    am = jnp.max(jnp.abs(t), axis=(1, 3), keepdims=True)
-    scale = compute_scale(am, jnp.ones_like(am), fp8_max(dtype))
-    q = jnp.clip(t * scale, -fp8_max(dtype), fp8_max(dtype)).astype(dtype)
-    dq = (q.astype(jnp.float32) / scale).reshape(r + pr, c + pc)[:r, :c]
-    return dq.astype(out_dtype)
+    ap = jnp.pad(a.astype(jnp.float32), ((0, -r % tr), (0, -c % tc)))
+    q, scale_inv = quantize_blocks(ap, (tr, tc), dtype)
+    dq = q.astype(jnp.float32) * jnp.repeat(jnp.repeat(scale_inv, tr, axis=0), tc, axis=1)
+    return dq[:r, :c].astype(out_dtype)
 
 
 def _dense_split(dn, x_ndim, w_ndim):
