@@ -2,9 +2,11 @@
 fp32 reference, then TFLOP/s beside XLA's per-tensor FP8 GEMM (cuBLASLt) and the bf16 GEMM, on the Llama-style
 layer's GEMM shapes (tokens 8192, hidden 4096, SwiGLU 14336, GQA 32/8 x 128).
 
-    PYTHONPATH=. python3 -m benchmarks.fp8_block_gemm_gpu [--rounds 3] [--block-n 128] [--stages 4]
+    PYTHONPATH=. python3 -m benchmarks.fp8_block_gemm_gpu [--rounds 3] [--variants default,serial,...]
 
-Operands: x [M, K] in 1x128 tiles along K (one scale per row and K block), w^T [N, K] in 128x128 tiles, E4M3.
+Operands: x [M, K] in 1x128 tiles along K (one scale per row and K block), w^T [N, K] in 128x128 tiles, E4M3
+(forward rows); for the wgrad rows both operands are activations in 1x128 tiles along the token axis.
+Kernel variants (VARIANTS: block_n, stages, b_uniform, overlap) are timed side by side.
 Timing: interleaved rounds, each the median of timing.measure's samples, after warm-up.
 """
 from __future__ import annotations
@@ -29,37 +31,53 @@ SHAPES = {
     "out fprop": (8192, 4096, 4096),
     "mlp up (gate+up) fprop": (8192, 4096, 28672),
     "mlp down fprop": (8192, 14336, 4096),
+    "qkv wgrad": (4096, 8192, 6144),
+    "mlp up wgrad": (4096, 8192, 28672),
+}
+# name: kernel keyword arguments (b_uniform applies to the weight-operand rows only)
+VARIANTS = {
+    "default": dict(block_n=128, stages=4, b_uniform=True, overlap=True),
+    "serial": dict(block_n=128, stages=4, b_uniform=True, overlap=False),
+    "per-column b": dict(block_n=128, stages=4, b_uniform=False, overlap=True),
+    "serial per-column b": dict(block_n=128, stages=4, b_uniform=False, overlap=False),
+    "stages 5": dict(block_n=128, stages=5, b_uniform=True, overlap=True),
+    "block_n 256": dict(block_n=256, stages=3, b_uniform=False, overlap=False),
 }
 
 
-def operands(key, m, k, n):
+def operands(key, m, k, n, b_tiles=(128, 128)):
     kx, kw = jax.random.split(key)
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
     xq, xs = quantize_blocks(x, (1, 128), E4M3)       # [M, K], [M, K/128]
-    wq, ws = quantize_blocks(w.T, (128, 128), E4M3)  # [N, K], [N/128, K/128]
-    return x, w, xq, wq, xs.T, row_scales(ws, 128)
+    wq, ws = quantize_blocks(w.T, b_tiles, E4M3)     # [N, K], [N/b_tiles[0], K/128]
+    return x, w, xq, wq, xs.T, row_scales(ws, b_tiles[0])
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--block-n", type=int, default=128)
-    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     dev = jax.devices()[0]
-    print(f"{datetime.date.today()}  {dev.device_kind}  jax {jax.__version__}  block_n {args.block_n} "
-          f"stages {args.stages}", flush=True)
-    kern = jax.jit(lambda a, b, sa, sb: block_scaled_gemm(a, b, sa, sb, block_n=args.block_n, stages=args.stages))
+    names = args.variants.split(",")
+    print(f"{datetime.date.today()}  {dev.device_kind}  jax {jax.__version__}  variants {names}", flush=True)
+
+    def kern(variant, wgrad):
+        kw = dict(VARIANTS[variant])
+        kw["b_uniform"] = kw["b_uniform"] and not wgrad
+        return jax.jit(lambda a, b, sa, sb: block_scaled_gemm(a, b, sa, sb, **kw))
 
     # correctness: a small shape and a slice of the largest, against the fp32 reference on the same FP8 operands
-    for (m, k, n) in ((256, 512, 256), (1024, 4096, 2048)):
-        _, _, xq, wq, sa, sb = operands(jax.random.key(m + n), m, k, n)
-        got = np.asarray(kern(xq, wq, sa, sb), np.float32)
-        ref = np.asarray(block_scaled_gemm_reference(xq, wq, sa, sb))
-        rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        print(f"correctness {m}x{k}x{n}: rel err vs fp32 reference {rel:.2e} ({'ok' if rel < 1e-2 else 'FAIL'})",
-              flush=True)
+    for variant in names:
+        for (m, k, n) in ((256, 512, 256), (1024, 4096, 2048)):
+            for wgrad in (False, True):
+                _, _, xq, wq, sa, sb = operands(jax.random.key(m + n), m, k, n, (1, 128) if wgrad else (128, 128))
+                got = np.asarray(kern(variant, wgrad)(xq, wq, sa, sb), np.float32)
+                ref = np.asarray(block_scaled_gemm_reference(xq, wq, sa, sb))
+                rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+                print(f"correctness {variant} {m}x{k}x{n} b {'1x128' if wgrad else '128x128'}: rel err vs fp32 "
+                      f"reference {rel:.2e} ({'ok' if rel < 1e-2 else 'FAIL'})", flush=True)
 
     # the one-pass block cast, compiled, against XLA's quantize_blocks (values may differ in the last FP8 step where
     # the division rounds differently)
@@ -79,10 +97,11 @@ def main():
 
     rows, results = [], {}
     for name, (m, k, n) in SHAPES.items():
-        x, w, xq, wq, sa, sb = operands(jax.random.key(1), m, k, n)
+        wgrad = "wgrad" in name
+        x, w, xq, wq, sa, sb = operands(jax.random.key(1), m, k, n, (1, 128) if wgrad else (128, 128))
         wt8 = wq  # per-tensor peer: the same FP8 values, one scale each
         impls = {
-            "block-scaled (pallas)": (kern, (xq, wq, sa, sb)),
+            **{f"block {v}": (kern(v, wgrad), (xq, wq, sa, sb)) for v in names},
             "per-tensor FP8 (XLA/cuBLASLt)": (jax.jit(lambda a, b, s: (jax.lax.dot_general(
                 a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16).astype(jnp.float32)
                 * s).astype(jnp.bfloat16)), (xq, wt8, jnp.float32(1.0))),
@@ -95,13 +114,15 @@ def main():
         flops = 2 * m * k * n
         tf = {i: flops / statistics.median(t) / 1e12 for i, t in times.items()}
         results[name] = dict(shape=(m, k, n), tflops=tf)
+        best = max(tf[f"block {v}"] for v in names)
         rows.append(f"| {name} ({m}x{k}x{n}) | " + " | ".join(f"{tf[i]:.0f}" for i in impls)
-                    + f" | {tf['block-scaled (pallas)'] / tf['per-tensor FP8 (XLA/cuBLASLt)']:.2f} |")
+                    + f" | {best / tf['per-tensor FP8 (XLA/cuBLASLt)']:.2f} |")
         print(rows[-1], flush=True)
     print(f"\n## Block-scaled FP8 GEMM, TFLOP/s ({args.rounds} interleaved rounds, medians), {dev.device_kind}, "
           f"jax {jax.__version__}, {datetime.date.today()}\n")
-    print("| GEMM | block-scaled (pallas) | per-tensor FP8 (XLA) | bf16 (XLA) | block / per-tensor |")
-    print("|---|---|---|---|---|")
+    print("| GEMM | " + " | ".join(f"block {v}" for v in names)
+          + " | per-tensor FP8 (XLA) | bf16 (XLA) | best block / per-tensor |")
+    print("|---" * (len(names) + 4) + "|")
     for r in rows:
         print(r)
     out = os.environ.get("OUT", "/tmp")

@@ -30,8 +30,8 @@ def main():
         ref = np.asarray(ref)
         n_qt = S // 128
         n_tiles = B * H * n_qt
-        for ctas in (2, 3, 4, 5, 6, 7):
-            cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_split_tail=False)
+        for ctas, split_tail in [(c, False) for c in (2, 3, 4, 5, 6, 7)] + [(c, True) for c in (3, 5, 7)]:
+            cfg = dataclasses.replace(default_config(D), fwd_ctas=ctas, fwd_split_tail=split_tail)
             out, _ = jax.jit(lambda q, k, v: _flash_fwd_persistent(q, k, v, scale=D ** -0.5, cfg=cfg,
                                                                   interpret=False))(q, k, v)
             out = np.asarray(out, np.float32)
@@ -45,7 +45,7 @@ def main():
                     zero = "zero" if not out[b, rows, h].any() else f"err {err:.2f}"
                     bad.append(f"tile {t} (cta {t % ctas}, #{t // ctas}: {zero})")
             steps = S // cfg.block_kv
-            print(f"S {S} ({steps} K/V step(s) per tile), {n_tiles} tiles on {ctas} CTAs: "
+            print(f"S {S} ({steps} K/V step(s) per tile), {n_tiles} tiles on {ctas} CTAs, split tail {split_tail}: "
                   + ("all tiles right" if not bad else "; ".join(bad)), flush=True)
 
 

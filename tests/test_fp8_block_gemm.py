@@ -12,13 +12,15 @@ from te_jax.fp8.quantize import block_qdq
 E4 = jnp.float8_e4m3fn
 
 
-def _operands(m=256, k=384, n=128, seed=0):
+def _operands(m=256, k=384, n=128, seed=0, w_tiles=(128, 128)):
+    """x [m, k] in 1x128 tiles (rows of different magnitudes), w^T [n, k] in w_tiles: 128x128 (weights: the
+    forward and dgrad GEMMs) or 1x128 (an activation as b: the wgrad GEMM)."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.standard_normal((m, 1))), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, n)) * k ** -0.5 * np.exp(rng.standard_normal((1, n))), jnp.float32)
     xq, xs = quantize_blocks(x, (1, 128), E4)
-    wq, ws = quantize_blocks(w.T, (128, 128), E4)
-    return x, w, xq, wq, xs.T, row_scales(ws, 128)
+    wq, ws = quantize_blocks(w.T, w_tiles, E4)
+    return x, w, xq, wq, xs.T, row_scales(ws, w_tiles[0])
 
 
 def _numpy_quantize(x, block, dtype):
@@ -77,10 +79,16 @@ def _on_sm90():
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="the Mosaic GPU kernel needs an sm90 GPU (no interpreter on jax 0.10.2)")
-@pytest.mark.parametrize("m,k,n,block_n", [(256, 384, 128, 128), (384, 1024, 512, 128), (128, 128, 256, 256)])
-def test_kernel_matches_the_reference(m, k, n, block_n):
-    _, _, xq, wq, sa, sb = _operands(m, k, n, seed=m + n)
-    got = jax.jit(lambda *a: block_scaled_gemm(*a, block_n=block_n))(xq, wq, sa, sb)
+@pytest.mark.parametrize("m,k,n,block_n,w_rows,b_uniform,overlap", [
+    (256, 384, 128, 128, 128, True, True), (384, 1024, 512, 128, 128, True, False),
+    (256, 1024, 384, 128, 1, False, True), (384, 384, 256, 128, 1, False, False),
+    (128, 128, 256, 256, 128, False, False), (128, 1152, 256, 128, 128, False, True)])
+def test_kernel_matches_the_reference(m, k, n, block_n, w_rows, b_uniform, overlap):
+    """Every promotion form (one scalar per K block for 128x128 b tiles, or per-column b scales; promoted after
+    the wgmma or during the next one) against the fp32 reference, one K block to nine."""
+    _, _, xq, wq, sa, sb = _operands(m, k, n, seed=m + n, w_tiles=(w_rows, 128))
+    got = jax.jit(lambda *a: block_scaled_gemm(*a, block_n=block_n, b_uniform=b_uniform, overlap=overlap))(
+        xq, wq, sa, sb)
     ref = block_scaled_gemm_reference(xq, wq, sa, sb)
     assert got.dtype == jnp.bfloat16
     assert float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 1e-2

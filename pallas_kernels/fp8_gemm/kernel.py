@@ -16,8 +16,8 @@ warpgroup runs per K block:
 M % 128 == 0, N % block_n == 0, K % 128 == 0.
 
 GPU only: no Mosaic GPU interpreter on jax 0.10.2, and Mosaic GPU is imported lazily.
-**Experimental:** no GPU run has checked this kernel yet. te_jax does not call it (benchmarks/fp8_block_gemm_gpu.py
-checks it against reference.block_scaled_gemm_reference and times it).
+Checked on an H100 against reference.block_scaled_gemm_reference by tests/test_fp8_block_gemm.py and
+benchmarks/fp8_block_gemm_gpu.py (which also times it: benchmarks/results/fp8_block_gemm_h100.md).
 """
 from __future__ import annotations
 
@@ -51,10 +51,17 @@ def gemm_shape_reason(a_shape, b_shape, a_dtype, b_dtype, block_n: int = 128) ->
     return None
 
 
-@lower_once(static_argnames=("out_dtype", "block_n", "stages", "interpret"))
+@lower_once(static_argnames=("out_dtype", "block_n", "stages", "b_uniform", "overlap", "interpret"))
 def block_scaled_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16, block_n: int = 128, stages: int = 4,
-                      interpret: bool | None = None):
-    """See the module docstring.  a_scales [K/128, M], b_scales [K/128, N] float32 (dequantization factors)."""
+                      b_uniform: bool = False, overlap: bool = True, interpret: bool | None = None):
+    """See the module docstring.  a_scales [K/128, M], b_scales [K/128, N] float32 (dequantization factors).
+
+    b_uniform: every 128-row block of b has one scale per K block (128x128 weight tiles, as the forward and dgrad
+        GEMMs of the recipe have): the kernel reads one scalar per K block instead of a scale per column, and the
+        promotion is one multiply-add per element.  Only with block_n 128; ignored otherwise.
+    overlap: the promotion of K block kb-1 runs while the wgmma of block kb is in flight (a second fp32 fragment
+        of registers); without it the warpgroup waits for its wgmma, then promotes.  Only with block_n 128.
+    """
     why = gemm_shape_reason(a.shape, b.shape, a.dtype, b.dtype, block_n)
     if why is not None:
         raise ValueError(f"block_scaled_gemm: {why}")
@@ -69,6 +76,8 @@ def block_scaled_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16, block
     interpret = resolve_interpret(interpret)
     bn, bk = block_n, BLOCK_K
     stages = max(1, min(stages, nk))
+    uniform = b_uniform and bn == BLOCK_K
+    overlap = overlap and bn == BLOCK_K
     named_release = producer_warp = not interpret
     wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
@@ -82,30 +91,71 @@ def block_scaled_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16, block
         ni = lax.axis_index("n")
         wg = lax.axis_index("wg")
 
+        def scales_of(slot):
+            """This K block's scales: the row factors [64] (uniform b) or (a rows [64], b columns [bn])."""
+            plgpu.barrier_wait(sa_bar.at[slot])
+            plgpu.barrier_wait(sb_bar.at[slot])
+            sa = plgpu.load(sa_ring.at[slot, wg], layout=wgmma_rows)
+            if uniform:
+                s = sa * sb_ring[slot, 0]
+            else:
+                s = (sa, plgpu.load(sb_ring.at[slot], layout=wgmma_cols))
+            sa_sl.release(slot)
+            sb_sl.release(slot)
+            return s
+
+        def promote(acc, part, s):
+            if uniform:
+                return acc + part * lax.broadcast_in_dim(s, (64, bn), [0])
+            sa, sb = s
+            return acc + (part * lax.broadcast_in_dim(sa, (64, bn), [0])) * lax.broadcast_in_dim(sb, (64, bn), [1])
+
+        def zeros(shape, layout):
+            return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), layout)
+
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             for ring in rings:
                 ring.prime()
-            acc = plgpu.layout_cast(jnp.full((64, bn), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            acc = zeros((64, bn), plgpu.Layout.WGMMA)
+
+            def wait_ab(slot):
+                plgpu.barrier_wait(a_bar.at[slot])
+                plgpu.barrier_wait(b_bar.at[slot])
+                return a_ring.at[slot, wg], b_ring.at[slot].transpose((1, 0))
 
             def step(kb, acc):
                 slot = rem(kb, stages)
-                plgpu.barrier_wait(a_bar.at[slot])
-                plgpu.barrier_wait(b_bar.at[slot])
-                part = mma(plgpu, (64, bn), a_ring.at[slot, wg], b_ring.at[slot].transpose((1, 0)))
+                part = mma(plgpu, (64, bn), *wait_ab(slot))
                 a_sl.release(slot)
                 b_sl.release(slot)
-                plgpu.barrier_wait(sa_bar.at[slot])
-                plgpu.barrier_wait(sb_bar.at[slot])
-                sa = plgpu.load(sa_ring.at[slot, wg], layout=wgmma_rows)
-                sb = plgpu.load(sb_ring.at[slot], layout=wgmma_cols)
-                sa_sl.release(slot)
-                sb_sl.release(slot)
-                scale = lax.broadcast_in_dim(sa, (64, bn), [0]) * lax.broadcast_in_dim(sb, (64, bn), [1])
-                return acc + part * scale
+                return promote(acc, part, scales_of(slot))
 
-            acc = lax.fori_loop(0, nk, step, acc)
+            def step_overlapped(kb, carry):
+                acc, prev, s_prev = carry
+                slot = rem(kb, stages)
+                a_blk, b_blk = wait_ab(slot)
+
+                def f(acc_ref):
+                    plgpu.wgmma(acc_ref, a_blk, b_blk)
+                    promoted = promote(acc, prev, s_prev)  # while this block's wgmma runs
+                    s = scales_of(slot)
+                    return acc_ref[...], promoted, s
+
+                part, acc, s = pl.run_scoped(f, plgpu.ACC((64, bn), jnp.float32))
+                a_sl.release(slot)
+                b_sl.release(slot)
+                return acc, part, s
+
+            if overlap:
+                s0 = (zeros((64,), wgmma_rows) if uniform
+                      else (zeros((64,), wgmma_rows), zeros((bn,), wgmma_cols)))
+                acc, last, s_last = lax.fori_loop(0, nk, step_overlapped,
+                                                  (acc, zeros((64, bn), plgpu.Layout.WGMMA), s0))
+                acc = promote(acc, last, s_last)
+            else:
+                acc = lax.fori_loop(0, nk, step, acc)
             c_smem.at[wg][...] = acc.astype(out_dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(c_smem.at[wg], c_ref.at[pl.ds(mi * BLOCK_M + wg * 64, 64), pl.ds(ni * bn, bn)])

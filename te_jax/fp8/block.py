@@ -48,10 +48,11 @@ def block_gemm_reason(x_shape, w_shape, n_contract: int) -> str | None:
     return f"{', '.join(bad)} not a multiple of {BLOCK_K}" if bad else None
 
 
-def _gemm(mode, out_dtype):
+def _gemm(mode, out_dtype, b_is_weight: bool):
+    """The block GEMM of `mode`; b_is_weight: b is in 128x128 tiles (one scale per K block and 128 rows)."""
     if mode == "emulate":
         return lambda a, b, sa, sb: block_scaled_gemm_reference(a, b, sa, sb, out_dtype)
-    return lambda a, b, sa, sb: block_scaled_gemm(a, b, sa, sb, out_dtype=out_dtype)
+    return lambda a, b, sa, sb: block_scaled_gemm(a, b, sa, sb, out_dtype=out_dtype, b_uniform=b_is_weight)
 
 
 def _cast(a, dtype, tiles: str, fused: bool):
@@ -81,15 +82,15 @@ def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
     xq, xs, xqt, xts = _cast(x2, fwd_dtype, "rows", fused)
     _, _, wqt, wts = _cast(w2, fwd_dtype, "square", fused)
     # saved: x's transposed copy for the wgrad (FP8); the weight is re-cast in the backward
-    return _gemm(mode, out_dtype)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
+    return _gemm(mode, out_dtype, True)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
 
 
 def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, fused, res, g):
     xqt, xts, w2, x_dtype_carrier = res
     gq, gs, gqt, gts = _cast(g, bwd_dtype, "rows", fused)
     wq, ws, _, _ = _cast(w2, fwd_dtype, "square", fused)
-    dx = _gemm(mode, x_dtype_carrier.dtype)(gq, wq, gs, ws)
-    dw = _gemm(mode, w2.dtype)(xqt, gqt, xts, gts)
+    dx = _gemm(mode, x_dtype_carrier.dtype, True)(gq, wq, gs, ws)
+    dw = _gemm(mode, w2.dtype, False)(xqt, gqt, xts, gts)
     return dx, dw
 
 

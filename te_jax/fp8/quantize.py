@@ -271,11 +271,16 @@ def block_qdq(a, tile, dtype, out_dtype):
 
     A tile larger than the array shrinks to it; edges that do not fill a tile are padded with zeros (which do not
     change a tile's amax). Returns an array of a's shape in out_dtype.
+
+    The FP8 values pass an optimization barrier: XLA's GPU pipeline (simplify-fp-conversions, with excess precision
+    allowed, its default) would otherwise fold the f32 -> FP8 -> f32 converts into nothing, and the recipe would
+    silently compute in full precision on a GPU (found by tests/test_fp8_block_gemm.py on an H100).
     """
     r, c = a.shape
     tr, tc = min(tile[0], r), min(tile[1], c)
     ap = jnp.pad(a.astype(jnp.float32), ((0, -r % tr), (0, -c % tc)))
     q, scale_inv = quantize_blocks(ap, (tr, tc), dtype)
+    q = jax.lax.optimization_barrier(q)
     dq = q.astype(jnp.float32) * jnp.repeat(jnp.repeat(scale_inv, tr, axis=0), tc, axis=1)
     return dq[:r, :c].astype(out_dtype)
 
