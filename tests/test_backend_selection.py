@@ -247,7 +247,7 @@ def test_sm90_hopper_features_wait_for_a_gpu_check(fake_h100, monkeypatch):
     ragged64 = te_jax.explain_attention_backend(*_qkv(sq=1000, skv=1000, d=64), backend="pallas")
     assert "Hopper (Mosaic GPU) kernel" in ragged64.detail, ragged64.detail
 
-    monkeypatch.setattr(tuning, "HOPPER_GPU_VERIFIED", tuning.Tuned({"softcap": (), "ragged lengths": (128,)},
+    monkeypatch.setattr(tuning, "HOPPER_GPU_VERIFIED", tuning.Tuned({"head dims": ((64, 64), (128, 128)), "softcap": (), "ragged lengths": (128,)},
                                                                     "stand-in", "results.md"))
     capped = te_jax.explain_attention_backend(*shapes, softcap=30.0, attn_mask_type="causal")
     assert capped.selected == "pallas" and capped.detail.startswith("portable"), capped
@@ -265,6 +265,36 @@ def test_sm90_hopper_features_wait_for_a_gpu_check(fake_h100, monkeypatch):
     assert supports((1, 128, 4, 64), (1, 128, 2, 64), (1, 128, 2, 64), jnp.bfloat16, softcap=np.float32(2)) is None
     with pytest.raises(ValueError, match="softcap=inf must be a finite number > 0"):
         te_jax.dot_product_attention(*_qkv(), softcap=float("inf"))
+
+
+def test_sm90_split_head_dims_take_the_hopper_kernel_once_checked(fake_h100, monkeypatch):
+    """DeepSeek-V3's head_dim_qk 192 / head_dim_v 128 on sm90: cuDNN is refused (jax.nn needs equal head dims), so
+    auto takes the pallas backend; it runs the Hopper kernel once a GPU run checked the pair
+    (tuning.HOPPER_GPU_VERIFIED["head dims"]), else the portable kernel with the reason; a data mask with split
+    head dims stays on the portable kernel by name; config=HopperConfig() takes the Hopper kernel anyway."""
+    from pallas_kernels.flash_attention_hopper import HopperConfig
+    from te_jax.backends import pallas as pallas_mod
+    from te_jax.backends import tuning
+
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    q = jax.ShapeDtypeStruct((2, 1024, 8, 192), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 1024, 2, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.bfloat16)
+    base = dict(tuning.HOPPER_GPU_VERIFIED.value)
+    for pairs in (((128, 128),), ((128, 128), (192, 128))):
+        monkeypatch.setattr(tuning, "HOPPER_GPU_VERIFIED", tuning.Tuned(dict(base, **{"head dims": pairs}),
+                                                                        "stand-in", "results.md"))
+        e = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal")
+        assert e.selected == "pallas" and "head_dim" in e.reasons["cudnn"], e
+        if (192, 128) in pairs:
+            assert "Hopper (Mosaic GPU) kernel" in e.detail, e.detail
+        else:
+            assert e.detail.startswith("portable") and "192/128: not yet checked on a GPU" in e.detail, e.detail
+            forced = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal", config=HopperConfig())
+            assert "Hopper (Mosaic GPU) kernel" in forced.detail, forced.detail
+    seg = te_jax.explain_attention_backend(q, k, v, attn_mask_type="padding_causal", backend="pallas",
+                                           q_seqlens=jnp.array([1000, 700]), kv_seqlens=jnp.array([1000, 700]))
+    assert seg.detail.startswith("portable") and "data-mask schedule needs equal head dims" in seg.detail, seg.detail
 
 
 def test_hopper_refuses_a_config_whose_key_block_would_be_all_padding():
@@ -331,7 +361,8 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
     plain = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal", backend="pallas")
     assert "data-mask" not in plain.detail and "Hopper (Mosaic GPU) kernel" in plain.detail
     monkeypatch.setattr(tuning, "HOPPER_GPU_VERIFIED", tuning.Tuned(
-        {"softcap": (128,), "ragged lengths": (128,), "data mask": ()}, "stand-in", "results.md"))
+        {"head dims": ((128, 128),), "softcap": (128,), "ragged lengths": (128,), "data mask": ()}, "stand-in",
+        "results.md"))
     unchecked = te_jax.explain_attention_backend(q, k, v, backend="pallas", **cases["window"])
     assert unchecked.detail.startswith("portable") and "data mask at head_dim 128: not yet checked" in unchecked.detail
 

@@ -42,7 +42,9 @@ BF = jnp.bfloat16
     "q,k,v,dtype,causal,kw,reason",
     [
         ((2, 256, 8, 96), (2, 256, 8, 96), (2, 256, 8, 96), BF, False, {},
-         "head_dim 96 not in {64,128,256}"),
+         "head_dim 96 not in {64,128,192,256}"),
+        ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 96), BF, False, {}, "v head_dim 96 not in {64,128,192,256}"),
+        ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 128), BF, True, {}, None),  # DeepSeek-V3's 192/128
         ((2, 1000, 8, 128), (2, 1000, 8, 128), (2, 1000, 8, 128), BF, False, {}, None),  # ragged: padded
         ((2, 256, 8, 128), (2, 200, 8, 128), (2, 200, 8, 128), BF, False, {}, None),
         ((2, 0, 8, 128), (2, 200, 8, 128), (2, 200, 8, 128), BF, False, {}, "sequence length 0 is empty"),
@@ -50,8 +52,8 @@ BF = jnp.bfloat16
          "dtype float32 not in {bfloat16, float16}"),
         ((2, 256, 8, 128), (2, 256, 3, 128), (2, 256, 3, 128), BF, False, {},
          "query heads 8 not a multiple of kv heads 3"),
-        ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 64), BF, False, {},
-         "head_dim of q/k (128/128) and v (64) differ"),
+        ((2, 256, 8, 128), (2, 256, 8, 64), (2, 256, 8, 64), BF, False, {},
+         "head_dim of q (128) and k (64) differ"),
         ((2, 256, 8, 128), (2, 512, 8, 128), (2, 512, 8, 128), BF, True, {},
          "causal needs equal query and kv lengths (got 256 and 512)"),
         ((2, 256, 8, 128), (2, 256, 8, 128), (2, 256, 8, 128), BF, False, {"window": (64, 0)},
@@ -151,6 +153,38 @@ def test_forward_and_grads(S, H, G, D, causal, softcap):
     grads = vjp((do, dl))
     rgrads = rvjp((f32(do), dl))
     for g, rg in zip(grads, rgrads):
+        assert g.shape == rg.shape
+        assert _rel(g, rg) < 2e-2
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize(
+    "S,H,G,D,Dv,causal,softcap",
+    [(512, 4, 2, 192, 128, True, None), (384, 2, 2, 192, 128, False, None), (300, 2, 1, 192, 128, False, 2.0),
+     (256, 2, 1, 192, 192, True, None), (256, 2, 2, 128, 64, True, None), (256, 2, 1, 64, 128, False, None),
+     (200, 2, 1, 192, 128, True, None)],
+)
+def test_split_head_dims_forward_and_grads(S, H, G, D, Dv, causal, softcap):
+    """q/k head_dim D and v head_dim Dv (DeepSeek-V3's 192/128 and others): out, lse, dq, dk, dv against the fp32
+    reference, with GQA, ragged lengths and softcap."""
+    interpret = _mode()
+    ks = jax.random.split(jax.random.key(S + D + Dv), 5)
+    q = jax.random.normal(ks[0], (1, S, H, D), BF)
+    k = jax.random.normal(ks[1], (1, S, G, D), BF)
+    v = jax.random.normal(ks[2], (1, S, G, Dv), BF)
+    do = jax.random.normal(ks[3], (1, S, H, Dv), BF)
+    dl = jax.random.normal(ks[4], (1, H, S), jnp.float32)
+    scale = D ** -0.5
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal, interpret=interpret, softcap=softcap)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=causal, softcap=softcap)
+    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    assert out.shape == (1, S, H, Dv)
+    assert _rel(out, rout) < 1e-2
+    assert _rel(lse, rlse) < 1e-4
+    for g, rg in zip(vjp((do, dl)), rvjp((f32(do), dl))):
         assert g.shape == rg.shape
         assert _rel(g, rg) < 2e-2
 
@@ -757,3 +791,22 @@ def test_data_mask_bad_arguments_are_named():
         hopper_attention(q, k, k, scale=0.1, causal=True, mask=AttentionMask.full(2, 256, 384, causal=True))
     with pytest.raises(ValueError, match="mask=ndarray must be a pallas_kernels.mask.AttentionMask"):
         hopper_attention(q, k, k, scale=0.1, mask=np.ones((2, 256, 384), bool))
+
+
+def test_split_head_dims_config_and_plan():
+    """192/128 takes 128-key forward blocks with each O tile inside its Q tile (o_tiles_in_q: 208 KB of shared
+    memory at two stages); other splits and 192/192 keep 64-key blocks; the plan names the split and the backward's
+    two dK / dV launches."""
+    from pallas_kernels.flash_attention_hopper.config import default_config, describe_plan
+    from pallas_kernels.flash_attention_hopper.forward import o_tiles_in_q
+
+    assert default_config(192, 4096, True, head_dim_v=128).block_kv == 128
+    assert default_config(192, 4096, True, head_dim_v=128).bwd_wgs == 2
+    assert default_config(192, 4096, True).block_kv == 64 and default_config(192).bwd_wgs == 2
+    assert (dataclasses.asdict(default_config(64, 4096, False, head_dim_v=128))
+            == dataclasses.asdict(default_config(128, 4096, False)))
+    assert o_tiles_in_q(64, 192, 128, BF) and not o_tiles_in_q(64, 64, 128, BF) and not o_tiles_in_q(64, 128, 128, BF)
+    plan = describe_plan(192, 4096, True, BF, head_dim_v=128)
+    assert "split head dims 192/128" in plan and "block_kv 128" in plan and "inside its Q tile" in plan, plan
+    assert "two launches" in plan and "separate dQ" in plan
+    assert "in its own tile" in describe_plan(64, 4096, False, BF, head_dim_v=128)

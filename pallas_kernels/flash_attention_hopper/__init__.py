@@ -1,10 +1,11 @@
 """Hopper (sm90) flash attention: Pallas Mosaic GPU kernels (wgmma, TMA, warp specialisation).
 
     hopper_attention(q, k, v, *, scale, causal=False, softcap=None, config=None) -> (out, lse)
-        q [B,Sq,H,D], k/v [B,Skv,G,D] (H % G == 0), bf16/fp16, D in {64,128,256}; any lengths >= 1 (causal:
+        q/k [B,Sq,H,D] / [B,Skv,G,D], v [B,Skv,G,Dv] (H % G == 0), bf16/fp16, D and Dv in {64,128,192,256} (they
+        may differ, e.g. DeepSeek-V3's 192/128: then the grid forward, no data mask); any lengths >= 1 (causal:
         Sq == Skv): a length that is not a multiple of 128 is padded with zeros up to one (a copy of the
         operands) and the padded keys are masked in the kernels (causal: by the diagonal itself);
-        out [B,S,H,D] (q.dtype), lse [B,H,S] float32 (natural log).  Differentiable.
+        out [B,S,H,Dv] (q.dtype), lse [B,H,S] float32 (natural log).  Differentiable.
         softcap t > 0: logits t * tanh(scale * q.k / t) (Gemma 2's), its derivative in the backward.
         mask (pallas_kernels.mask.AttentionMask [B, Sq] / [B, Skv], causal=False): any mask as data (padding,
         documents, causal top-left or bottom-right, windows, explicit positions); Sq and Skv may differ.  The
@@ -47,7 +48,7 @@ __all__ = [
     "HEAD_DIMS",
 ]
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 192, 256)
 BLOCK = 128  # the kernels' lengths are multiples of this (hopper_attention pads ragged ones up to it)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -83,12 +84,13 @@ def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=N
     bk, skv, g, dk = k_shape
     if tuple(v_shape[:3]) != (bk, skv, g):
         return f"v shape {tuple(v_shape)} does not match k shape {tuple(k_shape)}"
-    if v_shape[3] != dk or dk != d:
-        return f"head_dim of q/k ({d}/{dk}) and v ({v_shape[3]}) differ"
+    if dk != d:
+        return f"head_dim of q ({d}) and k ({dk}) differ"
     if bk != b:
         return f"batch of q ({b}) and k/v ({bk}) differ"
-    if d not in HEAD_DIMS:
-        return f"head_dim {d} not in {{64,128,256}}"
+    for label, x in (("head_dim", d), ("v head_dim", v_shape[3])):
+        if x not in HEAD_DIMS:
+            return f"{label} {x} not in {{{','.join(map(str, HEAD_DIMS))}}}"
     if g == 0 or h % g:
         return f"query heads {h} not a multiple of kv heads {g}"
     for name, s in (("sequence length", sq), ("kv sequence length", skv)):
@@ -195,13 +197,16 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap):
         raise ValueError(f"hopper_attention: mask={type(mask).__name__} must be a pallas_kernels.mask.AttentionMask "
                          f"(segment ids and positions [batch, length]; AttentionMask.from_segments / .full build one).")
     _check(q, k, v, False, softcap)
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"hopper_attention: a mask needs equal q/k and v head_dims (got {q.shape[-1]} and "
+                         f"{v.shape[-1]}); the Hopper kernels serve different head_dims with causal or no mask only")
     b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
     want = (b, sq, skv)
     if (mask.batch, mask.q_len, mask.kv_len) != want:
         raise ValueError(f"hopper_attention: mask is for [batch, q_len, kv_len] = {[mask.batch, mask.q_len, mask.kv_len]}"
                          f", q/k are {list(want)}. Fix: build the AttentionMask from these q/k lengths.")
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK
-    cfg = config or default_config(q.shape[-1], pkv, False, pq)
+    cfg = config or default_config(q.shape[-1], pkv, False, pq)  # (equal head_dims here)
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     tables = mask_tables(padded, cfg, backward=False)  # the backward adds its lists (flash_bwd)

@@ -45,6 +45,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     transposed block classes), computed without the element mask on [flo, fhi); no PieceSplit, no reversal."""
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
+    Dv = v.shape[-1]  # v's head_dim (may differ from q/k's D: no atomic dQ, no PieceSplit then)
     Skv, G = k.shape[1], k.shape[2]
     rep = H // G
     dtype = q.dtype
@@ -71,9 +72,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         raise ValueError("atomic dQ rides on the dK pass")
     if want_dq and dq_by is None:
         raise ValueError(f"atomic dQ: no 64-wide share per warpgroup for head_dim {D}, {cfg}")
+    if want_dq and Dv != D:
+        raise ValueError(f"atomic dQ needs equal q/k and v head_dims (got {D} and {Dv})")
 
     steps = rep * nq  # a non-causal key tile's walk
-    plan = None if causal or dm is not None else piece_split_chosen(cfg, G * n_kt * B, steps,
+    plan = None if causal or dm is not None or Dv != D else piece_split_chosen(cfg, G * n_kt * B, steps,
                                                                     cfg.bwd_ctas or num_sms(), Skv)
     n_grads = int(want_dk) + int(want_dv)
 
@@ -174,8 +177,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     plgpu.barrier_wait(kvm_bar.at[wg])
                     key_marks[:] = [plgpu.load(kvm_smem2.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1))
                                     for i in range(2)]
-                zero = plgpu.layout_cast(jnp.full((bkv, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-                return (zero if want_dk else None), (zero if want_dv else None)
+                def zero(d):
+                    return plgpu.layout_cast(jnp.full((bkv, d), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+                z = zero(D)
+                return (z if want_dk else None), ((z if Dv == D else zero(Dv)) if want_dv else None)
 
             def step_body(t, qb, carry, masked: bool, *, hh, bb, kv0, dm_masked: bool = False):
                 """One query block of query head hh against this warpgroup's keys.  t: the CTA's ring step (its Q /
@@ -394,9 +400,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     scratch = [
         (
             plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bkv, Dv), dtype, transforms=tr),
             plgpu.SMEM((stages, bq, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bq, Dv), dtype, transforms=tr),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
         ) + ((
@@ -456,6 +462,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     plgpu = mosaic_gpu()
     dm = data_mask
     B, S, H, D = q.shape
+    Dv = v.shape[-1]
     Skv, G = k.shape[1], k.shape[2]
     rep = H // G
     dtype = q.dtype
@@ -594,11 +601,11 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     scratch = [
         (
             plgpu.SMEM((wgs, bq, D), dtype, transforms=tr),
-            plgpu.SMEM((wgs, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bq, Dv), dtype, transforms=tr),
             plgpu.SMEM((wgs, bq), jnp.float32),
             plgpu.SMEM((wgs, bq), jnp.float32),
             plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, Dv), dtype, transforms=tr),
         ),
         (
             plgpu.Barrier(num_barriers=(5 if dm is not None else 4) * wgs),
@@ -628,7 +635,8 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     and mask_rule as flash_fwd's; padded keys get zero dk, dv; rows with lse -inf contribute nothing)."""
     interpret = resolve_interpret(interpret)
     D = q.shape[-1]
-    cfg = config or default_config(D, k.shape[1], causal, q.shape[1])
+    Dv = v.shape[-1]
+    cfg = config or default_config(D, k.shape[1], causal, q.shape[1], head_dim_v=Dv)
     check_lengths(cfg, q.shape[1], k.shape[1], forward=False)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     if dlse is not None:
@@ -646,13 +654,14 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), mask_rule)
     # Under a data mask dQ comes from its own kernel: the dK/dV kernel with the atomic dQ and the element mask spills
     # registers, and the H100 measured the dQ kernel 5-11% faster there (benchmarks/hopper_mask_probe.py).
-    if atomic_dq_chosen(D, k.shape[1], cfg, interpret) and (mask_tables is None or cfg.bwd_dq_atomic is True):
+    if (Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret)
+            and (mask_tables is None or cfg.bwd_dq_atomic is True)):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)
         dq = (dq_acc[...] * scale).astype(q.dtype)
         return dq, dk, dv
-    if D > 128:
+    if max(D, Dv) > 128:  # dK and dV accumulators of 64 rows do not fit one warpgroup's registers together
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
     else:

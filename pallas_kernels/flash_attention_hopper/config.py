@@ -131,7 +131,7 @@ class HopperConfig:
 
 
 def default_config(head_dim: int, kv_len: int | None = None, causal: bool = False,
-                   q_len: int | None = None) -> HopperConfig:
+                   q_len: int | None = None, head_dim_v: int | None = None) -> HopperConfig:
     """The tuned config for a head_dim, the key / query lengths and the mask.
 
     hd64 (benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md):
@@ -139,6 +139,12 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
       masked.  They need kv_len % 256 == 0.
     * backward: 128-row query blocks.  They need q_len % 256 == 0 (the dQ kernel's CTA takes 2 x 128 rows).
     """
+    if head_dim_v is not None and head_dim_v != head_dim:
+        if head_dim == 192 and head_dim_v == 128:
+            # DeepSeek-V3's 192/128 (attention_head_dims_h100.md): 128-key forward blocks (the O tiles live inside
+            # the Q tiles, so two stages fit: 208 KB), two backward warpgroups
+            return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2)
+        head_dim = max(head_dim, head_dim_v)
     if head_dim <= 64:
         wide = kv_len is None or (kv_len % 256 == 0 and not (causal and kv_len < 4096))
         rows = 128 if (q_len if q_len is not None else kv_len or 0) % 256 == 0 else 64
@@ -149,6 +155,10 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
     if head_dim <= 128:
         # 240 / 24 registers in the backward: faster causal, a tie without a mask.
         return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_compute_registers=240)
+    if head_dim <= 192:
+        # 192 (q/k 192 with v 192, or another split): 64-key forward blocks; two backward warpgroups (their Q/dO and
+        # K/V tiles fit shared memory, unlike hd256's)
+        return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=2)
     return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
 
 
@@ -451,9 +461,16 @@ def atomic_dq_chosen(head_dim: int, kv_len: int, cfg: HopperConfig, interpret: b
     return bool(cfg.bwd_dq_atomic) or (min_kv is not None and kv_len >= min_kv)
 
 
-def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperConfig | None = None) -> str:
+def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperConfig | None = None,
+                  head_dim_v: int | None = None) -> str:
     """How the kernels run a call on the GPU, in words (for the backend explanation)."""
-    cfg = cfg or default_config(head_dim, kv_len, causal)
+    cfg = cfg or default_config(head_dim, kv_len, causal, head_dim_v=head_dim_v)
+    if head_dim_v is not None and head_dim_v != head_dim:
+        where = "inside its Q tile" if head_dim_v < head_dim else "in its own tile"
+        return (f"split head dims {head_dim}/{head_dim_v}: forward one CTA per query tile (block_kv {cfg.block_kv}; "
+                f"each warpgroup's O tile {where}){'; causal' if causal else ''}; backward dK and dV in two "
+                f"launches (their accumulators do not fit one warpgroup's registers together) and a separate dQ "
+                f"kernel ({cfg.bwd_wgs} warpgroups each)")
     if causal and persistent_causal_chosen(cfg, kv_len, head_dim, dtype):
         fwd = ("forward on a persistent grid (one CTA per SM; query tiles paired heavy with light"
                + ("; the last tiles dealt to the least-loaded CTA)" if cfg.fwd_causal_lpt is not False else ")"))

@@ -39,20 +39,30 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
               interpret: bool, name: str, producer_warp: bool, extra_in=(), extra_out=()):
     """plgpu.kernel for a forward body: 2 compute warpgroups + 1 memory warpgroup.
 
-    Shared memory: Q/O tiles [2 warpgroups, *q_buffers, bq, D], the K and V rings [stages, bkv, D], lse
-    staging [2, bq].  Barriers: k/v loaded (per slot), Q loaded (per warpgroup and buffer), k/v consumed
-    (2 arrivals per slot), the ping-pong rendezvous (2 arrivals).
+    Shared memory: Q/O tiles [2 warpgroups, *q_buffers, bq, D], the K and V rings [stages, bkv, D] / [.., Dv], lse
+    staging [2, bq].  Where v's head_dim Dv differs from q/k's D (q_buffers 1): with Dv < D the Q tiles are a
+    RefUnion with (O tile of warpgroup 0, a gap, O tile of warpgroup 1), each O tile inside its own warpgroup's Q
+    tile (o_tiles_in_q); else a separate O tile [2, bq, Dv] comes last.
+    Barriers: k/v loaded (per slot), Q loaded (per warpgroup and buffer), k/v consumed (2 arrivals per slot), the
+    ping-pong rendezvous (2 arrivals).
     """
     B, S, H, D = q.shape
+    Dv = v.shape[-1]
     dtype = q.dtype
     tr = smem_transforms(plgpu, dtype)
+    q_tiles = plgpu.SMEM((2, q_buffers, bq, D) if q_buffers > 1 else (2, bq, D), dtype, transforms=tr)
+    if Dv != D and o_tiles_in_q(bq, D, Dv, dtype):
+        o_tile = plgpu.SMEM((bq, Dv), dtype, transforms=tr)
+        gap = plgpu.SMEM((bq * (D - Dv) * jnp.dtype(dtype).itemsize,), jnp.int8)
+        q_tiles = plgpu.RefUnion(q_tiles, (o_tile, gap, o_tile))
     scratch = [
         (
-            plgpu.SMEM((2, q_buffers, bq, D) if q_buffers > 1 else (2, bq, D), dtype, transforms=tr),
+            q_tiles,
             plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, Dv), dtype, transforms=tr),
             plgpu.SMEM((2, bq), jnp.float32),
-        ),
+        ) + ((plgpu.SMEM((2, bq, Dv), dtype, transforms=tr),) if Dv != D and not o_tiles_in_q(bq, D, Dv, dtype)
+             else ()),
         (
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
@@ -62,26 +72,36 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
             plgpu.Barrier(num_arrivals=2),
         ),
     ]
-    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32), *extra_out)
+    out_type = (jax.ShapeDtypeStruct((B, S, H, Dv), dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32), *extra_out)
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=grid, grid_names=grid_names,
                                    compute_wgs=2, interpret=interpret, name=name,
                                    no_auto_barriers=producer_warp)(q, k, v, *extra_in)
+
+
+def o_tiles_in_q(bq: int, D: int, Dv: int, dtype) -> bool:
+    """Whether each warpgroup's O tile [bq, Dv] can live inside its own Q tile [bq, D] (RefUnion, _fwd_call): Dv < D
+    and both the O tile and the gap to the next Q tile whole multiples of the 1024-byte shared-memory alignment."""
+    isz = jnp.dtype(dtype).itemsize
+    return Dv < D and (bq * Dv * isz) % 1024 == 0 and (bq * (D - Dv) * isz) % 1024 == 0
 
 
 @lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule"))
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
               interpret: bool | None = None, softcap: float | None = None, kv_valid: int | None = None,
               mask_tables=None, mask_rule=None):
-    """-> (out [B,S,H,D] q.dtype, lse [B,H,S] float32, natural log).  softcap: logits softcap * tanh(s / softcap)
+    """-> (out [B,S,H,Dv] q.dtype, lse [B,H,S] float32, natural log); q/k head_dim D, v's Dv (Dv != D: the grid
+    kernel, no data mask).  softcap: logits softcap * tanh(s / softcap)
     (s = scale * q.k; tanh in the score path, before the mask).  kv_valid (non-causal): keys at or past it are
     padding (masked on every K/V step: the caller padded a ragged length up to a whole block).
     mask_tables / mask_rule (data_mask.MaskTables / MaskRule; causal False, kv_valid None): a data mask; rows
     that see no key give out 0 and lse -inf."""
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
-    cfg = config or default_config(q.shape[-1], k.shape[1], causal, q.shape[1])
+    Dv = v.shape[-1]
+    cfg = config or default_config(q.shape[-1], k.shape[1], causal, q.shape[1], head_dim_v=Dv)
     B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
     check_lengths(cfg, S, Skv, backward=False)
+    split_dims = Dv != D  # q/k and v head_dims differ: the grid kernel with a separate O tile
     if causal and S != Skv:
         raise ValueError("causal needs Sq == Skv")
     if causal and kv_valid is not None:
@@ -89,13 +109,15 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     if mask_tables is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
+        if split_dims:
+            raise ValueError(f"a data mask needs equal q/k and v head_dims (got {D} and {Dv})")
         return _flash_fwd_masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
                                  interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
                                  window=tuple(mask_rule.window))
-    if not causal and persistent_chosen(cfg, Skv, D, dtype):
+    if not causal and not split_dims and persistent_chosen(cfg, Skv, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
                                      kv_valid=kv_valid)
-    if causal and persistent_causal_chosen(cfg, S, D, dtype):
+    if causal and not split_dims and persistent_causal_chosen(cfg, S, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, causal=True,
                                      softcap=softcap)
     c, pre = logit_units(scale, softcap)
@@ -104,7 +126,14 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     split = cfg.split_causal
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
-        qo_smem2, k_smem, v_smem, lse_smem2 = smem
+        qo_smem2, k_smem, v_smem, lse_smem2 = smem[:4]
+        if not split_dims:
+            o_tiles = None  # the O tile: Q's buffer
+        elif o_tiles_in_q(bq, D, Dv, dtype):
+            qo_smem2, (o_tile0, _, o_tile1) = qo_smem2  # the RefUnion: O tile w inside Q tile w
+            o_tiles = (o_tile0, o_tile1)
+        else:
+            o_tiles = (smem[4].at[0], smem[4].at[1])
         k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
         k_slots, v_slots = ring_slots(plgpu, (k_cons, v_cons), stages, named=named_release,
                                       producer_warp=producer_warp, compute_wgs=2)
@@ -140,7 +169,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                                     plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32),
                                     plgpu.Layout.WGMMA.reduce(1))
-            acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            acc = plgpu.layout_cast(jnp.full((bq, Dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             plgpu.barrier_wait(k_bar.at[0])
             pl.when(wg == 1)(sched.start)
@@ -193,10 +222,18 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
             inv = 1.0 / l_i
             acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            qo_smem[...] = acc.astype(dtype)
+            if o_tiles is None:
+                qo_smem[...] = acc.astype(dtype)
+            else:  # each warpgroup its own O tile (static refs: a RefUnion member cannot be indexed by wg)
+                for w, o_tile in enumerate(o_tiles):
+                    pl.when(wg == w)(functools.partial(o_tile.__setitem__, Ellipsis, acc.astype(dtype)))
             lse_smem[...] = (m_i + jnp.log2(l_i)) * LN2
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+            if o_tiles is None:
+                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+            else:
+                for w, o_tile in enumerate(o_tiles):
+                    pl.when(wg == w)(functools.partial(plgpu.copy_smem_to_gmem, o_tile, o_ref.at[b, pl.ds(q0, bq), h]))
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
             plgpu.wait_smem_to_gmem(0)
 

@@ -206,6 +206,10 @@ class PallasBackend:
                     "explanation (explain_context_parallel_backend)")
         d = call.dims
         data_mask = self.hopper_data_mask(call)  # the mask's causal rule then runs as data, any lengths
+        if data_mask and d.head_dim_qk != d.head_dim_v:
+            return (f"a token mask ({call.mask.mask_type}{', segments' if call.padding_source == 'segment_ids' else ''}"
+                    f") with head_dim_qk {d.head_dim_qk} != head_dim_v {d.head_dim_v}: the Hopper kernel's data-mask "
+                    f"schedule needs equal head dims (it serves split head dims with causal or no mask)")
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
@@ -225,6 +229,11 @@ class PallasBackend:
                                 ("ragged lengths", d.q_len % block or d.kv_len % block),
                                 ("data mask", PallasBackend.hopper_data_mask(call))) if on]
         verified = tuning.HOPPER_GPU_VERIFIED
+        dims = (d.head_dim_qk, d.head_dim_v)
+        if dims not in verified.value["head dims"]:
+            checked = ", ".join(f"{a}/{b}" for a, b in verified.value["head dims"])
+            return (f"head_dim_qk/head_dim_v {dims[0]}/{dims[1]}: not yet checked on a GPU for the Hopper kernel "
+                    f"(checked: {checked}; {verified.results}); pass config=HopperConfig() to use it anyway")
         missing = [f for f in used if d.head_dim_qk not in verified.value[f]]
         if missing:
             checked = verified.value[missing[0]]
@@ -299,7 +308,8 @@ class PallasBackend:
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
                     "the element mask, partial tiles apply it; one CTA per query tile (no persistent schedule)")
         else:
-            plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config)
+            plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config,
+                                    head_dim_v=d.head_dim_v)
         if call.softcap is not None:
             plan += f"; softcap {call.softcap:g} (tanh on every score tile, its derivative in the backward)"
         ragged = [f"{n} {x}" for n, x in (("q_len", d.q_len), ("kv_len", d.kv_len)) if x % fh.BLOCK]

@@ -1,0 +1,155 @@
+"""Split head dims on the H100: q/k head_dim 192, v head_dim 128 (DeepSeek-V3), te_jax against every peer that
+takes the call, forward and forward+backward.
+
+    bash benchmarks/install_peers.sh; export PYTHONPATH=.:/tmp/site   # carry [".whl"]
+    python3 -m benchmarks.attention_head_dims_gpu [--rounds 3] [--rows causal_4k,...] [--configs default,stages3]
+
+Rows (bf16, 16 heads, d_qk 192, d_v 128): ROWS. Implementations:
+  te_jax          te_jax.dot_product_attention(backend="auto"): what users get (its kernel is printed)
+  te_jax <cfg>    backend="pallas" with a HopperConfig from CONFIGS (the Hopper kernel, tuning candidates)
+  cudnn_vpad      jax.nn.dot_product_attention(implementation="cudnn") with v zero-padded to 192 and the output
+                  sliced (jax.nn needs equal head dims: what a jax.nn user can do; its PV work is 1.5x)
+  tokamax         tokamax.dot_product_attention(implementation="mosaic"), if it takes d_qk != d_v
+  fa3             flash_attn3_jax.flash_mha (0.2.3 returns a d_qk-wide output: sliced to d_v)
+Before timing: each implementation's output on the last 256 query rows against the fp32 reference, and te_jax's
+gradients against cudnn_vpad's (dv sliced). A peer that fails is reported and left out. Timing: interleaved rounds
+(every implementation once per round), each the median of timing.measure's samples; the cell is the median.
+TFLOP/s: 2*B*H*S^2*(d_qk + d_v) for the forward (half when causal), 3.5x that for forward+backward.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+import te_jax
+from benchmarks import attention_hopper_gpu as ahg
+from benchmarks import timing
+from pallas_kernels.flash_attention_hopper import HopperConfig, default_config
+from pallas_kernels.flash_attention_hopper.reference import attention_reference
+
+DQK, DV, H = 192, 128, 16
+ROWS = {  # name: (B, S, causal)
+    "causal_4k": (4, 4096, True),
+    "noncausal_4k": (4, 4096, False),
+    "causal_16k": (1, 16384, True),
+    "noncausal_16k": (1, 16384, False),
+}
+CONFIGS = {
+    "default": None,  # default_config(192): block_kv 64, 2 stages, two backward warpgroups
+    "bwd1": HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1),  # one backward warpgroup (hd256's)
+    "kv128": HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2),  # 128-key forward blocks (O inside Q)
+}
+
+
+def fwd_and_fb(f):
+    def fb(q, k, v, do):
+        return jax.vjp(f, q, k, v)[1](do)
+    return jax.jit(f), jax.jit(fb)
+
+
+def makers(causal, scale, tk, fa3, configs):
+    mask = "causal" if causal else "no_mask"
+    out = {"te_jax": lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
+        q, k, v, scale=scale, attn_mask_type=mask))}
+    for name in configs:
+        cfg = CONFIGS[name]
+        out[f"te_jax {name}"] = (lambda cfg: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
+            q, k, v, scale=scale, attn_mask_type=mask, backend="pallas",
+            config=cfg if cfg is not None else default_config(DQK))))(cfg)
+
+    def vpad(q, k, v):
+        vp = jnp.pad(v, [(0, 0)] * 3 + [(0, DQK - DV)])
+        return jax.nn.dot_product_attention(q, k, vp, scale=scale, is_causal=causal, implementation="cudnn")[..., :DV]
+
+    out["cudnn_vpad"] = lambda: fwd_and_fb(vpad)
+    if tk is not None:
+        out["tokamax"] = lambda: fwd_and_fb(lambda q, k, v: tk.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, implementation="mosaic"))
+    if fa3 is not None:
+        # flash-attn3-jax 0.2.3 returns a [.., d_qk]-wide output for d_v < d_qk: sliced to d_v
+        out["fa3"] = lambda: fwd_and_fb(lambda q, k, v: fa3.flash_mha(
+            q, k, v, softmax_scale=float(scale), is_causal=causal)[..., :DV])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args()
+    tk, tk_line = ahg.import_tokamax("mosaic")
+    fa3, fa3_line = ahg.import_fa3()
+    print(f"{datetime.date.today()}  {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
+    print(tk_line, flush=True)
+    print(fa3_line, flush=True)
+    ahg.gpu_warmup()
+    table = []
+    scale = DQK ** -0.5
+    for name in args.rows.split(","):
+        B, S, causal = ROWS[name]
+        ks = jax.random.split(jax.random.key(S + causal), 4)
+        q = jax.random.normal(ks[0], (B, S, H, DQK), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (B, S, H, DQK), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (B, S, H, DV), jnp.bfloat16)
+        do = jax.random.normal(ks[3], (B, S, H, DV), jnp.bfloat16)
+        choice = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal" if causal else "no_mask")
+        print(f"\n== {name}: B {B} S {S} H {H} d_qk {DQK} d_v {DV} causal {causal}\nte_jax auto: {choice.selected}; "
+              f"{choice.detail}", flush=True)
+        impls = {}
+        for iname, make in makers(causal, scale, tk, fa3, args.configs.split(",")).items():
+            try:
+                impls[iname] = make()
+                jax.block_until_ready(impls[iname][1](q, k, v, do))
+            except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
+                print(f"  {iname}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+                impls.pop(iname, None)
+        n = 256
+        ref, _ = jax.jit(lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=False))(
+            q[:1, S - n:].astype(jnp.float32), k[:1].astype(jnp.float32), v[:1].astype(jnp.float32))
+        if causal:  # the last n rows see every key up to their own position: the tail rows of a causal call
+            from pallas_kernels.flash_attention.reference import reference_attention
+            from pallas_kernels.mask import AttentionMask
+            m = AttentionMask.full(1, n, S, causal=True, bottom_right=True)
+            ref, _ = jax.jit(lambda q, k, v: reference_attention(q, k, v, m, scale=scale))(
+                q[:1, S - n:].astype(jnp.float32), k[:1].astype(jnp.float32), v[:1].astype(jnp.float32))
+        for iname in impls:
+            o = impls[iname][0](q, k, v)[:1, S - n:]
+            print(f"  {iname} out (last {n} rows of batch row 0) vs fp32: rel {ahg.rel(o, ref):.2e}", flush=True)
+        if "cudnn_vpad" in impls:
+            gp = impls["cudnn_vpad"][1](q, k, v, do)
+            for iname in impls:
+                if iname.startswith("te_jax"):
+                    g = impls[iname][1](q, k, v, do)
+                    print(f"  {iname} grads vs cudnn_vpad: rel " +
+                          ", ".join(f"d{c} {ahg.rel(a, b):.2e}" for c, a, b in zip("qkv", g, gp)), flush=True)
+        flops = 2 * B * H * S * S * (DQK + DV) * (0.5 if causal else 1.0)
+        times = {(i, m): [] for i in impls for m in ("fwd", "fb")}
+        for r in range(args.rounds):
+            for iname, (f, fb) in impls.items():
+                times[(iname, "fwd")].append(timing.measure(f, (q, k, v))[0])
+                times[(iname, "fb")].append(timing.measure(fb, (q, k, v, do))[0])
+            print(f"  round {r + 1}/{args.rounds} done", flush=True)
+        tf = {key: flops * (1 if key[1] == "fwd" else 3.5) / statistics.median(t) / 1e12 for key, t in times.items()}
+        peers = [i for i in impls if not i.startswith("te_jax")]
+        for m in ("fwd", "fb"):
+            cells = " | ".join(f"{i} {tf[(i, m)]:.0f}" for i in impls)
+            ours = max((i for i in impls if i.startswith("te_jax")), key=lambda i: tf[(i, m)], default=None)
+            best = max(peers, key=lambda i: tf[(i, m)]) if peers else None
+            ratio = f"{ours} {tf[(ours, m)] / tf[(best, m)]:.2f} of {best}" if best and ours else "-"
+            table.append(f"| {name} | {m} | {cells} | {ratio} |")
+            print(table[-1], flush=True)
+    print(f"\n## d_qk 192 / d_v 128: TFLOP/s ({args.rounds} interleaved rounds, medians), "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}\n")
+    print("| row | pass | implementations (TFLOP/s) | te_jax's best / best peer |")
+    print("|---|---|---|---|")
+    for line in table:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
