@@ -39,9 +39,9 @@ ROWS = {  # name: (B, S, causal)
     "noncausal_16k": (1, 16384, False),
 }
 CONFIGS = {
-    "default": None,  # default_config(192): block_kv 64, 2 stages, two backward warpgroups
+    "default": None,  # default_config(192, head_dim_v=128): 128-key forward blocks (O inside Q), two bwd warpgroups
+    "kv64": HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=2),  # 64-key forward blocks
     "bwd1": HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1),  # one backward warpgroup (hd256's)
-    "kv128": HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2),  # 128-key forward blocks (O inside Q)
 }
 
 
@@ -59,7 +59,7 @@ def makers(causal, scale, tk, fa3, configs):
         cfg = CONFIGS[name]
         out[f"te_jax {name}"] = (lambda cfg: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
             q, k, v, scale=scale, attn_mask_type=mask, backend="pallas",
-            config=cfg if cfg is not None else default_config(DQK))))(cfg)
+            config=cfg if cfg is not None else default_config(DQK, head_dim_v=DV))))(cfg)
 
     def vpad(q, k, v):
         vp = jnp.pad(v, [(0, 0)] * 3 + [(0, DQK - DV)])

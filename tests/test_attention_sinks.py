@@ -218,16 +218,23 @@ def _hopper_reason():
 
 
 @pytest.mark.skipif(_hopper_reason() is not None, reason="needs the Hopper kernel (sm90, jax >= 0.11)")
-@pytest.mark.parametrize("causal,g", [(True, 2), (False, 4)])
-def test_hopper_kernel_with_sinks(causal, g):
-    """GPU only: bf16 shapes the Hopper kernel serves; its (out, lse) take the sink, forward and backward."""
+@pytest.mark.parametrize("causal,g,padded", [(True, 2, False), (False, 4, False), (True, 2, True)])
+def test_hopper_kernel_with_sinks(causal, g, padded):
+    """GPU only: bf16 shapes the Hopper kernel serves; its (out, lse) take the sink, forward and backward; padded:
+    padding_causal from seqlens (the data-mask schedule, one row's tail padded past a whole tile)."""
     s, h, d = 256, 4, 64
     q, k, v = (t.astype(jnp.bfloat16) for t in _qkv(80, sq=s, skv=s, h=h, g=g, d=d))
     kw = dict(attn_mask_type="causal" if causal else "no_mask", softmax_type="learnable")
+    ref_kw = dict(causal=causal)
+    if padded:
+        lens = jnp.array([256, 100][:q.shape[0]], jnp.int32)
+        kw.update(attn_mask_type="padding_causal", q_seqlens=lens, kv_seqlens=lens)
+        ref_kw.update(q_lens=lens, kv_lens=lens)
     choice = te_jax.explain_attention_backend(q, k, v, softmax_offset=OFFSET, backend="pallas", **kw)
     assert choice.detail.startswith("Hopper"), choice
+    assert ("data-mask schedule" in choice.detail) == padded, choice.detail
     fn = lambda q, k, v, off: te_jax.dot_product_attention(q, k, v, softmax_offset=off, backend="pallas", **kw)
-    _check(fn, lambda q, k, v, off: sink_reference(q, k, v, off, causal=causal), (q, k, v, OFFSET), tol=2e-2,
+    _check(fn, lambda q, k, v, off: sink_reference(q, k, v, off, **ref_kw), (q, k, v, OFFSET), tol=2e-2,
            what="hopper")
 
 

@@ -41,9 +41,11 @@ BF = jnp.bfloat16
 @pytest.mark.parametrize(
     "q,k,v,dtype,causal,kw,reason",
     [
-        ((2, 256, 8, 96), (2, 256, 8, 96), (2, 256, 8, 96), BF, False, {},
-         "head_dim 96 not in {64,128,192,256}"),
-        ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 96), BF, False, {}, "v head_dim 96 not in {64,128,192,256}"),
+        ((2, 256, 8, 72), (2, 256, 8, 72), (2, 256, 8, 72), BF, False, {},
+         "head_dim 72 is not a multiple of 16 from 16 to 256"),
+        ((2, 256, 8, 96), (2, 256, 8, 96), (2, 256, 8, 96), BF, False, {}, None),
+        ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 264), BF, False, {},
+         "v head_dim 264 is not a multiple of 16 from 16 to 256"),
         ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 128), BF, True, {}, None),  # DeepSeek-V3's 192/128
         ((2, 1000, 8, 128), (2, 1000, 8, 128), (2, 1000, 8, 128), BF, False, {}, None),  # ragged: padded
         ((2, 256, 8, 128), (2, 200, 8, 128), (2, 200, 8, 128), BF, False, {}, None),
@@ -87,8 +89,8 @@ def test_public_names():
 
 
 def test_rejects_unsupported_call():
-    x = jnp.zeros((1, 128, 2, 96), BF)
-    with pytest.raises(ValueError, match="head_dim 96 not in"):
+    x = jnp.zeros((1, 128, 2, 72), BF)
+    with pytest.raises(ValueError, match="head_dim 72 is not a multiple of 16"):
         hopper_attention(x, x, x, scale=0.1)
     x = jnp.zeros((1, 100, 2, 64), BF)
     with pytest.raises(ValueError, match="causal needs equal query and kv lengths"):
@@ -163,7 +165,10 @@ def test_forward_and_grads(S, H, G, D, causal, softcap):
     "S,H,G,D,Dv,causal,softcap",
     [(512, 4, 2, 192, 128, True, None), (384, 2, 2, 192, 128, False, None), (300, 2, 1, 192, 128, False, 2.0),
      (256, 2, 1, 192, 192, True, None), (256, 2, 2, 128, 64, True, None), (256, 2, 1, 64, 128, False, None),
-     (200, 2, 1, 192, 128, True, None)],
+     (200, 2, 1, 192, 128, True, None),
+     # head dims that are not multiples of 64: 64-byte (96, 160) and 32-byte (80, 112) swizzled tiles
+     (256, 2, 1, 80, 80, True, None), (384, 2, 2, 96, 96, False, None), (300, 2, 1, 160, 160, True, 2.0),
+     (256, 2, 1, 112, 80, False, None)],
 )
 def test_split_head_dims_forward_and_grads(S, H, G, D, Dv, causal, softcap):
     """q/k head_dim D and v head_dim Dv (DeepSeek-V3's 192/128 and others): out, lse, dq, dk, dv against the fp32

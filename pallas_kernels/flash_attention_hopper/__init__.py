@@ -1,8 +1,8 @@
 """Hopper (sm90) flash attention: Pallas Mosaic GPU kernels (wgmma, TMA, warp specialisation).
 
     hopper_attention(q, k, v, *, scale, causal=False, softcap=None, config=None) -> (out, lse)
-        q/k [B,Sq,H,D] / [B,Skv,G,D], v [B,Skv,G,Dv] (H % G == 0), bf16/fp16, D and Dv in {64,128,192,256} (they
-        may differ, e.g. DeepSeek-V3's 192/128: then the grid forward, no data mask); any lengths >= 1 (causal:
+        q/k [B,Sq,H,D] / [B,Skv,G,D], v [B,Skv,G,Dv] (H % G == 0), bf16/fp16, D and Dv multiples of 16 up to 256
+        (they may differ, e.g. DeepSeek-V3's 192/128: then the grid forward, no data mask); any lengths >= 1 (causal:
         Sq == Skv): a length that is not a multiple of 128 is padded with zeros up to one (a copy of the
         operands) and the padded keys are masked in the kernels (causal: by the diagonal itself);
         out [B,S,H,Dv] (q.dtype), lse [B,H,S] float32 (natural log).  Differentiable.
@@ -48,7 +48,7 @@ __all__ = [
     "HEAD_DIMS",
 ]
 
-HEAD_DIMS = (64, 128, 192, 256)
+HEAD_DIMS = tuple(range(16, 257, 16))  # multiples of 16 up to 256 (64/128/192/256 use 128-byte swizzled tiles)
 BLOCK = 128  # the kernels' lengths are multiples of this (hopper_attention pads ragged ones up to it)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -90,7 +90,7 @@ def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=N
         return f"batch of q ({b}) and k/v ({bk}) differ"
     for label, x in (("head_dim", d), ("v head_dim", v_shape[3])):
         if x not in HEAD_DIMS:
-            return f"{label} {x} not in {{{','.join(map(str, HEAD_DIMS))}}}"
+            return f"{label} {x} is not a multiple of 16 from 16 to 256"
     if g == 0 or h % g:
         return f"query heads {h} not a multiple of kv heads {g}"
     for name, s in (("sequence length", sq), ("kv sequence length", skv)):

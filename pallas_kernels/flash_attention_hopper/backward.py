@@ -396,13 +396,13 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 + ([(lambda r: qm_ref.at[r[0][0], :, r[0][1]], qm_ring, qm_bar, qm_cons)] if dm is not None else [])),
                 single_warp=producer_warp)
 
-    tr = smem_transforms(plgpu, dtype)
+    tr, tr_d, tr_v = smem_transforms(plgpu, dtype), smem_transforms(plgpu, dtype, D), smem_transforms(plgpu, dtype, Dv)
     scratch = [
         (
-            plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((wgs, bkv, Dv), dtype, transforms=tr),
-            plgpu.SMEM((stages, bq, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bq, Dv), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr_d),
+            plgpu.SMEM((wgs, bkv, Dv), dtype, transforms=tr_v),
+            plgpu.SMEM((stages, bq, D), dtype, transforms=tr_d),
+            plgpu.SMEM((stages, bq, Dv), dtype, transforms=tr_v),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
         ) + ((
@@ -597,15 +597,15 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 + ([(lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_cons)] if dm is not None else [])),
                 single_warp=producer_warp)
 
-    tr = smem_transforms(plgpu, dtype)
+    tr_d, tr_v = smem_transforms(plgpu, dtype, D), smem_transforms(plgpu, dtype, Dv)
     scratch = [
         (
-            plgpu.SMEM((wgs, bq, D), dtype, transforms=tr),
-            plgpu.SMEM((wgs, bq, Dv), dtype, transforms=tr),
+            plgpu.SMEM((wgs, bq, D), dtype, transforms=tr_d),
+            plgpu.SMEM((wgs, bq, Dv), dtype, transforms=tr_v),
             plgpu.SMEM((wgs, bq), jnp.float32),
             plgpu.SMEM((wgs, bq), jnp.float32),
-            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bkv, Dv), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr_d),
+            plgpu.SMEM((stages, bkv, Dv), dtype, transforms=tr_v),
         ),
         (
             plgpu.Barrier(num_barriers=(5 if dm is not None else 4) * wgs),

@@ -67,8 +67,21 @@ def mma(plgpu, shape, a, b, *, after=None):
     return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
 
 
-def smem_transforms(plgpu, dtype):
-    swizzle = 128
+def swizzle_for(minor: int, dtype) -> int:
+    """The widest shared-memory swizzle (128, 64 or 32 bytes) whose rows divide a tile row of `minor` elements:
+    128 for head dims 64/128/192/256, 64 for 96 or 160, 32 for 80 or 112 (wgmma takes each; both operands of one
+    wgmma must share it, and do: they meet on the same head dim)."""
+    row = minor * jnp.dtype(dtype).itemsize
+    for swizzle in (128, 64, 32):
+        if row % swizzle == 0:
+            return swizzle
+    raise ValueError(f"a shared-memory tile row of {minor} x {jnp.dtype(dtype).name} ({row} bytes) is not a multiple "
+                     f"of 32 bytes (head dims must be multiples of 16)")
+
+
+def smem_transforms(plgpu, dtype, minor: int | None = None):
+    """Tiling + swizzle for a shared-memory tile whose rows hold `minor` elements (None: 128-byte swizzle)."""
+    swizzle = 128 if minor is None else swizzle_for(minor, dtype)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 

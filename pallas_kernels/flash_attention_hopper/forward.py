@@ -49,19 +49,19 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
     B, S, H, D = q.shape
     Dv = v.shape[-1]
     dtype = q.dtype
-    tr = smem_transforms(plgpu, dtype)
+    tr, tr_v = smem_transforms(plgpu, dtype, D), smem_transforms(plgpu, dtype, Dv)
     q_tiles = plgpu.SMEM((2, q_buffers, bq, D) if q_buffers > 1 else (2, bq, D), dtype, transforms=tr)
     if Dv != D and o_tiles_in_q(bq, D, Dv, dtype):
-        o_tile = plgpu.SMEM((bq, Dv), dtype, transforms=tr)
+        o_tile = plgpu.SMEM((bq, Dv), dtype, transforms=tr_v)
         gap = plgpu.SMEM((bq * (D - Dv) * jnp.dtype(dtype).itemsize,), jnp.int8)
         q_tiles = plgpu.RefUnion(q_tiles, (o_tile, gap, o_tile))
     scratch = [
         (
             q_tiles,
             plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bkv, Dv), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, Dv), dtype, transforms=tr_v),
             plgpu.SMEM((2, bq), jnp.float32),
-        ) + ((plgpu.SMEM((2, bq, Dv), dtype, transforms=tr),) if Dv != D and not o_tiles_in_q(bq, D, Dv, dtype)
+        ) + ((plgpu.SMEM((2, bq, Dv), dtype, transforms=tr_v),) if Dv != D and not o_tiles_in_q(bq, D, Dv, dtype)
              else ()),
         (
             plgpu.Barrier(num_barriers=stages),

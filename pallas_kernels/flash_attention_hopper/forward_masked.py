@@ -121,7 +121,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
                  (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots),
                  (lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_slots)]), single_warp=producer_warp)
 
-    tr = smem_transforms(plgpu, dtype)
+    tr = smem_transforms(plgpu, dtype, D)
     i32 = jnp.int32
     scratch = [
         (

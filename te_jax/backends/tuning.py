@@ -66,7 +66,8 @@ PAGED_DECODE_GPU_PREFERENCE = Tuned(
 #: head dims); elsewhere the portable kernel serves them until a run does. An explicit HopperConfig bypasses this.
 #: A feature or head dim added to the kernel starts out of this table.
 HOPPER_GPU_VERIFIED = Tuned(
-    {"head dims": ((64, 64), (128, 128), (256, 256), (192, 128), (192, 192), (128, 64), (64, 128)),
+    {"head dims": ((64, 64), (128, 128), (256, 256), (192, 128), (192, 192), (128, 64), (64, 128), (80, 80),
+                   (96, 96), (160, 160), (112, 80)),
      "softcap": (64, 128, 256), "ragged lengths": (64, 128, 256), "data mask": (64, 128, 256)},
     "H100, 2026-11-26: tests/test_flash_attention_hopper.py::test_forward_and_grads (out, lse, dq, dk, dv against "
     "fp32) passed for softcap 1.5-2 (where tanh bends the logits) at hd64/128/256, causal and not, and ragged "
@@ -74,7 +75,8 @@ HOPPER_GPU_VERIFIED = Tuned(
     "test_data_mask_forward_and_grads passed for padding, documents, windows (one- and two-sided, with softcap), "
     "bottom-right causal (q 256, kv 640), rows that see nothing and ragged q 129 / kv 1000 at hd64/128/256; "
     "split head dims (fourth session): test_split_head_dims_forward_and_grads passed for head_dim_qk/head_dim_v "
-    "192/128 (causal and not, GQA, softcap, ragged 200 and 300), 192/192, 128/64 and 64/128",
+    "192/128 (causal and not, GQA, softcap, ragged 200 and 300), 192/192, 128/64, 64/128, 80/80, 96/96, 160/160 "
+    "(softcap, ragged 300) and 112/80",
     "benchmarks/results/gpu_tests_h100.md")
 
 #: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100
