@@ -149,3 +149,183 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
                                    grid_names=("heads", "q_seq", "batch"), compute_wgs=2, interpret=interpret,
                                    name="te_jax_attn_fwd_masked", no_auto_barriers=producer_warp)(
         q, k, v, qm, km, counts, blocks)
+
+
+def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig,
+                                 interpret: bool, softcap: float | None, mask_causal: bool, window: tuple[int, int]):
+    """_flash_fwd_masked's forward on a persistent grid: n_ctas CTAs (cfg.fwd_ctas or the SM count), CTA j takes
+    query tiles j, j + n_ctas, ... in (batch, head, query tile) order, so CTAs running together share K/V in L2.
+
+    The memory warpgroup streams the K/V blocks of all the CTA's tiles through one ring (a global step counter g,
+    slot g % stages): a tile's first blocks load while the previous tile runs its last steps, which the one-CTA-per-
+    tile kernel cannot overlap (short documents: few steps per tile).  Each compute warpgroup loads its tile's Q
+    and query marks, walks the tile's list (partial blocks with the element mask, then full ones), writes O and lse
+    and waits for that store before the next tile's Q overwrites the buffer.  A tile with an empty list writes out 0
+    and lse -inf.  Same arguments and outputs as _flash_fwd_masked.
+    """
+    from .common import num_sms
+    from .data_mask import MaskRule
+
+    rule = MaskRule(mask_causal, window)
+    plgpu = mosaic_gpu()
+    B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
+    c, pre = logit_units(scale, softcap)
+    named = cfg.fwd_named_barrier is not False and not interpret
+    named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
+    wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    n_tiles = B * H * n_qt
+    n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
+    per_cta = -(-n_tiles // n_ctas)  # the most tiles a CTA takes
+
+    def tile_coords(tile):  # tile = (b * H + h) * n_qt + qt
+        bh = lax.div(tile, jnp.int32(n_qt))
+        return lax.div(bh, jnp.int32(H)), lax.rem(bh, jnp.int32(H)), lax.rem(tile, jnp.int32(n_qt))
+
+    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
+        qo_smem2, k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem
+        k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
+        k_slots, v_slots, km_slots = ring_slots(plgpu, (k_cons, v_cons, km_cons), stages, named=named_release,
+                                                producer_warp=producer_warp, compute_wgs=2)
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cta")
+        my_tiles = lax.div(jnp.int32(n_tiles) - cta + (n_ctas - 1), jnp.int32(n_ctas))
+        sched = _Sched(plgpu, sched, named)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo_smem = qo_smem2.at[wg]
+            lse_smem = lse_smem2.at[wg]
+            qm_smem = qm_smem2.at[wg]
+            k_slots.prime()
+            v_slots.prime()
+            km_slots.prime()
+            pl.when(wg == 1)(sched.start)
+
+            def tile_body(i, g0):
+                b, h, qt = tile_coords(cta + i * n_ctas)
+                n_partial, n_steps = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
+                q0 = qt * (2 * bq) + wg * bq
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(qm_ref.at[b, :, pl.ds(q0, bq)], qm_smem, qm_bar.at[wg])
+                plgpu.barrier_wait(q_bar.at[wg])
+                plgpu.barrier_wait(qm_bar.at[wg])
+                q_marks = [plgpu.load(qm_smem.at[j], layout=wgmma_rows) for j in range(2)]
+                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
+                l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
+                acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                when(n_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[rem(g0, stages)]))
+
+                def kv_body(step, carry, masked: bool):
+                    g = g0 + step
+                    slot = rem(g, stages)
+
+                    def apply_mask(x):
+                        plgpu.barrier_wait(km_bar.at[slot])
+                        k_marks = [plgpu.load(km_smem.at[slot, j], layout=wgmma_cols) for j in range(2)]
+                        km_slots.release(slot)
+                        return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
+
+                    if not masked:
+                        plgpu.barrier_wait(km_bar.at[slot])
+                        km_slots.release(slot)
+
+                    def wait_next_k():
+                        @pl.when(step + 1 < n_steps)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
+
+                    return _fwd_kv_step(
+                        plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
+                        k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
+                        v_release=lambda: v_slots.release(slot),
+                        sched=sched, c=c, dtype=dtype, interpret=interpret,
+                        apply_mask=apply_mask if masked else None, wait_next_k=wait_next_k, pre=pre,
+                        may_be_empty=masked)
+
+                carry = (acc, m_i, l_i)
+                carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)
+                carry = lax.fori_loop(n_partial, n_steps, functools.partial(kv_body, masked=False), carry)
+                acc, m_i, l_i = carry
+                empty = l_i == 0.0  # a row without a visible key: out 0, lse -inf
+                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+                acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                qo_smem[...] = acc.astype(dtype)
+                lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+                plgpu.wait_smem_to_gmem(0)  # the stores have read the buffers the next tile's Q and lse reuse
+                return g0 + n_steps
+
+            lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+            pl.when(wg == 0)(sched.finish)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def produce():
+                slots_of = (k_slots, v_slots, km_slots)
+
+                def tile_loads(i, g0):
+                    b, h, qt = tile_coords(cta + i * n_ctas)
+                    kvh = lax.div(h, jnp.int32(rep))
+                    n_steps = counts_ref[b, qt, 1]
+
+                    def load(j, _):
+                        g = g0 + j
+                        slot = rem(g, stages)
+                        rows = pl.ds(blocks_ref[b, qt, j] * bkv, bkv)
+                        for slots in slots_of:
+                            if slots.primed:
+                                slots.wait(slot)
+                            else:
+                                when(g >= stages, functools.partial(slots.wait, slot))
+                        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kvh], k_smem.at[slot], k_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kvh], v_smem.at[slot], v_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(km_ref.at[b, :, rows], km_smem.at[slot], km_bar.at[slot])
+                        return None
+
+                    lax.fori_loop(0, n_steps, load, None)
+                    return g0 + n_steps
+
+                total = lax.fori_loop(0, my_tiles, tile_loads, jnp.int32(0))
+                if not all(slots.primed for slots in slots_of):  # observe the last consumed phases (mbarriers)
+                    def drain(g, _):
+                        for slots in slots_of:
+                            if not slots.primed:
+                                slots.wait(rem(g, stages))
+
+                    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+            run_producer(plgpu, produce, single_warp=producer_warp)
+
+    tr = smem_transforms(plgpu, dtype, D)
+    i32 = jnp.int32
+    scratch = [
+        (
+            plgpu.SMEM((2, bq, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((2, 2, bq), i32),
+            plgpu.SMEM((stages, 2, bkv), i32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ),
+    ]
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(n_ctas,),
+                                   grid_names=("cta",), compute_wgs=2, interpret=interpret,
+                                   name="te_jax_attn_fwd_masked_persistent", no_auto_barriers=producer_warp)(
+        q, k, v, qm, km, counts, blocks)
