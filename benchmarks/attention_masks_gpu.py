@@ -7,8 +7,6 @@ Rows (bf16, hd128, 16 heads unless said): see ROWS. Implementations, where each 
   te_jax          te_jax.dot_product_attention(backend="auto"): what users get (the kernel it takes is printed)
   te_jax_pallas   the same with backend="pallas" (the Hopper kernel where it serves; only when auto takes another)
   te_jax_portable backend="pallas" with the portable kernel's BlockSizes (what served these rows before)
-  te_jax_persistent (--persistent) the Hopper data-mask schedule on the persistent grid
-                  (HopperConfig.fwd_persistent_masked=True), where auto takes the data-mask schedule
   cudnn           jax.nn.dot_product_attention(implementation="cudnn") (seq lengths, windows; no segments)
   tokamax         tokamax.dot_product_attention(implementation="mosaic")
   fa3             flash_attn3_jax.flash_mha / flash_mha_varlen (causal is bottom-right when lengths differ)
@@ -133,18 +131,13 @@ def _te_kwargs(row: Row):
     return kw
 
 
-def makers(row: Row, scale, tk, fa3, persistent=False):
+def makers(row: Row, scale, tk, fa3):
     from pallas_kernels.flash_attention import BlockSizes
-    from pallas_kernels.flash_attention_hopper.config import default_config
 
     kw = _te_kwargs(row)
     out = {}
-    variants = [("te_jax", dict(backend="auto")), ("te_jax_pallas", dict(backend="pallas")),
-                ("te_jax_portable", dict(backend="pallas", config=BlockSizes()))]
-    if persistent:
-        variants.append(("te_jax_persistent", dict(backend="pallas", config=dataclasses.replace(
-            default_config(D), fwd_persistent_masked=True))))
-    for name, extra in variants:
+    for name, extra in (("te_jax", dict(backend="auto")), ("te_jax_pallas", dict(backend="pallas")),
+                        ("te_jax_portable", dict(backend="pallas", config=BlockSizes()))):
         out[name] = (lambda extra: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
             q, k, v, scale=scale, **kw, **extra)))(extra)
     docs = row.docs is not None
@@ -216,8 +209,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--persistent", action="store_true",
-                    help="add te_jax_persistent (the persistent data-mask forward) on the data-mask rows")
     args = ap.parse_args()
     tk, tk_line = ahg.import_tokamax("mosaic")
     fa3, fa3_line = ahg.import_fa3()
@@ -237,8 +228,7 @@ def main():
         choice = te_jax.explain_attention_backend(q, k, v, **_te_kwargs(row))
         print(f"\n== {name}: {row}\nte_jax auto: {choice.selected}; {choice.detail}", flush=True)
         impls = {}
-        data_mask = "data-mask schedule" in choice.detail
-        for iname, make in makers(row, scale, tk, fa3, persistent=args.persistent and data_mask).items():
+        for iname, make in makers(row, scale, tk, fa3).items():
             if iname == "te_jax_pallas" and choice.selected == "pallas":
                 continue
             try:
@@ -255,7 +245,7 @@ def main():
                   flush=True)
         if "te_jax_portable" in impls:
             gp = impls["te_jax_portable"][1](q, k, v, do)
-            for iname in ("te_jax", "te_jax_pallas", "te_jax_persistent"):
+            for iname in ("te_jax", "te_jax_pallas"):
                 if iname in impls:
                     g = impls[iname][1](q, k, v, do)
                     print(f"  {iname} grads vs portable kernel: rel " +
@@ -273,8 +263,7 @@ def main():
         for m in ("fwd", "fb"):
             best = max(peers, key=lambda i: tf[(i, m)]) if peers else None
             cells = " | ".join(f"{i} {tf[(i, m)]:.0f}" for i in impls)
-            ours = max((i for i in ("te_jax", "te_jax_pallas", "te_jax_persistent") if i in impls),
-                       key=lambda i: tf[(i, m)], default=None)
+            ours = max((i for i in ("te_jax", "te_jax_pallas") if i in impls), key=lambda i: tf[(i, m)], default=None)
             ratio = f"{ours} {tf[(ours, m)] / tf[(best, m)]:.2f} of {best}" if best and ours else "-"
             table.append(f"| {row.label} | {m} | {cells} | {ratio} |")
     print(f"\n## Hopper masks: TFLOP/s on the visible area ({args.rounds} interleaved rounds, medians), "

@@ -718,35 +718,6 @@ def test_data_mask_forward_and_grads(name):
     assert np.all(np.asarray(grads[0], np.float32)[~seen] == 0)
 
 
-@pytest.mark.slow
-@needs_kernel
-@pytest.mark.parametrize("name", MASKED_CASES)
-def test_persistent_masked_forward(name):
-    """The persistent data-mask forward (HopperConfig.fwd_persistent_masked, 3 CTAs: several query tiles each, the
-    K/V ring running on across them) against the fp32 reference: out and lse, empty rows 0 / -inf."""
-    from pallas_kernels.flash_attention.reference import reference_attention
-    from pallas_kernels.flash_attention_hopper.config import default_config
-
-    interpret = _mode()
-    B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
-    ks = jax.random.split(jax.random.key(len(name) + 1), 3)
-    q = jax.random.normal(ks[0], (B, Sq, H, D), BF)
-    k = jax.random.normal(ks[1], (B, Skv, G, D), BF)
-    v = jax.random.normal(ks[2], (B, Skv, G, D), BF)
-    pq, pkv = -(-Sq // 128) * 128, -(-Skv // 128) * 128
-    cfg = dataclasses.replace(default_config(D, pkv, False, pq), fwd_persistent_masked=True, fwd_ctas=3)
-    out, lse = jax.jit(lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, mask=mask, interpret=interpret,
-                                                        softcap=softcap, config=cfg))(q, k, v)
-    f32 = lambda x: x.astype(jnp.float32)
-    rout, rlse = reference_attention(f32(q), f32(k), f32(v), mask, scale=D ** -0.5, softcap=softcap)
-    seen = np.asarray(mask.dense().any(-1))
-    assert _rel(out, rout) < 1e-2, _rel(out, rout)
-    lse, rlse = np.asarray(lse), np.asarray(rlse)
-    rows = np.broadcast_to(seen[:, None, :], lse.shape)
-    assert np.all(lse[~rows] == -np.inf) and _rel(lse[rows], rlse[rows]) < 1e-4
-    assert np.all(np.asarray(out, np.float32)[~seen] == 0)
-
-
 @pytest.mark.parametrize("name", MASKED_CASES)
 def test_data_mask_tables_list_the_visible_tiles(name):
     """mask_tables (CPU): each tile's block list holds every block with a visible (query, key) pair, each once, the

@@ -75,10 +75,6 @@ class HopperConfig:
     # Its last tiles dealt one by one to the least-loaded CTA (longest first; CausalDeal) so the CTAs end together;
     # False: whole pairs round-robin to the end (the last round of pairs may leave SMs idle).  None (auto): on.
     fwd_causal_lpt: bool | None = None
-    # Forward under a data mask on a persistent grid (forward_masked._flash_fwd_masked_persistent: one CTA per SM
-    # walking query tiles t, t + n_ctas, ...; the K/V ring runs on across tiles, so a tile's first blocks load during
-    # the previous tile's last steps).  False: one CTA per query tile.  None (auto): MASKED_PERSISTENT_AUTO.
-    fwd_persistent_masked: bool | None = None
     # The persistent forward's last round shared out by K/V steps instead of whole tiles (stream-K, see
     # TailSplit): when the query tiles are no multiple of the CTAs, the last round leaves SMs idle (2048 tiles on
     # 132 SMs: 16 rounds for 15.5 rounds of work).  Tiles cut between two CTAs are merged by their lse after the
@@ -118,7 +114,6 @@ class HopperConfig:
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
-                     "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
@@ -220,18 +215,6 @@ def persistent_chosen(cfg: HopperConfig, kv_len: int, head_dim: int, dtype) -> b
     hd64, 256 keys) gave zero output for whole tiles; not yet diagnosed (gpu_tests_h100.md)."""
     return (cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype)
             and kv_len // cfg.block_kv >= 2)
-
-
-# Whether fwd_persistent_masked=None takes the persistent masked forward (set from benchmarks/results/
-# attention_masks_h100.md once measured against the one-CTA-per-tile masked forward).
-MASKED_PERSISTENT_AUTO = False
-
-
-def persistent_masked_chosen(cfg: HopperConfig) -> bool:
-    """Whether a data-mask forward runs on the persistent grid."""
-    if cfg.fwd_persistent_masked is None:
-        return MASKED_PERSISTENT_AUTO
-    return cfg.fwd_persistent_masked
 
 
 def persistent_causal_served(cfg: HopperConfig, q_len: int, head_dim: int, dtype) -> bool:
