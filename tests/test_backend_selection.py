@@ -76,8 +76,11 @@ def test_cudnn_reasons_dtype_headdim_arch(fake_h100, monkeypatch):
     choice = te_jax.explain_attention_backend(*_qkv(d=64, dv=32))  # found on the H100: jax.nn refuses d_v != d_qk
     assert "requires value's head_dim to equal the query's" in choice.reasons["cudnn"]
     q, k, v = _qkv()
-    choice = te_jax.explain_attention_backend(q[:, :1], k[:, :3], v[:, :3])  # odd lengths (q 1, kv 3)
-    assert "odd sequence length (q 1, kv 3)" in choice.reasons["cudnn"] and choice.selected != "cudnn"
+    choice = te_jax.explain_attention_backend(q[:, :1], k[:, :3], v[:, :3])  # odd lengths (q 1, kv 3): cuDNN
+    # served padded to even: no backward reason for this forward-only call, only the decode kernel's preference
+    assert "odd" not in choice.reasons["cudnn"] and "serves the call" in choice.reasons["cudnn"], choice
+    choice = te_jax.explain_attention_backend(q[:, :3], k[:, :3], v[:, :3], backend="cudnn")
+    assert choice.selected == "cudnn"
     monkeypatch.setattr(attention_mod, "current_platform", lambda: ("gpu", (7, 5)))
     choice = te_jax.explain_attention_backend(*_qkv())
     assert "sm75" in choice.reasons["cudnn"] and "sm75" in choice.reasons["pallas"]

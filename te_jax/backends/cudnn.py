@@ -61,12 +61,6 @@ class CudnnBackend:
             return "softcap is not exposed by jax.nn.dot_product_attention"
         if call.dropout_rate > 0:
             return "dropout is not exposed by jax.nn.dot_product_attention"
-        if d.q_len % 2 or d.kv_len % 2:
-            # jax 0.10: only with a bias; jax 0.11.2 refuses odd lengths for training without a bias too
-            # ("Unsupported sequence length Q 1, KV 1").
-            return (f"odd sequence length (q {d.q_len}, kv {d.kv_len}): jax.nn's cuDNN backward refuses odd lengths "
-                    f"(jax 0.11.2: 'Unsupported sequence length'; with a bias, the forward too), and whether this "
-                    f"call will be differentiated is not known when the backend is chosen")
         if call.needs_split_vjp:
             return ("context parallelism needs a separate forward (with logsumexp) and backward; jax.nn's cuDNN "
                     "call exposes neither")
@@ -74,6 +68,8 @@ class CudnnBackend:
 
     def forward(self, call, q, k, v, tm, bias, *, scale, softcap, causal, window, dropout_rate, dropout_rng,
                 mask=None):
+        """jax.nn's cuDNN attention. Odd lengths are padded to even ones (_even_lengths): jax.nn's cuDNN call refuses
+        odd lengths in its backward (jax 0.11.2: 'Unsupported sequence length'; with a bias, in its forward too)."""
         if mask is not None:
             raise NotImplementedError("a dense mask is not served by the cudnn backend (see unsupported_reason)")
         del softcap, dropout_rate, dropout_rng  # refused in unsupported_reason
@@ -84,6 +80,7 @@ class CudnnBackend:
             raise ValueError(f"window {window} not servable by cuDNN")
         padded = call.padding_source != "none"
         q_lens = kv_lens = None
+        sq, skv = q.shape[1], k.shape[1]
         if padded:
             q_ok = tm.q_segment_ids != 0  # [B, Sq]
             kv_ok = tm.kv_segment_ids != 0  # [B, Skv]
@@ -97,11 +94,11 @@ class CudnnBackend:
             q = jnp.where(q_ok[:, :, None, None], q, zero)
             k = jnp.where(kv_ok[:, :, None, None], k, zero)
             v = jnp.where(kv_ok[:, :, None, None], v, zero)
+        q, k, v, bias, cu_q_lens, cu_kv_lens = _even_lengths(q, k, v, bias, q_lens, kv_lens)
         out = jax.nn.dot_product_attention(
             q, k, v, bias=None if bias is None else bias.astype(q.dtype), scale=scale, is_causal=is_causal,
-            query_seq_lengths=None if q_lens is None else jnp.maximum(q_lens, 1),
-            key_value_seq_lengths=None if kv_lens is None else jnp.maximum(kv_lens, 1),
-            local_window_size=local, implementation="cudnn")
+            query_seq_lengths=cu_q_lens, key_value_seq_lengths=cu_kv_lens,
+            local_window_size=local, implementation="cudnn")[:, :sq]
         if not padded:
             # No padding: every query row sees at least one key (top-left causal, or bottom-right with
             # q_len == kv_len, the only cases served), so there is no row to zero.
@@ -114,3 +111,23 @@ class CudnnBackend:
             # i - left >= kv_len (found by the CPU contract test: XLA averages such a row, cuDNN may too).
             row_ok &= tm.q_positions - left < kv_lens[:, None]
         return jnp.where(row_ok[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _even_lengths(q, k, v, bias, q_lens, kv_lens):
+    """(q, k, v, bias, q_lens, kv_lens) for jax.nn's cuDNN call: an odd query or key length gets one zero token at the
+    end, hidden from every query by the key lengths (a padding mask cuDNN applies) and dropped from the output by the
+    caller's slice; padding's transpose drops its gradients. Lengths are clamped to >= 1 (a length-0 sequence is
+    undefined behaviour in cuDNN; the caller zeroes those rows). Even lengths pass unchanged."""
+    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+    pq, pkv = sq % 2, skv % 2
+    if pq or pkv:
+        if q_lens is None:
+            q_lens = jnp.full((b,), sq, jnp.int32)
+            kv_lens = jnp.full((b,), skv, jnp.int32)
+        grow = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v = grow(q, pq), grow(k, pkv), grow(v, pkv)
+        if bias is not None:  # [b|1, h|1, sq|1, skv|1]
+            bias = jnp.pad(bias, [(0, 0), (0, 0), (0, pq if bias.shape[2] == sq else 0),
+                                  (0, pkv if bias.shape[3] == skv else 0)])
+    clamp = lambda lens: None if lens is None else jnp.maximum(lens, 1)
+    return q, k, v, bias, clamp(q_lens), clamp(kv_lens)
