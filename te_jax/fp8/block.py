@@ -2,7 +2,8 @@
 
     block_gemm_mode() -> "xla" | "pallas" | "emulate"   (env TE_JAX_FP8_BLOCK_GEMM, read at trace time)
       "xla" (default): quantize.py's reference (dequantize per block, GEMM in the compute dtype);
-      "pallas": the Hopper kernel, sm90 only. **Experimental:** no GPU run has checked it yet, so it is opt-in;
+      "pallas": the Hopper kernel, sm90 only. Opt-in: checked on an H100, but slower than bf16 in the layer
+                (0.93x; the GEMM is 0.55-0.73 of per-tensor FP8: benchmarks/results/fp8_block_gemm_h100.md);
       "emulate": this module's layouts and scales with the kernel replaced by its jnp reference. The CPU tests
                  use it to check the plumbing against the "xla" path (same numerics).
     block_gemm_reason(x_shape, w_shape, n_contract) -> None or why the block GEMM path cannot take the operands.
