@@ -212,7 +212,9 @@ def persistent_chosen(cfg: HopperConfig, kv_len: int, head_dim: int, dtype) -> b
     """Whether the non-causal forward runs on the persistent grid: allowed (fwd_persistent), its shared memory fits,
     and each query tile takes at least two K/V steps.  Tiles of one K/V step stay on the grid kernel: on the H100
     (2026-11-26) the persistent forward with one-step tiles and an uneven tile count per CTA (12 tiles on 5 CTAs,
-    hd64, 256 keys) gave zero output for whole tiles; not yet diagnosed (gpu_tests_h100.md)."""
+    hd64, 256 keys) once gave zero output for whole tiles.  The diagnostic probe (hopper_persistent_probe: 2-7
+    CTAs, with and without the tail split) did not reproduce it later that day, so a race that shows only
+    sometimes is not ruled out and the guard stays (gpu_tests_h100.md)."""
     return (cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype)
             and kv_len // cfg.block_kv >= 2)
 
