@@ -817,3 +817,16 @@ def test_split_head_dims_config_and_plan():
     assert "split head dims 192/128" in plan and "block_kv 128" in plan and "inside its Q tile" in plan, plan
     assert "two launches" in plan and "separate dQ" in plan
     assert "in its own tile" in describe_plan(64, 4096, False, BF, head_dim_v=128)
+
+
+def test_swizzle_follows_the_tile_row():
+    """Shared-memory tiles take the widest swizzle that divides their row: 128 bytes at head dims 64/128/192/256,
+    64 at 96/160, 32 at 80/112/16; a row that is no multiple of 32 bytes is refused by name."""
+    from pallas_kernels.flash_attention_hopper.common import swizzle_for
+
+    assert [swizzle_for(d, BF) for d in (64, 128, 192, 256)] == [128] * 4
+    assert [swizzle_for(d, BF) for d in (96, 160, 32)] == [64] * 3
+    assert [swizzle_for(d, BF) for d in (80, 112, 16)] == [32] * 3
+    assert swizzle_for(64, jnp.float32) == 128 and swizzle_for(24, jnp.float32) == 32
+    with pytest.raises(ValueError, match="72 x bfloat16 .144 bytes. is not a multiple of 32 bytes"):
+        swizzle_for(72, BF)
