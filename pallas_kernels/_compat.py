@@ -25,8 +25,32 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def mosaic_gpu():
-    """Import Pallas's Mosaic GPU module lazily (it needs absl-py and a GPU build)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+class _LoadIndexOptional:
+    """Pallas's Mosaic GPU module with `load(src, idx=(), ...)`: jax 0.10.2 requires the index, which 0.11 made
+    optional and the kernels omit (a whole-ref load). Everything else is the module's own."""
 
-    return plgpu
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def load(self, src, idx=(), **kwargs):
+        return self._module.load(src, idx, **kwargs)
+
+
+_MOSAIC_GPU = []
+
+
+def mosaic_gpu():
+    """Import Pallas's Mosaic GPU module lazily (it needs absl-py); on jax 0.10.2 wrapped so that the kernels'
+    index-free `load` traces (and lowers for CUDA on a CPU machine: tests/test_hopper_lowering.py)."""
+    if not _MOSAIC_GPU:
+        import inspect
+
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        idx = inspect.signature(plgpu.load).parameters.get("idx")
+        needs_idx = idx is not None and idx.default is inspect.Parameter.empty
+        _MOSAIC_GPU.append(_LoadIndexOptional(plgpu) if needs_idx else plgpu)
+    return _MOSAIC_GPU[0]

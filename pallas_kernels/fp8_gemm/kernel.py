@@ -51,10 +51,22 @@ def gemm_shape_reason(a_shape, b_shape, a_dtype, b_dtype, block_n: int = 128) ->
     return None
 
 
+SMEM_BYTES = 227 * 1024 - 1024  # sm90's shared memory per CTA, less room for the barriers
+
+
+def max_stages(block_n: int, out_dtype) -> int:
+    """The deepest ring that fits shared memory beside the output tile (block_n 128: 5; 256: 3)."""
+    per_stage = 2 * 64 * BLOCK_K + block_n * BLOCK_K + 2 * 64 * 4 + block_n * 4  # a, b (FP8), both scale rows
+    out_tile = 2 * 64 * block_n * jnp.dtype(out_dtype).itemsize
+    return max(1, (SMEM_BYTES - out_tile) // per_stage)
+
+
 @lower_once(static_argnames=("out_dtype", "block_n", "stages", "b_uniform", "overlap", "interpret"))
 def block_scaled_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16, block_n: int = 128, stages: int = 4,
                       b_uniform: bool = False, overlap: bool = True, interpret: bool | None = None):
     """See the module docstring.  a_scales [K/128, M], b_scales [K/128, N] float32 (dequantization factors).
+
+    stages: the ring depth, capped at the number of K blocks and at what shared memory holds (max_stages).
 
     b_uniform: every 128-row block of b has one scale per K block (128x128 weight tiles, as the forward and dgrad
         GEMMs of the recipe have): the kernel reads one scalar per K block instead of a scale per column, and the
@@ -75,7 +87,7 @@ def block_scaled_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16, block
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
     bn, bk = block_n, BLOCK_K
-    stages = max(1, min(stages, nk))
+    stages = max(1, min(stages, nk, max_stages(bn, out_dtype)))
     uniform = b_uniform and bn == BLOCK_K
     overlap = overlap and bn == BLOCK_K
     named_release = producer_warp = not interpret

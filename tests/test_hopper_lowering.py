@@ -1,0 +1,125 @@
+"""The GPU kernels lower for CUDA on the CPU: every Hopper (Mosaic GPU) attention variant, forward and backward,
+the FP8 block GEMM and the Triton-lowered kernels beside them, through JAX's Mosaic GPU / Triton lowering with
+`lowering_platforms=("cuda",)`.
+
+CI has no GPU and no Mosaic GPU interpreter (jax 0.10.2), so this is the only place a CPU run reaches the Mosaic
+GPU lowering: layouts, wgmma shapes and swizzles, shared-memory refs, barriers. It does not compile with ptxas or
+run anything: numerics are the GPU tests' (test_flash_attention_hopper.py on an sm90 machine). The named-barrier
+paths use inline PTX, which jax 0.10.2's Mosaic GPU lacks: there they are switched off (NO_PTX); on jax >= 0.11
+both forms lower.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_attention_hopper import hopper_attention
+from pallas_kernels.flash_attention_hopper.config import default_config
+from pallas_kernels.mask import AttentionMask
+
+BF = jnp.bfloat16
+NO_PTX = dict(fwd_named_barrier=False, fwd_named_release=False, fwd_producer_warp=False,
+              bwd_named_release=False, bwd_producer_warp=False)
+
+
+def _has_inline_ptx() -> bool:
+    from jax.experimental.mosaic.gpu import utils
+
+    return hasattr(utils, "inline_ptx")
+
+
+PTX_FORMS = [NO_PTX] + ([{}] if _has_inline_ptx() else [])
+
+
+def _lower(f, *shapes):
+    """Lower jit(f) for CUDA on this (CPU) machine; returns the module's text length (> 0)."""
+    lowered = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",))
+    return len(lowered.as_text())
+
+
+def _attention_fwd_bwd(S, D, Dv, *, causal=False, Skv=None, H=2, G=1, mask=None, softcap=None, dtype=BF, **cfg_kw):
+    Skv = Skv or S
+    pq, pkv = -(-S // 128) * 128, -(-Skv // 128) * 128
+    cfg = dataclasses.replace(default_config(D, pkv, causal, pq, head_dim_v=Dv), **cfg_kw)
+    q = jax.ShapeDtypeStruct((1, S, H, D), dtype)
+    k = jax.ShapeDtypeStruct((1, Skv, G, D), dtype)
+    v = jax.ShapeDtypeStruct((1, Skv, G, Dv), dtype)
+
+    def f(q, k, v):
+        (o, lse), vjp = jax.vjp(lambda q, k, v: hopper_attention(q, k, v, scale=0.1, causal=causal, mask=mask,
+                                                                 softcap=softcap, interpret=False, config=cfg),
+                                q, k, v)
+        return o, lse, vjp((o, jnp.zeros_like(lse)))
+
+    return _lower(f, q, k, v)
+
+
+CASES = {  # name: keyword arguments of _attention_fwd_bwd
+    "hd128": dict(S=512, D=128, Dv=128),
+    "hd128 causal": dict(S=512, D=128, Dv=128, causal=True),
+    "hd64 causal gqa": dict(S=512, D=64, Dv=64, causal=True, H=4, G=2),
+    "hd256 softcap": dict(S=256, D=256, Dv=256, softcap=2.0),
+    "192/128 causal": dict(S=512, D=192, Dv=128, causal=True),
+    "192/128": dict(S=384, D=192, Dv=128),
+    "64/128 (v wider)": dict(S=256, D=64, Dv=128),
+    "96 (64-byte swizzle)": dict(S=384, D=96, Dv=96),
+    "80 causal (32-byte swizzle)": dict(S=256, D=80, Dv=80, causal=True),
+    "160 softcap ragged": dict(S=300, D=160, Dv=160, causal=True, softcap=2.0),
+    "ragged kv (padded keys masked)": dict(S=129, D=128, Dv=128, Skv=1000),
+    "atomic dQ": dict(S=512, D=128, Dv=128, bwd_dq_atomic=True),
+    "grid forward": dict(S=512, D=128, Dv=128, causal=True, fwd_persistent=False, fwd_persistent_causal=False),
+    "stream-K tails (fwd and bwd)": dict(S=512, D=128, Dv=128, fwd_ctas=3, fwd_split_tail=True, bwd_ctas=3,
+                                         bwd_split_tail=True),
+    "fp16": dict(S=256, D=128, Dv=128, dtype=jnp.float16),
+}
+
+
+@pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
+@pytest.mark.parametrize("name", list(CASES))
+def test_hopper_attention_lowers_for_cuda(name, ptx):
+    if name == "atomic dQ" and not _has_inline_ptx():
+        # jax 0.10.2 cannot lower the dQ buffer's jax.new_ref inside the custom VJP's backward under jit
+        # ("JaxprInputEffect ... does not have a corresponding jaxpr input"); jax 0.11 (the GPU machine's) does.
+        pytest.skip("jax 0.10.2 cannot lower a jax.new_ref in a custom VJP backward under jit (jax >= 0.11 can)")
+    assert _attention_fwd_bwd(**CASES[name], **ptx) > 0
+
+
+def _segments(*runs, total):
+    ids = np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(runs)])
+    return np.pad(ids, (0, total - ids.size))[None]
+
+
+@pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
+@pytest.mark.parametrize("name", ["documents", "window", "bottom right"])
+def test_hopper_data_mask_lowers_for_cuda(name, ptx):
+    mask = {"documents": AttentionMask.from_segments(_segments(100, 1, 250, 189, total=600), causal=True),
+            "window": AttentionMask.full(1, 512, 512, causal=True, window=(128, 0)),
+            "bottom right": AttentionMask.full(1, 256, 640, causal=True, bottom_right=True)}[name]
+    assert _attention_fwd_bwd(mask.q_len, 128, 128, Skv=mask.kv_len, mask=mask, **ptx) > 0
+
+
+@pytest.mark.parametrize("b_uniform,overlap,block_n", [(True, True, 128), (False, False, 128), (False, False, 256)])
+def test_fp8_block_gemm_lowers_for_cuda(b_uniform, overlap, block_n):
+    from pallas_kernels.fp8_gemm import block_scaled_gemm
+
+    e4 = jnp.float8_e4m3fn
+    a, b = jax.ShapeDtypeStruct((256, 512), e4), jax.ShapeDtypeStruct((512, 512), e4)
+    sa, sb = jax.ShapeDtypeStruct((4, 256), jnp.float32), jax.ShapeDtypeStruct((4, 512), jnp.float32)
+    f = lambda *x: block_scaled_gemm(*x, block_n=block_n, b_uniform=b_uniform, overlap=overlap, interpret=False)
+    assert _lower(f, a, b, sa, sb) > 0
+
+
+def test_triton_kernels_lower_for_cuda():
+    """The block cast (FP8) and the decode kernel, Triton-lowered Pallas, for CUDA."""
+    from pallas_kernels.flash_decode import flash_decode
+    from pallas_kernels.fp8_gemm import block_cast_transpose
+
+    x = jax.ShapeDtypeStruct((256, 384), BF)
+    assert _lower(lambda x: block_cast_transpose(x, out_dtype=jnp.float8_e4m3fn, tiles="rows", interpret=False),
+                  x) > 0
+    q = jax.ShapeDtypeStruct((2, 1, 8, 128), BF)
+    kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), BF)
+    mask = AttentionMask.full(2, 1, 1024, causal=True, bottom_right=True)
+    assert _lower(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.1, interpret=False), q, kv, kv) > 0
