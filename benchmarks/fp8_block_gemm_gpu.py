@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from pallas_kernels.fp8_gemm import block_scaled_gemm, block_scaled_gemm_reference, quantize_blocks, row_scales
+from pallas_kernels.fp8_gemm import (block_scaled_gemm, block_scaled_gemm_persistent, block_scaled_gemm_reference,
+                                     quantize_blocks, row_scales)
 
 E4M3 = jnp.float8_e4m3fn
 # name: (M, K, N) of y = x [M, K] . w [K, N]
@@ -34,14 +35,15 @@ SHAPES = {
     "qkv wgrad": (4096, 8192, 6144),
     "mlp up wgrad": (4096, 8192, 28672),
 }
-# name: kernel keyword arguments (b_uniform applies to the weight-operand rows only)
+# name: kernel keyword arguments (b_uniform applies to the weight-operand rows only); "persistent" selects
+# persistent.block_scaled_gemm_persistent (clusters of two CTAs with b multicast when cluster_m) over kernel.py's grid
 VARIANTS = {
     "default": dict(block_n=128, stages=4, b_uniform=True, overlap=True),
     "serial": dict(block_n=128, stages=4, b_uniform=True, overlap=False),
     "per-column b": dict(block_n=128, stages=4, b_uniform=False, overlap=True),
-    "serial per-column b": dict(block_n=128, stages=4, b_uniform=False, overlap=False),
     "stages 5": dict(block_n=128, stages=5, b_uniform=True, overlap=True),
-    "block_n 256": dict(block_n=256, stages=3, b_uniform=False, overlap=False),
+    "persistent": dict(persistent=True, block_n=128, stages=4, b_uniform=True, cluster_m=False),
+    "persistent cluster": dict(persistent=True, block_n=128, stages=4, b_uniform=True, cluster_m=True),
 }
 
 
@@ -66,7 +68,8 @@ def main():
     def kern(variant, wgrad):
         kw = dict(VARIANTS[variant])
         kw["b_uniform"] = kw["b_uniform"] and not wgrad
-        return jax.jit(lambda a, b, sa, sb: block_scaled_gemm(a, b, sa, sb, **kw))
+        fn = block_scaled_gemm_persistent if kw.pop("persistent", False) else block_scaled_gemm
+        return jax.jit(lambda a, b, sa, sb: fn(a, b, sa, sb, **kw))
 
     # correctness: a small shape and a slice of the largest, against the fp32 reference on the same FP8 operands
     for variant in names:

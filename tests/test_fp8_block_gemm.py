@@ -94,6 +94,22 @@ def test_kernel_matches_the_reference(m, k, n, block_n, w_rows, b_uniform, overl
     assert float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 1e-2
 
 
+@pytest.mark.skipif(not _on_sm90(), reason="the Mosaic GPU kernel needs an sm90 GPU (no interpreter on jax 0.10.2)")
+@pytest.mark.parametrize("m,k,n,w_rows,cluster_m,b_uniform,n_ctas", [
+    (512, 1024, 384, 128, True, True, None), (256, 384, 256, 1, True, False, None),
+    (384, 512, 256, 128, False, True, 4), (1024, 256, 640, 128, True, True, 6)])
+def test_persistent_kernel_matches_the_reference(m, k, n, w_rows, cluster_m, b_uniform, n_ctas):
+    """block_scaled_gemm_persistent (clusters of two CTAs sharing b by TMA multicast, or one CTA; output tiles
+    looped over fewer CTAs than tiles) against the fp32 reference."""
+    from pallas_kernels.fp8_gemm import block_scaled_gemm_persistent
+
+    _, _, xq, wq, sa, sb = _operands(m, k, n, seed=m + n + 1, w_tiles=(w_rows, 128))
+    got = jax.jit(lambda *a: block_scaled_gemm_persistent(*a, cluster_m=cluster_m, b_uniform=b_uniform,
+                                                          n_ctas=n_ctas))(xq, wq, sa, sb)
+    ref = block_scaled_gemm_reference(xq, wq, sa, sb)
+    assert float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 1e-2
+
+
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 def test_block_gemm_path_equals_the_reference_path(monkeypatch, fmt):
     """te_jax/fp8/block.py's layouts and scales (TE_JAX_FP8_BLOCK_GEMM=emulate: the kernel's jnp reference in its

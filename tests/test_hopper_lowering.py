@@ -111,6 +111,17 @@ def test_fp8_block_gemm_lowers_for_cuda(b_uniform, overlap, block_n):
     assert _lower(f, a, b, sa, sb) > 0
 
 
+@pytest.mark.parametrize("cluster_m,b_uniform", [(True, True), (True, False), (False, True)])
+def test_fp8_block_gemm_persistent_lowers_for_cuda(cluster_m, b_uniform):
+    from pallas_kernels.fp8_gemm import block_scaled_gemm_persistent
+
+    e4 = jnp.float8_e4m3fn
+    a, b = jax.ShapeDtypeStruct((512, 1024), e4), jax.ShapeDtypeStruct((384, 1024), e4)
+    sa, sb = jax.ShapeDtypeStruct((8, 512), jnp.float32), jax.ShapeDtypeStruct((8, 384), jnp.float32)
+    f = lambda *x: block_scaled_gemm_persistent(*x, cluster_m=cluster_m, b_uniform=b_uniform)
+    assert _lower(f, a, b, sa, sb) > 0
+
+
 def test_triton_kernels_lower_for_cuda():
     """The block cast (FP8) and the decode kernel, Triton-lowered Pallas, for CUDA."""
     from pallas_kernels.flash_decode import flash_decode

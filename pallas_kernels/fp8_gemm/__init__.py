@@ -2,6 +2,7 @@
 plain-jnp reference and quantization, and the one-pass block cast (cast.py).  Experimental: see kernel.py."""
 from pallas_kernels.fp8_gemm.cast import block_cast_transpose  # noqa: F401
 from pallas_kernels.fp8_gemm.kernel import BLOCK_M, block_scaled_gemm, gemm_shape_reason  # noqa: F401
+from pallas_kernels.fp8_gemm.persistent import block_scaled_gemm_persistent  # noqa: F401
 from pallas_kernels.fp8_gemm.reference import (  # noqa: F401
     BLOCK_K,
     block_scaled_gemm_reference,
