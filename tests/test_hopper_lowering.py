@@ -64,6 +64,8 @@ CASES = {  # name: keyword arguments of _attention_fwd_bwd
     "192/128 causal": dict(S=512, D=192, Dv=128, causal=True),
     "192/128": dict(S=384, D=192, Dv=128),
     "64/128 (v wider)": dict(S=256, D=64, Dv=128),
+    "128/192 (v wider, separate O tile)": dict(S=256, D=128, Dv=192, causal=True),
+    "256/128": dict(S=256, D=256, Dv=128),
     "96 (64-byte swizzle)": dict(S=384, D=96, Dv=96),
     "80 causal (32-byte swizzle)": dict(S=256, D=80, Dv=80, causal=True),
     "160 softcap ragged": dict(S=300, D=160, Dv=160, causal=True, softcap=2.0),
