@@ -463,6 +463,8 @@ def variants(budget, which="all"):
         return hd64_variants(budget)
     if which == "hd64bwd":
         return hd64_variants(budget, configs=HD64_BWD_VARIANTS, time_fwd=False)
+    if which == "hd256":
+        return hd64_variants(budget, configs=HD256_VARIANTS, D=256, H=8)
     log("   (B=4, S=4096)")
     if which == "atomic":
         sweeps = [
@@ -513,14 +515,17 @@ CONFIG_OVERRIDE: dict = {}  # --config-json: merged into every config the correc
 HD64_VARIANTS = (dict(), dict(block_kv=256, stages=2), dict(block_kv=64, stages=4))
 HD64_BWD_VARIANTS = (dict(), dict(bwd_wgs=1, bwd_dq_atomic=True), dict(bwd_block_kv=128),
                      dict(bwd_block_kv=128, bwd_wgs=1, bwd_dq_atomic=True), dict(bwd_block_q=128))
+# hd256 candidates that fit shared memory (tests/test_hopper_lowering.py-style lowering on the CPU, 2026-11-26):
+# two backward warpgroups with a one-stage Q/dO ring; 128-key forward blocks with a one-stage K/V ring
+HD256_VARIANTS = (dict(), dict(bwd_wgs=2, bwd_stages=1), dict(block_kv=128, stages=1),
+                  dict(block_kv=128, stages=1, bwd_wgs=2, bwd_stages=1))
 
 
-def hd64_variants(budget, rounds=2, configs=HD64_VARIANTS, time_fwd=True):
-    """head_dim 64 configs (32 heads, 16k tokens, bf16) over the shape's default config, forward and
-    forward+backward next to cuDNN, 1k/4k/16k, causal and not; `rounds` interleaved rounds; outputs
-    and gradients checked against cuDNN's."""
+def hd64_variants(budget, rounds=2, configs=HD64_VARIANTS, time_fwd=True, D=64, H=32):
+    """head_dim D configs (H heads, 16k tokens, bf16; default hd64 with 32 heads) over the shape's default
+    config, forward and forward+backward next to cuDNN, 1k/4k/16k, causal and not; `rounds` interleaved rounds;
+    outputs and gradients checked against cuDNN's."""
     res = []
-    D, H = 64, 32
     for S in cases.ATTENTION_SEQS:
         for causal in (False, True):
             if elapsed() > budget:
@@ -553,7 +558,7 @@ def hd64_variants(budget, rounds=2, configs=HD64_VARIANTS, time_fwd=True):
             for name, t in times.items():
                 log(f"  S{S} {'causal' if causal else 'full'} {name}: fwd "
                     + " / ".join(f"{a:.0f}" for a, _ in t) + "  fwd+bwd " + " / ".join(f"{b:.0f}" for _, b in t))
-                res.append(dict(tag=f"hd64 S{S} {'causal' if causal else 'full'} {name}",
+                res.append(dict(tag=f"hd{D} S{S} {'causal' if causal else 'full'} {name}",
                                 fwd=float(np.mean([a for a, _ in t])), fb=float(np.mean([b for _, b in t]))))
     return res
 
@@ -662,7 +667,7 @@ def main():
     ap.add_argument("--only-variants", action="store_true")
     ap.add_argument("--only-correctness", action="store_true",
                     help="the correctness sweep only (stops after --budget seconds)")
-    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd", "hd64", "hd64bwd"))
+    ap.add_argument("--variant-set", default="all", choices=("all", "atomic", "fwd", "hd64", "hd64bwd", "hd256"))
     ap.add_argument("--skip-correctness", action="store_true",
                     help="skip the hopper_attention correctness sweep (timing rows still check outputs)")
     ap.add_argument("--atomic", action="store_true", help="also time the atomic-dQ backward")
