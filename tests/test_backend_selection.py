@@ -273,8 +273,8 @@ def test_sm90_hopper_features_wait_for_a_gpu_check(fake_h100, monkeypatch):
 def test_sm90_split_head_dims_take_the_hopper_kernel_once_checked(fake_h100, monkeypatch):
     """DeepSeek-V3's head_dim_qk 192 / head_dim_v 128 on sm90: cuDNN is refused (jax.nn needs equal head dims), so
     auto takes the pallas backend; it runs the Hopper kernel once a GPU run checked the pair
-    (tuning.HOPPER_GPU_VERIFIED["head dims"]), else the portable kernel with the reason; a data mask with split
-    head dims stays on the portable kernel by name; config=HopperConfig() takes the Hopper kernel anyway."""
+    (tuning.HOPPER_GPU_VERIFIED["head dims"]), else the portable kernel with the reason; a data mask at head_dim 192
+    waits for its own GPU check ("data mask"); config=HopperConfig() takes the Hopper kernel anyway."""
     from pallas_kernels.flash_attention_hopper import HopperConfig
     from te_jax.backends import pallas as pallas_mod
     from te_jax.backends import tuning
@@ -297,7 +297,7 @@ def test_sm90_split_head_dims_take_the_hopper_kernel_once_checked(fake_h100, mon
             assert "Hopper (Mosaic GPU) kernel" in forced.detail, forced.detail
     seg = te_jax.explain_attention_backend(q, k, v, attn_mask_type="padding_causal", backend="pallas",
                                            q_seqlens=jnp.array([1000, 700]), kv_seqlens=jnp.array([1000, 700]))
-    assert seg.detail.startswith("portable") and "data-mask schedule needs equal head dims" in seg.detail, seg.detail
+    assert seg.detail.startswith("portable") and "data mask at head_dim 192: not yet checked" in seg.detail, seg.detail
 
 
 def test_hopper_refuses_a_config_whose_key_block_would_be_all_padding():

@@ -720,6 +720,37 @@ def test_data_mask_forward_and_grads(name):
     assert np.all(np.asarray(grads[0], np.float32)[~seen] == 0)
 
 
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("name", ["documents_causal", "padding", "window_causal_hd64"])
+def test_data_mask_split_head_dims(name):
+    """A data mask with q/k head_dim 192 and v head_dim 128 (DeepSeek-V3's geometry with packed documents, padding,
+    a window): out, lse, dq, dk, dv against the fp32 reference with the same mask."""
+    from pallas_kernels.flash_attention.reference import reference_attention
+
+    interpret = _mode()
+    B, Sq, Skv, H, G, _, mask, softcap = _masked_case(name)
+    D, Dv = 192, 128
+    ks = jax.random.split(jax.random.key(len(name) + 7), 5)
+    q = jax.random.normal(ks[0], (B, Sq, H, D), BF)
+    k = jax.random.normal(ks[1], (B, Skv, G, D), BF)
+    v = jax.random.normal(ks[2], (B, Skv, G, Dv), BF)
+    do = jax.random.normal(ks[3], (B, Sq, H, Dv), BF)
+    seen = np.asarray(mask.dense().any(-1))
+    dl = jax.random.normal(ks[4], (B, H, Sq), jnp.float32) * seen[:, None, :]
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, mask=mask, interpret=interpret, softcap=softcap)
+    (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: reference_attention(q, k, v, mask, scale=D ** -0.5, softcap=softcap)
+    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    assert out.shape == (B, Sq, H, Dv) and _rel(out, rout) < 1e-2
+    lse, rlse = np.asarray(lse), np.asarray(rlse)
+    rows = np.broadcast_to(seen[:, None, :], lse.shape)
+    assert np.all(lse[~rows] == -np.inf) and _rel(lse[rows], rlse[rows]) < 1e-4
+    for g, rg in zip(jax.jit(vjp)((do, dl)), rvjp((f32(do), dl))):
+        assert g.shape == rg.shape and _rel(g, rg) < 2e-2, _rel(g, rg)
+
+
 @pytest.mark.parametrize("name", MASKED_CASES)
 def test_data_mask_tables_list_the_visible_tiles(name):
     """mask_tables (CPU): each tile's block list holds every block with a visible (query, key) pair, each once, the
@@ -805,7 +836,7 @@ def test_split_head_dims_config_and_plan():
     memory at two stages); other splits and 192/192 keep 64-key blocks; the plan names the split and the backward's
     two dK / dV launches."""
     from pallas_kernels.flash_attention_hopper.config import default_config, describe_plan
-    from pallas_kernels.flash_attention_hopper.forward import o_tiles_in_q
+    from pallas_kernels.flash_attention_hopper.forward_step import o_tiles_in_q
 
     assert default_config(192, 4096, True, head_dim_v=128).block_kv == 128
     assert default_config(192, 4096, True, head_dim_v=128).bwd_wgs == 2

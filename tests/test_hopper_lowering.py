@@ -94,12 +94,13 @@ def _segments(*runs, total):
 
 
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
-@pytest.mark.parametrize("name", ["documents", "window", "bottom right"])
-def test_hopper_data_mask_lowers_for_cuda(name, ptx):
+@pytest.mark.parametrize("name,D,Dv", [("documents", 128, 128), ("window", 128, 128), ("bottom right", 128, 128),
+                                       ("documents", 192, 128), ("window", 96, 96), ("documents", 64, 128)])
+def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, ptx):
     mask = {"documents": AttentionMask.from_segments(_segments(100, 1, 250, 189, total=600), causal=True),
             "window": AttentionMask.full(1, 512, 512, causal=True, window=(128, 0)),
             "bottom right": AttentionMask.full(1, 256, 640, causal=True, bottom_right=True)}[name]
-    assert _attention_fwd_bwd(mask.q_len, 128, 128, Skv=mask.kv_len, mask=mask, **ptx) > 0
+    assert _attention_fwd_bwd(mask.q_len, D, Dv, Skv=mask.kv_len, mask=mask, **ptx) > 0
 
 
 @pytest.mark.parametrize("b_uniform,overlap,block_n", [(True, True, 128), (False, False, 128), (False, False, 256)])

@@ -2,7 +2,7 @@
 
     hopper_attention(q, k, v, *, scale, causal=False, softcap=None, config=None) -> (out, lse)
         q/k [B,Sq,H,D] / [B,Skv,G,D], v [B,Skv,G,Dv] (H % G == 0), bf16/fp16, D and Dv multiples of 16 up to 256
-        (they may differ, e.g. DeepSeek-V3's 192/128: then the grid forward, no data mask); any lengths >= 1 (causal:
+        (they may differ, e.g. DeepSeek-V3's 192/128: not the persistent forwards); any lengths >= 1 (causal:
         Sq == Skv): a length that is not a multiple of 128 is padded with zeros up to one (a copy of the
         operands) and the padded keys are masked in the kernels (causal: by the diagonal itself);
         out [B,S,H,Dv] (q.dtype), lse [B,H,S] float32 (natural log).  Differentiable.
@@ -197,16 +197,13 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap):
         raise ValueError(f"hopper_attention: mask={type(mask).__name__} must be a pallas_kernels.mask.AttentionMask "
                          f"(segment ids and positions [batch, length]; AttentionMask.from_segments / .full build one).")
     _check(q, k, v, False, softcap)
-    if v.shape[-1] != q.shape[-1]:
-        raise ValueError(f"hopper_attention: a mask needs equal q/k and v head_dims (got {q.shape[-1]} and "
-                         f"{v.shape[-1]}); the Hopper kernels serve different head_dims with causal or no mask only")
     b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
     want = (b, sq, skv)
     if (mask.batch, mask.q_len, mask.kv_len) != want:
         raise ValueError(f"hopper_attention: mask is for [batch, q_len, kv_len] = {[mask.batch, mask.q_len, mask.kv_len]}"
                          f", q/k are {list(want)}. Fix: build the AttentionMask from these q/k lengths.")
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK
-    cfg = config or default_config(q.shape[-1], pkv, False, pq)  # (equal head_dims here)
+    cfg = config or default_config(q.shape[-1], pkv, False, pq, head_dim_v=v.shape[-1])
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     tables = mask_tables(padded, cfg, backward=False)  # the backward adds its lists (flash_bwd)

@@ -30,7 +30,7 @@ from .._lower_once import lower_once
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
 from .forward_masked import _flash_fwd_masked
-from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
+from .forward_step import _Sched, _fwd_kv_step, fwd_geometry, qo_refs, qo_scratch, store_o, write_o
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
                      logit_units, persistent_causal_chosen, persistent_chosen, ring_choices, split_tail_chosen)
 
@@ -50,19 +50,16 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
     Dv = v.shape[-1]
     dtype = q.dtype
     tr, tr_v = smem_transforms(plgpu, dtype, D), smem_transforms(plgpu, dtype, Dv)
-    q_tiles = plgpu.SMEM((2, q_buffers, bq, D) if q_buffers > 1 else (2, bq, D), dtype, transforms=tr)
-    if Dv != D and o_tiles_in_q(bq, D, Dv, dtype):
-        o_tile = plgpu.SMEM((bq, Dv), dtype, transforms=tr_v)
-        gap = plgpu.SMEM((bq * (D - Dv) * jnp.dtype(dtype).itemsize,), jnp.int8)
-        q_tiles = plgpu.RefUnion(q_tiles, (o_tile, gap, o_tile))
+    q_tiles, o_extra = qo_scratch(
+        plgpu, plgpu.SMEM((2, q_buffers, bq, D) if q_buffers > 1 else (2, bq, D), dtype, transforms=tr),
+        bq, D, Dv, dtype, tr_v)
     scratch = [
         (
             q_tiles,
             plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
             plgpu.SMEM((stages, bkv, Dv), dtype, transforms=tr_v),
             plgpu.SMEM((2, bq), jnp.float32),
-        ) + ((plgpu.SMEM((2, bq, Dv), dtype, transforms=tr_v),) if Dv != D and not o_tiles_in_q(bq, D, Dv, dtype)
-             else ()),
+        ) + o_extra,
         (
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
@@ -78,19 +75,12 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
                                    no_auto_barriers=producer_warp)(q, k, v, *extra_in)
 
 
-def o_tiles_in_q(bq: int, D: int, Dv: int, dtype) -> bool:
-    """Whether each warpgroup's O tile [bq, Dv] can live inside its own Q tile [bq, D] (RefUnion, _fwd_call): Dv < D
-    and both the O tile and the gap to the next Q tile whole multiples of the 1024-byte shared-memory alignment."""
-    isz = jnp.dtype(dtype).itemsize
-    return Dv < D and (bq * Dv * isz) % 1024 == 0 and (bq * (D - Dv) * isz) % 1024 == 0
-
-
 @lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule"))
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
               interpret: bool | None = None, softcap: float | None = None, kv_valid: int | None = None,
               mask_tables=None, mask_rule=None):
     """-> (out [B,S,H,Dv] q.dtype, lse [B,H,S] float32, natural log); q/k head_dim D, v's Dv (Dv != D: the grid
-    kernel, no data mask).  softcap: logits softcap * tanh(s / softcap)
+    or data-mask kernel, not the persistent ones).  softcap: logits softcap * tanh(s / softcap)
     (s = scale * q.k; tanh in the score path, before the mask).  kv_valid (non-causal): keys at or past it are
     padding (masked on every K/V step: the caller padded a ragged length up to a whole block).
     mask_tables / mask_rule (data_mask.MaskTables / MaskRule; causal False, kv_valid None): a data mask; rows
@@ -109,8 +99,6 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     if mask_tables is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
-        if split_dims:
-            raise ValueError(f"a data mask needs equal q/k and v head_dims (got {D} and {Dv})")
         return _flash_fwd_masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
                                  interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
                                  window=tuple(mask_rule.window))
@@ -126,14 +114,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     split = cfg.split_causal
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
-        qo_smem2, k_smem, v_smem, lse_smem2 = smem[:4]
-        if not split_dims:
-            o_tiles = None  # the O tile: Q's buffer
-        elif o_tiles_in_q(bq, D, Dv, dtype):
-            qo_smem2, (o_tile0, _, o_tile1) = qo_smem2  # the RefUnion: O tile w inside Q tile w
-            o_tiles = (o_tile0, o_tile1)
-        else:
-            o_tiles = (smem[4].at[0], smem[4].at[1])
+        qo_smem2, o_tiles = qo_refs(smem[0], smem[4:], bq, D, Dv, dtype)
+        k_smem, v_smem, lse_smem2 = smem[1:4]
         k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
         k_slots, v_slots = ring_slots(plgpu, (k_cons, v_cons), stages, named=named_release,
                                       producer_warp=producer_warp, compute_wgs=2)
@@ -222,18 +204,10 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
             inv = 1.0 / l_i
             acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            if o_tiles is None:
-                qo_smem[...] = acc.astype(dtype)
-            else:  # each warpgroup its own O tile (static refs: a RefUnion member cannot be indexed by wg)
-                for w, o_tile in enumerate(o_tiles):
-                    pl.when(wg == w)(functools.partial(o_tile.__setitem__, Ellipsis, acc.astype(dtype)))
+            write_o(plgpu, o_tiles, qo_smem, wg, acc.astype(dtype))
             lse_smem[...] = (m_i + jnp.log2(l_i)) * LN2
             plgpu.commit_smem()
-            if o_tiles is None:
-                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
-            else:
-                for w, o_tile in enumerate(o_tiles):
-                    pl.when(wg == w)(functools.partial(plgpu.copy_smem_to_gmem, o_tile, o_ref.at[b, pl.ds(q0, bq), h]))
+            store_o(plgpu, o_tiles, qo_smem, wg, o_ref.at[b, pl.ds(q0, bq), h])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
             plgpu.wait_smem_to_gmem(0)
 

@@ -12,7 +12,7 @@ from jax import lax
 from .._compat import mosaic_gpu, pl
 from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
 from .config import LN2, HopperConfig, logit_units, ring_choices
-from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
+from .forward_step import _Sched, _fwd_kv_step, fwd_geometry, qo_refs, qo_scratch, store_o, write_o
 
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
                       softcap: float | None, mask_causal: bool, window: tuple[int, int]):
@@ -30,13 +30,15 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     rule = MaskRule(mask_causal, window)
     plgpu = mosaic_gpu()
     B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
+    Dv = v.shape[-1]  # v's head_dim (O tiles as forward_step.qo_scratch places them where Dv != D)
     c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
-        qo_smem2, k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem
+        qo_smem2, o_tiles = qo_refs(smem[0], smem[6:], bq, D, Dv, dtype)
+        k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem[1:6]
         k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
         k_slots, v_slots, km_slots = ring_slots(plgpu, (k_cons, v_cons, km_cons), stages, named=named_release,
                                                 producer_warp=producer_warp, compute_wgs=2)
@@ -66,7 +68,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
 
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
             l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
-            acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+            acc = plgpu.layout_cast(jnp.full((bq, Dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             when(n_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[0]))
             pl.when(wg == 1)(sched.start)
@@ -105,10 +107,10 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             empty = l_i == 0.0  # a row without a visible key: out 0, lse -inf
             inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
             acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            qo_smem[...] = acc.astype(dtype)
+            write_o(plgpu, o_tiles, qo_smem, wg, acc.astype(dtype))
             lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+            store_o(plgpu, o_tiles, qo_smem, wg, o_ref.at[b, pl.ds(q0, bq), h])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
             plgpu.wait_smem_to_gmem(0)
 
@@ -121,17 +123,18 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
                  (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots),
                  (lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_slots)]), single_warp=producer_warp)
 
-    tr = smem_transforms(plgpu, dtype, D)
+    tr, tr_v = smem_transforms(plgpu, dtype, D), smem_transforms(plgpu, dtype, Dv)
+    q_tiles, o_extra = qo_scratch(plgpu, plgpu.SMEM((2, bq, D), dtype, transforms=tr), bq, D, Dv, dtype, tr_v)
     i32 = jnp.int32
     scratch = [
         (
-            plgpu.SMEM((2, bq, D), dtype, transforms=tr),
+            q_tiles,
             plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
-            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, Dv), dtype, transforms=tr_v),
             plgpu.SMEM((2, bq), jnp.float32),
             plgpu.SMEM((2, 2, bq), i32),
             plgpu.SMEM((stages, 2, bkv), i32),
-        ),
+        ) + o_extra,
         (
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
@@ -144,7 +147,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ),
     ]
-    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct((B, S, H, Dv), dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(H, n_qt, B),
                                    grid_names=("heads", "q_seq", "batch"), compute_wgs=2, interpret=interpret,
                                    name="te_jax_attn_fwd_masked", no_auto_barriers=producer_warp)(

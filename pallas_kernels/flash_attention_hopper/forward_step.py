@@ -3,11 +3,13 @@ warpgroups' ping-pong on the tensor cores (used by the plain, persistent and dat
 Mosaic GPU is imported lazily by the callers: this module imports on any machine."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 
+from .._compat import pl
 from .common import mma, mma_into, named_barrier
 from .config import HopperConfig
 
@@ -127,3 +129,53 @@ def _fwd_kv_step(plgpu, carry, *, q_smem, k_tile, v_tile, k_release, v_ready, v_
     acc = mma_into(plgpu, acc, p16, v_tile, interpret=interpret, after=wait_next_k)
     v_release()
     return acc, m_new, l_i
+
+
+# --- Q tiles and O tiles where v's head_dim Dv differs from q/k's D --------------------------------------------
+
+def o_tiles_in_q(bq: int, D: int, Dv: int, dtype) -> bool:
+    """Whether each warpgroup's O tile [bq, Dv] can live inside its own Q tile [bq, D] (a RefUnion): Dv < D and both
+    the O tile and the gap to the next Q tile whole multiples of the 1024-byte shared-memory alignment."""
+    isz = jnp.dtype(dtype).itemsize
+    return Dv < D and (bq * Dv * isz) % 1024 == 0 and (bq * (D - Dv) * isz) % 1024 == 0
+
+
+def qo_scratch(plgpu, q_tiles, bq: int, D: int, Dv: int, dtype, tr_v):
+    """(the Q tiles' scratch entry, extra scratch entries): Q tiles [2, bq, D] as given where Dv == D (O is staged
+    in Q's buffer); a RefUnion with (O tile of warpgroup 0, a gap, O tile of warpgroup 1) where o_tiles_in_q; else
+    the Q tiles and a separate O tile [2, bq, Dv] as an extra entry (last)."""
+    if Dv == D:
+        return q_tiles, ()
+    o_tile = plgpu.SMEM((bq, Dv), dtype, transforms=tr_v)
+    if o_tiles_in_q(bq, D, Dv, dtype):
+        gap = plgpu.SMEM((bq * (D - Dv) * jnp.dtype(dtype).itemsize,), jnp.int8)
+        return plgpu.RefUnion(q_tiles, (o_tile, gap, o_tile)), ()
+    return q_tiles, (plgpu.SMEM((2, bq, Dv), dtype, transforms=tr_v),)
+
+
+def qo_refs(q_entry, extra, bq: int, D: int, Dv: int, dtype):
+    """The kernel-side refs of qo_scratch: (Q tiles [2, ...], O tiles (one per warpgroup) or None: O in Q's)."""
+    if Dv == D:
+        return q_entry, None
+    if o_tiles_in_q(bq, D, Dv, dtype):
+        q_tiles, (o0, _, o1) = q_entry
+        return q_tiles, (o0, o1)
+    return q_entry, (extra[0].at[0], extra[0].at[1])
+
+
+def write_o(plgpu, o_tiles, qo_smem, wg, value):
+    """value [bq, Dv] into this warpgroup's O tile (qo_smem where o_tiles is None); static refs per warpgroup."""
+    if o_tiles is None:
+        qo_smem[...] = value
+        return
+    for w, o_tile in enumerate(o_tiles):
+        pl.when(wg == w)(functools.partial(o_tile.__setitem__, Ellipsis, value))
+
+
+def store_o(plgpu, o_tiles, qo_smem, wg, dst):
+    """TMA this warpgroup's O tile to dst (after commit_smem)."""
+    if o_tiles is None:
+        plgpu.copy_smem_to_gmem(qo_smem, dst)
+        return
+    for w, o_tile in enumerate(o_tiles):
+        pl.when(wg == w)(functools.partial(plgpu.copy_smem_to_gmem, o_tile, dst))

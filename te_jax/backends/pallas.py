@@ -206,10 +206,6 @@ class PallasBackend:
                     "explanation (explain_context_parallel_backend)")
         d = call.dims
         data_mask = self.hopper_data_mask(call)  # the mask's causal rule then runs as data, any lengths
-        if data_mask and d.head_dim_qk != d.head_dim_v:
-            return (f"a token mask ({call.mask.mask_type}{', segments' if call.padding_source == 'segment_ids' else ''}"
-                    f") with head_dim_qk {d.head_dim_qk} != head_dim_v {d.head_dim_v}: the Hopper kernel's data-mask "
-                    f"schedule needs equal head dims (it serves split head dims with causal or no mask)")
         return mod.supports((d.batch, d.q_len, d.num_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                             (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v),
