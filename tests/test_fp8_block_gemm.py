@@ -210,3 +210,28 @@ def test_te_jax_block_gemm_path_on_the_gpu(monkeypatch):
     for a, b in zip(outs["pallas"], outs["emulate"]):
         a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
         assert float(jnp.linalg.norm(a32 - b32) / jnp.linalg.norm(b32)) < 2.0 ** -7
+
+
+def test_block_qdq_keeps_its_fp8_values_behind_a_barrier():
+    """XLA's GPU pipeline (simplify-fp-conversions, excess precision allowed by default) folds f32 -> FP8 -> f32
+    converts away: on an H100 the reference Float8BlockScaling then computed in bf16 (a 3.6e-2 error against the
+    real FP8 path). block_qdq keeps the FP8 values behind an optimization barrier, which the lowered program shows;
+    and its values are the quantized ones."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((128, 256)), jnp.float32)
+    text = jax.jit(lambda x: block_qdq(x, (1, 128), E4, jnp.bfloat16)).lower(x).as_text()
+    assert "optimization_barrier" in text and "f8E4M3FN" in text
+    q, s = quantize_blocks(x, (1, 128), E4)
+    want = q.astype(jnp.float32) * jnp.repeat(s, 128, axis=1)
+    np.testing.assert_array_equal(np.asarray(block_qdq(x, (1, 128), E4, jnp.float32)), np.asarray(want))
+
+
+def test_block_gemm_ring_depth_fits_shared_memory():
+    """The ring is capped at what sm90's shared memory holds beside the output tile (block_n 256 with 4 stages
+    overflowed it: 268 KB, found by tests/test_hopper_lowering.py)."""
+    from pallas_kernels.fp8_gemm.kernel import SMEM_BYTES, max_stages
+
+    assert max_stages(128, jnp.bfloat16) == 5 and max_stages(256, jnp.bfloat16) == 3
+    for bn in (128, 256):
+        per_stage = 2 * 64 * 128 + bn * 128 + 2 * 64 * 4 + bn * 4
+        n = max_stages(bn, jnp.bfloat16)
+        assert n * per_stage + 2 * 64 * bn * 2 <= SMEM_BYTES < (n + 1) * per_stage + 2 * 64 * bn * 2
