@@ -80,7 +80,7 @@ class CudnnBackend:
             raise ValueError(f"window {window} not servable by cuDNN")
         padded = call.padding_source != "none"
         q_lens = kv_lens = None
-        sq, skv = q.shape[1], k.shape[1]
+        sq = q.shape[1]
         if padded:
             q_ok = tm.q_segment_ids != 0  # [B, Sq]
             kv_ok = tm.kv_segment_ids != 0  # [B, Skv]
