@@ -65,7 +65,7 @@ from pallas_kernels.fp8_gemm import quantize_blocks
 from te_jax.backends import policy
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
 from te_jax.fp8.fused import fused_cast_unavailable
-from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, check_recipe
+from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
 
 GEMM_STYLES = ("direct", "qdq", "wgrad_qdq")
 #: Default GEMM style (see the module docstring); TE_JAX_FP8_GEMM overrides it at trace time.
