@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 
 import jax
 import jax.numpy as jnp
 
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg
-from benchmarks import timing
+from benchmarks.peer_rows import fwd_and_fb, peer_rows, print_table, tflops_rounds
 from pallas_kernels.flash_attention_hopper import HopperConfig, default_config
 from pallas_kernels.flash_attention_hopper.reference import attention_reference
 
@@ -43,12 +42,6 @@ CONFIGS = {
     "kv64": HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=2),  # 64-key forward blocks
     "bwd1": HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1),  # one backward warpgroup (hd256's)
 }
-
-
-def fwd_and_fb(f):
-    def fb(q, k, v, do):
-        return jax.vjp(f, q, k, v)[1](do)
-    return jax.jit(f), jax.jit(fb)
 
 
 def makers(causal, scale, tk, fa3, configs):
@@ -128,27 +121,11 @@ def main():
                     print(f"  {iname} grads vs cudnn_vpad: rel " +
                           ", ".join(f"d{c} {ahg.rel(a, b):.2e}" for c, a, b in zip("qkv", g, gp)), flush=True)
         flops = 2 * B * H * S * S * (DQK + DV) * (0.5 if causal else 1.0)
-        times = {(i, m): [] for i in impls for m in ("fwd", "fb")}
-        for r in range(args.rounds):
-            for iname, (f, fb) in impls.items():
-                times[(iname, "fwd")].append(timing.measure(f, (q, k, v))[0])
-                times[(iname, "fb")].append(timing.measure(fb, (q, k, v, do))[0])
-            print(f"  round {r + 1}/{args.rounds} done", flush=True)
-        tf = {key: flops * (1 if key[1] == "fwd" else 3.5) / statistics.median(t) / 1e12 for key, t in times.items()}
-        peers = [i for i in impls if not i.startswith("te_jax")]
-        for m in ("fwd", "fb"):
-            cells = " | ".join(f"{i} {tf[(i, m)]:.0f}" for i in impls)
-            ours = max((i for i in impls if i.startswith("te_jax")), key=lambda i: tf[(i, m)], default=None)
-            best = max(peers, key=lambda i: tf[(i, m)]) if peers else None
-            ratio = f"{ours} {tf[(ours, m)] / tf[(best, m)]:.2f} of {best}" if best and ours else "-"
-            table.append(f"| {name} | {m} | {cells} | {ratio} |")
-            print(table[-1], flush=True)
-    print(f"\n## d_qk 192 / d_v 128: TFLOP/s ({args.rounds} interleaved rounds, medians), "
-          f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}\n")
-    print("| row | pass | implementations (TFLOP/s) | te_jax's best / best peer |")
-    print("|---|---|---|---|")
-    for line in table:
-        print(line)
+        tf = tflops_rounds(impls, q, k, v, do, flops, args.rounds)
+        table += peer_rows(name, impls, tf, [i for i in impls if i.startswith("te_jax")])
+        print("\n".join(table[-2:]), flush=True)
+    print_table(f"d_qk 192 / d_v 128: TFLOP/s ({args.rounds} interleaved rounds, medians), "
+                f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table)
 
 
 if __name__ == "__main__":

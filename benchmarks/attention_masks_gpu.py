@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import datetime
 import inspect
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ import numpy as np
 
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg  # inputs, peer imports, gpu_warmup
-from benchmarks import timing
+from benchmarks.peer_rows import fwd_and_fb, peer_rows, print_table, tflops_rounds
 from pallas_kernels.mask import AttentionMask
 
 D = 128
@@ -108,12 +107,6 @@ def visible_pairs(row: Row) -> int:
                                        q_positions=one.q_positions[:, s:s + 2048])
             total += int(jnp.sum(part.dense()))
     return total * (1 if row.thd else row.B // m.batch)
-
-
-def fwd_and_fb(f):
-    def fb(q, k, v, do):
-        return jax.vjp(f, q, k, v)[1](do)
-    return jax.jit(f), jax.jit(fb)
 
 
 def _te_kwargs(row: Row):
@@ -251,27 +244,10 @@ def main():
                     print(f"  {iname} grads vs portable kernel: rel " +
                           ", ".join(f"d{n} {ahg.rel(a, b):.2e}" for n, a, b in zip("qkv", g, gp)), flush=True)
         flops = 4 * row.H * D * visible_pairs(row)
-        times = {(i, m): [] for i in impls for m in ("fwd", "fb")}
-        for r in range(args.rounds):
-            for iname, (f, fb) in impls.items():
-                times[(iname, "fwd")].append(timing.measure(f, (q, k, v))[0])
-                times[(iname, "fb")].append(timing.measure(fb, (q, k, v, do))[0])
-            print(f"  round {r + 1}/{args.rounds} done", flush=True)
-        med = {key: statistics.median(t) for key, t in times.items()}
-        tf = {key: (flops * (1 if key[1] == "fwd" else 3.5)) / t / 1e12 for key, t in med.items()}
-        peers = [i for i in impls if not i.startswith("te_jax")]
-        for m in ("fwd", "fb"):
-            best = max(peers, key=lambda i: tf[(i, m)]) if peers else None
-            cells = " | ".join(f"{i} {tf[(i, m)]:.0f}" for i in impls)
-            ours = max((i for i in ("te_jax", "te_jax_pallas") if i in impls), key=lambda i: tf[(i, m)], default=None)
-            ratio = f"{ours} {tf[(ours, m)] / tf[(best, m)]:.2f} of {best}" if best and ours else "-"
-            table.append(f"| {row.label} | {m} | {cells} | {ratio} |")
-    print(f"\n## Hopper masks: TFLOP/s on the visible area ({args.rounds} interleaved rounds, medians), "
-          f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}\n")
-    print("| row | pass | implementations (TFLOP/s) | te_jax's best / best peer |")
-    print("|---|---|---|---|")
-    for line in table:
-        print(line)
+        tf = tflops_rounds(impls, q, k, v, do, flops, args.rounds)
+        table += peer_rows(row.label, impls, tf, ("te_jax", "te_jax_pallas"))
+    print_table(f"Hopper masks: TFLOP/s on the visible area ({args.rounds} interleaved rounds, medians), "
+                f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table)
 
 
 if __name__ == "__main__":

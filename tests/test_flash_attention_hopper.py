@@ -135,52 +135,18 @@ def test_block_entry_points_name_ragged_lengths():
      (1000, 2, 1, 128, True, 2.0), (300, 2, 2, 256, False, None)],
 )
 def test_forward_and_grads(S, H, G, D, causal, softcap):
+    _check_forward_and_grads(S, H, G, D, D, causal, softcap, BF, seed=S + D + causal)
+
+
+def _check_forward_and_grads(S, H, G, D, Dv, causal, softcap, dtype, seed):
+    """hopper_attention on fresh random q/k [1,S,*,D], v [1,S,G,Dv]: out, lse, dq, dk, dv against the fp32
+    reference (a random cotangent on out and on lse)."""
     interpret = _mode()
-    B = 1
-    ks = jax.random.split(jax.random.key(S + D + causal), 5)
-    q = jax.random.normal(ks[0], (B, S, H, D), BF)
-    k = jax.random.normal(ks[1], (B, S, G, D), BF)
-    v = jax.random.normal(ks[2], (B, S, G, D), BF)
-    do = jax.random.normal(ks[3], (B, S, H, D), BF)
-    dl = jax.random.normal(ks[4], (B, H, S), jnp.float32)
-    scale = D ** -0.5
-
-    f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal, interpret=interpret, softcap=softcap)
-    (out, lse), vjp = jax.vjp(f, q, k, v)
-    f32 = lambda x: x.astype(jnp.float32)
-    ref = lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=causal, softcap=softcap)
-    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
-    assert _rel(out, rout) < 1e-2
-    assert _rel(lse, rlse) < 1e-4
-    grads = vjp((do, dl))
-    rgrads = rvjp((f32(do), dl))
-    for g, rg in zip(grads, rgrads):
-        assert g.shape == rg.shape
-        assert _rel(g, rg) < 2e-2
-
-
-@pytest.mark.slow
-@needs_kernel
-@pytest.mark.parametrize(
-    "S,H,G,D,Dv,causal,softcap",
-    [(512, 4, 2, 192, 128, True, None), (256, 2, 1, 192, 128, False, "fp16"), (384, 2, 2, 192, 128, False, None), (300, 2, 1, 192, 128, False, 2.0),
-     (256, 2, 1, 192, 192, True, None), (256, 2, 2, 128, 64, True, None), (256, 2, 1, 64, 128, False, None),
-     (200, 2, 1, 192, 128, True, None),
-     # head dims that are not multiples of 64: 64-byte (96, 160) and 32-byte (80, 112) swizzled tiles
-     (256, 2, 1, 80, 80, True, None), (384, 2, 2, 96, 96, False, None), (300, 2, 1, 160, 160, True, 2.0),
-     (256, 2, 1, 112, 80, False, None)],
-)
-def test_split_head_dims_forward_and_grads(S, H, G, D, Dv, causal, softcap):
-    """q/k head_dim D and v head_dim Dv (DeepSeek-V3's 192/128 and others): out, lse, dq, dk, dv against the fp32
-    reference, with GQA, ragged lengths and softcap (softcap "fp16": no cap, float16 operands)."""
-    interpret = _mode()
-    dt = jnp.float16 if softcap == "fp16" else BF
-    softcap = None if softcap == "fp16" else softcap
-    ks = jax.random.split(jax.random.key(S + D + Dv), 5)
-    q = jax.random.normal(ks[0], (1, S, H, D), dt)
-    k = jax.random.normal(ks[1], (1, S, G, D), dt)
-    v = jax.random.normal(ks[2], (1, S, G, Dv), dt)
-    do = jax.random.normal(ks[3], (1, S, H, Dv), dt)
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (1, S, H, D), dtype)
+    k = jax.random.normal(ks[1], (1, S, G, D), dtype)
+    v = jax.random.normal(ks[2], (1, S, G, Dv), dtype)
+    do = jax.random.normal(ks[3], (1, S, H, Dv), dtype)
     dl = jax.random.normal(ks[4], (1, H, S), jnp.float32)
     scale = D ** -0.5
     f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, causal=causal, interpret=interpret, softcap=softcap)
@@ -194,6 +160,24 @@ def test_split_head_dims_forward_and_grads(S, H, G, D, Dv, causal, softcap):
     for g, rg in zip(vjp((do, dl)), rvjp((f32(do), dl))):
         assert g.shape == rg.shape
         assert _rel(g, rg) < 2e-2
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize(
+    "S,H,G,D,Dv,causal,softcap,dtype",
+    [(512, 4, 2, 192, 128, True, None, BF), (256, 2, 1, 192, 128, False, None, jnp.float16),
+     (384, 2, 2, 192, 128, False, None, BF), (300, 2, 1, 192, 128, False, 2.0, BF),
+     (256, 2, 1, 192, 192, True, None, BF), (256, 2, 2, 128, 64, True, None, BF), (256, 2, 1, 64, 128, False, None, BF),
+     (200, 2, 1, 192, 128, True, None, BF),
+     # head dims that are not multiples of 64: 64-byte (96, 160) and 32-byte (80, 112) swizzled tiles
+     (256, 2, 1, 80, 80, True, None, BF), (384, 2, 2, 96, 96, False, None, BF), (300, 2, 1, 160, 160, True, 2.0, BF),
+     (256, 2, 1, 112, 80, False, None, BF)],
+)
+def test_split_head_dims_forward_and_grads(S, H, G, D, Dv, causal, softcap, dtype):
+    """q/k head_dim D and v head_dim Dv (DeepSeek-V3's 192/128 and others), with GQA, ragged lengths, softcap and
+    float16."""
+    _check_forward_and_grads(S, H, G, D, Dv, causal, softcap, dtype, seed=S + D + Dv)
 
 
 @pytest.mark.slow

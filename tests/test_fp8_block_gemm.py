@@ -67,6 +67,12 @@ def test_bad_operands_are_named():
     assert "contraction lengths differ" in gemm_shape_reason((256, 384), (128, 256), E4, E4)
     with pytest.raises(ValueError, match=r"a_scales has shape \(256, 3\); expected \(3, 256\)"):
         block_scaled_gemm(xq, wq, sa.T, sb)
+    from pallas_kernels.fp8_gemm import block_scaled_gemm_persistent
+
+    with pytest.raises(ValueError, match=r"block_scaled_gemm_persistent: b_scales has shape \(128, 3\); expected"):
+        block_scaled_gemm_persistent(xq, wq, sa, sb.T)
+    with pytest.raises(ValueError, match="M=128 is not a multiple of 256"):  # two 128-row CTAs a cluster
+        block_scaled_gemm_persistent(xq[:128], wq, sa[:, :128], sb)
     with pytest.raises(ValueError, match="quantize_blocks: shape"):
         quantize_blocks(x[:, :100], (1, 128), E4)
 

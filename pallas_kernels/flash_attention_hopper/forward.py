@@ -30,7 +30,7 @@ from .._lower_once import lower_once
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
 from .forward_masked import _flash_fwd_masked
-from .forward_step import _Sched, _fwd_kv_step, fwd_geometry, qo_refs, qo_scratch, store_o, write_o
+from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
                      logit_units, persistent_causal_chosen, persistent_chosen, ring_choices, split_tail_chosen)
 
@@ -199,17 +199,10 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                     sched.flush_step()
 
                 lax.fori_loop(kv_steps, cta_steps, flush, None)
-            acc, m_i, l_i = carry
             pl.when(wg == 0)(sched.finish)
-
-            inv = 1.0 / l_i
-            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            write_o(plgpu, o_tiles, qo_smem, wg, acc.astype(dtype))
-            lse_smem[...] = (m_i + jnp.log2(l_i)) * LN2
-            plgpu.commit_smem()
-            store_o(plgpu, o_tiles, qo_smem, wg, o_ref.at[b, pl.ds(q0, bq), h])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
-            plgpu.wait_smem_to_gmem(0)
+            finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
+                        o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
+                        may_be_empty=False)
 
         @pl.when(wg == 2)
         def _memory():

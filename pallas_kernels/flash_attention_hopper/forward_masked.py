@@ -11,8 +11,8 @@ from jax import lax
 
 from .._compat import mosaic_gpu, pl
 from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
-from .config import LN2, HopperConfig, logit_units, ring_choices
-from .forward_step import _Sched, _fwd_kv_step, fwd_geometry, qo_refs, qo_scratch, store_o, write_o
+from .config import HopperConfig, logit_units, ring_choices
+from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
 
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
                       softcap: float | None, mask_causal: bool, window: tuple[int, int]):
@@ -101,18 +101,10 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             carry = (acc, m_i, l_i)
             carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)
             carry = lax.fori_loop(n_partial, n_steps, functools.partial(kv_body, masked=False), carry)
-            acc, m_i, l_i = carry
             pl.when(wg == 0)(sched.finish)
-
-            empty = l_i == 0.0  # a row without a visible key: out 0, lse -inf
-            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
-            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            write_o(plgpu, o_tiles, qo_smem, wg, acc.astype(dtype))
-            lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
-            plgpu.commit_smem()
-            store_o(plgpu, o_tiles, qo_smem, wg, o_ref.at[b, pl.ds(q0, bq), h])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
-            plgpu.wait_smem_to_gmem(0)
+            finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
+                        o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
+                        may_be_empty=True)  # a row without a visible key: out 0, lse -inf
 
         @pl.when(wg == 2)
         def _memory():

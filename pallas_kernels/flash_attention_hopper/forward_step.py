@@ -11,7 +11,7 @@ from jax import lax
 
 from .._compat import pl
 from .common import mma, mma_into, named_barrier
-from .config import HopperConfig
+from .config import LN2, HopperConfig
 
 
 class FwdGeometry(NamedTuple):
@@ -179,3 +179,24 @@ def store_o(plgpu, o_tiles, qo_smem, wg, dst):
         return
     for w, o_tile in enumerate(o_tiles):
         pl.when(wg == w)(functools.partial(plgpu.copy_smem_to_gmem, o_tile, dst))
+
+
+def finish_tile(plgpu, carry, *, o_tiles, qo_smem, lse_smem, wg, dtype, o_dst, lse_dst, may_be_empty: bool):
+    """A forward tile's epilogue: out = acc / l into the O tile and lse (natural log) into lse_smem, both TMA'd to
+    o_dst / lse_dst, then waited for.  may_be_empty (a data mask): a row that saw no key gives out 0, lse -inf."""
+    acc, m_i, l_i = carry
+    if may_be_empty:
+        empty = l_i == 0.0
+        inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+    else:
+        inv = 1.0 / l_i
+    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    write_o(plgpu, o_tiles, qo_smem, wg, acc.astype(dtype))
+    if may_be_empty:
+        lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
+    else:
+        lse_smem[...] = (m_i + jnp.log2(l_i)) * LN2
+    plgpu.commit_smem()
+    store_o(plgpu, o_tiles, qo_smem, wg, o_dst)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+    plgpu.wait_smem_to_gmem(0)

@@ -51,6 +51,33 @@ def gemm_shape_reason(a_shape, b_shape, a_dtype, b_dtype, block_n: int = 128) ->
     return None
 
 
+def check_operands(where: str, a, b, a_scales, b_scales, block_n: int, rows_multiple: int = BLOCK_M):
+    """(M, N, K/128) of a block GEMM's operands, or a ValueError naming the operand, its shape and the one expected.
+    rows_multiple: what M must divide into (128; 256 for clusters of two CTAs)."""
+    why = gemm_shape_reason(a.shape, b.shape, a.dtype, b.dtype, block_n)
+    if why is None and a.shape[0] % rows_multiple:
+        why = f"M={a.shape[0]} is not a multiple of {rows_multiple}"
+    if why is not None:
+        raise ValueError(f"{where}: {why}")
+    (m, k), n = a.shape, b.shape[0]
+    nk = k // BLOCK_K
+    for name, s, want in (("a_scales", a_scales, (nk, m)), ("b_scales", b_scales, (nk, n))):
+        if tuple(s.shape) != want:
+            raise ValueError(f"{where}: {name} has shape {tuple(s.shape)}; expected {want} "
+                             f"([K/128, rows]: one scale per row and K block)")
+    return m, n, nk
+
+
+def promoted(acc, part, s, uniform: bool):
+    """acc + this K block's product `part` [64, n] scaled: s = the row factors [64] (a's row scales times b's one
+    scalar: uniform b) or (a's row scales [64], b's column scales [n])."""
+    shape = part.shape
+    if uniform:
+        return acc + part * lax.broadcast_in_dim(s, shape, [0])
+    sa, sb = s
+    return acc + (part * lax.broadcast_in_dim(sa, shape, [0])) * lax.broadcast_in_dim(sb, shape, [1])
+
+
 SMEM_BYTES = 227 * 1024 - 1024  # sm90's shared memory per CTA, less room for the barriers
 
 
@@ -74,16 +101,8 @@ def block_scaled_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16, block
     overlap: the promotion of K block kb-1 runs while the wgmma of block kb is in flight (a second fp32 fragment
         of registers); without it the warpgroup waits for its wgmma, then promotes.  Only with block_n 128.
     """
-    why = gemm_shape_reason(a.shape, b.shape, a.dtype, b.dtype, block_n)
-    if why is not None:
-        raise ValueError(f"block_scaled_gemm: {why}")
-    m, k = a.shape
-    n = b.shape[0]
-    nk = k // BLOCK_K
-    for name, s, want in (("a_scales", a_scales, (nk, m)), ("b_scales", b_scales, (nk, n))):
-        if tuple(s.shape) != want:
-            raise ValueError(f"block_scaled_gemm: {name} has shape {tuple(s.shape)}; expected {want} "
-                             f"([K/128, rows]: one scale per row and K block)")
+    m, n, nk = check_operands("block_scaled_gemm", a, b, a_scales, b_scales, block_n)
+    k = nk * BLOCK_K
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
     bn, bk = block_n, BLOCK_K
@@ -117,10 +136,7 @@ def block_scaled_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16, block
             return s
 
         def promote(acc, part, s):
-            if uniform:
-                return acc + part * lax.broadcast_in_dim(s, (64, bn), [0])
-            sa, sb = s
-            return acc + (part * lax.broadcast_in_dim(sa, (64, bn), [0])) * lax.broadcast_in_dim(sb, (64, bn), [1])
+            return promoted(acc, part, s, uniform)
 
         def zeros(shape, layout):
             return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), layout)

@@ -29,7 +29,7 @@ from jax import lax
 from .._compat import mosaic_gpu, pl
 from .._lower_once import lower_once
 from ..flash_attention_hopper.common import num_sms, smem_transforms
-from .kernel import BLOCK_M, gemm_shape_reason, max_stages
+from .kernel import BLOCK_M, check_operands, max_stages, promoted
 from .reference import BLOCK_K
 
 
@@ -40,17 +40,7 @@ def block_scaled_gemm_persistent(a, b, a_scales, b_scales, *, out_dtype=jnp.bflo
     """See the module docstring.  b_uniform as kernel.block_scaled_gemm's (one scalar b scale per K block, block_n
     128 only).  n_ctas: CTAs launched (None: the SM count; a multiple of the cluster size)."""
     cluster = 2 if cluster_m else 1
-    why = gemm_shape_reason(a.shape, b.shape, a.dtype, b.dtype, block_n)
-    if why is None and a.shape[0] % (BLOCK_M * cluster):
-        why = f"M={a.shape[0]} is not a multiple of {BLOCK_M * cluster} (128-row tiles, {cluster} CTAs a cluster)"
-    if why is not None:
-        raise ValueError(f"block_scaled_gemm_persistent: {why}")
-    m, k = a.shape
-    n = b.shape[0]
-    nk = k // BLOCK_K
-    for name, s, want in (("a_scales", a_scales, (nk, m)), ("b_scales", b_scales, (nk, n))):
-        if tuple(s.shape) != want:
-            raise ValueError(f"block_scaled_gemm_persistent: {name} has shape {tuple(s.shape)}; expected {want}")
+    m, n, nk = check_operands("block_scaled_gemm_persistent", a, b, a_scales, b_scales, block_n, BLOCK_M * cluster)
     plgpu = mosaic_gpu()
     bn = block_n
     stages = max(1, min(stages, nk, max_stages(bn, out_dtype)))
@@ -109,10 +99,8 @@ def block_scaled_gemm_persistent(a, b, a_scales, b_scales, *, out_dtype=jnp.bflo
                     part = pl.run_scoped(mma, plgpu.ACC((64, bn), jnp.float32))
                     sa = plgpu.load(sa_blk.at[0, pl.ds(wg * 64, 64)], layout=rows)
                     if uniform:
-                        return acc + part * lax.broadcast_in_dim(sa * sb_blk[0, 0], (64, bn), [0])
-                    sb = plgpu.load(sb_blk.at[0], layout=cols)
-                    return acc + (part * lax.broadcast_in_dim(sa, (64, bn), [0])) * lax.broadcast_in_dim(
-                        sb, (64, bn), [1])
+                        return promoted(acc, part, sa * sb_blk[0, 0], True)
+                    return promoted(acc, part, (sa, plgpu.load(sb_blk.at[0], layout=cols)), False)
 
                 get_pipeline(step, context)(a_ref.at[m_rows, :], b_ref.at[n_cols, :], sa_ref.at[:, m_rows],
                                             sb_ref.at[:, n_cols], allocations=allocs)

@@ -1,0 +1,53 @@
+"""What the attention-against-peers benchmarks share: jitted forward / forward+backward pairs, interleaved timing
+rounds in TFLOP/s, and the table rows "te_jax's best / best peer" (attention_masks_gpu, attention_head_dims_gpu).
+
+    fwd_and_fb(f) -> (jit(f), jit(q, k, v, do -> vjp cotangents))
+    tflops_rounds(impls, q, k, v, do, flops, rounds) -> {(name, "fwd" | "fb"): TFLOP/s}  (median over rounds;
+        forward+backward counts 3.5x the forward's FLOPs)
+    peer_rows(label, impls, tf, ours) -> two table lines (fwd, fb): every implementation's TFLOP/s and the best of
+        `ours` (names) over the best peer (the names not starting with "te_jax")
+    print_table(title, lines)
+"""
+from __future__ import annotations
+
+import statistics
+
+import jax
+
+from benchmarks import timing
+
+
+def fwd_and_fb(f):
+    def fb(q, k, v, do):
+        return jax.vjp(f, q, k, v)[1](do)
+    return jax.jit(f), jax.jit(fb)
+
+
+def tflops_rounds(impls, q, k, v, do, flops, rounds):
+    times = {(i, m): [] for i in impls for m in ("fwd", "fb")}
+    for r in range(rounds):
+        for name, (f, fb) in impls.items():
+            times[(name, "fwd")].append(timing.measure(f, (q, k, v))[0])
+            times[(name, "fb")].append(timing.measure(fb, (q, k, v, do))[0])
+        print(f"  round {r + 1}/{rounds} done", flush=True)
+    return {key: flops * (1 if key[1] == "fwd" else 3.5) / statistics.median(t) / 1e12 for key, t in times.items()}
+
+
+def peer_rows(label, impls, tf, ours):
+    peers = [i for i in impls if not i.startswith("te_jax")]
+    lines = []
+    for m in ("fwd", "fb"):
+        cells = " | ".join(f"{i} {tf[(i, m)]:.0f}" for i in impls)
+        mine = max((i for i in ours if i in impls), key=lambda i: tf[(i, m)], default=None)
+        best = max(peers, key=lambda i: tf[(i, m)]) if peers else None
+        ratio = f"{mine} {tf[(mine, m)] / tf[(best, m)]:.2f} of {best}" if best and mine else "-"
+        lines.append(f"| {label} | {m} | {cells} | {ratio} |")
+    return lines
+
+
+def print_table(title, lines):
+    print(f"\n## {title}\n")
+    print("| row | pass | implementations (TFLOP/s) | te_jax's best / best peer |")
+    print("|---|---|---|---|")
+    for line in lines:
+        print(line)
