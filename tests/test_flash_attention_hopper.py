@@ -42,10 +42,13 @@ BF = jnp.bfloat16
     "q,k,v,dtype,causal,kw,reason",
     [
         ((2, 256, 8, 72), (2, 256, 8, 72), (2, 256, 8, 72), BF, False, {},
-         "head_dim 72 is not a multiple of 16 from 16 to 256"),
+         "head_dim 72 is not a multiple of 16 from 16 to 256 (q (2, 256, 8, 72), expected [batch, seq, heads, 16..256 "
+         "in steps of 16]; pad the head dim with zeros to the next multiple of 16 and pass scale explicitly)"),
         ((2, 256, 8, 96), (2, 256, 8, 96), (2, 256, 8, 96), BF, False, {}, None),
         ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 264), BF, False, {},
-         "v head_dim 264 is not a multiple of 16 from 16 to 256"),
+         "v head_dim 264 is not a multiple of 16 from 16 to 256 (v (2, 256, 8, 264), expected [batch, seq, heads, "
+         "16..256 in steps of 16]; pad the head dim with zeros to the next multiple of 16 and pass scale "
+         "explicitly)"),
         ((2, 256, 8, 192), (2, 256, 8, 192), (2, 256, 8, 128), BF, True, {}, None),  # DeepSeek-V3's 192/128
         ((2, 1000, 8, 128), (2, 1000, 8, 128), (2, 1000, 8, 128), BF, False, {}, None),  # ragged: padded
         ((2, 256, 8, 128), (2, 200, 8, 128), (2, 200, 8, 128), BF, False, {}, None),

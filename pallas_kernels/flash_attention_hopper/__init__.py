@@ -88,9 +88,11 @@ def supports(q_shape, k_shape, v_shape, dtype, causal: bool = False, *, window=N
         return f"head_dim of q ({d}) and k ({dk}) differ"
     if bk != b:
         return f"batch of q ({b}) and k/v ({bk}) differ"
-    for label, x in (("head_dim", d), ("v head_dim", v_shape[3])):
+    for label, x, shape in (("head_dim", d, q_shape), ("v head_dim", v_shape[3], v_shape)):
         if x not in HEAD_DIMS:
-            return f"{label} {x} is not a multiple of 16 from 16 to 256"
+            return (f"{label} {x} is not a multiple of 16 from 16 to 256 ({'q' if shape is q_shape else 'v'} "
+                    f"{tuple(shape)}, expected [batch, seq, heads, 16..256 in steps of 16]; pad the head dim with "
+                    f"zeros to the next multiple of 16 and pass scale explicitly)")
     if g == 0 or h % g:
         return f"query heads {h} not a multiple of kv heads {g}"
     for name, s in (("sequence length", sq), ("kv sequence length", skv)):
