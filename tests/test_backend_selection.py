@@ -295,9 +295,16 @@ def test_sm90_split_head_dims_take_the_hopper_kernel_once_checked(fake_h100, mon
             assert e.detail.startswith("portable") and "192/128: not yet checked on a GPU" in e.detail, e.detail
             forced = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal", config=HopperConfig())
             assert "Hopper (Mosaic GPU) kernel" in forced.detail, forced.detail
-    seg = te_jax.explain_attention_backend(q, k, v, attn_mask_type="padding_causal", backend="pallas",
-                                           q_seqlens=jnp.array([1000, 700]), kv_seqlens=jnp.array([1000, 700]))
-    assert seg.detail.startswith("portable") and "data mask at head_dim 192: not yet checked" in seg.detail, seg.detail
+    for data_mask_dims in ((64, 128, 256), (64, 128, 192, 256)):
+        monkeypatch.setattr(tuning, "HOPPER_GPU_VERIFIED", tuning.Tuned(dict(base, **{"data mask": data_mask_dims}),
+                                                                        "stand-in", "results.md"))
+        seg = te_jax.explain_attention_backend(q, k, v, attn_mask_type="padding_causal", backend="pallas",
+                                               q_seqlens=jnp.array([1000, 700]), kv_seqlens=jnp.array([1000, 700]))
+        if 192 in data_mask_dims:
+            assert "Hopper (Mosaic GPU) kernel" in seg.detail, seg.detail
+        else:
+            assert seg.detail.startswith("portable") and "data mask at head_dim 192: not yet checked" in seg.detail, \
+                seg.detail
 
 
 def test_hopper_refuses_a_config_whose_key_block_would_be_all_padding():

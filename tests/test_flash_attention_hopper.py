@@ -612,6 +612,18 @@ def test_config_blocks_that_do_not_divide_the_lengths_are_a_clear_error(kw, fiel
     assert "config=None" in str(err.value)
 
 
+def test_config_refuses_a_one_stage_backward_ring():
+    """bwd_stages=1 gave wrong causal gradients on the H100 (hd256, two warpgroups): HopperConfig refuses it with the
+    fix; stages=1 (the forward's ring) stays allowed."""
+    from pallas_kernels.flash_attention_hopper.config import HopperConfig
+
+    with pytest.raises(ValueError, match="bwd_stages=1: .*use bwd_stages=2"):
+        HopperConfig(bwd_stages=1)
+    with pytest.raises(ValueError, match="stages=0 must be >= 1"):
+        HopperConfig(stages=0)
+    assert HopperConfig(stages=1).stages == 1
+
+
 def test_backward_register_split():
     """setmaxnreg of the backward: the compute and memory warpgroups share the CTA's 168 x 384 registers."""
     from pallas_kernels.flash_attention_hopper.config import REGISTERS_PER_CTA, HopperConfig, bwd_registers, default_config

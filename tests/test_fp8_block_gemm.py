@@ -166,6 +166,27 @@ def test_block_gemm_path_equals_the_reference_path(monkeypatch, fmt):
         Q.fp8_dot_general(x, w, dn, recipe)
 
 
+def test_block_gemm_mode_auto_takes_the_kernel_only_where_hopper_runs(monkeypatch):
+    """TE_JAX_FP8_BLOCK_GEMM unset ("auto"): the FP8 block GEMM on an sm90 GPU with jax >= 0.11, the reference
+    elsewhere, and te_jax.fp8's explanation says which and why; an explicit value wins."""
+    from te_jax.backends import pallas as pallas_mod
+    from te_jax.fp8 import block
+    from te_jax.fp8.context import gemm_support_reason
+    from te_jax.fp8.recipe import Float8BlockScaling
+
+    monkeypatch.delenv("TE_JAX_FP8_BLOCK_GEMM", raising=False)
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: "not an sm90 GPU")
+    assert block.block_gemm_mode() == "xla"
+    why = gemm_support_reason(Float8BlockScaling(), 4096, 4096)
+    assert "reference implementation" in why and "not an sm90 GPU" in why, why
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    assert block.block_gemm_mode() == "pallas"
+    assert gemm_support_reason(Float8BlockScaling(), 4096, 4096) is None
+    assert "N=200" in gemm_support_reason(Float8BlockScaling(), 4096, 200)
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "xla")
+    assert block.block_gemm_mode() == "xla"
+
+
 @pytest.mark.parametrize("tiles,dtype,in_dtype", [("rows", E4, jnp.bfloat16), ("square", E4, jnp.float32),
                                                   ("rows", jnp.float8_e5m2, jnp.float32)])
 def test_block_cast_transpose_matches_quantize_blocks(tiles, dtype, in_dtype):

@@ -109,8 +109,13 @@ class HopperConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be a multiple of 64")
         if self.block_kv % self.block_q:
             raise ValueError("block_kv must be a multiple of block_q")
-        if self.stages < 1 or self.bwd_stages < 1:
-            raise ValueError("stages must be >= 1")
+        if self.stages < 1:
+            raise ValueError(f"stages={self.stages} must be >= 1")
+        if self.bwd_stages < 2:
+            # H100, 2026-11-26: hd256 with bwd_wgs=2 and bwd_stages=1 gave causal gradients 0.75-0.87 off (relative;
+            # non-causal ones right): a one-slot Q/dO ring is refused until that is understood (it was slower too)
+            raise ValueError(f"bwd_stages={self.bwd_stages}: the backward needs a Q/dO ring of >= 2 stages (one stage "
+                             "gave wrong causal gradients on the H100); use bwd_stages=2")
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",

@@ -68,7 +68,7 @@ PAGED_DECODE_GPU_PREFERENCE = Tuned(
 HOPPER_GPU_VERIFIED = Tuned(
     {"head dims": ((64, 64), (128, 128), (256, 256), (192, 128), (192, 192), (128, 64), (64, 128), (80, 80),
                    (96, 96), (160, 160), (112, 80)),
-     "softcap": (64, 128, 160, 192, 256), "ragged lengths": (64, 128, 160, 192, 256), "data mask": (64, 128, 256)},
+     "softcap": (64, 128, 160, 192, 256), "ragged lengths": (64, 128, 160, 192, 256), "data mask": (64, 128, 192, 256)},
     "H100, 2026-11-26: tests/test_flash_attention_hopper.py::test_forward_and_grads (out, lse, dq, dk, dv against "
     "fp32) passed for softcap 1.5-2 (where tanh bends the logits) at hd64/128/256, causal and not, and ragged "
     "lengths 1, 129, 200, 300, 1000 at hd64/128/256; data masks (third session): "
@@ -76,7 +76,8 @@ HOPPER_GPU_VERIFIED = Tuned(
     "bottom-right causal (q 256, kv 640), rows that see nothing and ragged q 129 / kv 1000 at hd64/128/256; "
     "split head dims (fourth session): test_split_head_dims_forward_and_grads passed for head_dim_qk/head_dim_v "
     "192/128 (causal and not, GQA, softcap, ragged 200 and 300), 192/192, 128/64, 64/128, 80/80, 96/96, 160/160 "
-    "(softcap, ragged 300) and 112/80 (so softcap and ragged lengths at head_dim_qk 160 and 192 too)",
+    "(softcap, ragged 300) and 112/80 (so softcap and ragged lengths at head_dim_qk 160 and 192 too); fifth session: "
+    "test_data_mask_split_head_dims passed for documents, padding and a window at 192/128",
     "benchmarks/results/gpu_tests_h100.md")
 
 #: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100

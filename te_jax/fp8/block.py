@@ -1,9 +1,14 @@
 """Float8BlockScaling through FP8 GEMMs with block scales (pallas_kernels.fp8_gemm), the DeepSeek-V3 recipe.
 
     block_gemm_mode() -> "xla" | "pallas" | "emulate"   (env TE_JAX_FP8_BLOCK_GEMM, read at trace time)
-      "xla" (default): quantize.py's reference (dequantize per block, GEMM in the compute dtype);
-      "pallas": the Hopper kernel, sm90 only. Opt-in: checked on an H100, but slower than bf16 in the layer
-                (0.93x; the GEMM is 0.55-0.73 of per-tensor FP8: benchmarks/results/fp8_block_gemm_h100.md);
+      "auto" (default): "pallas" where this process can run the Hopper kernels (an sm90 GPU, jax >= 0.11), else
+                "xla";
+      "xla": quantize.py's reference (dequantize per block, GEMM in the compute dtype: FP8 numerics, not FP8
+                speed);
+      "pallas": the Hopper kernel on a persistent grid (pallas_kernels.fp8_gemm.block_scaled_gemm_persistent:
+                pairs of CTAs share each weight tile by TMA multicast when M is a multiple of 256), sm90 only.
+                On the H100 the layer runs at 1.15x of bf16 with it, 0.80x with the reference
+                (benchmarks/results/fp8_layer_h100.md);
       "emulate": this module's layouts and scales with the kernel replaced by its jnp reference. The CPU tests
                  use it to check the plumbing against the "xla" path (same numerics).
     block_gemm_reason(x_shape, w_shape, n_contract) -> None or why the block GEMM path cannot take the operands.
@@ -26,17 +31,23 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_gemm import (BLOCK_K, block_cast_transpose, block_scaled_gemm, block_scaled_gemm_reference,
-                                     quantize_blocks, row_scales)
+from pallas_kernels.fp8_gemm import (BLOCK_K, block_cast_transpose, block_scaled_gemm_persistent,
+                                     block_scaled_gemm_reference, quantize_blocks, row_scales)
 from te_jax.backends import policy
 from te_jax.fp8.fused import fused_setting
 
 BLOCK_GEMM_ENV = "TE_JAX_FP8_BLOCK_GEMM"
-BLOCK_GEMM_MODES = ("xla", "pallas", "emulate")
+BLOCK_GEMM_MODES = ("auto", "xla", "pallas", "emulate")
 
 
 def block_gemm_mode() -> str:
-    return policy.env_choice(BLOCK_GEMM_ENV, BLOCK_GEMM_MODES, "xla")
+    """The block GEMM path this trace takes: "xla", "pallas" or "emulate" ("auto" resolved: see the docstring)."""
+    mode = policy.env_choice(BLOCK_GEMM_ENV, BLOCK_GEMM_MODES, "auto")
+    if mode == "auto":
+        from te_jax.backends.pallas import hopper_device_reason
+
+        mode = "pallas" if hopper_device_reason() is None else "xla"
+    return mode
 
 
 def block_gemm_reason(x_shape, w_shape, n_contract: int) -> str | None:
@@ -53,7 +64,8 @@ def _gemm(mode, out_dtype, b_is_weight: bool):
     """The block GEMM of `mode`; b_is_weight: b is in 128x128 tiles (one scale per K block and 128 rows)."""
     if mode == "emulate":
         return lambda a, b, sa, sb: block_scaled_gemm_reference(a, b, sa, sb, out_dtype)
-    return lambda a, b, sa, sb: block_scaled_gemm(a, b, sa, sb, out_dtype=out_dtype, b_uniform=b_is_weight)
+    return lambda a, b, sa, sb: block_scaled_gemm_persistent(a, b, sa, sb, out_dtype=out_dtype, b_uniform=b_is_weight,
+                                                             cluster_m=a.shape[0] % (2 * BLOCK_K) == 0)
 
 
 def _cast(a, dtype, tiles: str, fused: bool):

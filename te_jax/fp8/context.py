@@ -111,10 +111,13 @@ def gemm_support_reason(recipe, k: int, n: int) -> str | None:
             if why is not None:
                 return (f"{BLOCK_GEMM_ENV}=pallas, but {why}: the reference implementation runs (block-scaling "
                         f"numerics, not an FP8 GEMM)")
-            return None  # FP8 block GEMMs (experimental: te_jax/fp8/block.py), the token count permitting
-        return ("Float8BlockScaling on XLA is a reference implementation (blockwise quantize -> dequantize -> "
-                f"GEMM in the compute dtype): block-scaling numerics, not an FP8 GEMM ({BLOCK_GEMM_ENV}=pallas "
-                "runs the experimental FP8 block GEMM on Hopper)")
+            return None  # FP8 block GEMMs (te_jax/fp8/block.py), the token count permitting
+        from te_jax.backends.pallas import hopper_device_reason
+
+        where = hopper_device_reason() or f"{BLOCK_GEMM_ENV}={mode}"
+        return (f"Float8BlockScaling on XLA ({where}) is a reference implementation (blockwise quantize -> "
+                "dequantize -> GEMM in the compute dtype): block-scaling numerics, not an FP8 GEMM (the FP8 block "
+                f"GEMM runs on sm90 GPUs with jax >= 0.11; {BLOCK_GEMM_ENV}=pallas forces it)")
     backend = jax.default_backend()
     if backend == "cpu":
         return "CPU: XLA runs the FP8 GEMM as an upcast GEMM (FP8 numerics, f8 converts in the HLO, no FP8 speed)"
