@@ -126,13 +126,17 @@ def test_fp8_block_gemm_persistent_lowers_for_cuda(cluster_m, b_uniform):
 
 
 def test_triton_kernels_lower_for_cuda():
-    """The block cast (FP8) and the decode kernel, Triton-lowered Pallas, for CUDA."""
+    """The block casts (FP8, alone and fused with the activation) and the decode kernel, Triton-lowered Pallas, for CUDA."""
     from pallas_kernels.flash_decode import flash_decode
-    from pallas_kernels.fp8_gemm import block_cast_transpose
+    from pallas_kernels.fp8_gemm import act_block_cast, block_cast_transpose, dact_block_cast_transpose
 
     x = jax.ShapeDtypeStruct((256, 384), BF)
     assert _lower(lambda x: block_cast_transpose(x, out_dtype=jnp.float8_e4m3fn, tiles="rows", interpret=False),
                   x) > 0
+    gu, dh = jax.ShapeDtypeStruct((256, 2, 384), BF), jax.ShapeDtypeStruct((256, 384), BF)
+    kw = dict(activation="silu", round_to=BF, interpret=False)
+    assert _lower(lambda gu: act_block_cast(gu, out_dtype=jnp.float8_e4m3fn, **kw), gu) > 0
+    assert _lower(lambda dh, gu: dact_block_cast_transpose(dh, gu, out_dtype=jnp.float8_e5m2, **kw), dh, gu) > 0
     q = jax.ShapeDtypeStruct((2, 1, 8, 128), BF)
     kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), BF)
     mask = AttentionMask.full(2, 1, 1024, causal=True, bottom_right=True)

@@ -25,9 +25,10 @@ _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 TILES = ("rows", "square")
 
 
-def _kernel(x_ref, q_ref, qs_ref, qt_ref, qts_ref, *, out_dtype, square):
+def quantize_tile(x, out_dtype, square: bool = False):
+    """x [128, 128] fp32 -> (q = x in 1x128 row tiles, its per-row scales [128], qt = x^T in 1x128 tiles (x's
+    column tiles), its per-column scales [128]); square: one scale for the whole tile, repeated in both."""
     fmax = float(jnp.finfo(out_dtype).max)
-    x = x_ref[...].astype(jnp.float32)
     ax = jnp.abs(x)
     if square:
         amax = jnp.max(ax)
@@ -38,8 +39,15 @@ def _kernel(x_ref, q_ref, qs_ref, qt_ref, qts_ref, *, out_dtype, square):
         a_rows, a_cols = jnp.max(ax, axis=1), jnp.max(ax, axis=0)
         s_rows = jnp.where(a_rows > 0, a_rows / fmax, 1.0)
         s_cols = jnp.where(a_cols > 0, a_cols / fmax, 1.0)
-    q_ref[...] = jnp.clip(x / s_rows[:, None], -fmax, fmax).astype(out_dtype)
-    qt_ref[...] = jnp.clip(x / s_cols[None, :], -fmax, fmax).astype(out_dtype).T
+    q = jnp.clip(x / s_rows[:, None], -fmax, fmax).astype(out_dtype)
+    qt = jnp.clip(x / s_cols[None, :], -fmax, fmax).astype(out_dtype).T
+    return q, s_rows, qt, s_cols
+
+
+def _kernel(x_ref, q_ref, qs_ref, qt_ref, qts_ref, *, out_dtype, square):
+    q, s_rows, qt, s_cols = quantize_tile(x_ref[...].astype(jnp.float32), out_dtype, square)
+    q_ref[...] = q
+    qt_ref[...] = qt
     qs_ref[...] = s_rows[None, :]
     qts_ref[...] = s_cols[None, :]
 

@@ -19,16 +19,19 @@ A checkpoint stores the collection like any other (flax.serialization.to_state_d
 """
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from te_jax import activations as _acts
 from te_jax import normalization as _norm
+from te_jax.fp8 import block_mlp as _block_mlp
 from te_jax.fp8 import context as _ac
 from te_jax.fp8 import mlp as _fp8_mlp
 from te_jax.fp8.quantize import STATE_KEYS, fp8_dot_general
-from te_jax.fp8.recipe import DelayedScaling
+from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling
 
 try:
     from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as FP8_COLLECTION
@@ -113,6 +116,9 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
       fused (te_jax.fp8.mlp.fused_fp8_mlp): a per-tensor recipe, no biases, no active dropout, no mesh XLA
         partitions, a GPU (or TE_JAX_FP8_FUSED=1), TE_JAX_FP8_FUSED not 0: the activation, its gradient
         and every cast run in Pallas kernels that also write the transposed FP8 operands and the amaxes;
+      fused block-scaled (te_jax.fp8.block_mlp.fused_block_fp8_mlp): Float8BlockScaling with the FP8 block GEMM on
+        (block.block_gemm_mode() not "xla"), no biases, no active dropout, no partitioned mesh, token count, D, F
+        and Dout multiples of 128: the activation and its gradient write the GEMMs' 1x128 block casts;
       unfused: two `dense` calls (fp8_dot_general) with te_jax's activation between, all on XLA.
     te_jax.fp8.explain says which one ran and why. The Pallas ln_mlp path (bf16 GEMMs inside its custom_vjp) is
     not used under FP8.
@@ -120,8 +126,20 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
     dt = x.dtype
     ln = _norm.norm(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
                     zero_centered_gamma=zero_centered_gamma, backend=backend) if enable_layernorm else x
-    why_not = _fp8_mlp.fused_mlp_unavailable(recipe, has_bias=b1 is not None or b2 is not None,
-                                              dropout_rate=dropout_rate)
+    has_bias = b1 is not None or b2 is not None
+    if isinstance(recipe, Float8BlockScaling):
+        d, n_act, f = w1.shape
+        why_not = _block_mlp.block_mlp_unavailable(recipe, has_bias=has_bias, dropout_rate=dropout_rate,
+                                                   m=math.prod(ln.shape[:-1]), d=d, f=f, d_out=w2.shape[-1])
+        if why_not is None:
+            path = "fused block-scaled FP8 MLP (te_jax.fp8.block_mlp: the activation kernels write both block casts)"
+            _ac.record(module, "wi_kernel", recipe, f"{reason}; {path}", k=d, n=n_act * f,
+                       shape=f"x{tuple(ln.shape)} . wi_kernel{tuple(w1.shape)}")
+            _ac.record(module, "wo_kernel", recipe, f"{reason}; {path}", k=f, n=w2.shape[-1],
+                       shape=f"x{tuple(ln.shape[:-1]) + (f,)} . wo_kernel{tuple(w2.shape)}")
+            return _block_mlp.fused_block_fp8_mlp(ln.astype(dt), w1, w2, recipe, activations=activations), ln
+    else:
+        why_not = _fp8_mlp.fused_mlp_unavailable(recipe, has_bias=has_bias, dropout_rate=dropout_rate)
     if why_not is None:
         d, n_act, f = w1.shape
         path = "fused FP8 MLP (te_jax.fp8.mlp: cast/activation kernels write FP8 operands, transposes and amaxes)"

@@ -1,0 +1,170 @@
+"""The block-scaled FP8 MLP with fused activation casts (te_jax/fp8/block_mlp.py over
+pallas_kernels/fp8_gemm/act_cast.py): the kernels against quantize_blocks of XLA's activation, the fused MLP against
+the unfused block path and fp32, and LayerNormMLP's dispatch. The GEMM runs as its jnp reference
+(TE_JAX_FP8_BLOCK_GEMM=emulate); the cast kernels in interpret mode (TE_JAX_FP8_FUSED=1)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.fp8_gemm import act_block_cast, dact_block_cast_transpose, quantize_blocks
+
+E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF = jnp.bfloat16
+
+
+def _as_f32(a):
+    return np.asarray(jnp.asarray(a, jnp.float32))
+
+
+def _rows_casts(v, dtype):
+    """block_cast_transpose(v, tiles="rows")'s outputs by quantize_blocks: (q, [C/128, R], q^T, [R/128, C])."""
+    q, s = quantize_blocks(v, (1, 128), dtype)
+    qt, st = quantize_blocks(v.T, (1, 128), dtype)
+    return q, s.T, qt, st.T
+
+
+def _act_ref(gu, activation, gated):
+    """te_jax's activation (pallas_kernels.ln_mlp.activations, what the unfused path runs) in fp32."""
+    from pallas_kernels.ln_mlp.activations import ACTIVATIONS
+
+    g = gu[:, 0].astype(jnp.float32)
+    fn = ACTIVATIONS[activation]
+    return (fn(g) * gu[:, 1].astype(jnp.float32)) if gated else fn(g)
+
+
+def _assert_same_casts(got, want, max_mismatch):
+    """q and q^T: at most max_mismatch of the elements differ; the scales agree to bf16 rounding."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape, a.dtype, b.dtype)
+        if i % 2:  # scales
+            np.testing.assert_allclose(_as_f32(a), _as_f32(b), rtol=2 ** -7 if max_mismatch else 0)
+        else:
+            mismatch = np.mean(_as_f32(a) != _as_f32(b))
+            assert mismatch <= max_mismatch, (i, mismatch)
+
+
+# silu: exact. gelu (tanh): XLA's CPU tanh differs in its last bits between fusions, so a few elements round to
+# the neighbouring bf16 value before the cast
+@pytest.mark.parametrize("activation,gated,dtype,max_mismatch", [("silu", True, E4, 0.0), ("gelu", False, E5, 1e-2),
+                                                                 ("relu", True, E5, 0.0)])
+def test_activation_block_casts_match_quantize_blocks(activation, gated, dtype, max_mismatch):
+    """act_block_cast and dact_block_cast_transpose give quantize_blocks' values and scales (both layouts) of the
+    activation / its gradient computed by jax (autodiff for the gradient) and rounded to bf16."""
+    m, f, n = 256, 384, 2 if gated else 1
+    k1, k2 = jax.random.split(jax.random.key(3))
+    gu = (jax.random.normal(k1, (m, n, f)) * 3).astype(BF)
+    dh = jax.random.normal(k2, (m, f)).astype(BF)
+    got = act_block_cast(gu, activation=activation, out_dtype=dtype, round_to=BF, interpret=True)
+    _assert_same_casts(got, _rows_casts(_act_ref(gu, activation, gated).astype(BF), dtype), max_mismatch)
+    parts = jax.vjp(lambda gu: _act_ref(gu, activation, gated), gu.astype(jnp.float32))[1](dh.astype(jnp.float32))[0]
+    dgu = parts.astype(BF).reshape(m, n * f)  # [M, n, F] -> [M, n*F]: gate columns, then up
+    got = dact_block_cast_transpose(dh, gu, activation=activation, out_dtype=dtype, round_to=BF, interpret=True)
+    assert got[0].shape == (m, n * f) and got[2].shape == (n * f, m)
+    _assert_same_casts(got, _rows_casts(dgu, dtype), max(max_mismatch, 2e-3))  # autodiff inside vs outside
+
+
+def test_activation_block_cast_refuses_shapes_off_the_block_grid():
+    with pytest.raises(ValueError, match=r"gu \[M, n, F\] = \(256, 2, 200\) needs M and F multiples of 128"):
+        act_block_cast(jnp.zeros((256, 2, 200), BF), activation="silu", out_dtype=E4)
+    with pytest.raises(ValueError, match=r"dh has shape \(256, 128\); expected \(256, 256\)"):
+        dact_block_cast_transpose(jnp.zeros((256, 128), BF), jnp.zeros((256, 2, 256), BF), activation="silu",
+                                  out_dtype=E4)
+    with pytest.raises(ValueError, match="gu must be \\[M, n, F\\] with n = 2"):
+        act_block_cast(jnp.zeros((256, 3, 256), BF), activation="silu", out_dtype=E4)
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_fused_block_mlp_matches_the_unfused_block_path(monkeypatch, fused):
+    """fused_block_fp8_mlp (cast kernels on, or their XLA stand-in) against two fp8_dot_general calls with the
+    activation between them (the unfused block path): y, dx, dw1, dw2 within a few FP8 roundings; both within FP8
+    error of the fp32 MLP."""
+    from te_jax.fp8 import quantize as Q
+    from te_jax.fp8.block_mlp import fused_block_fp8_mlp
+    from te_jax.fp8.recipe import Float8BlockScaling, Format
+
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "emulate")
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", fused)
+    recipe = Float8BlockScaling(fp8_format=Format.HYBRID)
+    rng = np.random.default_rng(2)
+    d, f, dout = 256, 384, 128
+    x = jnp.asarray(rng.standard_normal((2, 128, d)), BF)
+    w1 = jnp.asarray(rng.standard_normal((d, 2, f)) * d ** -0.5, BF)
+    w2 = jnp.asarray(rng.standard_normal((f, dout)) * f ** -0.5, jnp.float32)
+    g = jnp.asarray(rng.standard_normal((2, 128, dout)), BF)
+
+    def unfused(x, w1, w2):
+        gu = Q.fp8_dot_general(x, w1, (((2,), (0,)), ((), ())), recipe)
+        a = (jax.nn.silu(gu[..., 0, :].astype(jnp.float32)) * gu[..., 1, :].astype(jnp.float32)).astype(BF)
+        return Q.fp8_dot_general(a, w2.astype(BF), (((2,), (0,)), ((), ())), recipe)
+
+    def exact(x, w1, w2):
+        gu = jnp.einsum("bsd,dnf->bsnf", x.astype(jnp.float32), w1.astype(jnp.float32))
+        return jnp.einsum("bsf,fo->bso", jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], w2)
+
+    fused_fn = lambda x, w1, w2: fused_block_fp8_mlp(x, w1, w2, recipe, activations=("silu", "linear"))
+    run = lambda fn: jax.jit(lambda x, w1, w2: (lambda y, vjp: (y, *vjp(g.astype(y.dtype))))(
+        *jax.vjp(fn, x, w1, w2)))(x, w1, w2)
+    got, ref, ex = run(fused_fn), run(unfused), run(exact)
+    assert got[0].dtype == BF and got[2].dtype == BF and got[3].dtype == jnp.float32
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    for name, a, b, e in zip(("y", "dx", "dw1", "dw2"), got, ref, ex):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert rel(a, b) < 2e-2, (name, rel(a, b))
+        assert rel(a, e) < 0.1, (name, rel(a, e))
+
+
+def test_layernorm_mlp_takes_the_fused_block_path_and_says_why_not(monkeypatch):
+    """LayerNormMLP under Float8BlockScaling: the fused block MLP when the block GEMM is on and the shapes fit
+    (te_jax.fp8.explain names it), the unfused path with the reason otherwise (biases; the GEMM off)."""
+    from te_jax import fp8
+    from te_jax.flax import LayerNormMLP
+    from te_jax.fp8.recipe import Float8BlockScaling
+
+    x = jnp.ones((2, 128, 128), BF)
+
+    def why(**kw):
+        m = LayerNormMLP(intermediate_dim=256, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                         intermediate_dropout_rate=0.0, dtype=BF, **kw)
+        with fp8.autocast(recipe=Float8BlockScaling()):
+            v = jax.eval_shape(lambda: m.init(jax.random.key(0), x, deterministic=True))
+            return str(fp8.explain(lambda v: m.apply(v, x, deterministic=True), v))
+
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "emulate")
+    assert "fused block-scaled FP8 MLP" in why()
+    assert "unfused FP8 MLP: biases" in why(use_bias=True)
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "xla")
+    assert "unfused FP8 MLP: the FP8 block GEMM is off" in why()
+
+
+def _on_sm90():
+    from te_jax.backends.pallas import hopper_device_reason
+
+    return jax.default_backend() == "gpu" and hopper_device_reason() is None
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="the FP8 block GEMM kernel needs an sm90 GPU and jax >= 0.11")
+def test_fused_block_mlp_on_the_gpu(monkeypatch):
+    """On the GPU: the fused block MLP with the real kernels (GEMMs and cast kernels) against the same path with
+    the jnp reference GEMM (TE_JAX_FP8_BLOCK_GEMM=emulate): y, dx, dw1, dw2 within bf16 rounding."""
+    from te_jax.fp8.block_mlp import fused_block_fp8_mlp
+    from te_jax.fp8.recipe import Float8BlockScaling, Format
+
+    recipe = Float8BlockScaling(fp8_format=Format.HYBRID)
+    rng = np.random.default_rng(4)
+    d, f, dout = 512, 768, 256
+    x = jnp.asarray(rng.standard_normal((4, 128, d)), BF)
+    w1 = jnp.asarray(rng.standard_normal((d, 2, f)) * d ** -0.5, BF)
+    w2 = jnp.asarray(rng.standard_normal((f, dout)) * f ** -0.5, BF)
+    g = jnp.asarray(rng.standard_normal((4, 128, dout)), BF)
+
+    def run(mode):
+        monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", mode)
+        fn = lambda x, w1, w2: fused_block_fp8_mlp(x, w1, w2, recipe, activations=("silu", "linear"))
+        return jax.jit(lambda x, w1, w2: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(fn, x, w1, w2)))(x, w1, w2)
+
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    for name, a, b in zip(("y", "dx", "dw1", "dw2"), run("pallas"), run("emulate")):
+        assert rel(a, b) < 1e-2, (name, rel(a, b))
