@@ -24,8 +24,8 @@ def _operands(m=256, k=384, n=128, seed=0, w_tiles=(128, 128)):
 
 
 def _numpy_quantize(x, block, dtype):
-    """An independent model of block quantization: per-tile amax with numpy loops, x / (amax / fp8_max) clipped
-    and cast with ml_dtypes."""
+    """An independent model of block quantization: per-tile amax with numpy loops, x * (1 / (amax / fp8_max)) in
+    float32, clipped and cast with ml_dtypes."""
     x = np.asarray(x, np.float32)
     fmax = float(jnp.finfo(dtype).max)
     q = np.zeros(x.shape, jnp.dtype(dtype))
@@ -36,7 +36,7 @@ def _numpy_quantize(x, block, dtype):
             amax = np.abs(t).max()
             s[i, j] = amax / np.float32(fmax) if amax > 0 else 1.0
             q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = np.clip(
-                t / s[i, j], -fmax, fmax).astype(jnp.dtype(dtype))
+                t * (np.float32(1) / s[i, j]), -fmax, fmax).astype(jnp.dtype(dtype))
     return q, s
 
 

@@ -1,7 +1,8 @@
 """Plain-jnp block scaling: the quantization of the DeepSeek-V3 recipe and the GEMM the kernel computes.
 
     quantize_blocks(x [R, C], block=(br, bc), dtype) -> (q [R, C] dtype, scale_inv [R / br, C / bc] float32)
-        one scale per tile (amax / fp8_max; an all-zero tile gets 1), saturating cast; x ~= q * scale_inv.
+        one scale per tile (amax / fp8_max; an all-zero tile gets 1), q = saturate(x * (1 / scale_inv));
+        x ~= q * scale_inv.
     row_scales(scale_inv [R / br, C / bc], br) -> [C / bc, R] float32: the per-row scale of every block column,
         transposed (the GEMM kernel's layout: one contiguous row of scales per K block).
     block_scaled_gemm_reference(a [M, K], b [N, K], a_scales [K/128, M], b_scales [K/128, N]) -> [M, N] float32
@@ -25,7 +26,7 @@ def quantize_blocks(x, block, dtype):
     t = x.astype(jnp.float32).reshape(r // br, br, c // bc, bc)
     amax = jnp.max(jnp.abs(t), axis=(1, 3), keepdims=True)
     scale_inv = jnp.where(amax > 0, amax / fmax, 1.0)
-    q = jnp.clip(t / scale_inv, -fmax, fmax).astype(dtype).reshape(r, c)
+    q = jnp.clip(t * (1.0 / scale_inv), -fmax, fmax).astype(dtype).reshape(r, c)  # a multiply: the kernels' form
     return q, scale_inv.reshape(r // br, c // bc)
 
 
