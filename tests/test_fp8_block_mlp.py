@@ -146,6 +146,13 @@ def test_layernorm_mlp_takes_the_fused_block_path_and_says_why_not(monkeypatch):
     assert "unfused FP8 MLP: biases" in why(use_bias=True)
     monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "xla")
     assert "unfused FP8 MLP: the FP8 block GEMM is off" in why()
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "emulate")
+    m = LayerNormMLP(intermediate_dim=200, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                     intermediate_dropout_rate=0.0, dtype=BF)
+    with fp8.autocast(recipe=Float8BlockScaling()):
+        v = jax.eval_shape(lambda: m.init(jax.random.key(0), x, deterministic=True))
+        assert "unfused FP8 MLP: F=200 not a multiple of 128" in str(
+            fp8.explain(lambda v: m.apply(v, x, deterministic=True), v))
 
 
 def _on_sm90():
