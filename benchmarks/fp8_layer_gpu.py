@@ -69,6 +69,8 @@ def parse():
                         "GEMM with the scales folded), or both as variants")
     p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling: the reference (not an FP8 GEMM) and the experimental FP8 block "
                    "GEMM (TE_JAX_FP8_BLOCK_GEMM=pallas; its Mosaic GPU kernels are not counted as FP8 GEMMs)")
+    p.add_argument("--only", default="",
+                   help="keep bf16 and the variants whose names contain one of these comma-separated strings")
     p.add_argument("--param-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--fused-mlp", choices=["on", "off", "both"], default="on",
                    help="LayerNormMLP's fused FP8 path (te_jax/fp8/mlp.py; TE_JAX_FP8_FUSED): on, off, or both "
@@ -175,6 +177,9 @@ def main():
         variants = {n: v + (args.triton_gemm == "off",) for n, v in variants.items()}
 
     steps, info = {}, {}
+    if args.only:
+        keep = [k for k in args.only.split(",") if k]
+        variants = {n: v for n, v in variants.items() if n == "bf16" or any(k in n for k in keep)}
     for name, (recipe, style, fused_mlp, no_triton) in variants.items():
         module = peers.get(name, layer)
         grad_fn = make_grad_fn(module)

@@ -213,6 +213,14 @@ def test_block_cast_transpose_matches_quantize_blocks(tiles, dtype, in_dtype):
         block_cast_transpose(x[:, :100], out_dtype=dtype)
     with pytest.raises(ValueError, match="tiles='cols' must be one of"):
         block_cast_transpose(x, out_dtype=dtype, tiles="cols")
+    # one layout only (a weight's forward / backward): the same arrays, the other pair None
+    only_q = block_cast_transpose(x, out_dtype=dtype, tiles=tiles, interpret=True, write="q")
+    only_qt = block_cast_transpose(x, out_dtype=dtype, tiles=tiles, interpret=True, write="qt")
+    assert only_q[2:] == (None, None) and only_qt[:2] == (None, None)
+    for got, want in zip(only_q[:2] + only_qt[2:], (q, qs, qt, qts)):
+        np.testing.assert_array_equal(f32(got), f32(want))
+    with pytest.raises(ValueError, match="write='t' must be one of"):
+        block_cast_transpose(x, out_dtype=dtype, write="t")
     with pytest.raises(ValueError, match="out_dtype=.*must be float8_e4m3fn or float8_e5m2"):
         block_cast_transpose(x, out_dtype=jnp.bfloat16)
 

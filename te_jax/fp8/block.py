@@ -68,17 +68,21 @@ def _gemm(mode, out_dtype, b_is_weight: bool):
                                                              cluster_m=a.shape[0] % (2 * BLOCK_K) == 0)
 
 
-def _cast(a, dtype, tiles: str, fused: bool):
+def _cast(a, dtype, tiles: str, fused: bool, write: str = "both"):
     """a [R, C] -> (q [R, C], its scales [C/128, R], q^T [C, R], its scales [R/128, C]) in 1x128 ("rows") or
     128x128 ("square") tiles: one pass of pallas_kernels.fp8_gemm.block_cast_transpose when fused, else XLA
-    (quantize_blocks of a and of a^T: the same values)."""
+    (quantize_blocks of a and of a^T: the same values). write "q" / "qt": only that layout (the other pair None)."""
     if fused:
-        return block_cast_transpose(a, out_dtype=dtype, tiles=tiles)
+        return block_cast_transpose(a, out_dtype=dtype, tiles=tiles, write=write)
     block = (1, BLOCK_K) if tiles == "rows" else (BLOCK_K, BLOCK_K)
-    (q, s), (qt, st) = quantize_blocks(a, block, dtype), quantize_blocks(a.T, block, dtype)
-    if tiles == "rows":
-        return q, s.T, qt, st.T
-    return q, row_scales(s, BLOCK_K), qt, row_scales(st, BLOCK_K)
+    out = [None] * 4
+    if write in ("both", "q"):
+        q, s = quantize_blocks(a, block, dtype)
+        out[:2] = q, (s.T if tiles == "rows" else row_scales(s, BLOCK_K))
+    if write in ("both", "qt"):
+        qt, st = quantize_blocks(a.T, block, dtype)
+        out[2:] = qt, (st.T if tiles == "rows" else row_scales(st, BLOCK_K))
+    return tuple(out)
 
 
 def _fused() -> bool:
@@ -93,7 +97,7 @@ def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
 
 def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
     xq, xs, xqt, xts = _cast(x2, fwd_dtype, "rows", fused)
-    _, _, wqt, wts = _cast(w2, fwd_dtype, "square", fused)
+    _, _, wqt, wts = _cast(w2, fwd_dtype, "square", fused, write="qt")
     # saved: x's transposed copy for the wgrad (FP8); the weight is re-cast in the backward
     return _gemm(mode, out_dtype, True)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
 
@@ -101,7 +105,7 @@ def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
 def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, fused, res, g):
     xqt, xts, w2, x_dtype_carrier = res
     gq, gs, gqt, gts = _cast(g, bwd_dtype, "rows", fused)
-    wq, ws, _, _ = _cast(w2, fwd_dtype, "square", fused)
+    wq, ws, _, _ = _cast(w2, fwd_dtype, "square", fused, write="q")
     dx = _gemm(mode, x_dtype_carrier.dtype, True)(gq, wq, gs, ws)
     dw = _gemm(mode, w2.dtype, False)(xqt, gqt, xts, gts)
     return dx, dw

@@ -82,10 +82,10 @@ def _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused):
     d, n, f = w1.shape
     w1f = w1.reshape(d, n * f).astype(dt)
     xq, xs, xqt, xts = _cast(x, fdt, "rows", fused)
-    _, _, w1qt, w1ts = _cast(w1f, fdt, "square", fused)
+    _, _, w1qt, w1ts = _cast(w1f, fdt, "square", fused, write="qt")
     gu = _gemm(mode, dt, True)(xq, w1qt, xs, w1ts)                     # [M, n*F]   wi fprop
     aq, a_s, aqt, ats = _act(gu.reshape(-1, n, f), dt, activation, gated, fdt, fused)
-    _, _, w2qt, w2ts = _cast(w2.astype(dt), fdt, "square", fused)
+    _, _, w2qt, w2ts = _cast(w2.astype(dt), fdt, "square", fused, write="qt")
     y = _gemm(mode, dt, True)(aq, w2qt, a_s, w2ts)                     # [M, Dout]  wo fprop
     return y, (xqt, xts, w1, w2, aqt, ats, gu)
 
@@ -95,11 +95,11 @@ def _mlp_bwd(activation, gated, recipe, mode, fused, res, dy):
     dt, fdt, bdt = gu.dtype, recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     d, n, f = w1.shape
     gq, gs, gqt, gts = _cast(dy.astype(dt), bdt, "rows", fused)
-    w2q, w2s, _, _ = _cast(w2.astype(dt), fdt, "square", fused)       # re-cast: the forward kept no FP8 weight
+    w2q, w2s, _, _ = _cast(w2.astype(dt), fdt, "square", fused, write="q")  # re-cast: no FP8 weight kept
     dh = _gemm(mode, dt, True)(gq, w2q, gs, w2s)                       # [M, F]     wo dgrad
     dw2 = _gemm(mode, dt, False)(aqt, gqt, ats, gts)                   # [F, Dout]  wo wgrad
     dguq, dgus, dguqt, dguts = _dact(dh, gu.reshape(-1, n, f), dt, activation, gated, bdt, fused)
-    w1q, w1s, _, _ = _cast(w1.reshape(d, n * f).astype(dt), fdt, "square", fused)
+    w1q, w1s, _, _ = _cast(w1.reshape(d, n * f).astype(dt), fdt, "square", fused, write="q")
     dx = _gemm(mode, dt, True)(dguq, w1q, dgus, w1s)                   # [M, D]     wi dgrad
     dw1 = _gemm(mode, dt, False)(xqt, dguqt, xts, dguts)               # [D, n*F]   wi wgrad
     return dx, dw1.reshape(w1.shape).astype(w1.dtype), dw2.astype(w2.dtype)
