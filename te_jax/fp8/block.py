@@ -60,15 +60,16 @@ def block_gemm_reason(x_shape, w_shape, n_contract: int) -> str | None:
     return f"{', '.join(bad)} not a multiple of {BLOCK_K}" if bad else None
 
 
-def _gemm(mode, out_dtype, b_is_weight: bool):
-    """The block GEMM of `mode`; b_is_weight: b is in 128x128 tiles (one scale per K block and 128 rows)."""
+def block_gemm(mode, out_dtype, b_is_weight: bool):
+    """The block GEMM of `mode`, a function (a [M, K], b [N, K], a_scales [K/128, M], b_scales [K/128, N]) ->
+    [M, N] out_dtype; b_is_weight: b is in 128x128 tiles (one scale per K block and 128 rows)."""
     if mode == "emulate":
         return lambda a, b, sa, sb: block_scaled_gemm_reference(a, b, sa, sb, out_dtype)
     return lambda a, b, sa, sb: block_scaled_gemm_persistent(a, b, sa, sb, out_dtype=out_dtype, b_uniform=b_is_weight,
                                                              cluster_m=a.shape[0] % (2 * BLOCK_K) == 0)
 
 
-def _cast(a, dtype, tiles: str, fused: bool, write: str = "both"):
+def block_cast(a, dtype, tiles: str, fused: bool, write: str = "both"):
     """a [R, C] -> (q [R, C], its scales [C/128, R], q^T [C, R], its scales [R/128, C]) in 1x128 ("rows") or
     128x128 ("square") tiles: one pass of pallas_kernels.fp8_gemm.block_cast_transpose when fused, else XLA
     (quantize_blocks of a and of a^T: the same values). write "q" / "qt": only that layout (the other pair None)."""
@@ -85,7 +86,8 @@ def _cast(a, dtype, tiles: str, fused: bool, write: str = "both"):
     return tuple(out)
 
 
-def _fused() -> bool:
+def block_casts_fused() -> bool:
+    """Whether the block casts run in the Pallas kernels (te_jax/fp8/fused.py's switch: a GPU by default)."""
     setting = fused_setting()
     return setting == "1" or (setting == "auto" and jax.default_backend() == "gpu")
 
@@ -96,18 +98,18 @@ def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
 
 
 def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
-    xq, xs, xqt, xts = _cast(x2, fwd_dtype, "rows", fused)
-    _, _, wqt, wts = _cast(w2, fwd_dtype, "square", fused, write="qt")
+    xq, xs, xqt, xts = block_cast(x2, fwd_dtype, "rows", fused)
+    _, _, wqt, wts = block_cast(w2, fwd_dtype, "square", fused, write="qt")
     # saved: x's transposed copy for the wgrad (FP8); the weight is re-cast in the backward
-    return _gemm(mode, out_dtype, True)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
+    return block_gemm(mode, out_dtype, True)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
 
 
 def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, fused, res, g):
     xqt, xts, w2, x_dtype_carrier = res
-    gq, gs, gqt, gts = _cast(g, bwd_dtype, "rows", fused)
-    wq, ws, _, _ = _cast(w2, fwd_dtype, "square", fused, write="q")
-    dx = _gemm(mode, x_dtype_carrier.dtype, True)(gq, wq, gs, ws)
-    dw = _gemm(mode, w2.dtype, False)(xqt, gqt, xts, gts)
+    gq, gs, gqt, gts = block_cast(g, bwd_dtype, "rows", fused)
+    wq, ws, _, _ = block_cast(w2, fwd_dtype, "square", fused, write="q")
+    dx = block_gemm(mode, x_dtype_carrier.dtype, True)(gq, wq, gs, ws)
+    dw = block_gemm(mode, w2.dtype, False)(xqt, gqt, xts, gts)
     return dx, dw
 
 
@@ -119,8 +121,9 @@ def block_scaled_dot(x, w, n_contract: int, recipe, out_dtype, mode: str):
     the caller checked block_gemm_reason."""
     fmt = recipe.fp8_format
     k = math.prod(x.shape[x.ndim - n_contract:])
-    y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode, _fused())
+    y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode, block_casts_fused())
     return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:])
 
 
-__all__ = ["BLOCK_GEMM_ENV", "BLOCK_GEMM_MODES", "block_gemm_mode", "block_gemm_reason", "block_scaled_dot"]
+__all__ = ["BLOCK_GEMM_ENV", "BLOCK_GEMM_MODES", "block_cast", "block_casts_fused", "block_gemm", "block_gemm_mode",
+           "block_gemm_reason", "block_scaled_dot"]

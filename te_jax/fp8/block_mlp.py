@@ -1,7 +1,7 @@
 """The FP8 MLP under Float8BlockScaling with the activation's block casts fused (what te_jax/fp8/mlp.py is for the
 per-tensor recipes).
 
-    x [M, D] dt  -- block cast, 1x128 --> x_q [M, D], x_qT [D, M]                    (block.py's _cast)
+    x [M, D] dt  -- block cast, 1x128 --> x_q [M, D], x_qT [D, M]                    (block.py's block_cast)
     w1 [D, n*F]  -- 128x128 --> w1_qT [n*F, D]     (w1_q re-cast in the backward; likewise w2)
     gu [M, n*F] dt = x_q . w1_qT                                      (FP8 block GEMM, wi fprop)
     a_q [M, F], a_qT [F, M] + 1x128 scales = act_block_cast(gu)       (activation + both block casts, one pass)
@@ -12,7 +12,7 @@ per-tensor recipes).
     dx [M, D] = dgu_q . w1_q;  dw1 [D, n*F] = x_qT . dgu_qT
 n = 2 for a gated pair (act, "linear"), else 1. Numerics are the unfused path's (block.py's GEMMs around te_jax's
 activation): a and dgu are rounded to dt before their block scales are taken. Where the cast kernels are off
-(block.py's _fused(): TE_JAX_FP8_FUSED, a GPU by default) the activation and its block casts run in XLA.
+(block.py's block_casts_fused(): TE_JAX_FP8_FUSED, a GPU by default) the activation and its block casts run in XLA.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from pallas_kernels.fp8_cast.common import act_fn, dact
 from pallas_kernels.fp8_gemm import BLOCK_K, act_block_cast, dact_block_cast_transpose
 from te_jax.backends import policy
-from te_jax.fp8.block import _cast, _fused, _gemm, block_gemm_mode
+from te_jax.fp8.block import block_cast, block_casts_fused, block_gemm, block_gemm_mode
 from te_jax.fp8.recipe import Float8BlockScaling
 
 
@@ -57,7 +57,7 @@ def _act(gu3, dt, activation, gated, fdt, fused):
         return act_block_cast(gu3, activation=activation, out_dtype=fdt, round_to=dt)
     g = gu3[:, 0].astype(jnp.float32)
     a = (act_fn(activation, gated)(g, gu3[:, 1].astype(jnp.float32)) if gated else act_fn(activation, False)(g))
-    return _cast(a.astype(dt), fdt, "rows", False)
+    return block_cast(a.astype(dt), fdt, "rows", False)
 
 
 def _dact(dh, gu3, dt, activation, gated, bdt, fused):
@@ -68,7 +68,7 @@ def _dact(dh, gu3, dt, activation, gated, bdt, fused):
     u = gu3[:, 1].astype(jnp.float32) if gated else None
     parts = dact(activation, gated, dh.astype(jnp.float32), g, u)
     dgu = jnp.concatenate([p.astype(dt) for p in parts], axis=1)
-    return _cast(dgu, bdt, "rows", False)
+    return block_cast(dgu, bdt, "rows", False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -81,12 +81,12 @@ def _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused):
     dt, fdt = x.dtype, recipe.fp8_format.fwd_dtype
     d, n, f = w1.shape
     w1f = w1.reshape(d, n * f).astype(dt)
-    xq, xs, xqt, xts = _cast(x, fdt, "rows", fused)
-    _, _, w1qt, w1ts = _cast(w1f, fdt, "square", fused, write="qt")
-    gu = _gemm(mode, dt, True)(xq, w1qt, xs, w1ts)                     # [M, n*F]   wi fprop
+    xq, xs, xqt, xts = block_cast(x, fdt, "rows", fused)
+    _, _, w1qt, w1ts = block_cast(w1f, fdt, "square", fused, write="qt")
+    gu = block_gemm(mode, dt, True)(xq, w1qt, xs, w1ts)                     # [M, n*F]   wi fprop
     aq, a_s, aqt, ats = _act(gu.reshape(-1, n, f), dt, activation, gated, fdt, fused)
-    _, _, w2qt, w2ts = _cast(w2.astype(dt), fdt, "square", fused, write="qt")
-    y = _gemm(mode, dt, True)(aq, w2qt, a_s, w2ts)                     # [M, Dout]  wo fprop
+    _, _, w2qt, w2ts = block_cast(w2.astype(dt), fdt, "square", fused, write="qt")
+    y = block_gemm(mode, dt, True)(aq, w2qt, a_s, w2ts)                     # [M, Dout]  wo fprop
     return y, (xqt, xts, w1, w2, aqt, ats, gu)
 
 
@@ -94,14 +94,14 @@ def _mlp_bwd(activation, gated, recipe, mode, fused, res, dy):
     xqt, xts, w1, w2, aqt, ats, gu = res
     dt, fdt, bdt = gu.dtype, recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     d, n, f = w1.shape
-    gq, gs, gqt, gts = _cast(dy.astype(dt), bdt, "rows", fused)
-    w2q, w2s, _, _ = _cast(w2.astype(dt), fdt, "square", fused, write="q")  # re-cast: no FP8 weight kept
-    dh = _gemm(mode, dt, True)(gq, w2q, gs, w2s)                       # [M, F]     wo dgrad
-    dw2 = _gemm(mode, dt, False)(aqt, gqt, ats, gts)                   # [F, Dout]  wo wgrad
+    gq, gs, gqt, gts = block_cast(dy.astype(dt), bdt, "rows", fused)
+    w2q, w2s, _, _ = block_cast(w2.astype(dt), fdt, "square", fused, write="q")  # re-cast: no FP8 weight kept
+    dh = block_gemm(mode, dt, True)(gq, w2q, gs, w2s)                       # [M, F]     wo dgrad
+    dw2 = block_gemm(mode, dt, False)(aqt, gqt, ats, gts)                   # [F, Dout]  wo wgrad
     dguq, dgus, dguqt, dguts = _dact(dh, gu.reshape(-1, n, f), dt, activation, gated, bdt, fused)
-    w1q, w1s, _, _ = _cast(w1.reshape(d, n * f).astype(dt), fdt, "square", fused, write="q")
-    dx = _gemm(mode, dt, True)(dguq, w1q, dgus, w1s)                   # [M, D]     wi dgrad
-    dw1 = _gemm(mode, dt, False)(xqt, dguqt, xts, dguts)               # [D, n*F]   wi wgrad
+    w1q, w1s, _, _ = block_cast(w1.reshape(d, n * f).astype(dt), fdt, "square", fused, write="q")
+    dx = block_gemm(mode, dt, True)(dguq, w1q, dgus, w1s)                   # [M, D]     wi dgrad
+    dw1 = block_gemm(mode, dt, False)(xqt, dguqt, xts, dguts)               # [D, n*F]   wi wgrad
     return dx, dw1.reshape(w1.shape).astype(w1.dtype), dw2.astype(w2.dtype)
 
 
@@ -119,7 +119,7 @@ def fused_block_fp8_mlp(x, w1, w2, recipe, *, activations):
     if n != len(acts) or x.shape[-1] != d or w2.ndim != 2 or w2.shape[0] != f:
         raise ValueError(f"fused_block_fp8_mlp: shapes x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 "
                          f"{tuple(w2.shape)} do not fit activations {acts} (w1 [D, {len(acts)}, F], w2 [F, Dout]).")
-    y = _mlp(x.reshape(-1, d), w1, w2, acts[0], len(acts) == 2, recipe, block_gemm_mode(), _fused())
+    y = _mlp(x.reshape(-1, d), w1, w2, acts[0], len(acts) == 2, recipe, block_gemm_mode(), block_casts_fused())
     return y.reshape(x.shape[:-1] + (w2.shape[1],))
 
 
