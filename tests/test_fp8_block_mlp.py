@@ -228,3 +228,35 @@ def test_fused_block_mlp_under_scan_and_remat(monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
         assert np.linalg.norm(a - c) / np.linalg.norm(c) < 0.15, np.linalg.norm(a - c) / np.linalg.norm(c)
     assert abs(float(l_r) - float(l_bf)) / float(l_bf) < 0.01
+
+
+def test_block_gemm_path_is_not_taken_under_a_partitioned_mesh(monkeypatch):
+    """Under a mesh whose axis XLA partitions (outside shard_map) the Pallas block GEMMs would run replicated: the
+    dense GEMM takes the reference path and LayerNormMLP the unfused one, and te_jax.fp8.explain says why; the
+    results equal the no-mesh reference path's."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (the CPU suite fakes 8)")
+    from te_jax import fp8
+    from te_jax.flax import LayerNormMLP
+    from te_jax.fp8 import block
+    from te_jax.fp8 import quantize as Q
+    from te_jax.fp8.recipe import Float8BlockScaling
+
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "emulate")
+    recipe = Float8BlockScaling()
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    x = jax.random.normal(jax.random.key(0), (2, 128, 256)).astype(BF)
+    w = (jax.random.normal(jax.random.key(1), (256, 128)) * 256 ** -0.5).astype(BF)
+    dn = (((2,), (0,)), ((), ()))
+    m = LayerNormMLP(intermediate_dim=256, activations=("silu", "linear"), layernorm_type="rmsnorm",
+                     intermediate_dropout_rate=0.0, dtype=BF)
+    with jax.set_mesh(mesh), fp8.autocast(recipe=recipe):
+        assert "XLA partitions" in block.block_gemm_reason(x.shape, w.shape, 1)
+        v = jax.eval_shape(lambda: m.init(jax.random.key(0), x, deterministic=True))
+        info = fp8.explain(lambda v: m.apply(v, x, deterministic=True), v)
+        assert all("unfused FP8 MLP" in i.reason and "XLA partitions" in i.reason for i in info), info
+        monkeypatch.setattr(Q, "block_scaled_dot", lambda *a, **k: (_ for _ in ()).throw(AssertionError("taken")))
+        y_mesh = jax.jit(lambda x, w: Q.fp8_dot_general(x, w, dn, recipe))(x, w)
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "xla")
+    y_ref = jax.jit(lambda x, w: Q.fp8_dot_general(x, w, dn, recipe))(x, w)
+    np.testing.assert_array_equal(np.asarray(y_mesh, np.float32), np.asarray(y_ref, np.float32))

@@ -52,12 +52,16 @@ def block_gemm_mode() -> str:
 
 def block_gemm_reason(x_shape, w_shape, n_contract: int) -> str | None:
     """Why block_scaled_dot cannot take x [..., K...] . w [K..., N...] (None when it can): every one of M, K and
-    N must be a multiple of 128 (the scale blocks and the kernel's tiles)."""
+    N must be a multiple of 128 (the scale blocks and the kernel's tiles), and no mesh axis may be partitioned by
+    XLA around the call (the Pallas kernels would run replicated: policy.pallas_replicated_reason)."""
     k = math.prod(x_shape[len(x_shape) - n_contract:])
     m = math.prod(x_shape[:len(x_shape) - n_contract])
     n = math.prod(w_shape[n_contract:])
     bad = [f"{name}={v}" for name, v in (("tokens M", m), ("K", k), ("N", n)) if v % BLOCK_K]
-    return f"{', '.join(bad)} not a multiple of {BLOCK_K}" if bad else None
+    if bad:
+        return f"{', '.join(bad)} not a multiple of {BLOCK_K}"
+    axes = policy.partitioned_mesh_axes()
+    return policy.pallas_replicated_reason(axes) if axes else None
 
 
 def block_gemm(mode, out_dtype, b_is_weight: bool):

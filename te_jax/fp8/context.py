@@ -109,8 +109,8 @@ def gemm_support_reason(recipe, k: int, n: int) -> str | None:
         if mode == "pallas" and recipe.x_block == recipe.w_block == 128:
             why = block_gemm_reason((128, k), (k, n), 1)  # the token count is not known here
             if why is not None:
-                return (f"{BLOCK_GEMM_ENV}=pallas, but {why}: the reference implementation runs (block-scaling "
-                        f"numerics, not an FP8 GEMM)")
+                return (f"the FP8 block GEMM ({BLOCK_GEMM_ENV} resolved to pallas) cannot take it: {why}; the "
+                        "reference implementation runs (block-scaling numerics, not an FP8 GEMM)")
             return None  # FP8 block GEMMs (te_jax/fp8/block.py), the token count permitting
         from te_jax.backends.pallas import hopper_device_reason
 
