@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = ("none", "delayed", "current")
+RECIPES = ("none", "delayed", "current", "block")
 
 
 def one_run(recipe, steps, smoke):
