@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg
-from benchmarks.peer_rows import fwd_and_fb, peer_rows, print_table, tflops_rounds
+from benchmarks.peer_rows import fwd_and_fb, import_peers, peer_rows, print_table, ready_impls, tflops_rounds
 from pallas_kernels.flash_attention_hopper import HopperConfig, default_config
 from pallas_kernels.flash_attention_hopper.reference import attention_reference
 
@@ -75,11 +75,7 @@ def main():
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
-    tk, tk_line = ahg.import_tokamax("mosaic")
-    fa3, fa3_line = ahg.import_fa3()
-    print(f"{datetime.date.today()}  {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
-    print(tk_line, flush=True)
-    print(fa3_line, flush=True)
+    tk, fa3 = import_peers()
     ahg.gpu_warmup()
     table = []
     scale = DQK ** -0.5
@@ -93,14 +89,7 @@ def main():
         choice = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal" if causal else "no_mask")
         print(f"\n== {name}: B {B} S {S} H {H} d_qk {DQK} d_v {DV} causal {causal}\nte_jax auto: {choice.selected}; "
               f"{choice.detail}", flush=True)
-        impls = {}
-        for iname, make in makers(causal, scale, tk, fa3, args.configs.split(",")).items():
-            try:
-                impls[iname] = make()
-                jax.block_until_ready(impls[iname][1](q, k, v, do))
-            except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
-                print(f"  {iname}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
-                impls.pop(iname, None)
+        impls = ready_impls(makers(causal, scale, tk, fa3, args.configs.split(",")), q, k, v, do)
         n = 256
         ref, _ = jax.jit(lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=False))(
             q[:1, S - n:].astype(jnp.float32), k[:1].astype(jnp.float32), v[:1].astype(jnp.float32))

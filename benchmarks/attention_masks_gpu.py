@@ -29,7 +29,7 @@ import numpy as np
 
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg  # inputs, peer imports, gpu_warmup
-from benchmarks.peer_rows import fwd_and_fb, peer_rows, print_table, tflops_rounds
+from benchmarks.peer_rows import fwd_and_fb, import_peers, peer_rows, print_table, ready_impls, tflops_rounds
 from pallas_kernels.mask import AttentionMask
 
 D = 128
@@ -203,11 +203,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default=",".join(ROWS))
     args = ap.parse_args()
-    tk, tk_line = ahg.import_tokamax("mosaic")
-    fa3, fa3_line = ahg.import_fa3()
-    print(f"{datetime.date.today()}  {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
-    print(tk_line, flush=True)
-    print(fa3_line, flush=True)
+    tk, fa3 = import_peers()
     if fa3 is not None:
         print(f"flash_mha{inspect.signature(fa3.flash_mha)}", flush=True)
         if hasattr(fa3, "flash_mha_varlen"):
@@ -220,16 +216,8 @@ def main():
         q, k, v, do = inputs(row, jax.random.key(hash(name) % 1000))
         choice = te_jax.explain_attention_backend(q, k, v, **_te_kwargs(row))
         print(f"\n== {name}: {row}\nte_jax auto: {choice.selected}; {choice.detail}", flush=True)
-        impls = {}
-        for iname, make in makers(row, scale, tk, fa3).items():
-            if iname == "te_jax_pallas" and choice.selected == "pallas":
-                continue
-            try:
-                impls[iname] = make()
-                jax.block_until_ready(impls[iname][1](q, k, v, do))
-            except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
-                print(f"  {iname}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
-                impls.pop(iname, None)
+        impls = ready_impls({n: m for n, m in makers(row, scale, tk, fa3).items()
+                             if not (n == "te_jax_pallas" and choice.selected == "pallas")}, q, k, v, do)
         ref, s0 = reference_rows(row, q, k, v, scale)
         for iname in impls:
             o = impls[iname][0](q, k, v)

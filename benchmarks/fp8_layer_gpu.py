@@ -67,7 +67,7 @@ def parse():
                    help="XLA's Triton GEMM fusions: on (XLA's default), off (compiler_options "
                         "xla_gpu_enable_triton_gemm=False for every variant: the qdq style then reaches cuBLASLt's FP8 "
                         "GEMM with the scales folded), or both as variants")
-    p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling: the reference (not an FP8 GEMM) and the experimental FP8 block "
+    p.add_argument("--with-block", action="store_true", help="add Float8BlockScaling: the reference (not an FP8 GEMM) and the FP8 block "
                    "GEMM (TE_JAX_FP8_BLOCK_GEMM=pallas; its Mosaic GPU kernels are not counted as FP8 GEMMs)")
     p.add_argument("--only", default="",
                    help="keep bf16 and the variants whose names contain one of these comma-separated strings")
@@ -147,7 +147,7 @@ def main():
             variants[f"Float8CurrentScaling{suffix}"] = (fp8.Float8CurrentScaling(), st, fu)
     if args.with_block:
         variants["Float8BlockScaling (reference)"] = (fp8.Float8BlockScaling(), "direct", "1")
-        # the experimental FP8 block GEMM (te_jax/fp8/block.py): style "block-pallas" sets TE_JAX_FP8_BLOCK_GEMM
+        # the FP8 block GEMM (te_jax/fp8/block.py): style "block-pallas" sets TE_JAX_FP8_BLOCK_GEMM
         variants["Float8BlockScaling (FP8 block GEMM, pallas)"] = (fp8.Float8BlockScaling(), "block-pallas", "1")
 
     peers = {}

@@ -7,14 +7,41 @@ rounds in TFLOP/s, and the table rows "te_jax's best / best peer" (attention_mas
     peer_rows(label, impls, tf, ours) -> two table lines (fwd, fb): every implementation's TFLOP/s and the best of
         `ours` (names) over the best peer (the names not starting with "te_jax")
     print_table(title, lines)
+    import_peers() -> (tokamax or None, flash_attn3 or None), printing the date, the device and each peer's line
+    ready_impls(makers, q, k, v, do) -> {name: (fwd, fb)} of the makers whose forward+backward ran once; the others
+        are printed as errors (a peer that cannot serve a row is reported, not fatal)
 """
 from __future__ import annotations
 
+import datetime
 import statistics
 
 import jax
 
 from benchmarks import timing
+
+
+def import_peers():
+    from benchmarks import attention_hopper_gpu as ahg
+
+    tk, tk_line = ahg.import_tokamax("mosaic")
+    fa3, fa3_line = ahg.import_fa3()
+    print(f"{datetime.date.today()}  {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
+    print(tk_line, flush=True)
+    print(fa3_line, flush=True)
+    return tk, fa3
+
+
+def ready_impls(makers, q, k, v, do):
+    impls = {}
+    for name, make in makers.items():
+        try:
+            impls[name] = make()
+            jax.block_until_ready(impls[name][1](q, k, v, do))
+        except Exception as e:  # noqa: BLE001  (a peer that cannot serve the row is reported, not fatal)
+            print(f"  {name}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+            impls.pop(name, None)
+    return impls
 
 
 def fwd_and_fb(f):

@@ -68,6 +68,17 @@ def poisoned_h100(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.fixture(params=["stand-in", "real"])
+def cudnn(request, monkeypatch):
+    """The contract tests run twice: against the stand-in on a faked H100 (any machine), and against real cuDNN
+    (an NVIDIA GPU only)."""
+    if request.param == "real":
+        if jax.default_backend() != "gpu":
+            pytest.skip("real cuDNN needs an NVIDIA GPU")
+        return
+    request.getfixturevalue("poisoned_h100")
+
+
 CASES = [
     ([1, 12], [0, 8], "padding_causal", (1, -1)),  # the H100 failure: kv length 0 in batch 0
     ([1, 12], [0, 0], "padding_causal", (1, -1)),  # its shrunk twin: no keys anywhere
@@ -82,20 +93,10 @@ ODD = [(13, 7, "no_mask", False), (1, 9, "no_mask", False), (11, 11, "causal", F
 
 
 @pytest.mark.parametrize("sq,skv,mask_type,bias", ODD)
-def test_cudnn_backend_odd_lengths_are_padded_to_even(poisoned_h100, sq, skv, mask_type, bias):
+def test_cudnn_backend_odd_lengths_are_padded_to_even(cudnn, sq, skv, mask_type, bias):
     """jax.nn's cuDNN call refuses odd lengths (the stand-in asserts even ones, as jax 0.11.2's backward does):
     the cudnn backend serves them padded by one masked token, forward and gradients equal to the fp32 reference,
     with and without a bias, for a forward-only decode-like call (q 1) too."""
-    _check_odd(sq, skv, mask_type, bias)
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="real cuDNN needs an NVIDIA GPU")
-@pytest.mark.parametrize("sq,skv,mask_type,bias", ODD)
-def test_real_cudnn_odd_lengths(sq, skv, mask_type, bias):
-    _check_odd(sq, skv, mask_type, bias)
-
-
-def _check_odd(sq, skv, mask_type, bias):
     b, h, d = 2, 2, 16
     ks = jax.random.split(jax.random.key(sq + skv), 5)
     q, k, v = (jax.random.normal(kk, (b, s, h, d)) for kk, s in zip(ks[:3], (sq, skv, skv)))
@@ -108,18 +109,7 @@ def _check_odd(sq, skv, mask_type, bias):
 
 
 @pytest.mark.parametrize("q_lens,kv_lens,mask_type,window", CASES)
-def test_cudnn_backend_padded_and_empty_sequences_match_reference(poisoned_h100, q_lens, kv_lens, mask_type,
-                                                                  window):
-    _check_against_reference(q_lens, kv_lens, mask_type, window)
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="real cuDNN needs an NVIDIA GPU")
-@pytest.mark.parametrize("q_lens,kv_lens,mask_type,window", CASES)
-def test_real_cudnn_padded_and_empty_sequences_match_reference(q_lens, kv_lens, mask_type, window):
-    _check_against_reference(q_lens, kv_lens, mask_type, window)
-
-
-def _check_against_reference(q_lens, kv_lens, mask_type, window):
+def test_cudnn_backend_padded_and_empty_sequences_match_reference(cudnn, q_lens, kv_lens, mask_type, window):
     b, sq, skv, h, d = 2, 12, 8, 2, 16
     ks = jax.random.split(jax.random.key(25), 4)
     q, k, v = (jax.random.normal(kk, (b, s, h, d)) for kk, s in zip(ks[:3], (sq, skv, skv)))

@@ -151,7 +151,7 @@ def test_layernorm_mlp_takes_the_fused_block_path_and_says_why_not(monkeypatch):
                      intermediate_dropout_rate=0.0, dtype=BF)
     with fp8.autocast(recipe=Float8BlockScaling()):
         v = jax.eval_shape(lambda: m.init(jax.random.key(0), x, deterministic=True))
-        assert "unfused FP8 MLP: F=200 not a multiple of 128" in str(
+        assert "unfused FP8 MLP: wi GEMM: N=200 not a multiple of 128" in str(
             fp8.explain(lambda v: m.apply(v, x, deterministic=True), v))
 
 
@@ -254,9 +254,23 @@ def test_block_gemm_path_is_not_taken_under_a_partitioned_mesh(monkeypatch):
         assert "XLA partitions" in block.block_gemm_reason(x.shape, w.shape, 1)
         v = jax.eval_shape(lambda: m.init(jax.random.key(0), x, deterministic=True))
         info = fp8.explain(lambda v: m.apply(v, x, deterministic=True), v)
-        assert all("unfused FP8 MLP" in i.reason and "XLA partitions" in i.reason for i in info), info
+        assert all("unfused FP8 MLP: wi GEMM: under a mesh" in i.reason for i in info), info
         monkeypatch.setattr(Q, "block_scaled_dot", lambda *a, **k: (_ for _ in ()).throw(AssertionError("taken")))
         y_mesh = jax.jit(lambda x, w: Q.fp8_dot_general(x, w, dn, recipe))(x, w)
     monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "xla")
     y_ref = jax.jit(lambda x, w: Q.fp8_dot_general(x, w, dn, recipe))(x, w)
     np.testing.assert_array_equal(np.asarray(y_mesh, np.float32), np.asarray(y_ref, np.float32))
+
+
+def test_fused_block_mlp_refuses_bad_arguments_by_name():
+    from te_jax.fp8.block_mlp import fused_block_fp8_mlp
+    from te_jax.fp8.recipe import Float8BlockScaling
+
+    x, w1, w2 = jnp.zeros((128, 256), BF), jnp.zeros((256, 2, 128), BF), jnp.zeros((128, 128), BF)
+    with pytest.raises(ValueError, match=r"activations=\('silu', 'gelu'\) must be \(act,\) or \(act, 'linear'\)"):
+        fused_block_fp8_mlp(x, w1, w2, Float8BlockScaling(), activations=("silu", "gelu"))
+    with pytest.raises(ValueError, match=r"shapes x \(128, 256\), w1 \(256, 2, 128\), w2 \(64, 128\) do not fit "
+                                         r"activations \('silu', 'linear'\) \(w1 \[D, 2, F\], w2 \[F, Dout\]\)"):
+        fused_block_fp8_mlp(x, w1, w2[:64], Float8BlockScaling(), activations=("silu", "linear"))
+    with pytest.raises(ValueError, match=r"shapes x \(128, 256\), w1 \(256, 2, 128\)"):
+        fused_block_fp8_mlp(x, w1, w2, Float8BlockScaling(), activations=("silu",))

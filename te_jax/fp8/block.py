@@ -125,7 +125,8 @@ def block_scaled_dot(x, w, n_contract: int, recipe, out_dtype, mode: str):
     the caller checked block_gemm_reason."""
     fmt = recipe.fp8_format
     k = math.prod(x.shape[x.ndim - n_contract:])
-    y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode, block_casts_fused())
+    y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode,
+             block_casts_fused())
     return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:])
 
 

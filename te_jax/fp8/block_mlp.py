@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_cast.common import act_fn, dact
-from pallas_kernels.fp8_gemm import BLOCK_K, act_block_cast, dact_block_cast_transpose
-from te_jax.backends import policy
-from te_jax.fp8.block import block_cast, block_casts_fused, block_gemm, block_gemm_mode
+from pallas_kernels.fp8_gemm import act_block_cast, dact_block_cast_transpose
+from te_jax.fp8.block import block_cast, block_casts_fused, block_gemm, block_gemm_mode, block_gemm_reason
 from te_jax.fp8.recipe import Float8BlockScaling
 
 
@@ -42,12 +41,10 @@ def block_mlp_unavailable(recipe, *, has_bias: bool, dropout_rate: float, m: int
         return "biases (use_bias=True)"
     if dropout_rate > 0.0:
         return "intermediate dropout is active"
-    axes = policy.partitioned_mesh_axes()
-    if axes:
-        return policy.pallas_replicated_reason(axes)
-    bad = [f"{name}={v}" for name, v in (("tokens M", m), ("D", d), ("F", f), ("Dout", d_out)) if v % BLOCK_K]
-    if bad:
-        return f"{', '.join(bad)} not a multiple of {BLOCK_K}"
+    for gemm, x_shape, w_shape in (("wi", (m, d), (d, f)), ("wo", (m, f), (f, d_out))):  # F % 128: act kernels' too
+        why = block_gemm_reason(x_shape, w_shape, 1)
+        if why is not None:
+            return f"{gemm} GEMM: {why}"
     return None
 
 
@@ -55,8 +52,8 @@ def _act(gu3, dt, activation, gated, fdt, fused):
     """gu [M, n, F] -> a's block casts (q, scales, qT, scales), as act_block_cast."""
     if fused:
         return act_block_cast(gu3, activation=activation, out_dtype=fdt, round_to=dt)
-    g = gu3[:, 0].astype(jnp.float32)
-    a = (act_fn(activation, gated)(g, gu3[:, 1].astype(jnp.float32)) if gated else act_fn(activation, False)(g))
+    fn, g = act_fn(activation, gated), gu3[:, 0].astype(jnp.float32)
+    a = fn(g, gu3[:, 1].astype(jnp.float32)) if gated else fn(g)
     return block_cast(a.astype(dt), fdt, "rows", False)
 
 

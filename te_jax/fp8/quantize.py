@@ -45,10 +45,11 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
   that arrives as 0 or non-finite (a GEMM whose output did not reach the loss gets a zero "gradient")
   is read as 1.
   Float8CurrentScaling: the amax of x, w (forward) and g (backward) is computed on the spot.
-  Float8BlockScaling: a reference implementation (blockwise quantize -> dequantize -> GEMM in the
-  compute dtype); NOT an FP8 GEMM. Only dense dimension numbers (x's trailing axes with w's leading
-  axes, no batch axes). TE_JAX_FP8_BLOCK_GEMM=pallas runs FP8 GEMMs with block scales instead
-  (te_jax/fp8/block.py; experimental, Hopper only, M, K and N multiples of 128).
+  Float8BlockScaling: FP8 GEMMs with block scales where te_jax/fp8/block.py takes the operands (an sm90 GPU
+  with jax >= 0.11, M, K and N multiples of 128, no mesh axis XLA partitions; TE_JAX_FP8_BLOCK_GEMM
+  overrides), else a reference implementation (blockwise quantize -> dequantize -> GEMM in the compute
+  dtype; NOT an FP8 GEMM). Only dense dimension numbers (x's trailing axes with w's leading axes, no
+  batch axes).
 """
 from __future__ import annotations
 

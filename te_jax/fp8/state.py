@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from te_jax import activations as _acts
