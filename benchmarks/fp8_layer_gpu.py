@@ -250,7 +250,7 @@ def main():
         log(f"hidden {HID}, {HEADS}/{KV} heads, SwiGLU {FFN}, RoPE, RMSNorm, causal, B{B}xS{S}, bf16; "
             f"{args.rounds} interleaved rounds x median of {args.steps} samples, each {n} step(s) dispatched back to "
             f"back then one block\n")
-        log(f"| variant | ms (median of rounds) | min | max | x vs bf16 | FP8 GEMMs | GEMMs not in FP8 | temp MiB |")
+        log("| variant | ms (median of rounds) | min | max | x vs bf16 | FP8 GEMMs | GEMMs not in FP8 | temp MiB |")
         log("|---|---|---|---|---|---|---|---|")
         for name in steps:
             ts = times[(name, n)]
