@@ -2,7 +2,7 @@
 
 Run on the device machine from the repo root:
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_cast_gpu 2>&1 | tee $OUT/fp8_cast_log.txt
-    (--sweep also times every (block_m, block_n, num_warps) of a small grid per kernel)
+    (--sweep also times every (block_m, block_n, num_warps) of a small grid per kernel; --only act,dact picks kernels)
 CPU smoke test of the script itself (tiny sizes, interpret mode):
     PYTHONPATH=. python -m benchmarks.fp8_cast_gpu --cpu-smoke
 
@@ -44,7 +44,8 @@ def _ulps(a, b):
 
 
 def cases(M, D, F):
-    k = jax.random.split(jax.random.key(0), 3)
+    k = jax.random.split(jax.random.key(0), 4)
+    w1 = (jax.random.normal(k[3], (D, 2 * F), jnp.float32) * 0.02).astype(BF)
     gu = jax.random.normal(k[0], (M, 2, F), jnp.float32).astype(BF)
     dh = jax.random.normal(k[1], (M, F), jnp.float32).astype(BF)
     x = jax.random.normal(k[2], (M, D), jnp.float32).astype(BF)
@@ -59,6 +60,18 @@ def cases(M, D, F):
             args=(dh, gu, s), nbytes=M * F * 2 + M * 2 * F * 2 + 2 * M * 2 * F,
             kernel=lambda cfg: jax.jit(lambda dh, gu, s: K.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act, **cfg)),
             xla=jax.jit(lambda dh, gu, s: R.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act))),
+        "act_amax": dict(
+            args=(gu,), nbytes=M * 2 * F * 2,
+            kernel=lambda cfg: jax.jit(lambda gu: (K.act_amax(gu, **act, **cfg),)),
+            xla=jax.jit(lambda gu: (R.act_amax(gu, **act),))),
+        "dact_amax": dict(
+            args=(dh, gu), nbytes=M * F * 2 + M * 2 * F * 2,
+            kernel=lambda cfg: jax.jit(lambda dh, gu: (K.dact_amax(dh, gu, **act, **cfg),)),
+            xla=jax.jit(lambda dh, gu: (R.dact_amax(dh, gu, **act),))),
+        "cast_transposed (weight wi [D, 2F])": dict(
+            args=(w1, s), nbytes=D * 2 * F * 2 + D * 2 * F,
+            kernel=lambda cfg: jax.jit(lambda w, s: K.cast_transposed(w, s, out_dtype=E4, round_to=BF, **cfg)),
+            xla=jax.jit(lambda w, s: R.cast_transpose(w, s, out_dtype=E4, round_to=BF)[1:])),
         "cast_transpose": dict(
             args=(x, s), nbytes=M * D * 2 + 2 * M * D,
             kernel=lambda cfg: jax.jit(lambda x, s: K.cast_transpose(x, s, out_dtype=E4, **cfg)),
@@ -86,6 +99,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also time a grid of block sizes and warps per kernel")
+    p.add_argument("--only", default="", help="comma-separated substrings of the kernel names to run")
     args = p.parse_args()
     M, D, F = (48, 32, 40) if args.cpu_smoke else (8192, 4096, 14336)
     if args.cpu_smoke:
@@ -96,9 +110,12 @@ def main():
     configs = [dict()]
     if args.sweep:
         configs += [dict(block_m=bm, block_n=bn, num_warps=w) for bm, bn, w in
-                    itertools.product((32, 64, 128), (32, 64, 128), (4, 8)) if bm * bn >= 2048]
+                    itertools.product((32, 64, 128, 256), (32, 64, 128, 256), (4, 8))
+                    if 2048 <= bm * bn <= 32768]
     results, all_ok = {}, True
     for name, c in cases(M, D, F).items():
+        if args.only and not any(k in name for k in args.only.split(",")):
+            continue
         variants = {"xla": c["xla"]}
         for cfg in configs:
             variants["pallas " + (",".join(f"{k}={v}" for k, v in cfg.items()) or "default")] = c["kernel"](cfg)

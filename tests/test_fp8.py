@@ -325,6 +325,35 @@ def test_transformer_layer_trains_under_delayed_scaling():
     assert float(states[0]["output_grad_scale"][0]) != 1.0  # the backward amax came back through the gradient
 
 
+def test_gqa_kv_projection_casts_with_the_query_input_scale():
+    """Self-attention with GQA under DelayedScaling: the K/V GEMM reads the query's normalized input and casts it
+    with the query's input scale (one cast of ln(x), te_jax.fp8.state.dense), so its own stored input_scale does not
+    change the output, while the query's does; the K/V state's input history still records the input's amax."""
+    layer = _tiny_layer(dtype=jnp.float32)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 32))
+    recipe = DelayedScaling(amax_history_len=4)
+    with fp8.autocast(recipe=recipe):
+        v = jax.jit(lambda k: layer.init(k, x, deterministic=True))(jax.random.PRNGKey(0))
+        apply = jax.jit(lambda v: layer.apply(v, x, deterministic=True))
+        grads = jax.jit(jax.grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True) ** 2)))(v)
+
+    def with_scale(module, value):
+        st = jax.tree_util.tree_map(lambda a: a, v[fp8.FP8_COLLECTION])
+        meta = dict(st["attention"][module]["fp8_meta"])
+        meta["input_scale"] = jnp.full((1,), value, jnp.float32)
+        st = {**st, "attention": {**st["attention"], module: {**st["attention"][module], "fp8_meta": meta}}}
+        return {**v, fp8.FP8_COLLECTION: st}
+
+    with fp8.autocast(recipe=recipe):
+        y = np.asarray(apply(v))
+        np.testing.assert_array_equal(np.asarray(apply(with_scale("kv", 3.0))), y)   # kv's own scale: unused
+        assert not np.array_equal(np.asarray(apply(with_scale("query", 3.0))), y)   # the query's: used by both
+    new = grads[fp8.FP8_COLLECTION]["attention"]
+    np.testing.assert_array_equal(new["kv"]["fp8_meta"]["input_amax_history"],
+                                  new["query"]["fp8_meta"]["input_amax_history"])
+    assert float(np.max(new["kv"]["fp8_meta"]["input_amax_history"])) > 0
+
+
 def test_missing_state_is_a_clear_error():
     d = DenseGeneral(features=16)
     x = jnp.ones((2, 32))

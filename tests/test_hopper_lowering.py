@@ -137,6 +137,12 @@ def test_triton_kernels_lower_for_cuda():
     kw = dict(activation="silu", round_to=BF, interpret=False)
     assert _lower(lambda gu: act_block_cast(gu, out_dtype=jnp.float8_e4m3fn, **kw), gu) > 0
     assert _lower(lambda dh, gu: dact_block_cast_transpose(dh, gu, out_dtype=jnp.float8_e5m2, **kw), dh, gu) > 0
+    from pallas_kernels.fp8_cast import norm_cast_transpose
+
+    v, st = jax.ShapeDtypeStruct((384,), jnp.float32), jax.ShapeDtypeStruct((256,), jnp.float32)
+    assert _lower(lambda x, m, r, g, b: norm_cast_transpose(x, m, r, g, b, 2.0, out_dtype=jnp.float8_e4m3fn,
+                                                            interpret=False, block_m=32, block_n=128),
+                  x, st, st, v, v) > 0
     q = jax.ShapeDtypeStruct((2, 1, 8, 128), BF)
     kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), BF)
     mask = AttentionMask.full(2, 1, 1024, causal=True, bottom_right=True)

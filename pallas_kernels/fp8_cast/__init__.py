@@ -7,4 +7,5 @@ from pallas_kernels.fp8_cast.kernels import (  # noqa: F401
     cast_transposed,
     dact_amax,
     dact_cast_transpose,
+    norm_cast_transpose,
 )

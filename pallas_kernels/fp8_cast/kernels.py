@@ -8,6 +8,10 @@ transpose. Each also hands out the amax of what it cast.
     dact_amax(dh, gu, ...)                amax of dgu only
     cast_transpose(x, scale)              x [M, N] -> x_q [M, N], x_qT [N, M], amax
     cast_transposed(x, scale)             x [M, N] -> x_qT [N, M], amax (the transposed copy only)
+    norm_cast_transpose(x, mean, rstd, gamma, beta, scale)
+                                          x [M, N] -> the normalized x's q [M, N], qT [N, M], amax: LayerNorm
+                                          (mean given) or RMSNorm (mean None) from the row statistics, applied,
+                                          rounded to x's dtype, cast; the norm's output is never stored
 
 a = act(gate) * up (gated; gate = gu[:, 0], up = gu[:, 1]) or act(gu); dgu = d a / d(gate, up) * dh, all in
 fp32; values are cast with common.saturate (clip(v * scale) -> FP8, scale multiplies) after the optional
@@ -243,3 +247,60 @@ def cast_transposed(x, scale, *, out_dtype, round_to=None, interpret=None, block
     (qt,), amax = _cast_t_call("cast_transposed", x, scale, False, out_dtype, round_to, interpret, block_m, block_n,
                                num_warps, num_stages)
     return qt, amax
+
+
+# ----------------------------------------------------------------------------- norm + cast + transpose
+
+
+def _norm_cast_t_kernel(*refs, m, n, has_mean, has_beta, zero_centered, out_dtype, bm, bn, gn):
+    x_ref, scale_ref = refs[0], refs[1]
+    i = 2
+    mean_ref = refs[i] if has_mean else None
+    i += has_mean
+    rstd_ref, gamma_ref = refs[i], refs[i + 1]
+    i += 2
+    beta_ref = refs[i] if has_beta else None
+    i += has_beta
+    outs = refs[i:]
+    rows, cols, mask = _tile(m, n, bm, bn)
+    x = _load(x_ref, rows, cols, mask)
+    rmask, cmask = rows[:, 0] < m, cols[0] < n
+    if has_mean:
+        x = x - pltriton.load(mean_ref.at[rows[:, 0]], mask=rmask, other=0.0)[:, None]
+    g = pltriton.load(gamma_ref.at[cols[0]], mask=cmask, other=0.0).astype(jnp.float32)
+    g = 1.0 + g if zero_centered else g
+    # the reference's order: (x - mean) * rstd * gamma (+ beta), in fp32, then rounded to x's dtype
+    y = x * pltriton.load(rstd_ref.at[rows[:, 0]], mask=rmask, other=0.0)[:, None] * g[None, :]
+    if has_beta:
+        y = y + pltriton.load(beta_ref.at[cols[0]], mask=cmask, other=0.0).astype(jnp.float32)[None, :]
+    y = y.astype(x_ref.dtype).astype(jnp.float32)
+    _tile_amax([y], mask, outs[-1], gn)
+    q = C.saturate(y, scale_ref[0], out_dtype)
+    pltriton.store(outs[0].at[rows, cols], q, mask=mask)
+    pltriton.store(outs[1].at[cols, rows], q, mask=mask)
+
+
+@lower_once(static_argnames=("out_dtype", "zero_centered_gamma", "interpret", "block_m", "block_n", "num_warps",
+                             "num_stages"))
+def norm_cast_transpose(x, mean, rstd, gamma, beta, scale, *, out_dtype, zero_centered_gamma=False, interpret=None,
+                        block_m=128, block_n=64, num_warps=None, num_stages=1):
+    """x [M, N] (bf16 / fp16 / fp32); mean [M] fp32 (LayerNorm) or None (RMSNorm); rstd [M] fp32; gamma [N];
+    beta [N] or None; scale an fp32 scalar. y = ((x - mean) * rstd * gamma' + beta) in fp32, rounded to x's dtype
+    (gamma' = 1 + gamma when zero_centered_gamma): what pallas_kernels/norms/reference.apply_stats stores.
+    Returns (y_q [M, N], y_qT [N, M], amax of |y|): the norm's output goes straight to FP8, never to memory."""
+    where = "norm_cast_transpose"
+    C.check_common(where, out_dtype=out_dtype, arrays=[("x", x)])
+    if x.ndim != 2:
+        raise ValueError(f"{where}: x must be 2-D [M, N]; got shape {tuple(x.shape)}.")
+    m, n = x.shape
+    for name, a, size in (("mean", mean, m), ("rstd", rstd, m), ("gamma", gamma, n), ("beta", beta, n)):
+        if a is not None and tuple(a.shape) != (size,):
+            raise ValueError(f"{where}: {name} has shape {tuple(a.shape)}; expected ({size},) for x {tuple(x.shape)}.")
+    args = (x, C.scale_array(scale)) + tuple(jnp.asarray(a, jnp.float32) for a in (mean, rstd) if a is not None)
+    args += tuple(a for a in (gamma, beta) if a is not None)
+    kernel = functools.partial(_norm_cast_t_kernel, m=m, n=n, has_mean=mean is not None, has_beta=beta is not None,
+                               zero_centered=zero_centered_gamma, out_dtype=out_dtype)
+    out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype), jax.ShapeDtypeStruct((n, m), out_dtype)]
+    (q, qt), amax = _launch(where, kernel, args, out_shape, m, n, block_m, block_n, num_warps, num_stages, interpret,
+                            "te_fp8_norm_cast_transpose")
+    return q, qt, amax

@@ -67,3 +67,15 @@ def cast_transpose(x, scale, *, out_dtype, round_to=None):
     x = C.maybe_round(x.astype(jnp.float32), round_to)
     q = C.saturate(x, _scale(scale), out_dtype)
     return q, q.T, _amax(x)
+
+
+def norm_cast_transpose(x, mean, rstd, gamma, beta, scale, *, out_dtype, zero_centered_gamma=False):
+    xf = x.astype(jnp.float32)
+    if mean is not None:
+        xf = xf - mean[:, None]
+    g = gamma.astype(jnp.float32)
+    g = 1.0 + g if zero_centered_gamma else g
+    y = xf * rstd[:, None] * g[None, :]
+    if beta is not None:
+        y = y + beta.astype(jnp.float32)[None, :]
+    return cast_transpose(y.astype(x.dtype), scale, out_dtype=out_dtype)

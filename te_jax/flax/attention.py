@@ -56,6 +56,7 @@ from te_jax.flax._common import (
 )
 from te_jax.flax._sharding import mesh_axes_of, run_per_shard
 from te_jax.flax.module import DenseGeneral, LayerNormDenseGeneral
+from te_jax.fp8 import state as _fp8_state
 
 ROTARY_GROUP_METHODS = ("consecutive", "alternate")
 ATTN_BIAS_TYPES = ("no_bias", "pre_scale_bias", "post_scale_bias")
@@ -794,16 +795,20 @@ class MultiHeadAttention(nn.Module):
                 return_layernorm_output=True, name="query", **ln_args, **common)(inputs_q)
             ln_out = ln_q if self.return_layernorm_output else None
             kv_in = ln_q if is_self else inputs_kv
+            # self-attention under DelayedScaling: K/V's GEMM casts ln(x) with the query's input scale, so that the
+            # two casts of ln(x) are one (te_jax.fp8.state.dense); None otherwise
+            shared = _fp8_state.input_scale_of(self, "query") if is_self else None
             if self.fuse_qkv_params:
                 kv = DenseGeneral(features=(2, g, d), kernel_init=_scaled_init(base_init, 2, 1.0),
                                   kernel_axes=("embed", "qkv", "kv_heads", "kv"),
-                                  bias_axes=("qkv", "kv_heads", "kv"), name="kv", **common)(kv_in)
+                                  bias_axes=("qkv", "kv_heads", "kv"), name="kv", **common)(
+                                      kv_in, fp8_input_scale=shared)
                 packed_layout, tensors = f"{fmt}_{pre}2hd", (q, kv)
             else:
                 dense = dict(features=(g, d), kernel_init=base_init, kernel_axes=("embed", "kv_heads", "kv"),
                              bias_axes=("kv_heads", "kv"), **common)
-                k = DenseGeneral(name="key", **dense)(kv_in)
-                v = DenseGeneral(name="value", **dense)(kv_in)
+                k = DenseGeneral(name="key", **dense)(kv_in, fp8_input_scale=shared)
+                v = DenseGeneral(name="value", **dense)(kv_in, fp8_input_scale=shared)
                 packed_layout, tensors = None, (q, k, v)
 
         use_cache = decode and is_self

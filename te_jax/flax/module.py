@@ -166,13 +166,13 @@ def _dense(x, kernel, bias, axis: tuple[int, ...], dtype):
     return y
 
 
-def _dense_maybe_fp8(module, x, kernel, bias, axis, dtype):
+def _dense_maybe_fp8(module, x, kernel, bias, axis, dtype, fp8_input_scale=None):
     """_dense, or its FP8 version (te_jax/fp8/state.py) when the module's fields / autocast say FP8."""
     recipe, why = _fp8_ac.resolve(type(module).__name__, module.enable_fp8, module.fp8_recipe)
     if recipe is None:
         _fp8_ac.record(module, "kernel", None, why)
         return _dense(x, kernel, bias, axis, dtype)
-    return _fp8.dense(module, x, kernel, bias, axis, dtype, recipe, reason=why)
+    return _fp8.dense(module, x, kernel, bias, axis, dtype, recipe, reason=why, input_scale=fp8_input_scale)
 
 
 def _is_int(x) -> bool:
@@ -209,6 +209,11 @@ class DenseGeneral(nn.Module):
     Parameters: `kernel` (logical names `kernel_axes`), `bias` (`bias_axes`), when use_bias.
     The default kernel_init is TE's variance_scaling(1.0, 'fan_in', 'truncated_normal') applied to
     the flattened [prod(in_dims), prod(features)] matrix.
+    __call__(inputs, *, fp8_input_scale=None): under DelayedScaling, fp8_input_scale (an fp32 [1] scale) casts
+    `inputs` instead of this module's own input_scale, which then only follows (its amax history still records
+    the input). MultiHeadAttention passes the query projection's when the key/value projection reads the same
+    normalized input, so that input is quantized once, as one fused QKV GEMM would (TransformerEngine's GQA
+    layer quantizes it twice). Other recipes ignore it.
     """
 
     features: int | Sequence[int]
@@ -224,14 +229,14 @@ class DenseGeneral(nn.Module):
     fp8_recipe: Any = None  # a te_jax.fp8 recipe overriding autocast's when FP8 is on
 
     @nn.compact
-    def __call__(self, inputs):
+    def __call__(self, inputs, *, fp8_input_scale=None):
         features = _check_features("DenseGeneral", self.features)
         axis = _normalize_axes("DenseGeneral", self.axis, inputs.ndim)
         in_dims = tuple(inputs.shape[a] for a in axis)
         init = flat_init(self.kernel_init or default_kernel_init(), len(in_dims))
         kernel = param(self, "kernel", init, in_dims + features, self.param_dtype, self.kernel_axes)
         bias = param(self, "bias", self.bias_init, features, self.param_dtype, self.bias_axes) if self.use_bias else None
-        return _dense_maybe_fp8(self, inputs, kernel, bias, axis, self.dtype)
+        return _dense_maybe_fp8(self, inputs, kernel, bias, axis, self.dtype, fp8_input_scale)
 
 
 class LayerNormDenseGeneral(nn.Module):

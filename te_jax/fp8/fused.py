@@ -13,10 +13,15 @@ from __future__ import annotations
 import jax
 
 from te_jax.backends import policy
+from te_jax.backends.tuning import FP8_CAST_LAUNCH
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
 FUSED_ENV = "TE_JAX_FP8_FUSED"
 FUSED_SETTINGS = ("auto", "0", "1")
+#: Launch options of the cast kernels per kind (block_m, block_n, num_warps: pallas_kernels/fp8_cast), read at trace
+#: time by te_jax/fp8/mlp.py and quantize.py: te_jax/backends/tuning.FP8_CAST_LAUNCH (benchmarks/fp8_cast_gpu.py
+#: --sweep measured them); change an entry here to try others ({} = the kernel's defaults).
+KERNEL_OPTIONS = {k: dict(v) for k, v in FP8_CAST_LAUNCH.value.items()}
 
 
 def fused_setting() -> str:

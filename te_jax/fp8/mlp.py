@@ -13,6 +13,8 @@
     dgu_q [M, n*F], dgu_qT [n*F, M], amax(dgu) = dact_cast_transpose(dh, gu)   (1 pass)
     dx [M, D] dt    = dgu_q . w1_q                                    (wi dgrad)
     dw1 [D, n*F]    = x_qT . dgu_qT                                   (wi wgrad)
+With a norm in front (LayerNormMLP), x is the norm's input and its first cast is norm_cast.cast (the norm applied
+in the cast kernel from XLA-computed row statistics; the backward turns dx into the norm input's gradient).
 n = 2 for a gated pair (act, "linear"), else 1. Every GEMM is `a . b` = lax.dot_general(a [m, k], b [n, k],
 (((1,), (1,)), ((), ()))) on float8 operands ("TN": both contracting dims minor, the layout cuBLASLt's FP8 GEMM
 takes, so XLA inserts no transposes), through quantize._scaled_gemm (preferred_element_type dt, precision
@@ -41,15 +43,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import fp8_cast as _k
-from te_jax.fp8.fused import fused_cast_unavailable
+from te_jax.fp8 import norm_cast as _nc
+from te_jax.fp8.fused import KERNEL_OPTIONS, fused_cast_unavailable
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
 _TN = (((1,), (1,)), ((), ()))
-#: Launch options of the cast kernels per kind (block_m, block_n, num_warps: pallas_kernels/fp8_cast), read at trace
-#: time; empty = the kernels' defaults (benchmarks/fp8_cast_gpu.py --sweep times others).
-KERNEL_OPTIONS = {"act": {}, "dact": {}, "cast": {}}
 
 
 def fused_mlp_unavailable(recipe, *, has_bias: bool, dropout_rate: float) -> str | None:
@@ -70,6 +70,7 @@ class _Cfg:
     w1_dtype: object
     w2_dtype: object
     interpret: bool | None
+    norm: _nc.NormSpec | None = None  # x is the norm's input: the norm runs fused into x's cast (norm_cast.py)
 
 
 def _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b):
@@ -98,34 +99,40 @@ def _update(recipe, history, scale, new_amax, fmax):
     return s.reshape(1), h
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mlp(x, w1, w2, wi_state, wo_state, cfg):
-    return _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _mlp(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
+    return _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg)[0]
 
 
-def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
-    """x [M, D] dt, w1 [D, n, F], w2 [F, Dout] -> y [M, Dout] dt."""
+def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
+    """x [M, D] dt (the norm's input when cfg.norm, with gamma / beta [D]), w1 [D, n, F], w2 [F, Dout] -> y [M, Dout]
+    dt."""
     recipe, dt = cfg.recipe, x.dtype
     fdt, fmax = recipe.fp8_format.fwd_dtype, recipe.fp8_format.max_fwd
     d, n, f = w1.shape
     w1f = w1.reshape(d, n * f)
     kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])
-    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret,
-               **KERNEL_OPTIONS["act"])
+    kw_w = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["weight"])
+    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret)
     delayed = isinstance(recipe, DelayedScaling)
     if delayed:
         sx, sw1 = _read_scale(wi_state["input_scale"]), _read_scale(wi_state["kernel_scale"])
         sa, sw2 = _read_scale(wo_state["input_scale"]), _read_scale(wo_state["kernel_scale"])
-    else:  # current scaling: the amax first (the unfused path's compute_scale(amax, 1, fmax))
-        sx, sw1, sw2 = (compute_scale(amax(t), 1.0, fmax) for t in (x, w1f.astype(dt), w2.astype(dt)))
-    xq, xqT, ax = _k.cast_transpose(x, sx, out_dtype=fdt, **kw)
-    w1qT, aw1 = _k.cast_transposed(w1f, sw1, out_dtype=fdt, round_to=dt, **kw)  # the backward re-casts w1, w2
-    w2qT, aw2 = _k.cast_transposed(w2, sw2, out_dtype=fdt, round_to=dt, **kw)
+    st = None if cfg.norm is None else _nc.stats(x, gamma, beta, cfg.norm)
+    if not delayed:  # current scaling: the amax first (the unfused path's compute_scale(amax, 1, fmax))
+        xin = x if cfg.norm is None else _nc.output(x, gamma, beta, st, cfg.norm)
+        sx, sw1, sw2 = (compute_scale(amax(t), 1.0, fmax) for t in (xin, w1f.astype(dt), w2.astype(dt)))
+    if cfg.norm is None:
+        xq, xqT, ax = _k.cast_transpose(x, sx, out_dtype=fdt, **kw)
+    else:
+        xq, xqT, ax = _nc.cast(x, gamma, beta, st, sx, cfg.norm, fdt, **kw)
+    w1qT, aw1 = _k.cast_transposed(w1f, sw1, out_dtype=fdt, round_to=dt, **kw_w)  # the backward re-casts w1, w2
+    w2qT, aw2 = _k.cast_transposed(w2, sw2, out_dtype=fdt, round_to=dt, **kw_w)
     gu, s_gu = _gemm_owing_scale(cfg, dt, 1.0 / sx, 1.0 / sw1, xq, w1qT)  # [M, n*F]  wi fprop
     gu = gu.reshape(-1, n, f) if cfg.gated else gu
     if not delayed:
-        sa = compute_scale(_k.act_amax(gu, gu_scale=s_gu, **act), 1.0, fmax)
-    aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, gu_scale=s_gu, **act)
+        sa = compute_scale(_k.act_amax(gu, gu_scale=s_gu, **act, **KERNEL_OPTIONS["act_amax"]), 1.0, fmax)
+    aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, gu_scale=s_gu, **act, **KERNEL_OPTIONS["act"])
     y = _gemm(cfg, dt, 1.0 / sa, 1.0 / sw2, aq, w2qT)                     # [M, Dout] wo fprop
     new_fwd = None
     if delayed:  # the forward halves of the two states' updates (input_*, kernel_*), handed out by the backward
@@ -139,12 +146,13 @@ def _mlp_fwd(x, w1, w2, wi_state, wo_state, cfg):
         grad_state = None
     # The weights' FP8 copies are not kept for the backward: it re-casts them (one elementwise XLA pass, same
     # values), so the step holds no FP8 weight copy alongside its activations (temporary memory below bf16's).
-    res = (xqT, w1f, w2, aqT, gu, s_gu, 1.0 / sx, sw1, 1.0 / sa, sw2, new_fwd, grad_state)
+    norm_res = None if cfg.norm is None else (x, gamma, beta, st)
+    res = (xqT, w1f, w2, aqT, gu, s_gu, 1.0 / sx, sw1, 1.0 / sa, sw2, new_fwd, grad_state, norm_res)
     return y, res
 
 
 def _mlp_bwd(cfg, res, dy):
-    xqT, w1f, w2, aqT, gu, s_gu, sxi, sw1, sai, sw2, new_fwd, grad_state = res
+    xqT, w1f, w2, aqT, gu, s_gu, sxi, sw1, sai, sw2, new_fwd, grad_state, norm_res = res
     fdt = cfg.recipe.fp8_format.fwd_dtype
     w1q = quantize(w1f.astype(gu.dtype), sw1, fdt)  # [D, n*F]: the values of the forward cast_transposed's w1_qT
     w2q = quantize(w2.astype(gu.dtype), sw2, fdt)   # [F, Dout]
@@ -152,8 +160,7 @@ def _mlp_bwd(cfg, res, dy):
     recipe, dt = cfg.recipe, gu.dtype
     bdt, bmax = recipe.fp8_format.bwd_dtype, recipe.fp8_format.max_bwd
     kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])
-    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret,
-               **KERNEL_OPTIONS["dact"])
+    act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret)
     dy = dy.astype(dt)
     delayed = grad_state is not None
     if delayed:
@@ -166,8 +173,8 @@ def _mlp_bwd(cfg, res, dy):
     dw2 = _wgrad(cfg, dt, sai, 1.0 / sdy, aqT, dyqT)                       # [F, Dout]  wo wgrad
     owed = dict(gu_scale=s_gu, dh_scale=s_dh)
     if not delayed:
-        sdgu = compute_scale(_k.dact_amax(dh, gu, **owed, **act), 1.0, bmax)
-    dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act)
+        sdgu = compute_scale(_k.dact_amax(dh, gu, **owed, **act, **KERNEL_OPTIONS["dact_amax"]), 1.0, bmax)
+    dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act, **KERNEL_OPTIONS["dact"])
     dx = _gemm(cfg, dt, 1.0 / sdgu, sw1i, dguq.reshape(dh.shape[0], -1), w1q)   # [M, D]     wi dgrad
     dw1 = _wgrad(cfg, dt, sxi, 1.0 / sdgu, xqT, dguqT)                    # [D, n*F]   wi wgrad
     wi_ct = wo_ct = None
@@ -175,14 +182,23 @@ def _mlp_bwd(cfg, res, dy):
         wi_ct = dict(zip(STATE_KEYS, new_fwd[0] + _update(recipe, wi_gh, sdgu, adgu, bmax)))
         wo_ct = dict(zip(STATE_KEYS, new_fwd[1] + _update(recipe, wo_gh, sdy, ady, bmax)))
     dw1 = dw1.reshape(xqT.shape[0], -1, w2q.shape[0]).astype(cfg.w1_dtype)
-    return dx, dw1, dw2.astype(cfg.w2_dtype), wi_ct, wo_ct
+    dgamma = dbeta = None
+    if norm_res is not None:  # dx above is the norm output's cotangent
+        x, gamma, beta, st = norm_res
+        dx, dgamma, dbeta = _nc.backward(dx, x, gamma, beta, st, cfg.norm, cfg.interpret)
+        dbeta = None if beta is None else (jnp.zeros_like(beta) if dbeta is None else dbeta)
+    return dx, dgamma, dbeta, dw1, dw2.astype(cfg.w2_dtype), wi_ct, wo_ct
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activations, interpret=None):
-    """y = act(x . w1) . w2 with FP8 GEMMs and fused quantization (see the module docstring).
+def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activations, interpret=None, norm=None,
+                  gamma=None, beta=None):
+    """y = act(norm(x) . w1) . w2 with FP8 GEMMs and fused quantization (see the module docstring).
+
+    norm: a te_jax.fp8.norm_cast.NormSpec (with gamma, and beta for LayerNorm, [D]) runs the norm fused into x's
+    cast (norm_cast.py: its output is never stored); None: x goes to the GEMM as it is.
 
     x [..., D] in the compute dtype; w1 [D, n_act, F], w2 [F, Dout] in any float dtype (cast to x's dtype before
     quantization, gradients returned in their own dtypes); activations: a te_jax name tuple, (act,) or
@@ -206,8 +222,14 @@ def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activation
     if n != len(acts) or x.shape[-1] != d or w2.ndim != 2 or w2.shape[0] != f:
         raise ValueError(f"fused_fp8_mlp: shapes x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)} "
                          f"do not fit activations {acts} (w1 [D, {len(acts)}, F], w2 [F, Dout]).")
-    cfg = _Cfg(recipe, acts[0], len(acts) == 2, gemm_style(), jnp.dtype(w1.dtype), jnp.dtype(w2.dtype), interpret)
-    y = _mlp(x.reshape(-1, d), w1, w2, wi_state, wo_state, cfg)
+    if norm is not None and (gamma is None or tuple(gamma.shape) != (d,)):
+        raise ValueError(f"fused_fp8_mlp: norm={norm} needs gamma of shape ({d},); got "
+                         f"{None if gamma is None else tuple(gamma.shape)}.")
+    cfg = _Cfg(recipe, acts[0], len(acts) == 2, gemm_style(), jnp.dtype(w1.dtype), jnp.dtype(w2.dtype), interpret,
+               norm)
+    if norm is None:
+        gamma = beta = None
+    y = _mlp(x.reshape(-1, d), gamma, beta, w1, w2, wi_state, wo_state, cfg)
     return y.reshape(x.shape[:-1] + (w2.shape[1],))
 
 

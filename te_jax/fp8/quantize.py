@@ -65,7 +65,7 @@ from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
 from pallas_kernels.fp8_gemm import quantize_blocks
 from te_jax.backends import policy
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
-from te_jax.fp8.fused import fused_cast_unavailable
+from te_jax.fp8.fused import KERNEL_OPTIONS, fused_cast_unavailable
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
 
 GEMM_STYLES = ("direct", "qdq", "wgrad_qdq")
@@ -352,7 +352,8 @@ def _tn_gemm(a, b, out_dtype, a_sinv, b_sinv, style="direct"):
 
 def _cast_both(a, scale, dtype, interpret):
     """(a_q [M, N], a_qT [N, M], amax |a|) in one pass (pallas_kernels.fp8_cast.cast_transpose)."""
-    return cast_transpose(a, jnp.asarray(scale, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret)
+    return cast_transpose(a, jnp.asarray(scale, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret,
+                          **KERNEL_OPTIONS["cast"])
 
 
 def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret, transposed_only=False):
@@ -360,7 +361,8 @@ def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret, transposed
     transposed_only: a_q is not written (None; pallas_kernels.fp8_cast.cast_transposed)."""
     s = _read_scale(stored_scale) if isinstance(recipe, DelayedScaling) else compute_scale(amax(a), 1.0, fmax)
     if transposed_only:
-        qt, am = cast_transposed(a, jnp.asarray(s, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret)
+        qt, am = cast_transposed(a, jnp.asarray(s, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret,
+                                 **KERNEL_OPTIONS["weight"])
         return None, qt, am, s
     q, qt, am = _cast_both(a, s, dtype, interpret)
     return q, qt, am, s

@@ -29,6 +29,7 @@ from te_jax import normalization as _norm
 from te_jax.fp8 import block_mlp as _block_mlp
 from te_jax.fp8 import context as _ac
 from te_jax.fp8 import mlp as _fp8_mlp
+from te_jax.fp8 import norm_cast as _norm_cast
 from te_jax.fp8.quantize import STATE_KEYS, fp8_dot_general
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling
 
@@ -85,10 +86,14 @@ def _state(recipe, name):
     return None
 
 
-def dense(module, x, kernel, bias, axis, dtype, recipe, *, meta_name="fp8_meta", gemm="kernel", reason=""):
+def dense(module, x, kernel, bias, axis, dtype, recipe, *, meta_name="fp8_meta", gemm="kernel", reason="",
+          input_scale=None):
     """FP8 version of te_jax.flax.module._dense: x [..., *in] . kernel [*in, *features] (+ bias, fp32 add).
 
     The GEMM output is in the compute dtype; dx/dw come back in the compute dtype (dw then to param dtype).
+    input_scale (DelayedScaling; fp32 [1]): cast x with this scale instead of the state's own input_scale (another
+    GEMM's, reading the same x: both casts are then one, XLA merging the identical kernel calls). This state's
+    input history still records x's amax and its next input_scale is computed from it as usual.
     """
     x = jnp.asarray(x, dtype)
     dtype = x.dtype
@@ -100,10 +105,20 @@ def dense(module, x, kernel, bias, axis, dtype, recipe, *, meta_name="fp8_meta",
     _ac.record(module, gemm, recipe, reason, k=k, n=kernel.size // max(k, 1),
                shape=f"x{tuple(x.shape)} . {gemm}{tuple(kernel.shape)}")
     dn = ((axis, tuple(range(n_in))), ((), ()))
-    y = fp8_dot_general(x, kernel.astype(dtype), dn, recipe, _state(recipe, meta_name))
+    state = _state(recipe, meta_name)
+    if state is not None and input_scale is not None:
+        state = {**state, "input_scale": jnp.asarray(input_scale, jnp.float32).reshape(1)}
+    y = fp8_dot_general(x, kernel.astype(dtype), dn, recipe, state)
     if bias is not None:
         y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
     return y
+
+
+def input_scale_of(module, child, meta_name="fp8_meta"):
+    """The DelayedScaling input_scale [1] of submodule `child` of `module` (already called), or None when it has none
+    (FP8 off there, or a recipe without state)."""
+    meta = module.variables.get(FP8_COLLECTION, {}).get(child, {}).get(meta_name, {})
+    return meta.get("input_scale")
 
 
 def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_type, epsilon, zero_centered_gamma,
@@ -114,7 +129,8 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
     Two paths, the same math (te_jax/fp8/README.md, "Fused quantization"):
       fused (te_jax.fp8.mlp.fused_fp8_mlp): a per-tensor recipe, no biases, no active dropout, no mesh XLA
         partitions, a GPU (or TE_JAX_FP8_FUSED=1), TE_JAX_FP8_FUSED not 0: the activation, its gradient
-        and every cast run in Pallas kernels that also write the transposed FP8 operands and the amaxes;
+        and every cast run in Pallas kernels that also write the transposed FP8 operands and the amaxes; the norm
+        runs inside x's cast (te_jax.fp8.norm_cast: its output is stored only if the caller uses `ln`);
       fused block-scaled (te_jax.fp8.block_mlp.fused_block_fp8_mlp): Float8BlockScaling with the FP8 block GEMM on
         (block.block_gemm_mode() not "xla"), no biases, no active dropout, no partitioned mesh, token count, D, F
         and Dout multiples of 128: the activation and its gradient write the GEMMs' 1x128 block casts;
@@ -141,13 +157,20 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
         why_not = _fp8_mlp.fused_mlp_unavailable(recipe, has_bias=has_bias, dropout_rate=dropout_rate)
     if why_not is None:
         d, n_act, f = w1.shape
-        path = "fused FP8 MLP (te_jax.fp8.mlp: cast/activation kernels write FP8 operands, transposes and amaxes)"
+        path = "fused FP8 MLP (te_jax.fp8.mlp: cast/activation kernels write FP8 operands, transposes and amaxes"
+        path += "; the norm fused into x's cast)" if enable_layernorm else ")"
         _ac.record(module, "wi_kernel", recipe, f"{reason}; {path}", k=d, n=n_act * f,
                    shape=f"x{tuple(ln.shape)} . wi_kernel{tuple(w1.shape)}")
         _ac.record(module, "wo_kernel", recipe, f"{reason}; {path}", k=f, n=w2.shape[-1],
                    shape=f"x{tuple(ln.shape[:-1]) + (f,)} . wo_kernel{tuple(w2.shape)}")
-        y = _fp8_mlp.fused_fp8_mlp(ln.astype(dt), w1, w2, recipe, _state(recipe, "wi_fp8_meta"),
-                                   _state(recipe, "wo_fp8_meta"), activations=activations)
+        states = (_state(recipe, "wi_fp8_meta"), _state(recipe, "wo_fp8_meta"))
+        if enable_layernorm:  # x's cast applies the norm itself (te_jax/fp8/norm_cast.py); `ln` is only returned
+            spec = _norm_cast.norm_spec(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
+                                        zero_centered_gamma=zero_centered_gamma, backend=backend)
+            y = _fp8_mlp.fused_fp8_mlp(x.astype(dt), w1, w2, recipe, *states, activations=activations, norm=spec,
+                                       gamma=gamma, beta=beta)
+        else:
+            y = _fp8_mlp.fused_fp8_mlp(ln.astype(dt), w1, w2, recipe, *states, activations=activations)
         return y, ln
     reason = f"{reason}; unfused FP8 MLP: {why_not}"
     h = dense(module, ln, w1, None, (ln.ndim - 1,), dt, recipe, meta_name="wi_fp8_meta", gemm="wi_kernel",
@@ -158,4 +181,5 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
     return y, ln
 
 
-__all__ = ["FP8_COLLECTION", "Fp8Meta", "update_fp8_state", "split_fp8_state", "dense", "layernorm_mlp"]
+__all__ = ["FP8_COLLECTION", "Fp8Meta", "update_fp8_state", "split_fp8_state", "dense", "input_scale_of",
+           "layernorm_mlp"]

@@ -1,0 +1,93 @@
+"""The norm in front of an FP8 GEMM, fused into the input's cast (TransformerEngine's layernorm + quantize).
+
+Forward, x [M, D] in the compute dtype:
+    stats  = mean (LayerNorm) and rstd [M], fp32      (one XLA reduction over x)
+    x_q [M, D], x_qT [D, M], amax = norm_cast_transpose(x, stats, gamma, beta, scale)   (one Pallas pass)
+so the norm's output never goes to memory: the unfused path writes it in the compute dtype, then reads it again
+to cast (and, under current scaling, once more for its amax). The values are the unfused path's exactly: the
+kernel applies the statistics in the reference's order and rounds to the compute dtype before the amax and cast
+(pallas_kernels/norms/reference.apply_stats). Current scaling takes the amax from an XLA reduction of that same
+rounded output (recomputed from x and the statistics, not stored).
+Backward, dln [M, D] (the GEMM's dgrad): dx, dgamma, dbeta by the norm's backend (te_jax.normalization: "pallas"
+runs its backward kernel on the saved statistics, "xla" autodiff of the reference), as the unfused path would.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_cast import norm_cast_transpose
+from pallas_kernels.norms import norm as _pallas_norm
+from pallas_kernels.norms import reference as _ref
+from te_jax import normalization as _norm
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    """The norm in front of the GEMM: layernorm_type "layernorm" | "rmsnorm", epsilon, zero_centered_gamma, and
+    the backend its backward runs on ("xla" or "pallas", as te_jax.normalization chose)."""
+
+    layernorm_type: str
+    epsilon: float
+    zero_centered_gamma: bool
+    backend: str
+
+
+def norm_spec(x, gamma, beta, *, layernorm_type, epsilon, zero_centered_gamma, backend) -> NormSpec:
+    """The NormSpec for te_jax.normalization.norm(x, gamma, beta, ...) (validates as it does)."""
+    choice = _norm.explain_norm_backend(x, gamma, None if layernorm_type == "rmsnorm" else beta,
+                                        layernorm_type=layernorm_type, backend=backend)
+    if choice.error:
+        raise ValueError(choice.error)
+    _norm.check_epsilon(layernorm_type, epsilon)
+    return NormSpec(layernorm_type, float(epsilon), bool(zero_centered_gamma), choice.selected)
+
+
+def _rms(spec):
+    return spec.layernorm_type == "rmsnorm"
+
+
+def stats(x, gamma, beta, spec):
+    """(mean [M] or None, rstd [M]) fp32, of x [M, D]."""
+    if _rms(spec):
+        return None, _ref.rmsnorm_fwd(x, gamma, epsilon=spec.epsilon)[1]
+    _, mean, rstd = _ref.layernorm_fwd(x, gamma, beta, epsilon=spec.epsilon)
+    return mean, rstd
+
+
+def output(x, gamma, beta, st, spec):
+    """The norm's output [M, D] in x's dtype, from the statistics (for current scaling's amax; XLA fuses it into
+    the reduction that reads it, so it is not stored)."""
+    return _ref.apply_stats(x, gamma, None if _rms(spec) else beta, st[0], st[1],
+                            zero_centered_gamma=spec.zero_centered_gamma)
+
+
+def cast(x, gamma, beta, st, scale, spec, out_dtype, **kernel_options):
+    """(q [M, D], qT [D, M], amax) of the norm's output, cast with `scale`, in one pass over x."""
+    return norm_cast_transpose(x, st[0], st[1], gamma, None if _rms(spec) else beta,
+                               jnp.asarray(scale, jnp.float32).reshape(()), out_dtype=out_dtype,
+                               zero_centered_gamma=spec.zero_centered_gamma, **kernel_options)
+
+
+def backward(dln, x, gamma, beta, st, spec, interpret=None):
+    """(dx [M, D] x's dtype, dgamma gamma's dtype, dbeta beta's dtype or None) for the output cotangent dln."""
+    rms = _rms(spec)
+    beta = None if rms else beta
+    dln = dln.astype(x.dtype)
+    if spec.backend == "pallas":
+        dx, dg, db = _pallas_norm.norm_bwd(dln, x, gamma, st[0], st[1], rms=rms, has_beta=beta is not None,
+                                           zero_centered_gamma=spec.zero_centered_gamma, interpret=interpret)
+        return dx, dg.astype(gamma.dtype), (None if beta is None else db.astype(beta.dtype))
+    kw = dict(epsilon=spec.epsilon, zero_centered_gamma=spec.zero_centered_gamma)
+    if rms:
+        dx, dg = jax.vjp(lambda x, g: _ref.rmsnorm(x, g, **kw), x, gamma)[1](dln)
+        return dx, dg, None
+    if beta is None:
+        dx, dg = jax.vjp(lambda x, g: _ref.layernorm(x, g, None, **kw), x, gamma)[1](dln)
+        return dx, dg, None
+    return jax.vjp(lambda x, g, b: _ref.layernorm(x, g, b, **kw), x, gamma, beta)[1](dln)
+
+
+__all__ = ["NormSpec", "norm_spec", "stats", "output", "cast", "backward"]
