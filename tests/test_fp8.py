@@ -176,6 +176,12 @@ def test_fp8_dot_general_forward_and_grads(recipe, style):
         assert st is None
 
 
+#: direct and qdq GEMMs on the same FP8 operands: bf16 rounding apart on the CPU; on a GPU XLA runs the qdq dots as
+#: bf16 GEMMs (its Triton GEMM fusion takes the converts, quantize.py's docstring) and the direct ones as cuBLASLt
+#: FP8 GEMMs with their own accumulation, so they sit further apart
+_DIRECT_VS_QDQ = 2.0 ** -7 if jax.default_backend() == "cpu" else 2.0 ** -5
+
+
 def test_fused_dense_path_takes_both_gemm_styles(monkeypatch):
     """The fused (cast_transpose, every GEMM "TN") dense path runs the qdq style as well as direct: the same FP8
     operands, so the forward, dx and dw agree to bf16 rounding, and both are close to the full-precision GEMM."""
@@ -189,7 +195,7 @@ def test_fused_dense_path_takes_both_gemm_styles(monkeypatch):
         y = outs[style][0]
         assert _rel(y, y0) < 2.0 ** -4 and _rel(outs[style][1], dx0) < 2.0 ** -3 and _rel(outs[style][2], dw0) < 2.0 ** -3
     for a, b in zip(outs["direct"], outs["qdq"]):
-        assert _rel(a, b) < 2.0 ** -7
+        assert _rel(a, b) < _DIRECT_VS_QDQ
     for style, operand in (("direct", "xf8E4M3FN>"), ("qdq", "xbf16>")):  # the style decides the dots' operands
         text = jax.jit(lambda x, w: Q.fp8_dot_general(x, w, DENSE_DN, Float8CurrentScaling(),
                                                       gemm_style_override=style)).lower(x, w).as_text()
@@ -215,7 +221,7 @@ def test_wgrad_qdq_style_runs_only_the_weight_gradient_as_qdq(monkeypatch, fused
     y, dx, dw = outs["wgrad_qdq"]
     assert _rel(y, y0) < 2.0 ** -4 and _rel(dx, dx0) < 2.0 ** -3 and _rel(dw, dw0) < 2.0 ** -3
     for a, b in zip(outs["direct"], outs["wgrad_qdq"]):
-        assert _rel(a, b) < 2.0 ** -7
+        assert _rel(a, b) < _DIRECT_VS_QDQ
 
 
 def test_fp8_dot_general_batched_dimension_numbers():
@@ -603,9 +609,12 @@ def test_fused_dense_matches_unfused_dense(recipe, monkeypatch):
         return outs, state
 
     (o_un, s_un), (o_fu, s_fu) = run("0"), run("1")
+    # the same FP8 operands; on a GPU cuBLASLt takes other algorithms for the fused path's TN layouts, whose FP8
+    # accumulation order differs (6.8e-5 seen on the H100), on the CPU the GEMMs are the same
+    tol = 1e-5 if jax.default_backend() == "cpu" else 1e-3
     for a_un, a_fu in zip(o_un, o_fu):
         for a, b in zip(a_un, a_fu):
-            assert _rel(b, a) < 1e-5, _rel(b, a)
+            assert _rel(b, a) < tol, _rel(b, a)
     if s_un is not None:
         for k in Q.STATE_KEYS:
             np.testing.assert_allclose(np.asarray(s_fu[k]), np.asarray(s_un[k]), rtol=1e-6)

@@ -59,7 +59,8 @@ def _assert_fp8_close(got, want):
     tiny = float(jnp.finfo(got.dtype).max) * 2.0 ** -10
     near_zero = (np.abs(_f32(got)) <= tiny) & (np.abs(_f32(want)) <= tiny)
     far = (ulps > 1) & ~near_zero
-    assert not far.any() and ulps.mean() < 0.01, (int(far.sum()), ulps.max(), ulps.mean())
+    rest = ulps[~near_zero]  # the near-zero values are many steps apart by design (above): not in the mean
+    assert not far.any() and (rest.size == 0 or rest.mean() < 0.01), (int(far.sum()), ulps.max(), rest.mean())
 
 
 def _rand(key, shape, dtype, scale=2.0):
@@ -171,7 +172,8 @@ def test_cast_transpose_matches_reference(dtype, out_dtype, round_to, blocks):
 
 
 @pytest.mark.parametrize("layernorm, zero_centered, dtype, blocks", [
-    (True, False, BF, (16, 16)), (True, True, F32, (32, 64)), (False, True, BF, (128, 64)), (False, False, F16, (16, 32))])
+    (True, False, BF, (16, 16)), (True, True, F32, (32, 64)), (False, True, BF, (128, 64)),
+    (False, False, F16, (16, 32))])
 def test_norm_cast_transpose_matches_reference(layernorm, zero_centered, dtype, blocks):
     """The norm applied in the cast kernel from the row statistics: bit for bit the norm's stored output cast (the
     norm reference's order of operations, rounded to x's dtype), and the amax of that output."""
@@ -466,6 +468,7 @@ def test_norm_fused_into_the_cast_matches_the_unfused_path(layernorm_type, zero_
 ])
 def test_layernorm_mlp_explains_why_not_fused(kw, recipe, why, monkeypatch):
     monkeypatch.setenv(FUSED_ENV, "1")  # the reasons below win over a forced fused path
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "xla")  # the block GEMM off on any backend (a GPU would take it)
     m = _mlp_module(**kw) if "intermediate_dropout_rate" not in kw else LayerNormMLP(
         intermediate_dim=F, activations=("gelu",), dtype=BF, **kw)
     x = jnp.ones((2, 8, D))

@@ -24,6 +24,13 @@ FUSED_SETTINGS = ("auto", "0", "1")
 KERNEL_OPTIONS = {k: dict(v) for k, v in FP8_CAST_LAUNCH.value.items()}
 
 
+def launch_options(kind: str, interpret) -> dict:
+    """KERNEL_OPTIONS[kind] for a compiled (GPU) launch; {} (the kernels' defaults, fewer and larger programs) where
+    the kernels run in interpret mode (interpret True, or None off a GPU), which the GPU tuning does not concern."""
+    interpreted = jax.default_backend() != "gpu" if interpret is None else interpret
+    return {} if interpreted else dict(KERNEL_OPTIONS[kind])
+
+
 def fused_setting() -> str:
     return policy.env_choice(FUSED_ENV, FUSED_SETTINGS, "auto")
 

@@ -44,7 +44,7 @@ from jax import lax
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import KERNEL_OPTIONS, fused_cast_unavailable
+from te_jax.fp8.fused import KERNEL_OPTIONS, fused_cast_unavailable, launch_options
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -111,8 +111,8 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
     fdt, fmax = recipe.fp8_format.fwd_dtype, recipe.fp8_format.max_fwd
     d, n, f = w1.shape
     w1f = w1.reshape(d, n * f)
-    kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])
-    kw_w = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["weight"])
+    kw = dict(interpret=cfg.interpret, **launch_options("cast", cfg.interpret))
+    kw_w = dict(interpret=cfg.interpret, **launch_options("weight", cfg.interpret))
     act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret)
     delayed = isinstance(recipe, DelayedScaling)
     if delayed:
@@ -131,8 +131,10 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
     gu, s_gu = _gemm_owing_scale(cfg, dt, 1.0 / sx, 1.0 / sw1, xq, w1qT)  # [M, n*F]  wi fprop
     gu = gu.reshape(-1, n, f) if cfg.gated else gu
     if not delayed:
-        sa = compute_scale(_k.act_amax(gu, gu_scale=s_gu, **act, **KERNEL_OPTIONS["act_amax"]), 1.0, fmax)
-    aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, gu_scale=s_gu, **act, **KERNEL_OPTIONS["act"])
+        sa = compute_scale(_k.act_amax(gu, gu_scale=s_gu, **act, **launch_options("act_amax", cfg.interpret)),
+                           1.0, fmax)
+    aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, gu_scale=s_gu, **act,
+                              **launch_options("act", cfg.interpret))
     y = _gemm(cfg, dt, 1.0 / sa, 1.0 / sw2, aq, w2qT)                     # [M, Dout] wo fprop
     new_fwd = None
     if delayed:  # the forward halves of the two states' updates (input_*, kernel_*), handed out by the backward
@@ -159,7 +161,7 @@ def _mlp_bwd(cfg, res, dy):
     sw1i, sw2i = 1.0 / sw1, 1.0 / sw2
     recipe, dt = cfg.recipe, gu.dtype
     bdt, bmax = recipe.fp8_format.bwd_dtype, recipe.fp8_format.max_bwd
-    kw = dict(interpret=cfg.interpret, **KERNEL_OPTIONS["cast"])
+    kw = dict(interpret=cfg.interpret, **launch_options("cast", cfg.interpret))
     act = dict(activation=cfg.activation, gated=cfg.gated, round_to=dt, interpret=cfg.interpret)
     dy = dy.astype(dt)
     delayed = grad_state is not None
@@ -173,8 +175,10 @@ def _mlp_bwd(cfg, res, dy):
     dw2 = _wgrad(cfg, dt, sai, 1.0 / sdy, aqT, dyqT)                       # [F, Dout]  wo wgrad
     owed = dict(gu_scale=s_gu, dh_scale=s_dh)
     if not delayed:
-        sdgu = compute_scale(_k.dact_amax(dh, gu, **owed, **act, **KERNEL_OPTIONS["dact_amax"]), 1.0, bmax)
-    dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act, **KERNEL_OPTIONS["dact"])
+        sdgu = compute_scale(_k.dact_amax(dh, gu, **owed, **act, **launch_options("dact_amax", cfg.interpret)),
+                             1.0, bmax)
+    dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act,
+                                               **launch_options("dact", cfg.interpret))
     dx = _gemm(cfg, dt, 1.0 / sdgu, sw1i, dguq.reshape(dh.shape[0], -1), w1q)   # [M, D]     wi dgrad
     dw1 = _wgrad(cfg, dt, sxi, 1.0 / sdgu, xqT, dguqT)                    # [D, n*F]   wi wgrad
     wi_ct = wo_ct = None

@@ -65,7 +65,7 @@ from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
 from pallas_kernels.fp8_gemm import quantize_blocks
 from te_jax.backends import policy
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
-from te_jax.fp8.fused import KERNEL_OPTIONS, fused_cast_unavailable
+from te_jax.fp8.fused import fused_cast_unavailable, launch_options
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
 
 GEMM_STYLES = ("direct", "qdq", "wgrad_qdq")
@@ -188,6 +188,10 @@ def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
     # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
     def gemm(a, b, dims):
         if style == "qdq":  # (wgrad_qdq is direct here: its wgrad GEMMs call with wgrad_style(style) == "qdq")
+            # the FP8 values pass a barrier: where XLA made them (the unfused path's quantize), its GPU pipeline
+            # would otherwise fold convert(convert(x, f8), bf16) into x and the GEMM would run unquantized (found
+            # on an H100 by test_wgrad_qdq_style_runs_only_the_weight_gradient_as_qdq; block_qdq has the same)
+            a, b = lax.optimization_barrier((a, b))
             return lax.dot_general(dequantize(a, a_sinv, out_dtype), dequantize(b, b_sinv, out_dtype), dims,
                                    precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
         y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
@@ -353,7 +357,7 @@ def _tn_gemm(a, b, out_dtype, a_sinv, b_sinv, style="direct"):
 def _cast_both(a, scale, dtype, interpret):
     """(a_q [M, N], a_qT [N, M], amax |a|) in one pass (pallas_kernels.fp8_cast.cast_transpose)."""
     return cast_transpose(a, jnp.asarray(scale, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret,
-                          **KERNEL_OPTIONS["cast"])
+                          **launch_options("cast", interpret))
 
 
 def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret, transposed_only=False):
@@ -362,7 +366,7 @@ def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret, transposed
     s = _read_scale(stored_scale) if isinstance(recipe, DelayedScaling) else compute_scale(amax(a), 1.0, fmax)
     if transposed_only:
         qt, am = cast_transposed(a, jnp.asarray(s, jnp.float32).reshape(()), out_dtype=dtype, interpret=interpret,
-                                 **KERNEL_OPTIONS["weight"])
+                                 **launch_options("weight", interpret))
         return None, qt, am, s
     q, qt, am = _cast_both(a, s, dtype, interpret)
     return q, qt, am, s
