@@ -355,9 +355,40 @@ def test_gqa_kv_projection_casts_with_the_query_input_scale():
         np.testing.assert_array_equal(np.asarray(apply(with_scale("kv", 3.0))), y)   # kv's own scale: unused
         assert not np.array_equal(np.asarray(apply(with_scale("query", 3.0))), y)   # the query's: used by both
     new = grads[fp8.FP8_COLLECTION]["attention"]
-    np.testing.assert_array_equal(new["kv"]["fp8_meta"]["input_amax_history"],
-                                  new["query"]["fp8_meta"]["input_amax_history"])
+    for k in ("input_amax_history", "input_scale"):  # each module gets its own next state, none twice
+        np.testing.assert_array_equal(new["kv"]["fp8_meta"][k], new["query"]["fp8_meta"][k])
     assert float(np.max(new["kv"]["fp8_meta"]["input_amax_history"])) > 0
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_gqa_query_and_kv_share_one_norm_cast(recipe, monkeypatch):
+    """With the fused casts, GQA self-attention runs its input norm inside one cast of x that feeds the query and the
+    K/V GEMMs (te_jax/fp8/norm_dense.py): the same parameter and FP8-state trees as the unfused modules, and the same
+    loss, gradients and next FP8 state (up to f32 summation order in gamma's gradient)."""
+    layer = _tiny_layer(dtype=jnp.float32)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 16, 32)) * 2.0 + 0.5
+    ct = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 32))
+
+    def run(fused):
+        monkeypatch.setenv("TE_JAX_FP8_FUSED", fused)
+        with fp8.autocast(recipe=recipe):
+            v = jax.jit(lambda k: layer.init(k, x, deterministic=True))(jax.random.PRNGKey(0))
+            info = fp8.explain(lambda: layer.apply(v, x, deterministic=True))
+            f = jax.jit(jax.value_and_grad(lambda v: jnp.sum(layer.apply(v, x, deterministic=True) * ct)),
+                        compiler_options={"xla_allow_excess_precision": False})
+            return v, info, f(v)
+
+    v1, info1, (l1, g1) = run("1")
+    v0, info0, (l0, g0) = run("0")
+    assert jax.tree_util.tree_structure(v1) == jax.tree_util.tree_structure(v0)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, v1, v0)  # same names, same init values
+    shared = [i for i in info1 if "shared by query and kv" in i.reason]
+    assert [i.module for i in shared] == ["attention/query", "attention/kv"], info1
+    assert not any("shared by query and kv" in i.reason for i in info0)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree_util.tree_leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
 def test_missing_state_is_a_clear_error():

@@ -55,7 +55,8 @@ from te_jax.flax._common import (
     param,
 )
 from te_jax.flax._sharding import mesh_axes_of, run_per_shard
-from te_jax.flax.module import DenseGeneral, LayerNormDenseGeneral
+from te_jax.flax.module import DenseGeneral, DenseOperands, LayerNormDenseGeneral, LayerNormDenseOperands
+from te_jax.fp8 import context as _fp8_ac
 from te_jax.fp8 import state as _fp8_state
 
 ROTARY_GROUP_METHODS = ("consecutive", "alternate")
@@ -788,6 +789,22 @@ class MultiHeadAttention(nn.Module):
                 kernel_axes=("embed", "qkv", "heads", "kv"), bias_axes=("qkv", "heads", "kv"),
                 return_layernorm_output=self.return_layernorm_output, name="qkv", **ln_args, **common)(inputs_q)
             packed_layout, tensors = f"{pre}3hd", (qkv,)
+        elif self._fp8_norm_qkv(is_self) is not None:
+            # FP8, GQA self-attention: one norm inside one cast of x feeds the query and the K/V GEMMs
+            # (te_jax/fp8/norm_dense.py); the parameters and FP8 states keep LayerNormDenseGeneral's and
+            # DenseGeneral's names ("query/...", "kv/...")
+            recipe, why = self._fp8_norm_qkv(is_self)
+            why = f"{why}; {_fp8_state.NORM_DENSE_PATH}, shared by query and kv"
+            q_kw = dict(features=(h, d), kernel_init=_scaled_init(base_init, 1, q_scale),
+                        kernel_axes=("embed", "heads", "kv"), name="query", **ln_args, **common)
+            x_q, gamma, beta, wq, sq = LayerNormDenseOperands(**q_kw)(inputs_q, recipe, why)
+            wkv, skv = DenseOperands(features=(2, g, d), kernel_init=_scaled_init(base_init, 2, 1.0),
+                                     kernel_axes=("embed", "qkv", "kv_heads", "kv"), name="kv", **common)(
+                                         (x_q.shape[-1],), recipe, why)
+            q, kv = _fp8_state.norm_dense(x_q, gamma, beta, (wq, wkv), (sq, skv), recipe,
+                                          layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                                          zero_centered_gamma=self.zero_centered_gamma, backend=self.norm_backend)
+            packed_layout, tensors = f"{fmt}_{pre}2hd", (q, kv)
         else:
             q, ln_q = LayerNormDenseGeneral(
                 features=(h, d), kernel_init=_scaled_init(base_init, 1, q_scale),
@@ -881,6 +898,17 @@ class MultiHeadAttention(nn.Module):
         y = DenseGeneral(features=hidden, axis=(-2, -1), kernel_init=base_init, kernel_axes=("heads", "kv", "embed"),
                          bias_axes=("embed",), name="out", **common)(out)
         return y, ln_out
+
+    def _fp8_norm_qkv(self, is_self):
+        """(recipe, reason) when the query and fused K/V projections run as one te_jax.fp8.norm_dense call (FP8 on,
+        a per-tensor recipe with the fused casts, self-attention, fuse_qkv_params, the input norm on, its output not
+        returned, no biases); None otherwise (then LayerNormDenseGeneral + DenseGeneral, each explaining itself)."""
+        if not (is_self and self.fuse_qkv_params and self.input_layernorm) or self.return_layernorm_output:
+            return None
+        recipe, why = _fp8_ac.resolve("LayerNormDenseGeneral", None, None)
+        if recipe is None or _fp8_state.norm_dense_unavailable(recipe, has_bias=self.use_bias, returns_ln=False):
+            return None
+        return recipe, why
 
     def _decode_plan(self, name, b, sq, padding):
         """This decode call's tokens against the cache: validity, per-row counts, RoPE positions, checks."""

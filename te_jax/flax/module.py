@@ -29,6 +29,8 @@ The mechanism is te_jax/flax/_sharding.py's run_per_shard, which the attention m
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -273,6 +275,10 @@ class LayerNormDenseGeneral(nn.Module):
     enable_fp8: bool | None = None  # FP8 GEMM: None follows te_jax.fp8.autocast; True/False force (te_jax/fp8)
     fp8_recipe: Any = None  # a te_jax.fp8 recipe overriding autocast's when FP8 is on
 
+    def _norm_kw(self):
+        return dict(layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                    zero_centered_gamma=self.zero_centered_gamma, backend=self.backend)
+
     @nn.compact
     def __call__(self, inputs):
         _check_layernorm_type("LayerNormDenseGeneral", self.layernorm_type)
@@ -294,9 +300,17 @@ class LayerNormDenseGeneral(nn.Module):
             if self.layernorm_input_axes is not None:
                 x = nn.with_logical_constraint(x, _check_input_axes("LayerNormDenseGeneral", x,
                                                                     self.layernorm_input_axes))
-            ln = _norm.norm(x, gamma, beta, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
-                            zero_centered_gamma=self.zero_centered_gamma, backend=self.backend)
-            y = _fp8.dense(self, ln, kernel, bias, (x.ndim - 1,), x.dtype, recipe, reason=why)
+            why_not = _fp8.norm_dense_unavailable(recipe, has_bias=bias is not None,
+                                                  returns_ln=self.return_layernorm_output)
+            if why_not is None:  # the norm inside x's cast (te_jax/fp8/norm_dense.py)
+                _fp8_ac.record(self, "kernel", recipe, f"{why}; {_fp8.NORM_DENSE_PATH}", k=d,
+                               n=math.prod(features), shape=f"x{tuple(x.shape)} . kernel{tuple(kernel.shape)}")
+                (y,) = _fp8.norm_dense(x, gamma, beta, (kernel,), (_fp8.meta_state(recipe),), recipe,
+                                       **self._norm_kw())
+                return y, None
+            ln = _norm.norm(x, gamma, beta, **self._norm_kw())
+            y = _fp8.dense(self, ln, kernel, bias, (x.ndim - 1,), x.dtype, recipe, reason=f"{why}; norm, then "
+                           f"the GEMM: {why_not}")
             return y, (ln if self.return_layernorm_output else None)
         _fp8_ac.record(self, "kernel", None, why)
 
@@ -317,6 +331,44 @@ class LayerNormDenseGeneral(nn.Module):
         if self.return_layernorm_output:
             return out
         return out, None
+
+
+class LayerNormDenseOperands(LayerNormDenseGeneral):
+    """LayerNormDenseGeneral's parameters and FP8 state, made under the same names and in the same order, without the
+    GEMM: for a parent that runs this GEMM together with others reading the same norm (MultiHeadAttention's query
+    and key/value projections under FP8, te_jax/fp8/norm_dense.py). __call__(inputs, recipe, reason) ->
+    (x constrained as LayerNormDenseGeneral would, gamma, beta or None, kernel [hidden, *features], FP8 state or None).
+    """
+
+    @nn.compact
+    def __call__(self, inputs, recipe, reason):
+        features = _check_features("LayerNormDenseGeneral", self.features)
+        d = inputs.shape[-1]
+        x = jnp.asarray(inputs, self.dtype)
+        kernel = param(self, "kernel", flat_init(self.kernel_init or default_kernel_init(), 1), (d,) + features,
+                       self.param_dtype, self.kernel_axes)
+        gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
+                                   self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
+        if self.layernorm_input_axes is not None:
+            x = nn.with_logical_constraint(x, _check_input_axes("LayerNormDenseGeneral", x, self.layernorm_input_axes))
+        _fp8_ac.record(self, "kernel", recipe, reason, k=d, n=math.prod(features),
+                       shape=f"x{tuple(x.shape)} . kernel{tuple(kernel.shape)}")
+        return x, gamma, beta, kernel, _fp8.meta_state(recipe)
+
+
+class DenseOperands(DenseGeneral):
+    """DenseGeneral's kernel and FP8 state (no bias), made under the same names, without the GEMM (see
+    LayerNormDenseOperands). __call__(in_dims, recipe, reason) -> (kernel [*in_dims, *features], FP8 state or None)."""
+
+    @nn.compact
+    def __call__(self, in_dims, recipe, reason):
+        features = _check_features("DenseGeneral", self.features)
+        in_dims = tuple(in_dims)
+        kernel = param(self, "kernel", flat_init(self.kernel_init or default_kernel_init(), len(in_dims)),
+                       in_dims + features, self.param_dtype, self.kernel_axes)
+        _fp8_ac.record(self, "kernel", recipe, reason, k=math.prod(in_dims), n=math.prod(features),
+                       shape=f"kernel{tuple(kernel.shape)}")
+        return kernel, _fp8.meta_state(recipe)
 
 
 class LayerNormMLP(nn.Module):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from te_jax import activations as _acts
@@ -30,8 +31,11 @@ from te_jax.fp8 import block_mlp as _block_mlp
 from te_jax.fp8 import context as _ac
 from te_jax.fp8 import mlp as _fp8_mlp
 from te_jax.fp8 import norm_cast as _norm_cast
+from te_jax.fp8 import norm_dense as _norm_dense
+from te_jax.fp8.fused import fused_cast_unavailable
+from te_jax.fp8.quantize import gemm_style
 from te_jax.fp8.quantize import STATE_KEYS, fp8_dot_general
-from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling
+from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 try:
     from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as FP8_COLLECTION
@@ -86,6 +90,33 @@ def _state(recipe, name):
     return None
 
 
+def meta_state(recipe, name="fp8_meta"):
+    """The calling module's FP8 state under `recipe` (an Fp8Meta submodule named `name`; None without state)."""
+    return _state(recipe, name)
+
+
+NORM_DENSE_PATH = "the norm fused into x's cast (te_jax.fp8.norm_dense: its output never stored)"
+
+
+def norm_dense_unavailable(recipe, *, has_bias: bool, returns_ln: bool) -> str | None:
+    """Why a norm -> FP8 GEMM(s) would NOT run as te_jax.fp8.norm_dense (None: it does)."""
+    if returns_ln:
+        return "the norm's output is returned (return_layernorm_output), so it is stored anyway"
+    if has_bias:
+        return "biases (use_bias=True)"
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        return f"{type(recipe).__name__} is not a per-tensor recipe"
+    return fused_cast_unavailable(recipe)
+
+
+def norm_dense(x, gamma, beta, kernels, states, recipe, *, layernorm_type, epsilon, zero_centered_gamma, backend):
+    """te_jax.fp8.norm_dense.norm_fp8_dense for modules: x [..., K] -> a tuple of x . kernel_i, the norm fused in."""
+    spec = _norm_cast.norm_spec(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
+                                zero_centered_gamma=zero_centered_gamma, backend=backend)
+    return _norm_dense.norm_fp8_dense(x, gamma, beta, kernels, states if isinstance(recipe, DelayedScaling) else None,
+                                      recipe, spec, gemm_style=gemm_style())
+
+
 def dense(module, x, kernel, bias, axis, dtype, recipe, *, meta_name="fp8_meta", gemm="kernel", reason="",
           input_scale=None):
     """FP8 version of te_jax.flax.module._dense: x [..., *in] . kernel [*in, *features] (+ bias, fp32 add).
@@ -107,7 +138,12 @@ def dense(module, x, kernel, bias, axis, dtype, recipe, *, meta_name="fp8_meta",
     dn = ((axis, tuple(range(n_in))), ((), ()))
     state = _state(recipe, meta_name)
     if state is not None and input_scale is not None:
-        state = {**state, "input_scale": jnp.asarray(input_scale, jnp.float32).reshape(1)}
+        # the value of the shared scale, the gradient of this state's own: the custom VJP hands this GEMM's next
+        # input scale out as the "gradient" of state["input_scale"], which must reach this module's variable (and
+        # not add to the other GEMM's)
+        own = state["input_scale"]
+        shared = jnp.asarray(input_scale, jnp.float32).reshape(1)
+        state = {**state, "input_scale": own + jax.lax.stop_gradient(shared - own)}
     y = fp8_dot_general(x, kernel.astype(dtype), dn, recipe, state)
     if bias is not None:
         y = (y.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
@@ -182,4 +218,4 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
 
 
 __all__ = ["FP8_COLLECTION", "Fp8Meta", "update_fp8_state", "split_fp8_state", "dense", "input_scale_of",
-           "layernorm_mlp"]
+           "layernorm_mlp", "meta_state", "norm_dense", "norm_dense_unavailable", "NORM_DENSE_PATH"]
