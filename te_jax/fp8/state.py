@@ -100,13 +100,16 @@ NORM_DENSE_PATH = "the norm fused into x's cast (te_jax.fp8.norm_dense: its outp
 
 def norm_dense_unavailable(recipe, *, has_bias: bool, returns_ln: bool) -> str | None:
     """Why a norm -> FP8 GEMM(s) would NOT run as te_jax.fp8.norm_dense (None: it does)."""
-    if returns_ln:
-        return "the norm's output is returned (return_layernorm_output), so it is stored anyway"
-    if has_bias:
-        return "biases (use_bias=True)"
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         return f"{type(recipe).__name__} is not a per-tensor recipe"
-    return fused_cast_unavailable(recipe)
+    why = fused_cast_unavailable(recipe)
+    if why is not None:
+        return why
+    if has_bias:
+        return "biases (use_bias=True)"
+    if returns_ln:
+        return "the norm's output is returned (return_layernorm_output), so it is stored anyway"
+    return None
 
 
 def norm_dense(x, gamma, beta, kernels, states, recipe, *, layernorm_type, epsilon, zero_centered_gamma, backend):
