@@ -250,6 +250,8 @@ class LayerNormDenseGeneral(nn.Module):
     (kernel_axes), `bias` [*features] (bias_axes).
     layernorm_input_axes: logical names of the input's axes; under a mesh with logical axis rules
       the op then runs per shard (see the module docstring). None: no constraint.
+    Under a per-tensor FP8 recipe with the fused casts (a GPU), no bias and return_layernorm_output=False, the norm
+    runs inside the kernel that casts its output to FP8 (te_jax/fp8/norm_dense.py); te_jax.fp8.explain says so.
     """
 
     features: int | Sequence[int]
