@@ -398,6 +398,25 @@ def test_gqa_query_and_kv_share_one_norm_cast(recipe, monkeypatch):
             assert _rel(a, b) < 2.0 ** -5, jax.tree_util.keystr(path)
 
 
+def test_norm_fp8_dense_bad_arguments_are_clear_errors():
+    from te_jax.fp8 import norm_cast, norm_dense
+
+    x, g = jnp.ones((2, 8, 32)), jnp.ones((32,))
+    spec = norm_cast.NormSpec("rmsnorm", 1e-6, False, "xla")
+    with pytest.raises(ValueError, match=r"kernels\[1\] has shape \(16, 4\); expected \[32, \*features\]"):
+        norm_dense.norm_fp8_dense(x, g, None, (jnp.ones((32, 4)), jnp.ones((16, 4))), None, Float8CurrentScaling(),
+                                  spec)
+    with pytest.raises(ValueError, match=r"gamma has shape \(16,\); expected \(32,\)"):
+        norm_dense.norm_fp8_dense(x, jnp.ones((16,)), None, (jnp.ones((32, 4)),), None, Float8CurrentScaling(), spec)
+    with pytest.raises(ValueError, match="one state per kernel"):
+        norm_dense.norm_fp8_dense(x, g, None, (jnp.ones((32, 4)),), None, DelayedScaling(), spec)
+    with pytest.raises(ValueError, match="not per-tensor"):
+        norm_dense.norm_fp8_dense(x, g, None, (jnp.ones((32, 4)),), None, Float8BlockScaling(), spec)
+    with pytest.raises(ValueError, match="layernorm_type"):
+        norm_cast.norm_spec(x, g, None, layernorm_type="batchnorm", epsilon=1e-6, zero_centered_gamma=False,
+                            backend="auto")
+
+
 def test_missing_state_is_a_clear_error():
     d = DenseGeneral(features=16)
     x = jnp.ones((2, 32))

@@ -119,6 +119,10 @@ def norm_fp8_dense(x, gamma, beta, kernels, states, recipe, norm, *, gemm_style=
                          "Float8CurrentScaling).")
     kernels = tuple(kernels)
     k = x.shape[-1]
+    for name, a in (("gamma", gamma), ("beta", beta)):
+        if (a is not None or name == "gamma") and (a is None or tuple(a.shape) != (k,)):
+            raise ValueError(f"norm_fp8_dense: {name} has shape {None if a is None else tuple(a.shape)}; expected "
+                             f"({k},) for x {tuple(x.shape)} (one per feature of the normalized axis).")
     for i, w in enumerate(kernels):
         if w.ndim < 2 or w.shape[0] != k:
             raise ValueError(f"norm_fp8_dense: kernels[{i}] has shape {tuple(w.shape)}; expected [{k}, *features] for "
