@@ -4,6 +4,11 @@
 
 For each style of te_jax.fp8.quantize.GEMM_STYLES: lower + compile time, the GEMM custom calls and fusions in the
 optimized HLO (is the scale folded into __cublas$lt$matmul$f8, or left as a separate pass?), and the median time.
+`--forms` adds candidate forms of the scaled FP8 GEMM that te_jax does not use (yet), by name:
+  bf16_scale    dot -> bf16, times the scale rounded to bf16 (exact when the scales are powers of two, as
+                TransformerEngine's power-of-2 scale option makes them): does XLA fold a bf16 multiply into
+                cuBLASLt's alpha, so that a weight gradient needs no pass for its scale?
+  f32_out       dot -> f32, times the scale, convert to bf16 (folds, with an f32 output and a convert pass)
 """
 from __future__ import annotations
 
@@ -15,9 +20,22 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+
 from te_jax.fp8.quantize import GEMM_STYLES, _scaled_gemm
 
 _TN = (((1,), (1,)), ((), ()))
+
+
+def _form(name):
+    """(x, w, sa, sb) -> bf16 [M, N] for a candidate form of the scaled FP8 GEMM (see the module docstring)."""
+    def dot(x, w, out):
+        return lax.dot_general(x, w, _TN, precision=lax.Precision.DEFAULT, preferred_element_type=out)
+    if name == "bf16_scale":
+        return lambda x, w, sa, sb: dot(x, w, jnp.bfloat16) * (sa * sb).astype(jnp.bfloat16)
+    if name == "f32_out":
+        return lambda x, w, sa, sb: (dot(x, w, jnp.float32) * (sa * sb)).astype(jnp.bfloat16)
+    raise SystemExit(f"--forms: unknown form {name!r} (bf16_scale, f32_out)")
 
 
 def main():
@@ -26,6 +44,7 @@ def main():
     p.add_argument("--n", type=int, default=28672)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--styles", default=",".join(GEMM_STYLES))
+    p.add_argument("--forms", default="", help="comma-separated candidate forms (module docstring)")
     a = p.parse_args()
     ka, kb = jax.random.split(jax.random.key(0))
     x = jax.random.normal(ka, (a.m, a.k), jnp.float32).astype(jnp.float8_e4m3fn)
@@ -33,8 +52,11 @@ def main():
     sa, sb = jnp.float32(0.5), jnp.float32(0.25)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; x [{a.m},{a.k}] . w [{a.n},{a.k}]^T -> bf16",
           flush=True)
-    for style in a.styles.split(","):
-        f = jax.jit(lambda x, w, sa, sb: _scaled_gemm(style, jnp.bfloat16, sa, sb)(x, w, _TN))
+    runs = [(s, lambda x, w, sa, sb, s=s: _scaled_gemm(s, jnp.bfloat16, sa, sb)(x, w, _TN))
+            for s in a.styles.split(",") if s]
+    runs += [(f"form {n}", _form(n)) for n in a.forms.split(",") if n]
+    for style, fn in runs:
+        f = jax.jit(fn)
         t0 = time.perf_counter()
         c = f.lower(x, w, sa, sb).compile()
         tc = time.perf_counter() - t0
