@@ -376,3 +376,32 @@ def test_nnx_decode_with_mutable_cache():
     full = te_nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(params=0))
     nnx.update(full, nnx.state(m, nnx.Param))
     assert_close(jnp.concatenate(outs, axis=1), nnx.jit(lambda mod, x: mod(x)[0])(full, x), TOL, "nnx decode")
+
+
+def test_fp8_fused_gqa_decode_with_padding_matches_full_forward(monkeypatch):
+    """FP8 DelayedScaling with the fused casts (the GPU path, here in interpret mode): GQA self-attention runs its
+    norm inside one cast for the query and K/V GEMMs (te_jax/fp8/norm_dense.py). A fixed scale quantizes each token
+    the same way in a decode step as in the full forward, so left-padded prompts decoded in chunks, then token by
+    token with a padding step, equal the full causal forward of each row's real tokens."""
+    from te_jax import fp8
+
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", "1")
+    m = mha(enable_rotary_pos_emb=True, num_gqa_groups=2, backend="xla", input_layernorm=True, dtype=jnp.float32)
+    b, window, n_steps, max_len = 3, 6, 3, 10
+    valid = stream_validity([6, 3, 1], window, n_steps, "left", step_padding=[(1, 1)])
+    x = rand(21, (b, window + n_steps, D))
+    with fp8.autocast(recipe=fp8.DelayedScaling(amax_history_len=4)):
+        v = init(m, rand(7, (b, max_len, D)), decode=True)
+        shapes = jax.eval_shape(lambda a: m.init({"params": jax.random.key(0)}, a, decode=True),
+                                rand(7, (b, max_len, D)))[fp8.FP8_COLLECTION]
+        # scales away from 1 (so a wrong one would show), empty histories
+        state = jax.tree_util.tree_map_with_path(
+            lambda p, a: jnp.full(a.shape, 8.0 if "scale" in jax.tree_util.keystr(p) else 0.0, a.dtype), shapes)
+        params = {"params": v["params"], fp8.FP8_COLLECTION: state}
+        info = fp8.explain(lambda: m.apply({**params, "cache": v["cache"]}, x[:, :3], decode=True,
+                                           mutable=["cache"]))
+        assert [i.module for i in info if "shared by query and kv" in i.reason] == ["query", "kv"], info
+        chunks = [(0, 3), (3, 6)] + [(t, t + 1) for t in range(window, window + n_steps)]
+        y, cache = decode_stream(m, params, v["cache"], x, valid, chunks, "mask")
+        check_rows_against_full(m, params, x, valid, y, what="fp8 fused gqa decode")
+    np.testing.assert_array_equal(cache["cache_index"], valid.sum(1))

@@ -354,6 +354,9 @@ def test_gqa_kv_projection_casts_with_the_query_input_scale():
         y = np.asarray(apply(v))
         np.testing.assert_array_equal(np.asarray(apply(with_scale("kv", 3.0))), y)   # kv's own scale: unused
         assert not np.array_equal(np.asarray(apply(with_scale("query", 3.0))), y)   # the query's: used by both
+    d = DenseGeneral(features=8)
+    with fp8.autocast(recipe=recipe), pytest.raises(ValueError, match=r"fp8_input_scale has shape \(2,\)"):
+        d.init(jax.random.PRNGKey(0), x, fp8_input_scale=jnp.ones((2,)))
     new = grads[fp8.FP8_COLLECTION]["attention"]
     for k in ("input_amax_history", "input_scale"):  # each module gets its own next state, none twice
         np.testing.assert_array_equal(new["kv"]["fp8_meta"][k], new["query"]["fp8_meta"][k])

@@ -789,11 +789,11 @@ class MultiHeadAttention(nn.Module):
                 kernel_axes=("embed", "qkv", "heads", "kv"), bias_axes=("qkv", "heads", "kv"),
                 return_layernorm_output=self.return_layernorm_output, name="qkv", **ln_args, **common)(inputs_q)
             packed_layout, tensors = f"{pre}3hd", (qkv,)
-        elif self._fp8_norm_qkv(is_self) is not None:
+        elif (fp8_plan := self._fp8_norm_qkv(is_self)) is not None:
             # FP8, GQA self-attention: one norm inside one cast of x feeds the query and the K/V GEMMs
             # (te_jax/fp8/norm_dense.py); the parameters and FP8 states keep LayerNormDenseGeneral's and
             # DenseGeneral's names ("query/...", "kv/...")
-            recipe, why = self._fp8_norm_qkv(is_self)
+            recipe, why = fp8_plan
             why = f"{why}; {_fp8_state.NORM_DENSE_PATH}, shared by query and kv"
             q_kw = dict(features=(h, d), kernel_init=_scaled_init(base_init, 1, q_scale),
                         kernel_axes=("embed", "heads", "kv"), name="query", **ln_args, **common)

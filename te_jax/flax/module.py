@@ -177,6 +177,19 @@ def _dense_maybe_fp8(module, x, kernel, bias, axis, dtype, fp8_input_scale=None)
     return _fp8.dense(module, x, kernel, bias, axis, dtype, recipe, reason=why, input_scale=fp8_input_scale)
 
 
+def _kernel_param(module, in_dims: tuple, features: tuple):
+    """`kernel` [*in_dims, *features] of a Dense-like module (its kernel_init over the flattened matrix)."""
+    init = flat_init(module.kernel_init or default_kernel_init(), len(in_dims))
+    return param(module, "kernel", init, in_dims + features, module.param_dtype, module.kernel_axes)
+
+
+def _bias_param(module, features: tuple):
+    """`bias` [*features] when module.use_bias, else None."""
+    if not module.use_bias:
+        return None
+    return param(module, "bias", module.bias_init, features, module.param_dtype, module.bias_axes)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -235,9 +248,7 @@ class DenseGeneral(nn.Module):
         features = _check_features("DenseGeneral", self.features)
         axis = _normalize_axes("DenseGeneral", self.axis, inputs.ndim)
         in_dims = tuple(inputs.shape[a] for a in axis)
-        init = flat_init(self.kernel_init or default_kernel_init(), len(in_dims))
-        kernel = param(self, "kernel", init, in_dims + features, self.param_dtype, self.kernel_axes)
-        bias = param(self, "bias", self.bias_init, features, self.param_dtype, self.bias_axes) if self.use_bias else None
+        kernel, bias = _kernel_param(self, in_dims, features), _bias_param(self, features)
         return _dense_maybe_fp8(self, inputs, kernel, bias, axis, self.dtype, fp8_input_scale)
 
 
@@ -281,6 +292,17 @@ class LayerNormDenseGeneral(nn.Module):
         return dict(layernorm_type=self.layernorm_type, epsilon=self.epsilon,
                     zero_centered_gamma=self.zero_centered_gamma, backend=self.backend)
 
+    def _gamma_beta(self, d):
+        """The norm's `scale` [d] (and `ln_bias` [d] for layernorm, else None)."""
+        return _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
+                            self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
+
+    def _constrained(self, x):
+        """x with layernorm_input_axes as its logical sharding constraint (unchanged when None)."""
+        if self.layernorm_input_axes is None:
+            return x
+        return nn.with_logical_constraint(x, _check_input_axes("LayerNormDenseGeneral", x, self.layernorm_input_axes))
+
     @nn.compact
     def __call__(self, inputs):
         _check_layernorm_type("LayerNormDenseGeneral", self.layernorm_type)
@@ -289,19 +311,14 @@ class LayerNormDenseGeneral(nn.Module):
         features = _check_features("LayerNormDenseGeneral", self.features)
         d = inputs.shape[-1]
         x = jnp.asarray(inputs, self.dtype)
-        kernel = param(self, "kernel", flat_init(self.kernel_init or default_kernel_init(), 1), (d,) + features,
-                       self.param_dtype, self.kernel_axes)
-        bias = param(self, "bias", self.bias_init, features, self.param_dtype, self.bias_axes) if self.use_bias else None
+        kernel, bias = _kernel_param(self, (d,), features), _bias_param(self, features)
         if not self.enable_layernorm:
             y = _dense_maybe_fp8(self, x, kernel, bias, (x.ndim - 1,), self.dtype)
             return y, (x if self.return_layernorm_output else None)
-        gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
-                                   self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
+        gamma, beta = self._gamma_beta(d)
         recipe, why = _fp8_ac.resolve("LayerNormDenseGeneral", self.enable_fp8, self.fp8_recipe)
         if recipe is not None:  # norm, then the FP8 GEMM (no per-shard run: XLA partitions it, amax global)
-            if self.layernorm_input_axes is not None:
-                x = nn.with_logical_constraint(x, _check_input_axes("LayerNormDenseGeneral", x,
-                                                                    self.layernorm_input_axes))
+            x = self._constrained(x)
             why_not = _fp8.norm_dense_unavailable(recipe, has_bias=bias is not None,
                                                   returns_ln=self.return_layernorm_output)
             if why_not is None:  # the norm inside x's cast (te_jax/fp8/norm_dense.py)
@@ -346,13 +363,9 @@ class LayerNormDenseOperands(LayerNormDenseGeneral):
     def __call__(self, inputs, recipe, reason):
         features = _check_features("LayerNormDenseGeneral", self.features)
         d = inputs.shape[-1]
-        x = jnp.asarray(inputs, self.dtype)
-        kernel = param(self, "kernel", flat_init(self.kernel_init or default_kernel_init(), 1), (d,) + features,
-                       self.param_dtype, self.kernel_axes)
-        gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
-                                   self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
-        if self.layernorm_input_axes is not None:
-            x = nn.with_logical_constraint(x, _check_input_axes("LayerNormDenseGeneral", x, self.layernorm_input_axes))
+        kernel = _kernel_param(self, (d,), features)  # the order of LayerNormDenseGeneral's (its bias is off here)
+        gamma, beta = self._gamma_beta(d)
+        x = self._constrained(jnp.asarray(inputs, self.dtype))
         _fp8_ac.record(self, "kernel", recipe, reason, k=d, n=math.prod(features),
                        shape=f"x{tuple(x.shape)} . kernel{tuple(kernel.shape)}")
         return x, gamma, beta, kernel, _fp8.meta_state(recipe)
@@ -366,8 +379,7 @@ class DenseOperands(DenseGeneral):
     def __call__(self, in_dims, recipe, reason):
         features = _check_features("DenseGeneral", self.features)
         in_dims = tuple(in_dims)
-        kernel = param(self, "kernel", flat_init(self.kernel_init or default_kernel_init(), len(in_dims)),
-                       in_dims + features, self.param_dtype, self.kernel_axes)
+        kernel = _kernel_param(self, in_dims, features)
         _fp8_ac.record(self, "kernel", recipe, reason, k=math.prod(in_dims), n=math.prod(features),
                        shape=f"kernel{tuple(kernel.shape)}")
         return kernel, _fp8.meta_state(recipe)

@@ -190,7 +190,6 @@ def _mlp_bwd(cfg, res, dy):
     if norm_res is not None:  # dx above is the norm output's cotangent
         x, gamma, beta, st = norm_res
         dx, dgamma, dbeta = _nc.backward(dx, x, gamma, beta, st, cfg.norm, cfg.interpret)
-        dbeta = None if beta is None else (jnp.zeros_like(beta) if dbeta is None else dbeta)
     return dx, dgamma, dbeta, dw1, dw2.astype(cfg.w2_dtype), wi_ct, wo_ct
 
 

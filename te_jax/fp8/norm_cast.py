@@ -72,9 +72,12 @@ def cast(x, gamma, beta, st, scale, spec, out_dtype, **kernel_options):
 
 
 def backward(dln, x, gamma, beta, st, spec, interpret=None):
-    """(dx [M, D] x's dtype, dgamma gamma's dtype, dbeta beta's dtype or None) for the output cotangent dln."""
+    """(dx [M, D] x's dtype, dgamma gamma's dtype, dbeta beta's dtype or None) for the output cotangent dln.
+    dbeta is None exactly when beta is None (an RMSNorm given a beta gets zeros: it does not use it)."""
+    if _rms(spec) and beta is not None:
+        dx, dg, _ = backward(dln, x, gamma, None, st, spec, interpret)
+        return dx, dg, jnp.zeros_like(beta)
     rms = _rms(spec)
-    beta = None if rms else beta
     dln = dln.astype(x.dtype)
     if spec.backend == "pallas":
         dx, dg, db = _pallas_norm.norm_bwd(dln, x, gamma, st[0], st[1], rms=rms, has_beta=beta is not None,

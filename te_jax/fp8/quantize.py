@@ -53,6 +53,7 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -64,6 +65,7 @@ from jax import lax
 from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
 from pallas_kernels.fp8_gemm import quantize_blocks
 from te_jax.backends import policy
+from te_jax.fp8 import norm_cast as _nc
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
 from te_jax.fp8.fused import fused_cast_unavailable, launch_options
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
@@ -372,55 +374,79 @@ def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret, transposed
     return q, qt, am, s
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _dense_tn_dot(x, w, state, n_contract, recipe, cfg):
-    return _dense_tn_fwd(x, w, state, n_contract, recipe, cfg)[0]
+@dataclasses.dataclass(frozen=True)
+class _TNCfg:
+    recipe: object
+    norm: object  # a te_jax.fp8.norm_cast.NormSpec (x is the norm's input; gamma / beta given) or None
+    out_dtype: object
+    style: str
+    interpret: bool | None
+    x_dtype: object  # dx's dtype
 
 
-def _dense_tn_fwd(x, w, state, n_contract, recipe, cfg):
-    """cfg = (x dtype, w dtype, output dtype, x shape, w shape, interpret, GEMM style)."""
-    fmt = recipe.fp8_format
-    k = math.prod(x.shape[x.ndim - n_contract:])
-    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
-    st = state or {}
-    xq, xtq, ax, sx = _scale_then_cast(recipe, x2, st.get("input_scale"), fmt.max_fwd, fmt.fwd_dtype, cfg[5])
-    # the forward needs w's transposed copy only; the backward re-casts w itself
-    _, wtq, aw, sw = _scale_then_cast(recipe, w2, st.get("kernel_scale"), fmt.max_fwd, fmt.fwd_dtype, cfg[5],
-                                      transposed_only=True)
-    if isinstance(recipe, DelayedScaling):
-        nx, hx = delayed_update(state["input_amax_history"], sx, ax, fmt.max_fwd, recipe.margin,
-                                recipe.amax_compute_algo)
-        nw, hw = delayed_update(state["kernel_amax_history"], sw, aw, fmt.max_fwd, recipe.margin,
-                                recipe.amax_compute_algo)
-        fwd_state = (nx.reshape(1), hx, nw.reshape(1), hw)
-        g_state = (state["output_grad_scale"], state["output_grad_amax_history"])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _tn_dense(x2, gamma, beta, kernels, states, cfg):
+    """(x2 [M, K] (normalized first when cfg.norm) . kernels[i] [K, N_i] for each i): FP8 GEMMs from ONE cast of x2.
+    states: one DelayedScaling state per kernel, or None. The first state's input scale casts x2 for every GEMM (the
+    others' input histories still record its amax); each GEMM keeps its own kernel and output-gradient scales."""
+    return _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg)[0]
+
+
+def _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg):
+    recipe, fmt = cfg.recipe, cfg.recipe.fp8_format
+    delayed = isinstance(recipe, DelayedScaling)
+    st = None if cfg.norm is None else _nc.stats(x2, gamma, beta, cfg.norm)
+    if cfg.norm is None:
+        xq, xtq, ax, sx = _scale_then_cast(recipe, x2, states[0]["input_scale"] if delayed else None, fmt.max_fwd,
+                                           fmt.fwd_dtype, cfg.interpret)
     else:
-        fwd_state = g_state = None
-    sxi, swi = 1.0 / sx, 1.0 / sw
-    y = _tn_gemm(xq, wtq, cfg[2], sxi, swi, cfg[6])
-    # w's FP8 copy is re-cast in the backward rather than kept (no FP8 weight copy held through the step)
-    return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:]), (xtq, sxi, w2, sw, fwd_state, g_state)
+        sx = (_read_scale(states[0]["input_scale"]) if delayed else
+              compute_scale(amax(_nc.output(x2, gamma, beta, st, cfg.norm)), 1.0, fmt.max_fwd))
+        xq, xtq, ax = _nc.cast(x2, gamma, beta, st, sx, cfg.norm, fmt.fwd_dtype, interpret=cfg.interpret,
+                               **launch_options("cast", cfg.interpret))
+    ys, sws, new_fwd = [], [], []
+    for i, w2 in enumerate(kernels):
+        # the forward needs w's transposed copy only; the backward re-casts w itself (no FP8 weight copy is held)
+        _, wtq, aw, sw = _scale_then_cast(recipe, w2, states[i]["kernel_scale"] if delayed else None, fmt.max_fwd,
+                                          fmt.fwd_dtype, cfg.interpret, transposed_only=True)
+        ys.append(_tn_gemm(xq, wtq, cfg.out_dtype, 1.0 / sx, 1.0 / sw, cfg.style))
+        sws.append(sw)
+        if delayed:
+            s = states[i]
+            nx, hx = delayed_update(s["input_amax_history"], _read_scale(s["input_scale"]), ax, fmt.max_fwd,
+                                    recipe.margin, recipe.amax_compute_algo)
+            nw, hw = delayed_update(s["kernel_amax_history"], sw, aw, fmt.max_fwd, recipe.margin,
+                                    recipe.amax_compute_algo)
+            new_fwd.append((nx.reshape(1), hx, nw.reshape(1), hw, s["output_grad_scale"],
+                            s["output_grad_amax_history"]))
+    norm_res = None if cfg.norm is None else (x2, gamma, beta, st)
+    return tuple(ys), (xtq, 1.0 / sx, tuple(kernels), tuple(sws), tuple(new_fwd) if delayed else None, norm_res)
 
 
-def _dense_tn_bwd(n_contract, recipe, cfg, res, g):
-    xtq, sxi, w2, sw, fwd_state, g_state = res
-    fmt = recipe.fp8_format
-    wq, swi = quantize(w2, sw, fmt.fwd_dtype), 1.0 / sw  # the values of the forward cast_transposed's w^T
-    g2 = g.reshape(xtq.shape[1], wq.shape[1])
-    gq, gtq, ag, sg = _scale_then_cast(recipe, g2, None if g_state is None else g_state[0], fmt.max_bwd,
-                                       fmt.bwd_dtype, cfg[5])
-    if isinstance(recipe, DelayedScaling):
-        ng, hg = delayed_update(g_state[1], sg, ag, fmt.max_bwd, recipe.margin, recipe.amax_compute_algo)
-        state_ct = dict(zip(STATE_KEYS, fwd_state + (ng.reshape(1), hg)))
-    else:
-        state_ct = None
-    sgi = 1.0 / sg
-    dx = _tn_gemm(gq, wq, cfg[0], sgi, swi, cfg[6])
-    dw = _tn_gemm(xtq, gtq, cfg[1], sxi, sgi, wgrad_style(cfg[6]))
-    return dx.reshape(cfg[3]), dw.reshape(cfg[4]), state_ct
+def _tn_dense_bwd(cfg, res, gs):
+    xtq, sxi, kernels, sws, new_fwd, norm_res = res
+    recipe, fmt = cfg.recipe, cfg.recipe.fp8_format
+    x_dtype = cfg.x_dtype
+    dx, dws, state_cts = None, [], []
+    for i, (w2, sw, g) in enumerate(zip(kernels, sws, gs)):
+        wq = quantize(w2, sw, fmt.fwd_dtype)  # the values of the forward cast_transposed's w^T
+        g2 = g.reshape(xtq.shape[1], w2.shape[1])
+        gq, gtq, ag, sg = _scale_then_cast(recipe, g2, None if new_fwd is None else new_fwd[i][4], fmt.max_bwd,
+                                           fmt.bwd_dtype, cfg.interpret)
+        d = _tn_gemm(gq, wq, x_dtype, 1.0 / sg, 1.0 / sw, cfg.style)             # dgrad
+        dx = d if dx is None else dx + d                                          # summed as autodiff would
+        dws.append(_tn_gemm(xtq, gtq, w2.dtype, sxi, 1.0 / sg, wgrad_style(cfg.style)))  # wgrad
+        if new_fwd is not None:
+            ng, hg = delayed_update(new_fwd[i][5], sg, ag, fmt.max_bwd, recipe.margin, recipe.amax_compute_algo)
+            state_cts.append(dict(zip(STATE_KEYS, new_fwd[i][:4] + (ng.reshape(1), hg))))
+    dgamma = dbeta = None
+    if norm_res is not None:  # dx is the norm output's cotangent: through the norm's backward
+        x2, gamma, beta, st = norm_res
+        dx, dgamma, dbeta = _nc.backward(dx, x2, gamma, beta, st, cfg.norm, cfg.interpret)
+    return dx, dgamma, dbeta, tuple(dws), (tuple(state_cts) if new_fwd is not None else None)
 
 
-_dense_tn_dot.defvjp(_dense_tn_fwd, _dense_tn_bwd)
+_tn_dense.defvjp(_tn_dense_fwd, _tn_dense_bwd)
 
 
 # --- public entry point ----------------------------------------------------------------------------
@@ -468,9 +494,12 @@ def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_el
     style = gemm_style_override or gemm_style()
     if style not in GEMM_STYLES:
         raise ValueError(f"fp8_dot_general: gemm_style_override={style!r} must be one of {GEMM_STYLES}.")
-    if _dense_split(dn, x.ndim, w.ndim) is not None and fused_cast_unavailable(recipe) is None:
-        return _dense_tn_dot(x, w, state, _dense_split(dn, x.ndim, w.ndim), recipe,
-                             dtypes + (tuple(x.shape), tuple(w.shape), None, style))
+    n_contract = _dense_split(dn, x.ndim, w.ndim)
+    if n_contract is not None and fused_cast_unavailable(recipe) is None:  # every GEMM TN, the fused casts
+        k = math.prod(x.shape[x.ndim - n_contract:])
+        cfg = _TNCfg(recipe, None, out_dtype, style, None, jnp.dtype(x.dtype))
+        (y,) = _tn_dense(x.reshape(-1, k), None, None, (w.reshape(k, -1),), None if state is None else (state,), cfg)
+        return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:])
     return _per_tensor_dot(x, w, state, dn, recipe, dtypes, style)
 
 

@@ -33,8 +33,7 @@ from te_jax.fp8 import mlp as _fp8_mlp
 from te_jax.fp8 import norm_cast as _norm_cast
 from te_jax.fp8 import norm_dense as _norm_dense
 from te_jax.fp8.fused import fused_cast_unavailable
-from te_jax.fp8.quantize import gemm_style
-from te_jax.fp8.quantize import STATE_KEYS, fp8_dot_general
+from te_jax.fp8.quantize import STATE_KEYS, fp8_dot_general, gemm_style
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 try:
@@ -84,15 +83,11 @@ def split_fp8_state(variables):
     return rest, dict(variables).get(FP8_COLLECTION, {})
 
 
-def _state(recipe, name):
+def meta_state(recipe, name="fp8_meta"):
+    """The calling module's FP8 state under `recipe` (an Fp8Meta submodule named `name`; None without state)."""
     if isinstance(recipe, DelayedScaling):
         return Fp8Meta(amax_history_len=recipe.amax_history_len, name=name)()
     return None
-
-
-def meta_state(recipe, name="fp8_meta"):
-    """The calling module's FP8 state under `recipe` (an Fp8Meta submodule named `name`; None without state)."""
-    return _state(recipe, name)
 
 
 NORM_DENSE_PATH = "the norm fused into x's cast (te_jax.fp8.norm_dense: its output never stored)"
@@ -139,11 +134,15 @@ def dense(module, x, kernel, bias, axis, dtype, recipe, *, meta_name="fp8_meta",
     _ac.record(module, gemm, recipe, reason, k=k, n=kernel.size // max(k, 1),
                shape=f"x{tuple(x.shape)} . {gemm}{tuple(kernel.shape)}")
     dn = ((axis, tuple(range(n_in))), ((), ()))
-    state = _state(recipe, meta_name)
+    state = meta_state(recipe, meta_name)
     if state is not None and input_scale is not None:
         # the value of the shared scale, the gradient of this state's own: the custom VJP hands this GEMM's next
         # input scale out as the "gradient" of state["input_scale"], which must reach this module's variable (and
         # not add to the other GEMM's)
+        if jnp.size(input_scale) != 1:
+            raise ValueError(f"{'/'.join(module.path) or type(module).__name__}: fp8_input_scale has shape "
+                             f"{tuple(jnp.shape(input_scale))}; expected a scalar or shape (1,) (another GEMM's "
+                             "DelayedScaling input_scale).")
         own = state["input_scale"]
         shared = jnp.asarray(input_scale, jnp.float32).reshape(1)
         state = {**state, "input_scale": own + jax.lax.stop_gradient(shared - own)}
@@ -202,7 +201,7 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
                    shape=f"x{tuple(ln.shape)} . wi_kernel{tuple(w1.shape)}")
         _ac.record(module, "wo_kernel", recipe, f"{reason}; {path}", k=f, n=w2.shape[-1],
                    shape=f"x{tuple(ln.shape[:-1]) + (f,)} . wo_kernel{tuple(w2.shape)}")
-        states = (_state(recipe, "wi_fp8_meta"), _state(recipe, "wo_fp8_meta"))
+        states = (meta_state(recipe, "wi_fp8_meta"), meta_state(recipe, "wo_fp8_meta"))
         if enable_layernorm:  # x's cast applies the norm itself (te_jax/fp8/norm_cast.py); `ln` is only returned
             spec = _norm_cast.norm_spec(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
                                         zero_centered_gamma=zero_centered_gamma, backend=backend)
