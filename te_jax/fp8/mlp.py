@@ -44,7 +44,7 @@ from jax import lax
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import KERNEL_OPTIONS, fused_cast_unavailable, launch_options
+from te_jax.fp8.fused import fused_cast_unavailable, launch_options
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -236,4 +236,4 @@ def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activation
     return y.reshape(x.shape[:-1] + (w2.shape[1],))
 
 
-__all__ = ["fused_fp8_mlp", "fused_mlp_unavailable", "KERNEL_OPTIONS"]
+__all__ = ["fused_fp8_mlp", "fused_mlp_unavailable"]
