@@ -7,6 +7,8 @@ Rows (bf16, hd128, 16 heads unless said): see ROWS. Implementations, where each 
   te_jax          te_jax.dot_product_attention(backend="auto"): what users get (the kernel it takes is printed)
   te_jax_pallas   the same with backend="pallas" (the Hopper kernel where it serves; only when auto takes another)
   te_jax_portable backend="pallas" with the portable kernel's BlockSizes (what served these rows before)
+  te_jax_persistent / te_jax_grid (--persistent, data-mask rows) the Hopper data-mask forward on the persistent
+                  grid / one CTA per query tile (HopperConfig.fwd_persistent_masked True / False)
   cudnn           jax.nn.dot_product_attention(implementation="cudnn") (seq lengths, windows; no segments)
   tokamax         tokamax.dot_product_attention(implementation="mosaic")
   fa3             flash_attn3_jax.flash_mha / flash_mha_varlen (causal is bottom-right when lengths differ)
@@ -124,13 +126,19 @@ def _te_kwargs(row: Row):
     return kw
 
 
-def makers(row: Row, scale, tk, fa3):
+def makers(row: Row, scale, tk, fa3, persistent=False):
     from pallas_kernels.flash_attention import BlockSizes
+    from pallas_kernels.flash_attention_hopper.config import default_config
 
     kw = _te_kwargs(row)
     out = {}
-    for name, extra in (("te_jax", dict(backend="auto")), ("te_jax_pallas", dict(backend="pallas")),
-                        ("te_jax_portable", dict(backend="pallas", config=BlockSizes()))):
+    variants = [("te_jax", dict(backend="auto")), ("te_jax_pallas", dict(backend="pallas")),
+                ("te_jax_portable", dict(backend="pallas", config=BlockSizes()))]
+    if persistent:
+        hopper = default_config(D, -(-row.kv // 128) * 128, row.causal, -(-row.Sq // 128) * 128)
+        variants += [(f"te_jax_{n}", dict(backend="pallas", config=dataclasses.replace(
+            hopper, fwd_persistent_masked=on))) for n, on in (("persistent", True), ("grid", False))]
+    for name, extra in variants:
         out[name] = (lambda extra: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
             q, k, v, scale=scale, **kw, **extra)))(extra)
     docs = row.docs is not None
@@ -202,6 +210,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--persistent", action="store_true",
+                    help="add te_jax_persistent and te_jax_grid (the data-mask forward's two schedules) on data-mask rows")
     args = ap.parse_args()
     tk, fa3 = import_peers()
     if fa3 is not None:
@@ -216,7 +226,9 @@ def main():
         q, k, v, do = inputs(row, jax.random.key(hash(name) % 1000))
         choice = te_jax.explain_attention_backend(q, k, v, **_te_kwargs(row))
         print(f"\n== {name}: {row}\nte_jax auto: {choice.selected}; {choice.detail}", flush=True)
-        impls = ready_impls({n: m for n, m in makers(row, scale, tk, fa3).items()
+        data_mask = "data-mask schedule" in choice.detail
+        impls = ready_impls({n: m for n, m in makers(row, scale, tk, fa3,
+                                                     persistent=args.persistent and data_mask).items()
                              if not (n == "te_jax_pallas" and choice.selected == "pallas")}, q, k, v, do)
         ref, s0 = reference_rows(row, q, k, v, scale)
         for iname in impls:
@@ -226,14 +238,14 @@ def main():
                   flush=True)
         if "te_jax_portable" in impls:
             gp = impls["te_jax_portable"][1](q, k, v, do)
-            for iname in ("te_jax", "te_jax_pallas"):
+            for iname in ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid"):
                 if iname in impls:
                     g = impls[iname][1](q, k, v, do)
                     print(f"  {iname} grads vs portable kernel: rel " +
                           ", ".join(f"d{n} {ahg.rel(a, b):.2e}" for n, a, b in zip("qkv", g, gp)), flush=True)
         flops = 4 * row.H * D * visible_pairs(row)
         tf = tflops_rounds(impls, q, k, v, do, flops, args.rounds)
-        table += peer_rows(row.label, impls, tf, ("te_jax", "te_jax_pallas"))
+        table += peer_rows(row.label, impls, tf, ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid"))
     print_table(f"Hopper masks: TFLOP/s on the visible area ({args.rounds} interleaved rounds, medians), "
                 f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table)
 

@@ -721,6 +721,55 @@ def test_data_mask_forward_and_grads(name):
 
 @pytest.mark.slow
 @needs_kernel
+@pytest.mark.parametrize("name", MASKED_CASES)
+def test_persistent_masked_forward(name):
+    """The persistent data-mask forward (HopperConfig.fwd_persistent_masked; 3 CTAs, so each walks several query
+    tiles in snake order, the K/V ring and the Q double buffer running on across them) against the fp32 reference:
+    out and lse, rows that see nothing 0 / -inf; its gradients (the data-mask backward from its out and lse)."""
+    from pallas_kernels.flash_attention.reference import reference_attention
+    from pallas_kernels.flash_attention_hopper.config import default_config, persistent_masked_chosen
+
+    interpret = _mode()
+    B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
+    ks = jax.random.split(jax.random.key(len(name) + 1), 4)
+    q = jax.random.normal(ks[0], (B, Sq, H, D), BF)
+    k = jax.random.normal(ks[1], (B, Skv, G, D), BF)
+    v = jax.random.normal(ks[2], (B, Skv, G, D), BF)
+    do = jax.random.normal(ks[3], (B, Sq, H, D), BF)
+    pq, pkv = -(-Sq // 128) * 128, -(-Skv // 128) * 128
+    cfg = dataclasses.replace(default_config(D, pkv, False, pq), fwd_persistent_masked=True, fwd_ctas=3)
+    if not persistent_masked_chosen(cfg, D, D, BF):
+        pytest.skip(f"head_dim {D}: the persistent data-mask forward's shared memory does not fit")
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, mask=mask, interpret=interpret, softcap=softcap,
+                                         config=cfg)
+    (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = lambda q, k, v: reference_attention(q, k, v, mask, scale=D ** -0.5, softcap=softcap)
+    (rout, rlse), rvjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+    seen = np.asarray(mask.dense().any(-1))
+    assert _rel(out, rout) < 1e-2, _rel(out, rout)
+    lse, rlse = np.asarray(lse), np.asarray(rlse)
+    rows = np.broadcast_to(seen[:, None, :], lse.shape)
+    assert np.all(lse[~rows] == -np.inf) and _rel(lse[rows], rlse[rows]) < 1e-4
+    assert np.all(np.asarray(out, np.float32)[~seen] == 0)
+    dl = jnp.zeros_like(rlse)
+    for g, rg in zip(jax.jit(vjp)((do, dl)), rvjp((f32(do), dl))):
+        assert g.shape == rg.shape and _rel(g, rg) < 2e-2, _rel(g, rg)
+
+
+def test_snake_deal_gives_every_tile_once():
+    """snake_tile / tiles_of_cta (the persistent data-mask forward's deal, pure int arithmetic): every query tile
+    goes to exactly one CTA, whatever the tile and CTA counts."""
+    from pallas_kernels.flash_attention_hopper.forward_masked_persistent import snake_tile, tiles_of_cta
+
+    for n_tiles, n_ctas in [(10, 3), (12, 3), (7, 7), (5, 132), (2048, 132), (265, 132)]:
+        n_ctas = min(n_ctas, n_tiles)
+        got = [int(snake_tile(c, i, n_ctas)) for c in range(n_ctas) for i in range(int(tiles_of_cta(c, n_tiles, n_ctas)))]
+        assert sorted(got) == list(range(n_tiles)), (n_tiles, n_ctas)
+
+
+@pytest.mark.slow
+@needs_kernel
 @pytest.mark.parametrize("name", ["documents_causal", "padding", "window_causal_hd64"])
 def test_data_mask_split_head_dims(name):
     """A data mask with q/k head_dim 192 and v head_dim 128 (DeepSeek-V3's geometry with packed documents, padding,

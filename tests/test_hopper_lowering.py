@@ -103,6 +103,14 @@ def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, ptx):
     assert _attention_fwd_bwd(mask.q_len, D, Dv, Skv=mask.kv_len, mask=mask, **ptx) > 0
 
 
+@pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
+@pytest.mark.parametrize("D", [128, 64])
+def test_hopper_persistent_data_mask_forward_lowers_for_cuda(D, ptx):
+    """The persistent data-mask forward (3 CTAs walking several query tiles each; an empty padding tile)."""
+    mask = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=768), causal=True)
+    assert _attention_fwd_bwd(mask.q_len, D, D, mask=mask, fwd_persistent_masked=True, fwd_ctas=3, **ptx) > 0
+
+
 @pytest.mark.parametrize("b_uniform,overlap,block_n", [(True, True, 128), (False, False, 128), (False, False, 256)])
 def test_fp8_block_gemm_lowers_for_cuda(b_uniform, overlap, block_n):
     from pallas_kernels.fp8_gemm import block_scaled_gemm

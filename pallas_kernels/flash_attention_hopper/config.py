@@ -75,6 +75,10 @@ class HopperConfig:
     # Its last tiles dealt one by one to the least-loaded CTA (longest first; CausalDeal) so the CTAs end together;
     # False: whole pairs round-robin to the end (the last round of pairs may leave SMs idle).  None (auto): on.
     fwd_causal_lpt: bool | None = None
+    # Forward under a data mask on a persistent grid (forward_masked_persistent: one CTA per SM walking query tiles
+    # dealt round by round in snake order; K/V, the next Q and the next block counts load during the current tile).
+    # False: one CTA per query tile (forward_masked).  None (auto): MASKED_PERSISTENT_AUTO where it fits.
+    fwd_persistent_masked: bool | None = None
     # The persistent forward's last round shared out by K/V steps instead of whole tiles (stream-K, see
     # TailSplit): when the query tiles are no multiple of the CTAs, the last round leaves SMs idle (2048 tiles on
     # 132 SMs: 16 rounds for 15.5 rounds of work).  Tiles cut between two CTAs are merged by their lse after the
@@ -119,6 +123,7 @@ class HopperConfig:
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
+                     "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
             if not isinstance(getattr(self, name), (bool, type(None))):
@@ -222,6 +227,27 @@ def persistent_chosen(cfg: HopperConfig, kv_len: int, head_dim: int, dtype) -> b
     sometimes is not ruled out and the guard stays (gpu_tests_h100.md)."""
     return (cfg.fwd_persistent is not False and persistent_fits(cfg, head_dim, dtype)
             and kv_len // cfg.block_kv >= 2)
+
+
+# Whether fwd_persistent_masked=None takes the persistent data-mask forward (from the A/B in
+# benchmarks/results/attention_masks_h100.md).
+MASKED_PERSISTENT_AUTO = False
+
+
+def persistent_masked_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
+    """The persistent data-mask forward's shared memory: persistent_fits plus the double-buffered query marks and
+    the keys' marks ring (int32 (segment, position) rows)."""
+    item = jnp.dtype(dtype).itemsize
+    need = (4 * cfg.block_q + 2 * cfg.stages * cfg.block_kv) * head_dim * item + 4096
+    marks = 4 * 2 * cfg.block_q * 4 + cfg.stages * 2 * cfg.block_kv * 4
+    return need + marks <= SMEM_BYTES
+
+
+def persistent_masked_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int, dtype) -> bool:
+    """Whether a data-mask forward runs on the persistent grid: asked for (or auto and MASKED_PERSISTENT_AUTO),
+    equal q/k and v head_dims, and its shared memory fits."""
+    wanted = MASKED_PERSISTENT_AUTO if cfg.fwd_persistent_masked is None else cfg.fwd_persistent_masked
+    return bool(wanted) and head_dim == head_dim_v and persistent_masked_fits(cfg, head_dim, dtype)
 
 
 def persistent_causal_served(cfg: HopperConfig, q_len: int, head_dim: int, dtype) -> bool:

@@ -30,9 +30,11 @@ from .._lower_once import lower_once
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
 from .forward_masked import _flash_fwd_masked
+from .forward_masked_persistent import _flash_fwd_masked_persistent
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
-                     logit_units, persistent_causal_chosen, persistent_chosen, ring_choices, split_tail_chosen)
+                     logit_units, persistent_causal_chosen, persistent_chosen, persistent_masked_chosen, ring_choices,
+                     split_tail_chosen)
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
@@ -99,9 +101,11 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     if mask_tables is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
-        return _flash_fwd_masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
-                                 interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
-                                 window=tuple(mask_rule.window))
+        masked = (_flash_fwd_masked_persistent if persistent_masked_chosen(cfg, D, Dv, dtype)
+                  else _flash_fwd_masked)
+        return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
+                      interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
+                      window=tuple(mask_rule.window))
     if not causal and not split_dims and persistent_chosen(cfg, Skv, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
                                      kv_valid=kv_valid)

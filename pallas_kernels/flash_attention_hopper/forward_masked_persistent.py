@@ -1,0 +1,240 @@
+"""Hopper (sm90) flash-attention forward under a data mask on a persistent grid: one CTA per SM walking query tiles.
+Same arguments and outputs as forward_masked._flash_fwd_masked (one CTA per query tile).
+Mosaic GPU is imported lazily: this module imports on any machine."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._compat import mosaic_gpu, pl
+from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel, when
+from .config import LN2, HopperConfig, logit_units, ring_choices
+from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
+
+
+def snake_tile(cta, i, n_ctas: int):
+    """The query tile (index in (batch, head, tile) order) CTA `cta` takes in its round i: position cta of the
+    round's n_ctas consecutive tiles in even rounds, position n_ctas - 1 - cta in odd ones, so a CTA that took a
+    long tile (late in a causal or padded row) takes a short one next.  Works on Python or traced ints."""
+    pos = jnp.where(rem(i, 2) == 0, cta, (n_ctas - 1) - cta)
+    return i * n_ctas + pos
+
+
+def tiles_of_cta(cta, n_tiles: int, n_ctas: int):
+    """How many tiles CTA `cta` takes under snake_tile: every whole round, and the last partial round if its
+    position there is among the round's first n_tiles % n_ctas."""
+    rounds, rest = divmod(n_tiles, n_ctas)
+    last_pos = cta if rounds % 2 == 0 else (n_ctas - 1) - cta
+    return rounds + jnp.where(last_pos < rest, 1, 0).astype(jnp.int32)
+
+
+def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig,
+                                 interpret: bool, softcap: float | None, mask_causal: bool,
+                                 window: tuple[int, int]):
+    """The data-mask forward (see forward_masked._flash_fwd_masked for the tables) on n_ctas CTAs (cfg.fwd_ctas or
+    the SM count), tiles dealt by snake_tile in (batch, head, query tile) order, so the CTAs running together read
+    the same K/V in L2.
+
+    What the grid version exposes at every tile and this one overlaps:
+      * K/V: the memory warpgroup streams the blocks of all the CTA's tiles through one ring (a global step counter
+        g, slot g % stages), so a tile's first blocks load during the previous tile's last steps;
+      * Q: each compute warpgroup double-buffers its Q tile and query marks; the next tile's load is issued during
+        this tile's second K/V step (its first, for a one-step tile), once the previous tile's O store has been
+        read out of that buffer; this tile's O is staged in its own Q buffer and its store is not waited for;
+      * the next tile's block counts are read from global memory a tile ahead.
+    A tile whose list is empty (queries that see no key: padding) walks block 0 under the element mask, which hides
+    every pair of such a tile, so every tile has at least one step (out 0, lse -inf) and no Q load waits for the end
+    of a tile.  Shared memory: 2 Q/O buffers per warpgroup beside the K/V ring (config.persistent_fits); D == Dv.
+    """
+    from .data_mask import MaskRule
+
+    rule = MaskRule(mask_causal, window)
+    plgpu = mosaic_gpu()
+    B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
+    if v.shape[-1] != D:
+        raise ValueError(f"the persistent data-mask forward needs v's head_dim {v.shape[-1]} == q/k's {D}")
+    c, pre = logit_units(scale, softcap)
+    named = cfg.fwd_named_barrier is not False and not interpret
+    named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
+    wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    n_tiles = B * H * n_qt
+    n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
+
+    def tile_coords(cta, i):  # -> batch, head, query tile of the CTA's i-th tile
+        t = snake_tile(cta, i, n_ctas)
+        bh = div(t, n_qt)
+        return div(bh, H), rem(bh, H), rem(t, n_qt)
+
+    def steps_of(counts_ref, cta, i, my_tiles):
+        """(partial steps, all steps) of the CTA's i-th tile (clamped to its last), an empty list as 1 masked step."""
+        b, _, qt = tile_coords(cta, jnp.minimum(i, my_tiles - 1))
+        n_partial, n_steps = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
+        empty = n_steps == 0
+        return jnp.where(empty, 1, n_partial), jnp.where(empty, 1, n_steps)
+
+    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
+        qo_smem4, k_smem, v_smem, lse_smem2, qm_smem4, km_smem = smem
+        k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
+        k_slots, v_slots, km_slots = ring_slots(plgpu, (k_cons, v_cons, km_cons), stages, named=named_release,
+                                                producer_warp=producer_warp, compute_wgs=2)
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cta")
+        my_tiles = tiles_of_cta(cta, n_tiles, n_ctas)
+        sched = _Sched(plgpu, sched, named)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            lse_smem = lse_smem2.at[wg]
+
+            def load_q(i, buf):
+                b, h, qt = tile_coords(cta, i)
+                q0 = qt * (2 * bq) + wg * bq
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem4.at[wg, buf],
+                                        q_bar.at[2 * wg + buf])
+                plgpu.copy_gmem_to_smem(qm_ref.at[b, :, pl.ds(q0, bq)], qm_smem4.at[wg, buf],
+                                        qm_bar.at[2 * wg + buf])
+
+            load_q(0, 0)
+            k_slots.prime()
+            v_slots.prime()
+            km_slots.prime()
+            pl.when(wg == 1)(sched.start)
+
+            def tile_body(i, carry):
+                g0, n_partial, n_steps = carry
+                nxt = steps_of(counts_ref, cta, i + 1, my_tiles)  # read a tile ahead, used at the next tile
+                b, h, qt = tile_coords(cta, i)
+                buf = rem(i, 2)
+                qo_smem = qo_smem4.at[wg, buf]
+                q0 = qt * (2 * bq) + wg * bq
+                plgpu.barrier_wait(q_bar.at[2 * wg + buf])
+                plgpu.barrier_wait(qm_bar.at[2 * wg + buf])
+                q_marks = [plgpu.load(qm_smem4.at[wg, buf, j], layout=wgmma_rows) for j in range(2)]
+                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
+                l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
+                acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
+                early_q = i + 1 < my_tiles
+                early_step = jnp.minimum(1, n_steps - 1)
+
+                def kv_body(step, carry, masked: bool):
+                    g = g0 + step
+                    slot = rem(g, stages)
+
+                    def apply_mask(x):
+                        plgpu.barrier_wait(km_bar.at[slot])
+                        k_marks = [plgpu.load(km_smem.at[slot, j], layout=wgmma_cols) for j in range(2)]
+                        km_slots.release(slot)
+                        return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
+
+                    if not masked:  # the keys' marks are streamed for every step: hand the slot back
+                        plgpu.barrier_wait(km_bar.at[slot])
+                        km_slots.release(slot)
+
+                    def wait_next_k():
+                        @pl.when(step + 1 < n_steps)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
+
+                        @pl.when(early_q & (step == early_step))
+                        def _():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the other buffer's O store read out
+                            load_q(i + 1, 1 - buf)
+
+                    return _fwd_kv_step(
+                        plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
+                        k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
+                        v_release=lambda: v_slots.release(slot),
+                        sched=sched, c=c, dtype=dtype, interpret=interpret,
+                        apply_mask=apply_mask if masked else None, wait_next_k=wait_next_k, pre=pre,
+                        may_be_empty=masked)
+
+                carry = (acc, m_i, l_i)
+                carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)
+                acc, m_i, l_i = lax.fori_loop(n_partial, n_steps, functools.partial(kv_body, masked=False), carry)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's lse store read out
+                empty = l_i == 0.0  # a row without a visible key: out 0, lse -inf
+                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+                qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+                return (g0 + n_steps,) + nxt
+
+            lax.fori_loop(0, my_tiles, tile_body, (jnp.int32(0),) + steps_of(counts_ref, cta, 0, my_tiles))
+            pl.when(wg == 0)(sched.finish)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def produce():
+                slots_of = (k_slots, v_slots, km_slots)
+
+                def tile_loads(i, g0):
+                    b, h, qt = tile_coords(cta, i)
+                    kvh = lax.div(h, jnp.int32(rep))
+                    n_steps = jnp.maximum(counts_ref[b, qt, 1], 1)  # an empty list walks block 0 (blocks_ref 0)
+
+                    def load(j, _):
+                        g = g0 + j
+                        slot = rem(g, stages)
+                        rows = pl.ds(blocks_ref[b, qt, j] * bkv, bkv)
+                        for slots in slots_of:
+                            if slots.primed:
+                                slots.wait(slot)
+                            else:
+                                when(g >= stages, functools.partial(slots.wait, slot))
+                        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kvh], k_smem.at[slot], k_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kvh], v_smem.at[slot], v_bar.at[slot])
+                        plgpu.copy_gmem_to_smem(km_ref.at[b, :, rows], km_smem.at[slot], km_bar.at[slot])
+                        return None
+
+                    lax.fori_loop(0, n_steps, load, None)
+                    return g0 + n_steps
+
+                total = lax.fori_loop(0, my_tiles, tile_loads, jnp.int32(0))
+                if not all(slots.primed for slots in slots_of):  # observe the last consumed phases (mbarriers)
+                    def drain(g, _):
+                        for slots in slots_of:
+                            if not slots.primed:
+                                slots.wait(rem(g, stages))
+
+                    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+            run_producer(plgpu, produce, single_warp=producer_warp)
+
+    tr = smem_transforms(plgpu, dtype, D)
+    i32 = jnp.int32
+    scratch = [
+        (
+            plgpu.SMEM((2, 2, bq, D), dtype, transforms=tr),  # [warpgroup, buffer]: Q, then the tile's O
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((2, 2, 2, bq), i32),  # [warpgroup, buffer]: the queries' (segment, position)
+            plgpu.SMEM((stages, 2, bkv), i32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=4),  # Q loaded, per (warpgroup, buffer)
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_barriers=4),  # query marks loaded, per (warpgroup, buffer)
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ),
+    ]
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(n_ctas,),
+                                   grid_names=("cta",), compute_wgs=2, interpret=interpret,
+                                   name="te_jax_attn_fwd_masked_persistent", no_auto_barriers=producer_warp)(
+        q, k, v, qm, km, counts, blocks)
