@@ -211,7 +211,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--persistent", action="store_true",
-                    help="add te_jax_persistent and te_jax_grid (the data-mask forward's two schedules) on data-mask rows")
+                    help="add te_jax_persistent and te_jax_grid (the data-mask forward's two schedules) on "
+                         "data-mask rows")
     args = ap.parse_args()
     tk, fa3 = import_peers()
     if fa3 is not None:

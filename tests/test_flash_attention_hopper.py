@@ -764,7 +764,8 @@ def test_snake_deal_gives_every_tile_once():
 
     for n_tiles, n_ctas in [(10, 3), (12, 3), (7, 7), (5, 132), (2048, 132), (265, 132)]:
         n_ctas = min(n_ctas, n_tiles)
-        got = [int(snake_tile(c, i, n_ctas)) for c in range(n_ctas) for i in range(int(tiles_of_cta(c, n_tiles, n_ctas)))]
+        got = [int(snake_tile(c, i, n_ctas)) for c in range(n_ctas)
+               for i in range(int(tiles_of_cta(c, n_tiles, n_ctas)))]
         assert sorted(got) == list(range(n_tiles)), (n_tiles, n_ctas)
 
 

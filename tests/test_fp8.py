@@ -534,6 +534,31 @@ def test_gpu_compiled_hlo_has_three_fp8_gemms(style, options, monkeypatch):
         kinds, [l.strip()[:300] for l in hlo.splitlines() if "custom_call_target" in l or " dot(" in l])
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuBLASLt FP8 GEMMs need a GPU (compute capability >= 8.9)")
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_direct_gemm_folds_its_scale(out_dtype):
+    """The direct style's scale (the product of two scale_invs, not a constant) goes into the cuBLASLt FP8 call:
+    no fusion writes an array of the output's shape; the result equals the f32 reference of the same FP8 operands
+    up to the output's rounding and the scale's rounding to the output dtype (2^-9 for bf16)."""
+    from te_jax._compat import gpu_compute_capability
+    from te_jax.fp8.quantize import _scaled_gemm
+
+    if (gpu_compute_capability() or (0, 0)) < (8, 9):
+        pytest.skip("GPU without FP8 tensor cores")
+    ka, kb = jax.random.split(jax.random.PRNGKey(3))
+    a = jax.random.normal(ka, (512, 256), jnp.float32).astype(jnp.float8_e4m3fn)
+    b = jax.random.normal(kb, (384, 256), jnp.float32).astype(jnp.float8_e5m2)
+    sa, sb = jnp.float32(0.37), jnp.float32(1.9)
+    tn = (((1,), (1,)), ((), ()))
+    f = jax.jit(lambda a, b, sa, sb: _scaled_gemm("direct", out_dtype, sa, sb)(a, b, tn))
+    hlo = f.lower(a, b, sa, sb).compile().as_text()
+    assert "__cublas$lt$matmul$f8" in hlo
+    full = [l.strip()[:200] for l in hlo.splitlines() if " fusion(" in l and "[512,384]" in l.split("=")[1][:40]]
+    assert not full, full
+    ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T) * (sa * sb)
+    assert _rel(f(a, b, sa, sb), ref) < (4e-3 if out_dtype == jnp.bfloat16 else 1e-5)
+
+
 @pytest.mark.slow  # CI runs -m "not slow"; the TransformerLayer training test above covers the same path
 def test_train_lm_example_fp8_delayed(tmp_path):
     """examples/train_lm.py --fp8 delayed: trains, the FP8 state is part of the train state and moves."""

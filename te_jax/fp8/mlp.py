@@ -40,12 +40,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
 from te_jax.fp8.fused import fused_cast_unavailable, launch_options
-from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update,
+from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -89,8 +88,7 @@ def _gemm_owing_scale(cfg, out_dtype, a_sinv, b_sinv, a, b):
     call not folding it), so the kernel reads exactly what _gemm would have written. Other styles: (_gemm, None)."""
     if cfg.style not in ("direct", "wgrad_qdq"):
         return _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b), None
-    y = lax.dot_general(a, b, _TN, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
-    return y, (a_sinv * b_sinv).astype(jnp.float32)
+    return f8_dot(a, b, _TN, out_dtype), (a_sinv * b_sinv).astype(jnp.float32)
 
 
 def _update(recipe, history, scale, new_amax, fmax):

@@ -24,7 +24,14 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
   Two GEMM styles (module variable GEMM_STYLE, env TE_JAX_FP8_GEMM):
     "direct": dot_general on the float8 operands (preferred_element_type = the compute dtype), then the
               product of the two scale_invs: XLA's GPU GEMM rewriter turns an f8 x f8 dot into
-              __cublas$lt$matmul$f8 (flax's Fp8DirectDotGeneralOp);
+              __cublas$lt$matmul$f8 (flax's Fp8DirectDotGeneralOp). On a GPU (`f8_dot`) the dot names the
+              algorithm DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM (what DEFAULT precision gives cuBLASLt
+              anyway) and the scale multiplies the output in the output dtype: Triton's GEMM fusion refuses that
+              algorithm, so the FP8 GEMM rewriter sees dot and multiply together and folds the scale into the
+              cuBLASLt call (its d_scale), with no pass over the output and no GEMM autotuning at compile time.
+              The folded scale is the product of the scale_invs rounded to the output dtype (bf16: a factor
+              within 2^-9 of it, the same for the whole output); the output is rounded once, after the scale
+              (benchmarks/results/fp8_layer_h100.md, fp8_gemm_probe);
     "qdq":    dot_general on dequantized operands (convert(f8) -> compute dtype -> * scale_inv), flax's
               Fp8DotGeneralOp pattern. On the H100 with jax 0.11.2 it is an FP8 GEMM (scales folded, no extra
               pass) only when the step is compiled with xla_gpu_enable_triton_gemm=False; by default XLA puts
@@ -182,9 +189,22 @@ def _transpose_rhs(g, x, y_ndim, dimension_numbers, gemm):
     return _transpose_lhs(g, x, y_ndim, swapped, gemm, swap_ans=True)
 
 
+#: The dot algorithm of an FP8 GEMM on a GPU (see the module docstring's "direct"); the CPU has none.
+F8_GPU_ALGORITHM = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM
+
+
+def f8_dot(a, b, dims, out_dtype):
+    """dot_general of two float8 operands -> out_dtype: on a GPU with the F8_GPU_ALGORITHM preset (Triton's GEMM
+    fusion refuses it, so the dot reaches XLA's FP8 cuBLASLt rewrite as written), elsewhere at DEFAULT precision
+    (a global jax_default_matmul_precision="highest" must not reach the FP8 dots either way)."""
+    precision = F8_GPU_ALGORITHM if jax.default_backend() == "gpu" else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
+
+
 def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
     """GEMM of two FP8 operands with per-tensor scale_invs, output in out_dtype."""
     s = (a_sinv * b_sinv).astype(jnp.float32)
+    fold = jax.default_backend() == "gpu"  # the scale folded into the cuBLASLt call (module docstring, "direct")
 
     # precision=DEFAULT explicitly (as flax's fp8_ops does): a global jax_default_matmul_precision="highest"
     # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
@@ -196,7 +216,9 @@ def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
             a, b = lax.optimization_barrier((a, b))
             return lax.dot_general(dequantize(a, a_sinv, out_dtype), dequantize(b, b_sinv, out_dtype), dims,
                                    precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
-        y = lax.dot_general(a, b, dims, precision=lax.Precision.DEFAULT, preferred_element_type=out_dtype)
+        y = f8_dot(a, b, dims, out_dtype)
+        if fold:
+            return y * s.astype(out_dtype)
         return (y.astype(jnp.float32) * s).astype(out_dtype)
 
     return gemm
