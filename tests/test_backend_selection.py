@@ -355,6 +355,8 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
     for name, kw in cases.items():
         choice = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw)
         assert choice.selected == "pallas" and "data-mask schedule" in choice.detail, (name, choice.detail)
+        # windows (even walks) on the persistent forward, documents and padding one CTA per query tile
+        assert ("forward on a persistent grid" in choice.detail) == ("window" in name), (name, choice.detail)
     br = te_jax.explain_attention_backend(*_qkv(b=2, sq=256, skv=1024, d=128), attn_mask_type="causal_bottom_right",
                                           backend="pallas")
     assert "data-mask schedule" in br.detail and "causal_bottom_right" in br.detail, br.detail

@@ -757,6 +757,22 @@ def test_persistent_masked_forward(name):
         assert g.shape == rg.shape and _rel(g, rg) < 2e-2, _rel(g, rg)
 
 
+def test_persistent_masked_forward_auto_takes_sliding_windows():
+    """fwd_persistent_masked=None (auto) puts sliding-window data masks on the persistent forward (even walks, which
+    its static deal balances) and leaves documents and padding (uneven walks) one CTA per query tile; True / False
+    force it; split head dims and head dims whose buffers do not fit stay on the grid kernel."""
+    from pallas_kernels.flash_attention_hopper.config import default_config, persistent_masked_chosen
+
+    cfg = default_config(128, 1024, False, 1024)
+    assert persistent_masked_chosen(cfg, 128, 128, BF, (128, 0))
+    assert persistent_masked_chosen(cfg, 128, 128, BF, (-1, 64))
+    assert not persistent_masked_chosen(cfg, 128, 128, BF)
+    assert persistent_masked_chosen(dataclasses.replace(cfg, fwd_persistent_masked=True), 128, 128, BF)
+    assert not persistent_masked_chosen(dataclasses.replace(cfg, fwd_persistent_masked=False), 128, 128, BF, (128, 0))
+    assert not persistent_masked_chosen(default_config(192, 1024, False, 1024, head_dim_v=128), 192, 128, BF, (128, 0))
+    assert not persistent_masked_chosen(default_config(256, 1024, False, 1024), 256, 256, BF, (128, 0))
+
+
 def test_snake_deal_gives_every_tile_once():
     """snake_tile / tiles_of_cta (the persistent data-mask forward's deal, pure int arithmetic): every query tile
     goes to exactly one CTA, whatever the tile and CTA counts."""

@@ -556,7 +556,8 @@ def test_gpu_direct_gemm_folds_its_scale(out_dtype):
     full = [l.strip()[:200] for l in hlo.splitlines() if " fusion(" in l and "[512,384]" in l.split("=")[1][:40]]
     assert not full, full
     ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T) * (sa * sb)
-    assert _rel(f(a, b, sa, sb), ref) < (4e-3 if out_dtype == jnp.bfloat16 else 1e-5)
+    # (f32: the fast-accumulating FP8 tensor-core sums, about 2e-4 relative on the H100)
+    assert _rel(f(a, b, sa, sb), ref) < (4e-3 if out_dtype == jnp.bfloat16 else 1e-3)
 
 
 @pytest.mark.slow  # CI runs -m "not slow"; the TransformerLayer training test above covers the same path

@@ -77,7 +77,7 @@ class HopperConfig:
     fwd_causal_lpt: bool | None = None
     # Forward under a data mask on a persistent grid (forward_masked_persistent: one CTA per SM walking query tiles
     # dealt round by round in snake order; K/V, the next Q and the next block counts load during the current tile).
-    # False: one CTA per query tile (forward_masked).  None (auto): MASKED_PERSISTENT_AUTO where it fits.
+    # False: one CTA per query tile (forward_masked).  None (auto): sliding windows only (MASKED_PERSISTENT_AUTO).
     fwd_persistent_masked: bool | None = None
     # The persistent forward's last round shared out by K/V steps instead of whole tiles (stream-K, see
     # TailSplit): when the query tiles are no multiple of the CTAs, the last round leaves SMs idle (2048 tiles on
@@ -229,9 +229,13 @@ def persistent_chosen(cfg: HopperConfig, kv_len: int, head_dim: int, dtype) -> b
             and kv_len // cfg.block_kv >= 2)
 
 
-# Whether fwd_persistent_masked=None takes the persistent data-mask forward (from the A/B in
-# benchmarks/results/attention_masks_h100.md).
-MASKED_PERSISTENT_AUTO = False
+# fwd_persistent_masked=None (auto) takes the persistent data-mask forward for sliding-window masks only
+# (benchmarks/results/attention_masks_h100.md, 2026-11-26 A/B in one process, forward TFLOP/s persistent / grid:
+# window (1024, 0) causal 395 / 362, window (256, 256) 323 / 285, bottom-right 535 / 520, thd documents 243 / 231,
+# padding 374 / 374, bshd segments 196 / 232).  A window gives every query tile about the same walk, which the
+# static deal balances; documents and padding give walks of very different lengths, which the grid kernel's
+# hardware CTA scheduler balances better.
+MASKED_PERSISTENT_AUTO = "window"
 
 
 def persistent_masked_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
@@ -243,10 +247,14 @@ def persistent_masked_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
     return need + marks <= SMEM_BYTES
 
 
-def persistent_masked_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int, dtype) -> bool:
-    """Whether a data-mask forward runs on the persistent grid: asked for (or auto and MASKED_PERSISTENT_AUTO),
-    equal q/k and v head_dims, and its shared memory fits."""
-    wanted = MASKED_PERSISTENT_AUTO if cfg.fwd_persistent_masked is None else cfg.fwd_persistent_masked
+def persistent_masked_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int, dtype,
+                             window: tuple[int, int] = (-1, -1)) -> bool:
+    """Whether a data-mask forward runs on the persistent grid: asked for (or auto and a sliding window, see
+    MASKED_PERSISTENT_AUTO), equal q/k and v head_dims, and its shared memory fits."""
+    if cfg.fwd_persistent_masked is None:
+        wanted = MASKED_PERSISTENT_AUTO == "window" and max(window) >= 0
+    else:
+        wanted = cfg.fwd_persistent_masked
     return bool(wanted) and head_dim == head_dim_v and persistent_masked_fits(cfg, head_dim, dtype)
 
 

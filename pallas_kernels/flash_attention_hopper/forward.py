@@ -101,8 +101,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     if mask_tables is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
-        masked = (_flash_fwd_masked_persistent if persistent_masked_chosen(cfg, D, Dv, dtype)
-                  else _flash_fwd_masked)
+        masked = (_flash_fwd_masked_persistent
+                  if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
         return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
                       interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
                       window=tuple(mask_rule.window))

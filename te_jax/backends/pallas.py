@@ -300,9 +300,20 @@ class PallasBackend:
             what = [x for x, on in ((f"attn_mask_type={call.mask.mask_type!r}", call.mask.mask_type != "no_mask"),
                                     (f"padding from {call.padding_source}", call.padding_source != "none"),
                                     (f"window_size={call.window}", call.window != (-1, -1))) if on]
+            from pallas_kernels.flash_attention_hopper.config import persistent_masked_chosen
+
+            q_padded = -(-d.q_len // fh.BLOCK) * fh.BLOCK
+            hcfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, kv_padded, False,
+                                                                              q_padded)
+            window = tuple(call.window) if call.window is not None else (-1, -1)
+            persistent = persistent_masked_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype, window)
             plan = ("data-mask schedule (" + ", ".join(what) + "): the mask's segment ids and positions are "
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
-                    "the element mask, partial tiles apply it; one CTA per query tile (no persistent schedule)")
+                    "the element mask, partial tiles apply it; forward " + (
+                        "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
+                        "Q and K/V load during the current one)" if persistent else
+                        "one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid "
+                        "serves sliding windows, or fwd_persistent_masked=True)"))
         else:
             plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config,
                                     head_dim_v=d.head_dim_v)
