@@ -4,7 +4,8 @@ Run on the device machine from the repo root:
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.fp8_layer_gpu 2>&1 | tee $OUT/fp8_log.txt
     (--gemm-style direct,direct_bf16 traces each FP8 variant once per listed TE_JAX_FP8_GEMM style; --with-block adds Float8BlockScaling,
      a reference implementation that is NOT an FP8 GEMM; --param-dtype fp32 keeps fp32 parameters;
-     --fused-mlp both adds each per-tensor FP8 variant with the MLP unfused, TE_JAX_FP8_FUSED=0 at trace time)
+     --fused-mlp both adds each per-tensor FP8 variant with the MLP unfused, TE_JAX_FP8_FUSED=0 at trace time;
+     --keep-weights both adds it with the MLP's FP8 weight copies kept for the backward, TE_JAX_FP8_KEEP_WEIGHTS=1)
 CPU smoke test of the script itself (tiny sizes; no cuBLASLt, so the FP8 custom-call count is 0 and the
 f8 converts are counted instead):
     PYTHONPATH=. python -m benchmarks.fp8_layer_gpu --cpu-smoke
@@ -76,6 +77,10 @@ def parse():
     p.add_argument("--fused-mlp", choices=["on", "off", "both"], default="on",
                    help="LayerNormMLP's fused FP8 path (te_jax/fp8/mlp.py; TE_JAX_FP8_FUSED): on, off, or both "
                         "as variants (A/B)")
+    p.add_argument("--keep-weights", choices=["off", "on", "both"], default="off",
+                   help="the fused MLP keeps its weights' FP8 copies for the backward (TE_JAX_FP8_KEEP_WEIGHTS=1) "
+                        "instead of re-casting them: off (the default path), on, or both as variants (time and "
+                        "temporary memory side by side)")
     p.add_argument("--trace", action="store_true",
                    help="profile 3 steps of each variant: device time per kernel category and the top ops; "
                         "optimized HLO to $OUT/fp8_hlo_<variant>.txt.gz")
@@ -191,10 +196,14 @@ def main():
         if st not in GEMM_STYLES:
             raise SystemExit(f"--gemm-style: {st!r} is not one of {GEMM_STYLES}")
     fused = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.fused_mlp]
+    # "1k": fused with the MLP's FP8 weight copies kept for the backward (TE_JAX_FP8_KEEP_WEIGHTS=1)
+    fused = {"off": fused, "on": [f + "k" if f == "1" else f for f in fused],
+             "both": [v for f in fused for v in ((f, f + "k") if f == "1" else (f,))]}[args.keep_weights]
     for st in styles:
         for fu in fused:
             suffix = "" if len(styles) == 1 else f" [{st}]"
             suffix += " [unfused MLP]" if fu == "0" and len(fused) > 1 else ""
+            suffix += " [kept weight copies]" if fu == "1k" else ""
             variants[f"DelayedScaling(1024, max){suffix}"] = (
                 fp8.DelayedScaling(amax_history_len=1024, amax_compute_algo="max"), st, fu)
             variants[f"Float8CurrentScaling{suffix}"] = (fp8.Float8CurrentScaling(), st, fu)
@@ -239,7 +248,8 @@ def main():
         block_gemm = "pallas" if style == "block-pallas" else "xla"
         with (fp8.autocast(enabled=recipe is not None, recipe=recipe),
               env("TE_JAX_FP8_GEMM", "direct" if style == "block-pallas" else style),
-              env("TE_JAX_FP8_FUSED", fused_mlp), env("TE_JAX_FP8_BLOCK_GEMM", block_gemm)):
+              env("TE_JAX_FP8_FUSED", fused_mlp[0]), env("TE_JAX_FP8_BLOCK_GEMM", block_gemm),
+              env("TE_JAX_FP8_KEEP_WEIGHTS", "1" if fused_mlp == "1k" else "0")):
             variables = jax.jit(lambda k: nn.meta.unbox(module.init(k, x[:1, :8], deterministic=True)))(kp)
             params, state = variables["params"], variables.get(fp8.FP8_COLLECTION, {})
             if name == "bf16":
@@ -270,7 +280,8 @@ def main():
             loss, (gp, gs, gx) = compiled(params, state, x, ct)
         steps[name] = (compiled, (params, state, x, ct))
         info[name] = dict(f8_gemms=n_f8, other_cublas_gemms=n_other, f8_converts=count_f8_converts(hlo),
-                          temp_bytes=temp, loss=float(loss), grad_x=gx, style=style, fused_mlp=fused_mlp == "1",
+                          temp_bytes=temp, loss=float(loss), grad_x=gx, style=style,
+                          fused_mlp=fused_mlp.startswith("1"),
                           recipe=None if recipe is None else repr(recipe))
         log(f"{name}: compiled; FP8 GEMMs x{n_f8} (at most {EXPECTED_F8_GEMMS if recipe is not None and not recipe.float8_block_scaling() else 0}), "
             f"GEMMs not in FP8 x{n_other}, f8 converts in HLO x{info[name]['f8_converts']}, "

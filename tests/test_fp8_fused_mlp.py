@@ -298,6 +298,54 @@ def test_fused_mlp_equals_the_unfused_fp8_path(acts, recipe):
         assert float(s2["input_amax_history"][-1]) > 0 and float(s1["output_grad_amax_history"][-1]) > 0
 
 
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_kept_weight_copies_equal_the_recast(recipe, monkeypatch):
+    """TE_JAX_FP8_KEEP_WEIGHTS=1: the forward's cast writes w_q beside w_qT and the backward uses it. The values are
+    the re-cast's (same scale, same rounding): y, dx, dw1, dw2 and the states equal the default path's over two
+    steps; and the step has two fewer weight-shaped FP8 casts outside the kernels (the backward's re-casts)."""
+    acts = ("silu", "linear")
+    x, w1, w2, g = _problem(acts, BF)
+
+    def run(keep):
+        monkeypatch.setenv("TE_JAX_FP8_KEEP_WEIGHTS", keep)
+        steps = _steps(_fused, recipe, acts, x, w1, w2, g, compiler_options=EXACT)
+        s = Q.init_state(3) if isinstance(recipe, DelayedScaling) else None
+        jaxpr = jax.make_jaxpr(lambda x, w1, w2, s1, s2, g: jax.vjp(lambda *a: _fused(*a, recipe, acts), x, w1, w2,
+                                                                    s1, s2)[1](g))(x, w1, w2, s, s, g)
+        shapes = {(w1.shape[0], w1.shape[1] * w1.shape[2]), tuple(w2.shape)}
+        casts = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "convert_element_type"
+                 and jnp.dtype(e.params["new_dtype"]).itemsize == 1 and tuple(e.outvars[0].aval.shape) in shapes]
+        return steps, len(casts)
+
+    kept, n_kept = run("1")
+    recast, n_recast = run("0")
+    for step_k, step_r in zip(kept, recast):
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(_f32(a), _f32(b)), step_k, step_r)
+    assert n_recast - n_kept == 2, (n_recast, n_kept)
+    m, xm = _mlp_module(), jax.random.normal(jax.random.PRNGKey(3), (2, M // 2, D))
+    monkeypatch.setenv(FUSED_ENV, "1")
+    monkeypatch.setenv("TE_JAX_FP8_KEEP_WEIGHTS", "1")
+    with fp8.autocast(recipe=recipe):
+        v = jax.jit(lambda k: m.init(k, xm, deterministic=True))(jax.random.PRNGKey(0))
+        info = fp8.explain(lambda: m.apply(v, xm, deterministic=True))
+        assert info and all("copies kept for the backward" in i.reason for i in info), info
+    monkeypatch.setenv("TE_JAX_FP8_KEEP_WEIGHTS", "yes")
+    with pytest.raises(ValueError, match="TE_JAX_FP8_KEEP_WEIGHTS='yes' must be one of"):
+        _fused(x, w1, w2, None, None, Float8CurrentScaling(), acts)
+
+
+def _all_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (custom VJPs, pjit, ...)."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
 def _assert_near_fp32(steps, acts, x, w1, w2, g):
     """Each step within FP8 error of the fp32 non-FP8 MLP (E5M2 gradients and a small F: 5-20% here)."""
     y0, vjp0 = jax.vjp(lambda x, w1, w2: _fp32_mlp(x, w1, w2, acts), x.astype(F32), w1, w2)

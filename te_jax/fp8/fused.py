@@ -35,6 +35,20 @@ def fused_setting() -> str:
     return policy.env_choice(FUSED_ENV, FUSED_SETTINGS, "auto")
 
 
+KEEP_WEIGHTS_ENV = "TE_JAX_FP8_KEEP_WEIGHTS"
+
+
+def keep_mlp_weight_copies() -> bool:
+    """Whether the fused FP8 MLP keeps its weights' FP8 copies from the forward for the backward's dgrad GEMMs
+    (TE_JAX_FP8_KEEP_WEIGHTS=1, read at trace time) instead of re-casting them there (unset or "0", the default).
+    Kept: the forward's cast writes both layouts from one read of each weight and the backward casts nothing (on
+    the H100 layer, about 210 us less cast traffic per step); the cost is the copies (D x n*F + F x D bytes) held
+    from the forward to the MLP's backward. The MLP's backward runs first in a layer's backward, so the copies
+    are gone before the attention backward; whether they raise a step's peak memory depends on where it lies
+    (benchmarks/fp8_layer_gpu.py --keep-weights both measures time and temporary memory side by side)."""
+    return policy.env_choice(KEEP_WEIGHTS_ENV, ("0", "1"), "0") == "1"
+
+
 def fused_cast_unavailable(recipe) -> str | None:
     """Why an FP8 GEMM would NOT quantize through the fused Pallas cast kernels (None: it does)."""
     setting = fused_setting()

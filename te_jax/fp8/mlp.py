@@ -3,6 +3,8 @@
     x [M, D] (compute dtype dt) -- cast_transpose --> x_q [M, D], x_qT [D, M]           (amax(x))
     w1 [D, n*F] (param dtype)   -- cast_transposed --> w1_qT [n*F, D]     (amax(w1 in dt); w1_q re-cast in the bwd)
     w2 [F, D]                   -- cast_transposed --> w2_qT [D, F]       (amax(w2 in dt); w2_q likewise)
+    (TE_JAX_FP8_KEEP_WEIGHTS=1, fused.keep_mlp_weight_copies: cast_transpose writes w_q beside w_qT and the
+    backward uses it, re-casting nothing)
     gu [M, n*F] dt = x_q . w1_qT                                      (FP8 GEMM, wi fprop)
     a_q [M, F], a_qT [F, M], amax(a) = act_cast(gu)                   (activation + cast + transpose, 1 pass)
     y [M, D] dt = a_q . w2_qT                                         (FP8 GEMM, wo fprop)
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import fused_cast_unavailable, launch_options
+from te_jax.fp8.fused import fused_cast_unavailable, keep_mlp_weight_copies, launch_options
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -70,6 +72,7 @@ class _Cfg:
     w2_dtype: object
     interpret: bool | None
     norm: _nc.NormSpec | None = None  # x is the norm's input: the norm runs fused into x's cast (norm_cast.py)
+    keep_weights: bool = False  # fused.keep_mlp_weight_copies(): the forward's FP8 weight copies go to the backward
 
 
 def _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b):
@@ -124,8 +127,14 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
         xq, xqT, ax = _k.cast_transpose(x, sx, out_dtype=fdt, **kw)
     else:
         xq, xqT, ax = _nc.cast(x, gamma, beta, st, sx, cfg.norm, fdt, **kw)
-    w1qT, aw1 = _k.cast_transposed(w1f, sw1, out_dtype=fdt, round_to=dt, **kw_w)  # the backward re-casts w1, w2
-    w2qT, aw2 = _k.cast_transposed(w2, sw2, out_dtype=fdt, round_to=dt, **kw_w)
+    if cfg.keep_weights:  # both layouts from one read; the backward's dgrads take w_q as it is
+        w1q, w1qT, aw1 = _k.cast_transpose(w1f, sw1, out_dtype=fdt, round_to=dt, **kw_w)
+        w2q, w2qT, aw2 = _k.cast_transpose(w2, sw2, out_dtype=fdt, round_to=dt, **kw_w)
+        kept = (w1q, w2q)
+    else:  # the backward re-casts w1, w2
+        w1qT, aw1 = _k.cast_transposed(w1f, sw1, out_dtype=fdt, round_to=dt, **kw_w)
+        w2qT, aw2 = _k.cast_transposed(w2, sw2, out_dtype=fdt, round_to=dt, **kw_w)
+        kept = None
     gu, s_gu = _gemm_owing_scale(cfg, dt, 1.0 / sx, 1.0 / sw1, xq, w1qT)  # [M, n*F]  wi fprop
     gu = gu.reshape(-1, n, f) if cfg.gated else gu
     if not delayed:
@@ -144,18 +153,21 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
                       (wo_state["output_grad_scale"], wo_state["output_grad_amax_history"]))
     else:
         grad_state = None
-    # The weights' FP8 copies are not kept for the backward: it re-casts them (one elementwise XLA pass, same
-    # values), so the step holds no FP8 weight copy alongside its activations (temporary memory below bf16's).
+    # By default the weights' FP8 copies are not kept for the backward: it re-casts them (one elementwise XLA pass,
+    # same values), so the step holds no FP8 weight copy alongside its activations (temporary memory below bf16's).
     norm_res = None if cfg.norm is None else (x, gamma, beta, st)
-    res = (xqT, w1f, w2, aqT, gu, s_gu, 1.0 / sx, sw1, 1.0 / sa, sw2, new_fwd, grad_state, norm_res)
+    res = (xqT, w1f, w2, aqT, gu, s_gu, 1.0 / sx, sw1, 1.0 / sa, sw2, new_fwd, grad_state, norm_res, kept)
     return y, res
 
 
 def _mlp_bwd(cfg, res, dy):
-    xqT, w1f, w2, aqT, gu, s_gu, sxi, sw1, sai, sw2, new_fwd, grad_state, norm_res = res
+    xqT, w1f, w2, aqT, gu, s_gu, sxi, sw1, sai, sw2, new_fwd, grad_state, norm_res, kept = res
     fdt = cfg.recipe.fp8_format.fwd_dtype
-    w1q = quantize(w1f.astype(gu.dtype), sw1, fdt)  # [D, n*F]: the values of the forward cast_transposed's w1_qT
-    w2q = quantize(w2.astype(gu.dtype), sw2, fdt)   # [F, Dout]
+    if kept is not None:
+        w1q, w2q = kept
+    else:
+        w1q = quantize(w1f.astype(gu.dtype), sw1, fdt)  # [D, n*F]: the values of the forward cast_transposed's w1_qT
+        w2q = quantize(w2.astype(gu.dtype), sw2, fdt)   # [F, Dout]
     sw1i, sw2i = 1.0 / sw1, 1.0 / sw2
     recipe, dt = cfg.recipe, gu.dtype
     bdt, bmax = recipe.fp8_format.bwd_dtype, recipe.fp8_format.max_bwd
@@ -227,7 +239,7 @@ def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activation
         raise ValueError(f"fused_fp8_mlp: norm={norm} needs gamma of shape ({d},); got "
                          f"{None if gamma is None else tuple(gamma.shape)}.")
     cfg = _Cfg(recipe, acts[0], len(acts) == 2, gemm_style(), jnp.dtype(w1.dtype), jnp.dtype(w2.dtype), interpret,
-               norm)
+               norm, keep_mlp_weight_copies())
     if norm is None:
         gamma = beta = None
     y = _mlp(x.reshape(-1, d), gamma, beta, w1, w2, wi_state, wo_state, cfg)
