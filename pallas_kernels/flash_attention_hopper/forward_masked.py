@@ -14,6 +14,27 @@ from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring,
 from .config import HopperConfig, logit_units, ring_choices
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
 
+def step_mask(plgpu, rule, q_marks, key_marks, slot, masked: bool):
+    """A data-mask forward step's element mask: for a masked (partial) step, a function that waits for the keys'
+    (segment, position) rows in ring slot `slot`, hands the slot back and hides the invisible logits (-inf); for a
+    full step None, the slot handed back at once (the keys' marks are streamed for every step).
+    key_marks: (loaded barriers, the marks ring [stages, 2, bkv], its slot hand-back)."""
+    km_bar, km_smem, km_slots = key_marks
+    if not masked:
+        plgpu.barrier_wait(km_bar.at[slot])
+        km_slots.release(slot)
+        return None
+    cols = plgpu.Layout.WGMMA.reduce(0)
+
+    def apply_mask(x):
+        plgpu.barrier_wait(km_bar.at[slot])
+        k_marks = [plgpu.load(km_smem.at[slot, i], layout=cols) for i in range(2)]
+        km_slots.release(slot)
+        return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
+
+    return apply_mask
+
+
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
                       softcap: float | None, mask_causal: bool, window: tuple[int, int]):
     """Forward under a data mask (pallas_kernels.mask: segment ids and positions, causal, window), one CTA per
@@ -34,7 +55,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
-    wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
     def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
         qo_smem2, o_tiles = qo_refs(smem[0], smem[6:], bq, D, Dv, dtype)
@@ -75,16 +96,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
 
             def kv_body(step, carry, masked: bool):
                 slot = rem(step, stages)
-
-                def apply_mask(x):
-                    plgpu.barrier_wait(km_bar.at[slot])
-                    k_marks = [plgpu.load(km_smem.at[slot, i], layout=wgmma_cols) for i in range(2)]
-                    km_slots.release(slot)
-                    return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
-
-                if not masked:  # the keys' (segment, position) tile is streamed for every step: hand it back
-                    plgpu.barrier_wait(km_bar.at[slot])
-                    km_slots.release(slot)
+                apply_mask = step_mask(plgpu, rule, q_marks, (km_bar, km_smem, km_slots), slot, masked)
 
                 def wait_next_k():
                     @pl.when(step + 1 < n_steps)
@@ -96,7 +108,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
                     k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                     v_release=lambda: v_slots.release(slot),
                     sched=sched, c=c, dtype=dtype, interpret=interpret,
-                    apply_mask=apply_mask if masked else None, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
+                    apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
 
             carry = (acc, m_i, l_i)
             carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)

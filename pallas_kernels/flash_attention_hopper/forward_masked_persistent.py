@@ -12,6 +12,7 @@ from jax import lax
 from .._compat import mosaic_gpu, pl
 from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel, when
 from .config import LN2, HopperConfig, logit_units, ring_choices
+from .forward_masked import step_mask
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
 
 
@@ -59,7 +60,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
     c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
-    wgmma_rows, wgmma_cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
     n_tiles = B * H * n_qt
     n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
 
@@ -124,16 +125,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                 def kv_body(step, carry, masked: bool):
                     g = g0 + step
                     slot = rem(g, stages)
-
-                    def apply_mask(x):
-                        plgpu.barrier_wait(km_bar.at[slot])
-                        k_marks = [plgpu.load(km_smem.at[slot, j], layout=wgmma_cols) for j in range(2)]
-                        km_slots.release(slot)
-                        return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
-
-                    if not masked:  # the keys' marks are streamed for every step: hand the slot back
-                        plgpu.barrier_wait(km_bar.at[slot])
-                        km_slots.release(slot)
+                    apply_mask = step_mask(plgpu, rule, q_marks, (km_bar, km_smem, km_slots), slot, masked)
 
                     def wait_next_k():
                         @pl.when(step + 1 < n_steps)
@@ -150,8 +142,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                         k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                         v_release=lambda: v_slots.release(slot),
                         sched=sched, c=c, dtype=dtype, interpret=interpret,
-                        apply_mask=apply_mask if masked else None, wait_next_k=wait_next_k, pre=pre,
-                        may_be_empty=masked)
+                        apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
 
                 carry = (acc, m_i, l_i)
                 carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)
