@@ -760,7 +760,8 @@ def test_persistent_masked_forward(name):
 def test_persistent_masked_forward_auto_takes_sliding_windows():
     """fwd_persistent_masked=None (auto) puts sliding-window data masks on the persistent forward (even walks, which
     its static deal balances) and leaves documents and padding (uneven walks) one CTA per query tile; True / False
-    force it; split head dims and head dims whose buffers do not fit stay on the grid kernel."""
+    force it; split head dims, head dims whose buffers do not fit, and (under auto) head dims its GPU test did not
+    run stay on the grid kernel."""
     from pallas_kernels.flash_attention_hopper.config import default_config, persistent_masked_chosen
 
     cfg = default_config(128, 1024, False, 1024)
@@ -771,6 +772,9 @@ def test_persistent_masked_forward_auto_takes_sliding_windows():
     assert not persistent_masked_chosen(dataclasses.replace(cfg, fwd_persistent_masked=False), 128, 128, BF, (128, 0))
     assert not persistent_masked_chosen(default_config(192, 1024, False, 1024, head_dim_v=128), 192, 128, BF, (128, 0))
     assert not persistent_masked_chosen(default_config(256, 1024, False, 1024), 256, 256, BF, (128, 0))
+    hd96 = default_config(96, 1024, False, 1024)  # fits, but auto keeps to the GPU-checked head dims
+    assert not persistent_masked_chosen(hd96, 96, 96, BF, (128, 0))
+    assert persistent_masked_chosen(dataclasses.replace(hd96, fwd_persistent_masked=True), 96, 96, BF)
 
 
 def test_snake_deal_gives_every_tile_once():

@@ -236,6 +236,8 @@ def persistent_chosen(cfg: HopperConfig, kv_len: int, head_dim: int, dtype) -> b
 # static deal balances; documents and padding give walks of very different lengths, which the grid kernel's
 # hardware CTA scheduler balances better.
 MASKED_PERSISTENT_AUTO = "window"
+#: Head dims at which auto takes it: those its GPU test ran (test_persistent_masked_forward, hd64 and hd128).
+MASKED_PERSISTENT_AUTO_HEAD_DIMS = (64, 128)
 
 
 def persistent_masked_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
@@ -249,10 +251,12 @@ def persistent_masked_fits(cfg: HopperConfig, head_dim: int, dtype) -> bool:
 
 def persistent_masked_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int, dtype,
                              window: tuple[int, int] = (-1, -1)) -> bool:
-    """Whether a data-mask forward runs on the persistent grid: asked for (or auto and a sliding window, see
-    MASKED_PERSISTENT_AUTO), equal q/k and v head_dims, and its shared memory fits."""
+    """Whether a data-mask forward runs on the persistent grid: asked for (or auto: a sliding window at a head_dim
+    in MASKED_PERSISTENT_AUTO_HEAD_DIMS, see MASKED_PERSISTENT_AUTO), equal q/k and v head_dims, and its shared
+    memory fits."""
     if cfg.fwd_persistent_masked is None:
-        wanted = MASKED_PERSISTENT_AUTO == "window" and max(window) >= 0
+        wanted = (MASKED_PERSISTENT_AUTO == "window" and max(window) >= 0
+                  and head_dim in MASKED_PERSISTENT_AUTO_HEAD_DIMS)
     else:
         wanted = cfg.fwd_persistent_masked
     return bool(wanted) and head_dim == head_dim_v and persistent_masked_fits(cfg, head_dim, dtype)
