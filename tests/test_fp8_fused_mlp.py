@@ -298,7 +298,8 @@ def test_fused_mlp_equals_the_unfused_fp8_path(acts, recipe):
         assert float(s2["input_amax_history"][-1]) > 0 and float(s1["output_grad_amax_history"][-1]) > 0
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3), Float8CurrentScaling()],
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3),
+                                    pytest.param(Float8CurrentScaling(), marks=pytest.mark.slow)],
                          ids=["delayed", "current"])
 def test_kept_weight_copies_equal_the_recast(recipe, monkeypatch):
     """TE_JAX_FP8_KEEP_WEIGHTS=1: the forward's cast writes w_q beside w_qT and the backward uses it. The values are

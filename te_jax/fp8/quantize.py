@@ -24,7 +24,8 @@ fp8_dot_general(x, w, dimension_numbers, recipe, state) is lax.dot_general with 
   Two GEMM styles (module variable GEMM_STYLE, env TE_JAX_FP8_GEMM):
     "direct": dot_general on the float8 operands (preferred_element_type = the compute dtype), then the
               product of the two scale_invs: XLA's GPU GEMM rewriter turns an f8 x f8 dot into
-              __cublas$lt$matmul$f8 (flax's Fp8DirectDotGeneralOp). On a GPU (`f8_dot`) the dot names the
+              __cublas$lt$matmul$f8 (flax's Fp8DirectDotGeneralOp). On a GPU with FP8 tensor cores (compute
+              capability 8.9 or newer; `f8_dot`, `fp8_tensor_cores`) the dot names the
               algorithm DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM (what DEFAULT precision gives cuBLASLt
               anyway) and the scale multiplies the output in the output dtype: Triton's GEMM fusion refuses that
               algorithm, so the FP8 GEMM rewriter sees dot and multiply together and folds the scale into the
@@ -71,6 +72,7 @@ from jax import lax
 
 from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
 from pallas_kernels.fp8_gemm import quantize_blocks
+from te_jax._compat import gpu_compute_capability
 from te_jax.backends import policy
 from te_jax.fp8 import norm_cast as _nc
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
@@ -193,18 +195,25 @@ def _transpose_rhs(g, x, y_ndim, dimension_numbers, gemm):
 F8_GPU_ALGORITHM = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM
 
 
+def fp8_tensor_cores() -> bool:
+    """Whether the default device is a GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper and
+    later), where the FP8 dots take F8_GPU_ALGORITHM and their scale folds into cuBLASLt. Elsewhere (the CPU, older
+    or non-CUDA GPUs) the dots keep DEFAULT precision: XLA upcasts them."""
+    return (gpu_compute_capability() or (0, 0)) >= (8, 9)
+
+
 def f8_dot(a, b, dims, out_dtype):
-    """dot_general of two float8 operands -> out_dtype: on a GPU with the F8_GPU_ALGORITHM preset (Triton's GEMM
-    fusion refuses it, so the dot reaches XLA's FP8 cuBLASLt rewrite as written), elsewhere at DEFAULT precision
-    (a global jax_default_matmul_precision="highest" must not reach the FP8 dots either way)."""
-    precision = F8_GPU_ALGORITHM if jax.default_backend() == "gpu" else lax.Precision.DEFAULT
+    """dot_general of two float8 operands -> out_dtype: with the F8_GPU_ALGORITHM preset where fp8_tensor_cores()
+    (Triton's GEMM fusion refuses it, so the dot reaches XLA's FP8 cuBLASLt rewrite as written), elsewhere at
+    DEFAULT precision (a global jax_default_matmul_precision="highest" must not reach the FP8 dots either way)."""
+    precision = F8_GPU_ALGORITHM if fp8_tensor_cores() else lax.Precision.DEFAULT
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=out_dtype)
 
 
 def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
     """GEMM of two FP8 operands with per-tensor scale_invs, output in out_dtype."""
     s = (a_sinv * b_sinv).astype(jnp.float32)
-    fold = jax.default_backend() == "gpu"  # the scale folded into the cuBLASLt call (module docstring, "direct")
+    fold = fp8_tensor_cores()  # the scale folded into the cuBLASLt call (module docstring, "direct")
 
     # precision=DEFAULT explicitly (as flax's fp8_ops does): a global jax_default_matmul_precision="highest"
     # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
