@@ -14,7 +14,8 @@ Implementations:
 Bandwidth: K/V bytes each row must read (its filled part) / time, next to the HBM copy bandwidth measured in the same
 process (x * 2 on 4 GiB of bf16: bytes read + written / time). Before timing, te_jax's output is checked against an
 fp32 reference on the moderate rows. Timing: `rounds` interleaved rounds of timing.measure's median; the cell is the
-median over rounds. `--configs` adds te_jax with other DecodeConfigs on the batch-16 GQA rows (tuning evidence).
+median over rounds. `--configs` adds te_jax with other DecodeConfigs on the batch-16 GQA and batch-1 rows (tuning
+evidence): the old 264-program split, and the shares merged inside the kernel (DecodeConfig.merge "kernel").
 The script stops starting rows after `--budget` seconds and says so.
 """
 from __future__ import annotations
@@ -155,7 +156,8 @@ def main():
     print(f"HBM copy bandwidth (x * 2, 4 GiB bf16, read + write): {copy:.2f} TB/s", flush=True)
     configs, b1_configs = {}, {}
     if args.configs:
-        old = {"te_jax 264 programs": DecodeConfig(min_programs=264)}  # the default before the split sweep
+        old = {"te_jax 264 programs": DecodeConfig(min_programs=264),  # the default before the split sweep
+               "te_jax merge in kernel": DecodeConfig(merge="kernel")}  # the shares merged by the last program
         configs, b1_configs = old, old
     table, skipped = [], []
     for name, b, sq, g, s, lens in row_list:

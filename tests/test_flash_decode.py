@@ -54,7 +54,13 @@ def _rel(a, b):
     # MQA with 32 query heads x 4 tokens = 128 rows: two row tiles; cache length not a multiple of 16, head_dim 40;
     # not causal (every cached key)
     dict(b=1, sq=4, h=32, g=1, d=40, skv=131, lens=[131], cfg=DecodeConfig(block_rows=64), causal=False),
-])
+    # the shares merged inside the kernel by the last program of each tile (DecodeConfig.merge "kernel"): an empty
+    # row and rows with fewer blocks than shares (empty shares), GQA; and two row tiles per KV head
+    dict(b=3, sq=1, h=8, g=2, d=64, skv=256, lens=[256, 37, 0],
+         cfg=DecodeConfig(block_kv=32, num_splits=5, merge="kernel")),
+    dict(b=1, sq=4, h=32, g=2, d=32, skv=200, lens=[200], cfg=DecodeConfig(block_rows=32, merge="kernel"),
+         dtype=jnp.bfloat16),
+], ids=["gqa-lengths", "spec-window-softcap", "mqa-two-tiles", "merge-in-kernel", "merge-in-kernel-two-tiles"])
 def test_matches_reference(case):
     dtype = case.get("dtype", jnp.float32)
     b, sq, h, g, d, skv = (case[n] for n in ("b", "sq", "h", "g", "d", "skv"))
@@ -96,6 +102,12 @@ def test_paged_cache_matches_reference():
         reference(q, k, v, ref_mask, 0.125)))(q, k, v)
     assert _rel(out, rout) < 2e-2
     np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
+    merged = jax.jit(lambda q, k, v: flash_decode_paged(  # the shares merged in the kernel give the same
+        q, pool(k), pool(v), jnp.asarray(table), jnp.asarray(lens), scale=0.125, q_valid=q_valid, window=(40, 0),
+        config=DecodeConfig(block_kv=16, num_splits=3, merge="kernel")))(q, k, v)
+    assert _rel(merged[0], out) < 1e-2 and _rel(merged[1][np.isfinite(rlse)], lse[np.isfinite(rlse)]) < 1e-5
+    with pytest.raises(ValueError, match=r"DecodeConfig.merge='gpu' must be one of \('xla', 'kernel'\)"):
+        DecodeConfig(merge="gpu")
     with pytest.raises(ValueError, match="page_size 24 is not a multiple of 16"):
         flash_decode_paged(q, jnp.zeros((4, 24, g, d), q.dtype), jnp.zeros((4, 24, g, d), q.dtype),
                            jnp.zeros((b, 2), jnp.int32), jnp.asarray(lens), scale=0.125)

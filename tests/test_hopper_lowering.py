@@ -155,3 +155,8 @@ def test_triton_kernels_lower_for_cuda():
     kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), BF)
     mask = AttentionMask.full(2, 1, 1024, causal=True, bottom_right=True)
     assert _lower(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.1, interpret=False), q, kv, kv) > 0
+    from pallas_kernels.flash_decode import DecodeConfig  # the shares merged by the last program (atomic count)
+
+    merged = DecodeConfig(merge="kernel")
+    assert _lower(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.1, interpret=False, config=merged),
+                  q, kv, kv) > 0

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._compat import default_interpret, pl, triton_params
+from .._compat import default_interpret, pl, pltriton, triton_params
 from .._lower_once import lower_once
 from .._shapes import check_blocks as _check_blocks
 from .._shapes import next_pow2 as _next_pow2
@@ -50,6 +50,8 @@ LN2 = math.log(2.0)
 #: Longest query (tokens per row) the decode kernel takes; longer queries are prefill, for the flash kernels.
 MAX_QUERY_LEN = 16
 MAX_HEAD_DIM = 256
+#: DecodeConfig.merge's choices.
+MERGES = ("xla", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,12 @@ class DecodeConfig:
       benchmarks/results/decode_h100.md). paged_min_programs: the same for a paged cache, whose blocks are a page
       long (64 keys) and looked up through the block table: there two waves read faster (2.71 TB/s at 264 programs
       against 2.31 at 128, batch 16 GQA 32/8 32k on the H100).
+    merge: how the KV shares are combined. "xla": after the kernel (`_combine`, a few small XLA fusions);
+      "kernel": by the last program of each (row, KV head, row tile) to finish its share. Every program writes its
+      partial output and logsumexp, then counts itself in (an atomic add on a zeroed counter per tile); the one
+      that sees the count reach num_splits - 1 reads the partials back and writes the merged output. This removes
+      the XLA pass and its launches, which weigh on batch-1 rows (about 65 us in all for a 32k cache). Not yet
+      timed on a GPU: opt-in until benchmarks/decode_gpu.py --configs measures it.
     """
 
     block_kv: int = 128
@@ -73,11 +81,14 @@ class DecodeConfig:
     num_splits: int | None = None
     min_programs: int = 120
     paged_min_programs: int = 264
+    merge: str = "xla"
 
     def __post_init__(self):
         _check_blocks("DecodeConfig", block_kv=self.block_kv, block_rows=self.block_rows)
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits={self.num_splits} must be >= 1 (or None: automatic)")
+        if self.merge not in MERGES:
+            raise ValueError(f"DecodeConfig.merge={self.merge!r} must be one of {MERGES}")
 
 
 def decode_reason(q_shape, k_shape, v_shape) -> str | None:
@@ -152,16 +163,23 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None) -> s
 # --------------------------------------------------------------------------------------
 def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, *refs,
                    scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int,
-                   page_size: int | None):
+                   page_size: int | None, merge_in_kernel: bool = False, tiles: int = 1, interpret: bool = False):
     """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks.
 
     Paged (page_size given): k_ref / v_ref are the whole page pool of this KV head [P, page_size, D] and the
-    extra table_ref [max_pages] maps the row's logical pages to pool pages; a block never crosses a page."""
+    extra table_ref [max_pages] maps the row's logical pages to pool pages; a block never crosses a page.
+    merge_in_kernel (DecodeConfig.merge "kernel"): refs end with the counters [B, G * tiles] (zeroed, aliased) and
+    the whole partial arrays [B, G, n_splits, M, Dv] / [B, G, n_splits, M] instead of this program's blocks, the
+    counters again (the output the input is aliased to), then the merged output's and lse's blocks; see
+    _merge_last."""
+    if merge_in_kernel:  # inputs end with the counters, aliased to the third output (the same buffer)
+        *tables, _, o_ref, lse_ref, count_ref, out_ref, out_lse_ref = refs
+    else:
+        *tables, o_ref, lse_ref = refs
     if page_size is None:
-        o_ref, lse_ref = refs
         load = lambda ref, j: ref[pl.ds(pl.multiple_of(j * bk, bk), bk), :]
     else:
-        table_ref, o_ref, lse_ref = refs
+        (table_ref,) = tables
 
         def load(ref, j):
             start = j * bk
@@ -205,8 +223,53 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, 
     acc, m, l = lax.fori_loop(jnp.maximum(a, fhi), e, lambda j, c: body(j, c, True), carry)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = acc / l_safe[:, None]
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    o_part = acc / l_safe[:, None]
+    lse_part = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN2)
+    if not merge_in_kernel:
+        o_ref[...] = o_part
+        lse_ref[...] = lse_part
+        return
+    b, i = pl.program_id(1), pl.program_id(2)
+    g, t = i // tiles, i % tiles
+    rows = pl.ds(pl.multiple_of(t * bm, bm), bm)
+    o_ref[b, g, share, rows, :] = o_part
+    lse_ref[b, g, share, rows] = lse_part
+    _merge_last(o_ref, lse_ref, count_ref, out_ref, out_lse_ref, b=b, g=g, i=i, rows=rows, n_splits=n_splits,
+                interpret=interpret)
+
+
+def _merge_last(o_ref, lse_ref, count_ref, out_ref, out_lse_ref, *, b, g, i, rows, n_splits: int, interpret: bool):
+    """DecodeConfig.merge "kernel": count this program's share in; the last of the tile's n_splits programs reads
+    every share's partial (out, lse) back and writes the logsumexp merge (as _combine) to out_ref / out_lse_ref.
+
+    Ordering on the GPU: the barrier puts every thread's partial stores before the count (an acquire-release
+    atomic, so the last program's reads come after every other program's stores); the partials are read with
+    volatile loads, past an L1 that may hold a stale line.  (The interpreter runs the programs one after another.)
+    Not yet run on a GPU."""
+    if not interpret:
+        pltriton.debug_barrier()
+    done = pltriton.atomic_add(count_ref, (b, i), jnp.int32(1))
+
+    @pl.when(done == n_splits - 1)
+    def _():
+        def body(s, carry):
+            acc, mx, tot = carry
+            lse_s = pltriton.load(lse_ref.at[b, g, s, rows], volatile=True)
+            o_s = pltriton.load(o_ref.at[b, g, s, rows, :], volatile=True)
+            new = jnp.maximum(mx, lse_s)
+            base = jnp.where(jnp.isfinite(new), new, 0.0)
+            keep = jnp.exp(mx - base)  # exp(-inf) = 0 for the shares (and rows) that saw nothing
+            w = jnp.exp(lse_s - base)
+            return acc * keep[:, None] + w[:, None] * o_s, new, tot * keep + w
+
+        bm, dv = rows.size, o_ref.shape[4]
+        init = (jnp.zeros((bm, dv), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
+                jnp.zeros((bm,), jnp.float32))
+        acc, mx, tot = lax.fori_loop(0, n_splits, body, init)
+        seen = tot > 0
+        tot_safe = jnp.where(seen, tot, 1.0)
+        out_ref[...] = (acc / tot_safe[:, None]).astype(out_ref.dtype)
+        out_lse_ref[...] = jnp.where(seen, jnp.where(jnp.isfinite(mx), mx, 0.0) + jnp.log(tot_safe), -jnp.inf)
 
 
 def _combine(o, lse):
@@ -242,6 +305,7 @@ def _decode_impl(q, k, v, mask: AttentionMask, block_table=None, *, scale, softc
     qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
     qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
     nt, bm, S = geo.n_tiles, geo.bm, geo.n_splits
+    in_kernel = config.merge == "kernel"
     if block_table is None:
         kv_spec = lambda d: pl.BlockSpec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
         paged_specs, paged_args = [], []
@@ -249,9 +313,32 @@ def _decode_impl(q, k, v, mask: AttentionMask, block_table=None, *, scale, softc
         kv_spec = lambda d: pl.BlockSpec((k.shape[0], page_size, None, d), lambda s, b, i: (0, 0, i // nt, 0))
         paged_specs = [pl.BlockSpec((None, block_table.shape[1]), lambda s, b, i: (b, 0))]
         paged_args = [block_table.astype(jnp.int32)]
-    o, lse = pl.pallas_call(
+    part_shapes = [jax.ShapeDtypeStruct((B, g, S, M, geo.dv_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((B, g, S, M), jnp.float32)]
+    if in_kernel:  # whole partial arrays and counters, then the merged output (see _merge_last)
+        whole = lambda shape: pl.BlockSpec(shape, lambda s, b, i: (0,) * len(shape))
+        count_shape = (B, g * nt)
+        merge_specs = [whole(count_shape)]
+        merge_args = [jnp.zeros(count_shape, jnp.int32)]
+        out_specs = [whole(part_shapes[0].shape), whole(part_shapes[1].shape), whole(count_shape),
+                     pl.BlockSpec((None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
+                     pl.BlockSpec((None, None, bm), lambda s, b, i: (b, i // nt, i % nt))]
+        out_shape = part_shapes + [jax.ShapeDtypeStruct(count_shape, jnp.int32),
+                                   jax.ShapeDtypeStruct((B, g, M, geo.dv_pad), jnp.float32),
+                                   jax.ShapeDtypeStruct((B, g, M), jnp.float32)]
+        n_in = 8 + len(paged_args)
+        aliases = {n_in: 2}
+    else:
+        merge_specs, merge_args, aliases = [], [], {}
+        out_specs = [
+            pl.BlockSpec((None, None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, s, i % nt, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda s, b, i: (b, i // nt, s, i % nt)),
+        ]
+        out_shape = part_shapes
+    outs = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, softcap=softcap, causal=mask.causal, window=mask.window,
-                          bk=geo.bk, n_splits=S, page_size=page_size),
+                          bk=geo.bk, n_splits=S, page_size=page_size, merge_in_kernel=in_kernel, tiles=nt,
+                          interpret=bool(interpret)),
         grid=(S, B, g * nt),
         in_specs=[
             pl.BlockSpec((None, 4), lambda s, b, i: (b, 0)),
@@ -262,18 +349,15 @@ def _decode_impl(q, k, v, mask: AttentionMask, block_table=None, *, scale, softc
             pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
             pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
             pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
-        ] + paged_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, s, i % nt, 0)),
-            pl.BlockSpec((None, None, None, bm), lambda s, b, i: (b, i // nt, s, i % nt)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((B, g, S, M, geo.dv_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((B, g, S, M), jnp.float32)],
+        ] + paged_specs + merge_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=triton_params(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="te_flash_decode",
-    )(meta, qp, k, v, qseg, qpos, kmask.kv_segment_ids, kmask.kv_positions, *paged_args)
-    o, lse = _combine(o, lse)  # [B, G, M, Dvp], [B, G, M]
+    )(meta, qp, k, v, qseg, qpos, kmask.kv_segment_ids, kmask.kv_positions, *paged_args, *merge_args)
+    o, lse = outs[3:] if in_kernel else _combine(*outs)  # [B, G, M, Dvp], [B, G, M]
     out = o[:, :, :geo.rows, :dv].reshape(B, g, sq, R, dv).transpose(0, 2, 1, 3, 4).reshape(B, sq, h, dv)
     lse = lse[:, :, :geo.rows].reshape(B, g, sq, R).transpose(0, 1, 3, 2).reshape(B, h, sq)
     return out.astype(q.dtype), lse
