@@ -363,9 +363,10 @@ def test_gqa_kv_projection_casts_with_the_query_input_scale():
     assert float(np.max(new["kv"]["fp8_meta"]["input_amax_history"])) > 0
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4),
-                                    pytest.param(Float8CurrentScaling(), marks=pytest.mark.slow)],
-                         ids=["delayed", "current"])  # current scaling's norm_dense: test_fp8_fused_mlp's norm tests
+@pytest.mark.slow  # 18 s of CI time; in CI the fused GQA path runs in test_flax_decode's FP8 decode test and the
+# norm inside the cast in test_fp8_fused_mlp's norm tests
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
 def test_gqa_query_and_kv_share_one_norm_cast(recipe, monkeypatch):
     """With the fused casts, GQA self-attention runs its input norm inside one cast of x that feeds the query and the
     K/V GEMMs (te_jax/fp8/norm_dense.py): the same parameter and FP8-state trees as the unfused modules, and the same
