@@ -215,8 +215,8 @@ def _scaled_gemm(style, out_dtype, a_sinv, b_sinv):
     s = (a_sinv * b_sinv).astype(jnp.float32)
     fold = fp8_tensor_cores()  # the scale folded into the cuBLASLt call (module docstring, "direct")
 
-    # precision=DEFAULT explicitly (as flax's fp8_ops does): a global jax_default_matmul_precision="highest"
-    # must not reach the FP8 dots, whose rewrite into the cuBLASLt FP8 GEMM wants the default precision.
+    # Every dot names its precision (f8_dot: the FP8 algorithm on FP8 tensor cores, else DEFAULT, as flax's fp8_ops
+    # does): a global jax_default_matmul_precision="highest" must not reach the FP8 dots.
     def gemm(a, b, dims):
         if style == "qdq":  # (wgrad_qdq is direct here: its wgrad GEMMs call with wgrad_style(style) == "qdq")
             # the FP8 values pass a barrier: where XLA made them (the unfused path's quantize), its GPU pipeline
