@@ -127,6 +127,7 @@ def _temp_bytes(seq, backend):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # 12 s of compiles (nothing runs)
 def test_pallas_memory_grows_linearly_with_sequence():
     """Forward+backward at 16k and 64k compiles (not runs) with temp memory ~4x, not ~16x."""
     small, large = _temp_bytes(16384, "pallas"), _temp_bytes(65536, "pallas")

@@ -139,7 +139,7 @@ def test_masks_cp4_load_balanced_or_not(strategy):
                                   ("causal", False), ("padding_causal", False)]], seed=1)
 
 
-@pytest.mark.parametrize("strategy,cp", [("ring", 2), ("ring", 8), ("all_gather", 8)])
+@pytest.mark.parametrize("strategy,cp", [pytest.param("ring", 2, marks=pytest.mark.slow), ("ring", 8), ("all_gather", 8)])
 def test_cp_sizes(strategy, cp):
     _case(strategy, "causal", lb=True, cp=cp, seed=3)
 

@@ -5,6 +5,7 @@ needs no gradient, and the others; each is called per layer)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import pytest
 
 from te_jax.flax import TransformerLayer
 from tolerance import assert_close
@@ -51,6 +52,7 @@ def _loss(model):
     return lambda p, x: jnp.mean(jnp.square(model.apply(p, x)))
 
 
+@pytest.mark.slow  # 12 s; CI keeps test_train_lm_jit_layers_equals_the_plain_model_and_decodes and the GEMM count
 def test_jit_layers_equal_the_plain_loop_forward_and_gradients():
     x = jax.random.normal(jax.random.key(1), (B, S, D), jnp.float32)
     loop = LoopStack()

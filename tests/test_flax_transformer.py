@@ -316,6 +316,8 @@ def test_context_parallel_keeps_data_and_tensor_axes_of_the_logical_rules(record
     assert calls[-1]["batch_axes"] is None and calls[-1]["head_axes"] is None
 
 
+@pytest.mark.slow  # 15 s; the layer under load-balanced ring CP with RoPE runs in CI as
+# test_rope_context_parallel::test_transformer_layer_rope_segments_load_balanced_cp_matches_one_device
 def test_context_parallel_layer_matches_single_device():
     """A real context-parallel run (2 fake CPU devices, ring, load-balanced zig-zag order, RoPE)."""
     from te_jax.context_parallel import inverse_reorder_causal_load_balancing, reorder_causal_load_balancing

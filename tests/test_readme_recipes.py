@@ -42,6 +42,7 @@ def test_logical_axis_rules_need_a_mesh_with_auto_axes():
     assert_close(y, layer.apply(jax.device_get(params), x, deterministic=True), 1e-5, "sharded == unsharded")
 
 
+@pytest.mark.slow  # 15 s; NNX decoding with its mutable cache runs in CI as test_flax_decode::test_nnx_decode_with_mutable_cache
 def test_nnx_decoding_needs_mutable_cache():
     from flax import errors, nnx
 

@@ -153,6 +153,7 @@ def test_dp_step_runs_the_pallas_attention_per_shard(pallas_norms, pallas_attent
     assert not gathered, f"activation-sized gathers in the dp=4 step: {gathered}"
 
 
+@pytest.mark.slow  # 15 s; CI keeps the dp x cp quarter-of-the-work test and the per-shard Pallas step
 def test_dp_step_with_an_opaque_attention_kernel_is_a_quarter_of_the_work(monkeypatch, pallas_attention):
     """Per-device flops of the dp=4 step with the attention forced to pallas, the kernel replaced by a
     stand-in that behaves as on a GPU: opaque to the SPMD partitioner (outside shard_map it runs
