@@ -5,7 +5,8 @@ Run on the device machine from the repo root:
     (--gemm-style direct,direct_bf16 traces each FP8 variant once per listed TE_JAX_FP8_GEMM style; --with-block adds Float8BlockScaling,
      a reference implementation that is NOT an FP8 GEMM; --param-dtype fp32 keeps fp32 parameters;
      --fused-mlp both adds each per-tensor FP8 variant with the MLP unfused, TE_JAX_FP8_FUSED=0 at trace time;
-     --keep-weights both adds it with the MLP's FP8 weight copies kept for the backward, TE_JAX_FP8_KEEP_WEIGHTS=1)
+     --keep-weights both times it with the MLP's FP8 weight copies kept for the backward and re-cast there,
+     TE_JAX_FP8_KEEP_WEIGHTS=1 and 0; the default follows the library: kept for DelayedScaling only)
 CPU smoke test of the script itself (tiny sizes; no cuBLASLt, so the FP8 custom-call count is 0 and the
 f8 converts are counted instead):
     PYTHONPATH=. python -m benchmarks.fp8_layer_gpu --cpu-smoke
@@ -77,13 +78,15 @@ def parse():
     p.add_argument("--fused-mlp", choices=["on", "off", "both"], default="on",
                    help="LayerNormMLP's fused FP8 path (te_jax/fp8/mlp.py; TE_JAX_FP8_FUSED): on, off, or both "
                         "as variants (A/B)")
-    p.add_argument("--keep-weights", choices=["off", "on", "both"], default="off",
+    p.add_argument("--keep-weights", choices=["auto", "on", "both"], default="auto",
                    help="the fused MLP keeps its weights' FP8 copies for the backward (TE_JAX_FP8_KEEP_WEIGHTS=1) "
-                        "instead of re-casting them: off (the default path), on, or both as variants (time and "
-                        "temporary memory side by side)")
+                        "instead of re-casting them (=0): auto (the library's default: kept for DelayedScaling "
+                        "only), on, or both (=1 and =0 as variants: time and temporary memory side by side)")
     p.add_argument("--trace", action="store_true",
                    help="profile 3 steps of each variant: device time per kernel category and the top ops; "
                         "optimized HLO to $OUT/fp8_hlo_<variant>.txt.gz")
+    p.add_argument("--gaps", action="store_true",
+                   help="per variant: where the device idles between kernels (span, kernel sum, longest stretches)")
     p.add_argument("--flax-peer", action="store_true",
                    help="add the same block in plain Flax with nn.Fp8DotGeneralOp Dense layers (and bf16), cuDNN attention")
     p.add_argument("--probe-small", action="store_true",
@@ -196,14 +199,15 @@ def main():
         if st not in GEMM_STYLES:
             raise SystemExit(f"--gemm-style: {st!r} is not one of {GEMM_STYLES}")
     fused = {"on": ["1"], "off": ["0"], "both": ["1", "0"]}[args.fused_mlp]
-    # "1k": fused with the MLP's FP8 weight copies kept for the backward (TE_JAX_FP8_KEEP_WEIGHTS=1)
-    fused = {"off": fused, "on": [f + "k" if f == "1" else f for f in fused],
-             "both": [v for f in fused for v in ((f, f + "k") if f == "1" else (f,))]}[args.keep_weights]
+    # "1": fused, the library's default for the weights' FP8 copies (TE_JAX_FP8_KEEP_WEIGHTS=auto: kept for
+    # DelayedScaling); "1k": kept for every recipe (=1); "1r": re-cast in the backward (=0)
+    fused = {"auto": fused, "on": [f + "k" if f == "1" else f for f in fused],
+             "both": [v for f in fused for v in ((f + "r", f + "k") if f == "1" else (f,))]}[args.keep_weights]
     for st in styles:
         for fu in fused:
             suffix = "" if len(styles) == 1 else f" [{st}]"
             suffix += " [unfused MLP]" if fu == "0" and len(fused) > 1 else ""
-            suffix += " [kept weight copies]" if fu == "1k" else ""
+            suffix += {"1k": " [kept weight copies]", "1r": " [weights re-cast]"}.get(fu, "")
             variants[f"DelayedScaling(1024, max){suffix}"] = (
                 fp8.DelayedScaling(amax_history_len=1024, amax_compute_algo="max"), st, fu)
             variants[f"Float8CurrentScaling{suffix}"] = (fp8.Float8CurrentScaling(), st, fu)
@@ -249,7 +253,7 @@ def main():
         with (fp8.autocast(enabled=recipe is not None, recipe=recipe),
               env("TE_JAX_FP8_GEMM", "direct" if style == "block-pallas" else style),
               env("TE_JAX_FP8_FUSED", fused_mlp[0]), env("TE_JAX_FP8_BLOCK_GEMM", block_gemm),
-              env("TE_JAX_FP8_KEEP_WEIGHTS", "1" if fused_mlp == "1k" else "0")):
+              env("TE_JAX_FP8_KEEP_WEIGHTS", {"1k": "1", "1r": "0"}.get(fused_mlp, "auto"))):
             variables = jax.jit(lambda k: nn.meta.unbox(module.init(k, x[:1, :8], deterministic=True)))(kp)
             params, state = variables["params"], variables.get(fp8.FP8_COLLECTION, {})
             if name == "bf16":
@@ -341,6 +345,10 @@ def main():
             except Exception as e:  # a failed trace must not lose the timings above
                 traces[name] = {"error": repr(e)}
         log(category_table(traces))
+    if args.gaps:
+        from benchmarks.fp8_trace import idle_gaps
+        for name, (f, a) in steps.items():
+            log(f"\n== idle device time: {name}\n{idle_gaps(f, a)}")
     if args.probe_small:
         from benchmarks.fp8_trace import probe_small_dense
         log(probe_small_dense())

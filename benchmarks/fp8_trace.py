@@ -119,3 +119,28 @@ def probe_small_dense():
     keep = [ln.strip()[:400] for ln in hlo.splitlines()
             if "custom_call_target" in ln or ("dot(" in ln and "f8" in ln) or "__triton_gemm" in ln]
     return "\n## small FP8 DenseGeneral probe: GEMM-related instructions\n" + "\n".join(keep)
+
+
+def idle_gaps(fn, args, *, calls=4, top=12):
+    """Where the device idles during `calls` back-to-back calls of fn(*args) (benchmarks.device_time's events):
+    per call the span, the kernels' summed time and the idle time between them, and the `top` longest idle
+    stretches with the kernels on either side (a stretch between two calls is marked)."""
+    from benchmarks import device_time
+
+    prof = device_time.profiled(fn, args, calls=calls)
+    events = prof["events"]
+    gaps, end, prev = [], events[0][1], events[0][2]
+    for start, stop, name in events[1:]:
+        if start > end:
+            gaps.append(((start - end) * 1e-3, prev[:60], name[:60]))
+        if stop > end:
+            end, prev = stop, name
+    idle_us = sum(g for g, _, _ in gaps) / calls
+    lines = [f"span {prof['span_s'] * 1e3:.2f} ms/call, kernels {prof['kernel_s'] * 1e3:.2f} ms/call "
+             f"({prof['kernels_per_call']:.0f} per call), idle {idle_us / 1e3:.2f} ms/call in {len(gaps) / calls:.0f} "
+             f"stretches; longest (us, after -> before):"]
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {g:8.1f}  {a} -> {b}")
+    small = [g for g, _, _ in gaps if g < 20]
+    lines.append(f"  stretches under 20 us: {len(small) / calls:.0f} per call, {sum(small) / calls / 1e3:.2f} ms/call")
+    return "\n".join(lines)

@@ -302,7 +302,7 @@ def test_fused_mlp_equals_the_unfused_fp8_path(acts, recipe):
                                     pytest.param(Float8CurrentScaling(), marks=pytest.mark.slow)],
                          ids=["delayed", "current"])
 def test_kept_weight_copies_equal_the_recast(recipe, monkeypatch):
-    """TE_JAX_FP8_KEEP_WEIGHTS=1: the forward's cast writes w_q beside w_qT and the backward uses it. The values are
+    """TE_JAX_FP8_KEEP_WEIGHTS=1 (the default for delayed scaling): the forward's cast writes w_q beside w_qT and the backward uses it. The values are
     the re-cast's (same scale, same rounding): y, dx, dw1, dw2 and the states equal the default path's over two
     steps and lie within FP8 error of the fp32 MLP; the step has two fewer weight-shaped FP8 casts outside the
     kernels (the backward's re-casts); LayerNormMLP's explanation names it; a bad setting is a ValueError."""
@@ -336,6 +336,9 @@ def test_kept_weight_copies_equal_the_recast(recipe, monkeypatch):
     monkeypatch.setenv("TE_JAX_FP8_KEEP_WEIGHTS", "yes")
     with pytest.raises(ValueError, match="TE_JAX_FP8_KEEP_WEIGHTS='yes' must be one of"):
         _fused(x, w1, w2, None, None, Float8CurrentScaling(), acts)
+    monkeypatch.delenv("TE_JAX_FP8_KEEP_WEIGHTS")  # the default, "auto": kept for delayed scaling only
+    from te_jax.fp8.fused import keep_mlp_weight_copies
+    assert keep_mlp_weight_copies(DelayedScaling()) and not keep_mlp_weight_copies(Float8CurrentScaling())
 
 
 def _all_eqns(jaxpr):

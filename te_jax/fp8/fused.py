@@ -38,15 +38,19 @@ def fused_setting() -> str:
 KEEP_WEIGHTS_ENV = "TE_JAX_FP8_KEEP_WEIGHTS"
 
 
-def keep_mlp_weight_copies() -> bool:
+def keep_mlp_weight_copies(recipe) -> bool:
     """Whether the fused FP8 MLP keeps its weights' FP8 copies from the forward for the backward's dgrad GEMMs
-    (TE_JAX_FP8_KEEP_WEIGHTS=1, read at trace time) instead of re-casting them there (unset or "0", the default).
-    Kept: the forward's cast writes both layouts from one read of each weight and the backward casts nothing (on
-    the H100 layer, about 210 us less cast traffic per step); the cost is the copies (D x n*F + F x D bytes) held
-    from the forward to the MLP's backward. The MLP's backward runs first in a layer's backward, so the copies
-    are gone before the attention backward; whether they raise a step's peak memory depends on where it lies
-    (benchmarks/fp8_layer_gpu.py --keep-weights both measures time and temporary memory side by side)."""
-    return policy.env_choice(KEEP_WEIGHTS_ENV, ("0", "1"), "0") == "1"
+    instead of re-casting them there (TE_JAX_FP8_KEEP_WEIGHTS, read at trace time: "1" keeps, "0" re-casts,
+    "auto", the default, keeps them for DelayedScaling only).
+    Kept: the forward's cast writes both layouts from one read of each weight and the backward casts nothing; the
+    cost is the copies (D x n*F + F x D bytes) held from the forward to the MLP's backward, which runs first in a
+    layer's backward. Why auto is per recipe (H100 layer, benchmarks/results/fp8_layer_h100.md): with delayed
+    scaling the step's temporary memory stayed at bf16's and the step was 0.4-2% faster; with current scaling it was
+    as fast at 4 steps per dispatch and its temporary memory grew by 112 MiB (1170 -> 1282)."""
+    setting = policy.env_choice(KEEP_WEIGHTS_ENV, ("auto", "0", "1"), "auto")
+    if setting == "auto":
+        return isinstance(recipe, DelayedScaling)
+    return setting == "1"
 
 
 def fused_cast_unavailable(recipe) -> str | None:

@@ -197,8 +197,8 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
         d, n_act, f = w1.shape
         path = "fused FP8 MLP (te_jax.fp8.mlp: cast/activation kernels write FP8 operands, transposes and amaxes"
         path += "; the norm fused into x's cast" if enable_layernorm else ""
-        path += ("; the weights' FP8 copies kept for the backward, TE_JAX_FP8_KEEP_WEIGHTS=1)"
-                 if keep_mlp_weight_copies() else ")")
+        path += ("; the weights' FP8 copies kept for the backward, TE_JAX_FP8_KEEP_WEIGHTS)"
+                 if keep_mlp_weight_copies(recipe) else ")")
         _ac.record(module, "wi_kernel", recipe, f"{reason}; {path}", k=d, n=n_act * f,
                    shape=f"x{tuple(ln.shape)} . wi_kernel{tuple(w1.shape)}")
         _ac.record(module, "wo_kernel", recipe, f"{reason}; {path}", k=f, n=w2.shape[-1],
