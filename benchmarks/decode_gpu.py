@@ -1,7 +1,7 @@
 """Decode attention: short queries against a KV cache, te_jax against every peer that supports the call.
 
     bash benchmarks/install_peers.sh; export PYTHONPATH=.:/tmp/site   # carry [".whl"] (FlashAttention-3)
-    python3 -m benchmarks.decode_gpu [--rounds 3] [--budget 240] [--configs]
+    python3 -m benchmarks.decode_gpu [--rounds 3] [--budget 240] [--configs] [--device-time]
 
 Rows (bf16, head_dim 128, 32 query heads): q 1 and 8 tokens x caches of 8k, 32k, 128k x GQA 32/8 and MHA 32/32 x
 batch 1 and 16, the whole cache visible (attn_mask_type "no_mask"), plus a partly filled cache (batch 16, 32k slots,
@@ -16,6 +16,10 @@ process (x * 2 on 4 GiB of bf16: bytes read + written / time). Before timing, te
 fp32 reference on the moderate rows. Timing: `rounds` interleaved rounds of timing.measure's median; the cell is the
 median over rounds. `--configs` adds te_jax with other DecodeConfigs on the batch-16 GQA and batch-1 rows (tuning
 evidence): the old 264-program split, and the shares merged inside the kernel (DecodeConfig.merge "kernel").
+`--device-time` adds a second table from the device clock (benchmarks/device_time.profiled: the GPU time of every
+kernel and memset one call launches, summed, over 20 profiled calls). It leaves out the host: a call of 10-60 us
+(the batch-1 rows) dispatched from Python is bound by dispatch, for every implementation alike, while inside a
+jitted decoding step the kernels run back to back. Gaps between one call's own kernels are not counted either.
 The script stops starting rows after `--budget` seconds and says so.
 """
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg  # import_fa3, gpu_warmup, rel
-from benchmarks import timing
+from benchmarks import device_time, timing
 
 H, D = 32, 128
 T0 = time.perf_counter()
@@ -133,6 +137,21 @@ def paged_row(rounds, cpu_smoke=False):
     return f"| q1 b{b} GQA 32/8 cache {s // 1024}k, paged ({page}-key pages, shuffled) | {cells} | - | - |"
 
 
+def device_row(name, impls, args, nbytes, copy):
+    """A table line of TB/s by the device clock (device_time.profiled's kernel_s) for each implementation."""
+    tb = {}
+    for iname, f in impls.items():
+        prof = device_time.profiled(f, args, calls=20)
+        tb[iname] = nbytes / prof["kernel_s"] / 1e12
+        print(f"  {iname} device: {prof['kernel_s'] * 1e6:.1f} us/call in {prof['kernels_per_call']:.0f} kernels "
+              f"({', '.join(f'{n} {t * 1e6:.1f}' for n, t in prof['durations'].items())})", flush=True)
+    peers = [i for i in impls if not i.startswith("te_jax")]
+    best = max(peers, key=tb.get) if peers else None
+    ratio = f"{tb['te_jax'] / tb[best]:.2f} of {best}" if best and "te_jax" in tb else "-"
+    copy_frac = f"{tb['te_jax'] / copy:.2f}" if "te_jax" in tb else "-"
+    return f"| {name} | {' | '.join(f'{i} {tb[i]:.2f}' for i in impls)} | {ratio} | {copy_frac} |"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -140,6 +159,8 @@ def main():
     ap.add_argument("--configs", action="store_true",
                     help="also time DecodeConfig(min_programs=264), the default before the split sweep "
                          "(benchmarks/decode_splits_gpu.py), on the batch-16 GQA and the batch-1 rows")
+    ap.add_argument("--device-time", action="store_true",
+                    help="also a table of TB/s by the device clock (the GPU time of each call's kernels, summed)")
     ap.add_argument("--cpu-smoke", action="store_true", help="two tiny rows on the CPU (checks the script runs)")
     args = ap.parse_args()
     from pallas_kernels.flash_decode import DecodeConfig
@@ -159,7 +180,7 @@ def main():
         old = {"te_jax 264 programs": DecodeConfig(min_programs=264),  # the default before the split sweep
                "te_jax merge in kernel": DecodeConfig(merge="kernel")}  # the shares merged by the last program
         configs, b1_configs = old, old
-    table, skipped = [], []
+    table, dev_table, skipped = [], [], []
     for name, b, sq, g, s, lens in row_list:
         if time.perf_counter() - T0 > args.budget:
             skipped.append(name)
@@ -196,6 +217,9 @@ def main():
         line = f"| {name} | {cells} | {ratio} | {copy_frac} |"
         print(line, flush=True)
         table.append(line)
+        if args.device_time and not args.cpu_smoke:
+            dev_table.append(device_row(name, impls, (q, k, v), nbytes, copy))
+            print(dev_table[-1], flush=True)
         del q, k, v
     if time.perf_counter() - T0 <= args.budget or args.cpu_smoke:
         table.append(paged_row(args.rounds, args.cpu_smoke))
@@ -208,6 +232,13 @@ def main():
     print("|---|---|---|---|")
     for line in table:
         print(line)
+    if dev_table:
+        print("\n## The same rows by the device clock: K/V bytes / (the GPU time of one call's kernels, summed over "
+              "20 profiled calls)\n")
+        print("| row | implementations (TB/s) | te_jax / best peer | te_jax / copy |")
+        print("|---|---|---|---|")
+        for line in dev_table:
+            print(line)
     if skipped:
         print(f"\nnot run (time budget {args.budget:.0f} s): {', '.join(skipped)}")
 
