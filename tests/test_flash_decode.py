@@ -183,7 +183,13 @@ def test_split_count_targets_one_wave_contiguous_and_two_waves_paged():
     # batch 16 x 8 KV heads x 1 row tile = 128 programs: one share contiguous, 3 shares paged (384 >= 264)
     assert _geometry(cfg, 16, 1, 32, 32768, 8, 128, 128).n_splits == 1
     assert _geometry(cfg, 16, 1, 32, 32768, 8, 128, 128, page_size=64).n_splits == 3
-    # batch 1 x 8 KV heads: 15 shares (120 programs); never more shares than KV blocks
+    # batch 1 x 8 KV heads: 15 shares (120 programs); never more shares than KV blocks (64-key blocks: one wave)
     assert _geometry(cfg, 1, 1, 32, 32768, 8, 128, 128).n_splits == 15
-    assert _geometry(cfg, 1, 1, 32, 256, 8, 128, 128).n_splits == 2
+    assert _geometry(cfg, 1, 1, 32, 256, 8, 128, 128).n_splits == 4
+    # block_kv None: 64 keys per step for a grid of about one wave, 128 for a larger one or a paged cache
+    assert _geometry(cfg, 16, 1, 32, 8192, 8, 128, 128).bk == 64  # 128 programs
+    assert _geometry(cfg, 16, 1, 32, 8192, 32, 128, 128).bk == 128  # MHA: 512 programs
+    assert _geometry(cfg, 16, 1, 32, 8192, 8, 128, 128, page_size=64).bk == 64  # the page length
+    assert _geometry(cfg, 16, 1, 32, 8192, 8, 128, 128, page_size=256).bk == 128
+    assert _geometry(DecodeConfig(block_kv=256), 1, 1, 32, 8192, 8, 128, 128).bk == 256
     assert _geometry(DecodeConfig(num_splits=5), 1, 1, 32, 32768, 8, 128, 128, page_size=64).n_splits == 5

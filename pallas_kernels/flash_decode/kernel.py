@@ -52,6 +52,8 @@ MAX_QUERY_LEN = 16
 MAX_HEAD_DIM = 256
 #: DecodeConfig.merge's choices.
 MERGES = ("xla", "kernel")
+#: DecodeConfig.block_kv=None: (keys per step for a grid of about one wave, for a larger grid or a paged cache).
+AUTO_BLOCK_KV = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,10 @@ class DecodeConfig:
     """Tiles and launch parameters of the decode kernel (powers of two >= 16 for the blocks).
 
     block_kv: keys per step (shrunk to a power of two dividing the cache length when possible, so that the
-      cache is never copied to pad it). block_rows: most rows (query tokens x heads of a group) per tile.
+      cache is never copied to pad it). None: 64 for a contiguous cache whose grid is about one wave (fewer than
+      2 x min_programs (batch x KV heads x row tiles) before splitting), else 128. On the H100 by the device clock,
+      64 read 2-4% faster on every one-wave row swept (batch-16 GQA, batch-1 GQA and MHA); 128 was 7% faster on
+      batch-16 MHA (512 programs); benchmarks/results/decode_h100.md, "launch parameters". block_rows: most rows (query tokens x heads of a group) per tile.
     num_splits: fixed number of KV shares per (row, KV head); None: the fewest shares that give the grid at
       least `min_programs` programs, at most one share per KV block. 120 is about one program per SM of an H100
       (132 SMs): on the H100 one such wave read fastest on every row swept (128-256 programs beat 264-384 by 2-10%;
@@ -70,11 +75,11 @@ class DecodeConfig:
       "kernel": by the last program of each (row, KV head, row tile) to finish its share. Every program writes its
       partial output and logsumexp, then counts itself in (an atomic add on a zeroed counter per tile); the one
       that sees the count reach num_splits - 1 reads the partials back and writes the merged output. This removes
-      the XLA pass and its launches, which weigh on batch-1 rows (about 65 us in all for a 32k cache). Not yet
-      timed on a GPU: opt-in until benchmarks/decode_gpu.py --configs measures it.
+      the XLA pass and its launches. Opt-in: on the H100 the decode kernel grew by about 5 us (the last program
+      of each tile merges alone), more than the launch it saves (benchmarks/results/decode_h100.md).
     """
 
-    block_kv: int = 128
+    block_kv: int | None = None
     block_rows: int = 64
     num_warps: int = 4
     num_stages: int = 3
@@ -84,7 +89,7 @@ class DecodeConfig:
     merge: str = "xla"
 
     def __post_init__(self):
-        _check_blocks("DecodeConfig", block_kv=self.block_kv, block_rows=self.block_rows)
+        _check_blocks("DecodeConfig", block_kv=self.block_kv or AUTO_BLOCK_KV[1], block_rows=self.block_rows)
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits={self.num_splits} must be >= 1 (or None: automatic)")
         if self.merge not in MERGES:
@@ -129,8 +134,12 @@ def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv, page_size=None) -> _
     # The largest power-of-two block <= block_kv that divides the cache (or a page of a paged one): no copy of the
     # cache to pad it.
     whole = page_size or skv
-    bk = next((b for b in (cfg.block_kv, cfg.block_kv // 2, cfg.block_kv // 4, cfg.block_kv // 8) if b >= 16 and whole % b == 0),
-              min(cfg.block_kv, max(16, _next_pow2(skv))))
+    want = cfg.block_kv
+    if want is None:
+        one_wave = page_size is None and B * g * n_tiles < 2 * cfg.min_programs
+        want = AUTO_BLOCK_KV[0] if one_wave else AUTO_BLOCK_KV[1]
+    bk = next((b for b in (want, want // 2, want // 4, want // 8) if b >= 16 and whole % b == 0),
+              min(want, max(16, _next_pow2(skv))))
     skv_pad = -(-skv // bk) * bk
     nk = skv_pad // bk
     programs = cfg.min_programs if page_size is None else cfg.paged_min_programs
