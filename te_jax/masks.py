@@ -126,11 +126,14 @@ def _seqlens_to_batch_segments(lens, batch, seq_len):
 
 
 def _seqlens_to_packed_segments(lens, total):
-    """Packed lengths [n] → segment ids [total] (1..n, 0 past the sum)."""
-    ends = jnp.cumsum(lens)
+    """Packed lengths [n] → segment ids [total] (1..n, 0 past the sum). Without a loop: a scatter of the
+    documents' ends and a running sum. jnp.searchsorted's default method is a loop, which XLA may keep as a while
+    loop on a GPU: kernel launches and a host check per step, on every thd call."""
+    ends = jnp.cumsum(lens.astype(jnp.int32))
     idx = jnp.arange(total, dtype=jnp.int32)
-    seg = jnp.searchsorted(ends, idx, side="right").astype(jnp.int32) + 1
-    return jnp.where(idx < ends[-1], seg, 0)
+    marks = jnp.zeros((total + 1,), jnp.int32).at[jnp.clip(ends, 0, total)].add(1)  # ends at or before each token
+    seg = jnp.cumsum(marks[:total]) + 1
+    return jnp.where(idx < ends[-1], seg, 0).astype(jnp.int32)
 
 
 def _both_sides(q_value, kv_value, what, q_len, kv_len):

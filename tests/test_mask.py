@@ -272,3 +272,31 @@ def test_backends_that_list_mask_kinds_refuse_a_new_one():
     assert new.mask.causal  # what a name-based check would have believed
     assert "chunked_causal" in BACKENDS["cudnn"].unsupported_reason(new)
     assert "chunked_causal" in BACKENDS["pallas"].hopper_reason(new)
+
+
+def test_packed_lengths_become_segment_ids_without_a_loop():
+    """thd lengths -> segment ids (te_jax.masks): equal to numpy's searchsorted on random lengths (empty documents,
+    a sum short of the tensor, one document filling it), and the traced function holds no loop (which XLA may keep as
+    a while loop on a GPU: launches and a host check per step)."""
+    from te_jax.masks import _seqlens_to_packed_segments
+
+    rng = np.random.default_rng(0)
+    cases = [np.array([300, 1, 723]), np.array([0, 5, 0, 7, 0]), np.array([64]), rng.integers(0, 40, size=9),
+             np.array([0])]
+    for lens in cases:
+        total = int(lens.sum()) + int(rng.integers(0, 5))
+        total = max(total, 1)
+        got = np.asarray(jax.jit(_seqlens_to_packed_segments, static_argnums=1)(jnp.asarray(lens, jnp.int32), total))
+        ends = np.cumsum(lens)
+        idx = np.arange(total)
+        want = np.where(idx < ends[-1], np.searchsorted(ends, idx, side="right") + 1, 0)
+        np.testing.assert_array_equal(got, want, err_msg=str(lens))
+    def primitives(jaxpr):
+        for e in jaxpr.eqns:
+            yield e.primitive.name
+            for v in e.params.values():
+                if hasattr(v, "jaxpr") or hasattr(v, "eqns"):
+                    yield from primitives(getattr(v, "jaxpr", v))
+
+    jaxpr = jax.make_jaxpr(_seqlens_to_packed_segments, static_argnums=1)(jnp.ones((4,), jnp.int32), 16)
+    assert not set(primitives(jaxpr.jaxpr)) & {"scan", "while"}, jaxpr
