@@ -396,3 +396,43 @@ def test_sm90_data_mask_explanation_counts_the_tiles(fake_h100, monkeypatch):
             "19 skipped") in choice.detail, choice.detail
     plain = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal", backend="pallas")
     assert "forward tiles" not in plain.detail
+
+
+def _primitives(jaxpr):
+    """Every primitive outside the Pallas kernels, nested jaxprs included."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            continue
+        yield e.primitive.name
+        for v in e.params.values():
+            if hasattr(v, "jaxpr") or hasattr(v, "eqns"):
+                yield from _primitives(getattr(v, "jaxpr", v))
+
+
+def test_sm90_work_around_the_kernels_has_no_loop(fake_h100, monkeypatch):
+    """What runs around the attention kernels on sm90 for thd lengths (forward and gradients; the data-mask work
+    that padding and segment ids share) and a decode step with cache lengths holds no scan or while loop: XLA may
+    keep a loop as a GPU while loop, with kernel launches and a host check per step, on every call. Traced only
+    (jax.make_jaxpr): the Hopper kernels trace on the CPU when not in interpret mode."""
+    from pallas_kernels.flash_attention_hopper import common as hopper_common
+    from te_jax.backends import pallas as pallas_mod
+
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    monkeypatch.setattr(hopper_common, "default_interpret", lambda: False)
+    shape = lambda *s: jnp.zeros(s, jnp.bfloat16)
+    lens, docs = jnp.array([1024, 700], jnp.int32), jnp.array([300, 1, 723], jnp.int32)
+    calls = {
+        "thd lengths": (dict(attn_input_format="thd", attn_mask_type="padding_causal", q_seqlens=docs,
+                             kv_seqlens=docs), (shape(1024, 4, 128),) * 3),
+        "decode step": (dict(attn_mask_type="padding", q_seqlens=jnp.ones(2, jnp.int32), kv_seqlens=lens),
+                        (shape(2, 1, 4, 128), shape(2, 1024, 4, 128), shape(2, 1024, 4, 128))),
+    }
+    for name, (kw, shapes) in calls.items():
+        f = lambda q, k, v, kw=kw: te_jax.dot_product_attention(q, k, v, backend="pallas", **kw)
+        detail = te_jax.explain_attention_backend(*shapes, backend="pallas", **kw).detail
+        assert "data-mask schedule" in detail or "decode kernel" in detail, (name, detail)
+        grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        fns = (("forward", f), ("gradients", grad)) if name == "thd lengths" else (("forward", f),)  # CI time
+        for what, fn in fns:
+            loops = set(_primitives(jax.make_jaxpr(fn)(*shapes).jaxpr)) & {"scan", "while"}
+            assert not loops, (name, what, loops)
