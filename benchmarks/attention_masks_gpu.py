@@ -1,7 +1,7 @@
 """The Hopper-mask issue's rows: te_jax against every peer that supports each row, forward and forward+backward.
 
     bash benchmarks/install_peers.sh; export PYTHONPATH=.:/tmp/site   # carry [".whl"]
-    python3 -m benchmarks.attention_masks_gpu [--rounds 3] [--rows window_causal_4k,...]
+    python3 -m benchmarks.attention_masks_gpu [--rounds 3] [--rows window_causal_4k,...] [--device-time]
 
 Rows (bf16, hd128, 16 heads unless said): see ROWS. Implementations, where each supports the row:
   te_jax          te_jax.dot_product_attention(backend="auto"): what users get (the kernel it takes is printed)
@@ -17,6 +17,9 @@ Before timing, each row checks te_jax's output against an fp32 reference built f
 against the portable kernel's. A peer that fails on a row is reported and left out. Timing: `rounds` interleaved
 rounds (every implementation once per round), each the median of timing.measure's samples; the cell is the median
 over rounds. TFLOP/s counts the visible area: 4*H*D*visible pairs for the forward, 3.5x that for forward+backward.
+--device-time adds, per implementation and pass, the device clock's breakdown (benchmarks.device_time.profiled):
+the GPU time of one call's kernels, how many kernels it launches, and the costliest of them, which separates the
+attention kernel from the XLA work around it (the mask's pre-pass, layout changes).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import numpy as np
 
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg  # inputs, peer imports, gpu_warmup
+from benchmarks import device_time
 from benchmarks.peer_rows import fwd_and_fb, import_peers, peer_rows, print_table, ready_impls, tflops_rounds
 from pallas_kernels.mask import AttentionMask
 
@@ -206,6 +210,16 @@ def reference_rows(row: Row, q, k, v, scale, n=512):
     return out, s0
 
 
+def print_device_time(impls, q, k, v, do):
+    """Per implementation and pass: the device clock's kernel time per call, its kernel count and the costliest."""
+    for name, (f, fb) in impls.items():
+        for what, fn, args in (("fwd", f, (q, k, v)), ("fwd+bwd", fb, (q, k, v, do))):
+            prof = device_time.profiled(fn, args, calls=5)
+            top = ", ".join(f"{n} {t * 1e6:.0f}" for n, t in prof["durations"].items())
+            print(f"  {name} {what} device: {prof['kernel_s'] * 1e3:.3f} ms/call in {prof['kernels_per_call']:.0f} "
+                  f"kernels (us: {top})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -213,6 +227,8 @@ def main():
     ap.add_argument("--persistent", action="store_true",
                     help="add te_jax_persistent and te_jax_grid (the data-mask forward's two schedules) on "
                          "data-mask rows")
+    ap.add_argument("--device-time", action="store_true",
+                    help="per implementation: the device clock's kernel time, kernel count and costliest kernels")
     args = ap.parse_args()
     tk, fa3 = import_peers()
     if fa3 is not None:
@@ -246,6 +262,8 @@ def main():
                           ", ".join(f"d{n} {ahg.rel(a, b):.2e}" for n, a, b in zip("qkv", g, gp)), flush=True)
         flops = 4 * row.H * D * visible_pairs(row)
         tf = tflops_rounds(impls, q, k, v, do, flops, args.rounds)
+        if args.device_time:
+            print_device_time(impls, q, k, v, do)
         table += peer_rows(row.label, impls, tf, ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid"))
     print_table(f"Hopper masks: TFLOP/s on the visible area ({args.rounds} interleaved rounds, medians), "
                 f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table)
