@@ -74,8 +74,8 @@ def launch_sweep(rounds, smoke, launches=None):
         nbytes = 2 * b * s * g * D * 2
         tb = {i: nbytes / statistics.median(t) / 1e12 for i, t in kern.items()}
         best = max(tb, key=tb.get)
-        line = (f"| {name} | te_jax (block_kv {default.block_kv or 'auto'}, w{default.num_warps} s{default.num_stages}) "
-                f"{tb['te_jax']:.2f} | " + " ".join(f"{i} {tb[i]:.2f};" for i in tb if i != "te_jax")
+        launch = f"block_kv {default.block_kv or 'auto'}, w{default.num_warps} s{default.num_stages}"
+        line = (f"| {name} | te_jax ({launch}) {tb['te_jax']:.2f} | " + " ".join(f"{i} {tb[i]:.2f};" for i in tb if i != "te_jax")
                 + f" | {best} | {tb[best] / tb['te_jax']:.3f} |")
         print(line, flush=True)
         table.append(line)

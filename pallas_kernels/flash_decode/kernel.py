@@ -64,7 +64,8 @@ class DecodeConfig:
       cache is never copied to pad it). None: 64 for a contiguous cache whose grid is about one wave (fewer than
       2 x min_programs (batch x KV heads x row tiles) before splitting), else 128. On the H100 by the device clock,
       64 read 2-4% faster on every one-wave row swept (batch-16 GQA, batch-1 GQA and MHA); 128 was 7% faster on
-      batch-16 MHA (512 programs); benchmarks/results/decode_h100.md, "launch parameters". block_rows: most rows (query tokens x heads of a group) per tile.
+      batch-16 MHA (512 programs); benchmarks/results/decode_h100.md, "launch parameters".
+    block_rows: most rows (query tokens x heads of a group) per tile.
     num_splits: fixed number of KV shares per (row, KV head); None: the fewest shares that give the grid at
       least `min_programs` programs, at most one share per KV block. 120 is about one program per SM of an H100
       (132 SMs): on the H100 one such wave read fastest on every row swept (128-256 programs beat 264-384 by 2-10%;
