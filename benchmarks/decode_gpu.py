@@ -15,7 +15,9 @@ Bandwidth: K/V bytes each row must read (its filled part) / time, next to the HB
 process (x * 2 on 4 GiB of bf16: bytes read + written / time). Before timing, te_jax's output is checked against an
 fp32 reference on the moderate rows. Timing: `rounds` interleaved rounds of timing.measure's median; the cell is the
 median over rounds. `--configs` adds te_jax with other DecodeConfigs on the batch-16 GQA and batch-1 rows (tuning
-evidence): the old 264-program split, and the shares merged inside the kernel (DecodeConfig.merge "kernel").
+evidence): the old 264-program split, the shares merged inside the kernel (DecodeConfig.merge "kernel"), and the
+full-cache rows through the mask rows ("te_jax mask rows": padding lengths equal to the cache, against te_jax's
+no-mask path that builds none).
 `--device-time` adds a second table from the device clock (benchmarks/device_time.profiled: the GPU time of every
 kernel and memset one call launches, summed, over 20 profiled calls). It leaves out the host: a call of 10-60 us
 (the batch-1 rows) dispatched from Python is bound by dispatch, for every implementation alike, while inside a
@@ -70,6 +72,11 @@ def makers(sq, g, lens, fa3, configs):
     for name, cfg in configs.items():
         impls[name] = jax.jit(lambda q, k, v, cfg=cfg: te_jax.dot_product_attention(q, k, v, scale=scale, config=cfg,
                                                                                        backend="pallas", **kw))
+    if lens is None and configs:  # the same call through the mask rows (lengths = the whole cache): A/B of the
+        # no-mask path (flash_decode's mask None: no mask rows or loop bounds built around the kernel)
+        impls["te_jax mask rows"] = jax.jit(lambda q, k, v: te_jax.dot_product_attention(
+            q, k, v, scale=scale, attn_mask_type="padding", q_seqlens=jnp.full((q.shape[0],), q.shape[1], jnp.int32),
+            kv_seqlens=jnp.full((k.shape[0],), k.shape[1], jnp.int32), **kw))
     if lens is None:
         impls["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale,
                                                                               implementation="cudnn"))

@@ -134,6 +134,65 @@ def test_gradients_match_reference():
         assert _rel(a, r) < 1e-4
 
 
+def test_unmasked_cache_matches_reference():
+    """mask=None (every query sees every key: a whole cache, cross-attention): no mask rows or loop bounds around
+    the kernel, and the same output, lse and gradients as the fp32 reference over the full mask; a cache that is
+    not a whole number of blocks (131 keys) takes the masked path for its padding; the in-kernel merge too."""
+    b, sq, h, g, d = 2, 2, 8, 2, 32
+    for skv, cfg in ((128, DecodeConfig(block_kv=32, num_splits=3)), (131, None),
+                     (96, DecodeConfig(block_kv=16, num_splits=4, merge="kernel"))):
+        q, k, v, ct = qkv(skv, b, sq, skv, h, g, d, cotangent=True)
+        full = AttentionMask.full(b, sq, skv)
+        loss = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v)[0] * ct))
+        ours = lambda q, k, v: flash_decode(q, k, v, None, scale=0.3, config=cfg)
+        ref = lambda q, k, v: reference(q, k, v, full, 0.3)
+        (out, lse), (rout, rlse), g_ours, g_ref = jax.jit(lambda q, k, v: (
+            ours(q, k, v), ref(q, k, v), jax.grad(loss(ours), (0, 1, 2))(q, k, v),
+            jax.grad(loss(ref), (0, 1, 2))(q, k, v)))(q, k, v)
+        assert _rel(out, rout) < 1e-5 and _rel(lse, rlse) < 1e-5, skv
+        for a, r in zip(g_ours, g_ref):
+            assert _rel(a, r) < 1e-4, skv
+    def pallas_calls(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                yield e
+            for p in e.params.values():
+                if hasattr(p, "jaxpr") or hasattr(p, "eqns"):
+                    yield from pallas_calls(getattr(p, "jaxpr", p))
+
+    calls = list(pallas_calls(jax.make_jaxpr(lambda q, k, v: flash_decode(q, k, v, None, scale=0.3))(q, k, v).jaxpr))
+    assert len(calls) == 1 and len(calls[0].invars) == 3, calls  # q, k, v: no loop bounds, no mask rows
+
+
+def test_front_door_passes_no_mask_when_every_key_is_visible(monkeypatch):
+    """dot_product_attention hands the decode kernel mask=None for no_mask and for a one-token bottom-right causal
+    call (every key visible); padding lengths, windows and a top-left causal query keep their mask. Outputs equal
+    the xla backend's either way, and the explanation says which."""
+    from pallas_kernels.flash_decode import kernel as fd_kernel
+
+    seen = []
+    real = fd_kernel.flash_decode
+    monkeypatch.setattr(fd_kernel, "flash_decode", lambda q, k, v, mask, **kw: seen.append(mask is None) or real(
+        q, k, v, mask, **kw))
+    import pallas_kernels.flash_decode as fd_pkg
+    monkeypatch.setattr(fd_pkg, "flash_decode", fd_kernel.flash_decode)
+    b, skv, h, g, d = 2, 160, 8, 2, 32
+    cases = [(dict(attn_mask_type="no_mask"), 1, True), (dict(attn_mask_type="causal_bottom_right"), 1, True),
+             (dict(attn_mask_type="causal_bottom_right"), 3, False), (dict(attn_mask_type="causal"), 1, False),
+             (dict(attn_mask_type="no_mask", window_size=(40, 40)), 1, False),
+             (dict(attn_mask_type="padding", q_seqlens=jnp.array([1, 1]), kv_seqlens=jnp.array([160, 45])), 1, False)]
+    for kw, sq, unmasked in cases:
+        q, k, v = qkv(sq, b, sq, skv, h, g, d)
+        kw = dict(attn_input_format="bshd", **kw)
+        detail = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw).detail
+        assert detail.startswith("decode kernel") and ("no mask: every block" in detail) == unmasked, (kw, detail)
+        seen.clear()
+        ours, ref = jax.jit(lambda q, k, v: (te_jax.dot_product_attention(q, k, v, backend="pallas", **kw),
+                                             te_jax.dot_product_attention(q, k, v, backend="xla", **kw)))(q, k, v)
+        assert seen == [unmasked], (kw, seen)
+        assert _rel(ours, ref) < 1e-5, kw
+
+
 def test_reasons_and_errors():
     assert decode_reason((2, 1, 8, 64), (2, 4096, 2, 64), (2, 4096, 2, 64)) is None
     assert "q_len 17 > 16" in decode_reason((2, 17, 8, 64), (2, 4096, 2, 64), (2, 4096, 2, 64))

@@ -160,3 +160,6 @@ def test_triton_kernels_lower_for_cuda():
     merged = DecodeConfig(merge="kernel")
     assert _lower(lambda q, k, v: flash_decode(q, k, v, mask, scale=0.1, interpret=False, config=merged),
                   q, kv, kv) > 0
+    for cfg in (None, merged):  # no mask (every key visible): no loop bounds or mask rows
+        assert _lower(lambda q, k, v: flash_decode(q, k, v, None, scale=0.1, interpret=False, config=cfg),
+                      q, kv, kv) > 0

@@ -149,15 +149,19 @@ def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv, page_size=None) -> _
     return _Geom(rep, rows, bm, n_tiles, bk, skv_pad, n_splits, max(16, _next_pow2(dqk)), max(16, _next_pow2(dv)))
 
 
-def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None) -> str:
-    """One line on how the kernel runs these shapes (for te_jax's backend explanation)."""
+def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, unmasked: bool = False) -> str:
+    """One line on how the kernel runs these shapes (for te_jax's backend explanation); unmasked: flash_decode's
+    mask is None (every query sees every key)."""
     B, sq, h, dqk = q_shape
     skv, g, dv = k_shape[1], k_shape[2], v_shape[3]
     geo = _geometry(config or DecodeConfig(), B, sq, h, skv, g, dqk, dv)
     line = (f"{sq} query token(s) x {geo.rep} query heads per KV head in {geo.n_tiles} tile(s) of {geo.bm} rows "
             f"(K/V read once per KV head); {geo.bk}-key steps; the KV length split into {geo.n_splits} share(s) per "
-            f"(row, KV head), merged by logsumexp; each row reads only the blocks its mask leaves visible (per-row "
-            f"cache lengths, causal, window); backward: the portable kernel's")
+            f"(row, KV head), merged by logsumexp; "
+            + ("no mask: every block runs without the element mask, and no mask rows or loop bounds are built"
+               if unmasked and geo.skv_pad == skv else
+               "each row reads only the blocks its mask leaves visible (per-row cache lengths, causal, window)")
+            + "; backward: the portable kernel's")
     copies = []
     if geo.skv_pad != skv:
         copies.append(f"kv_len {skv} padded to {geo.skv_pad}")
@@ -171,10 +175,14 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None) -> s
 # --------------------------------------------------------------------------------------
 # The kernel
 # --------------------------------------------------------------------------------------
-def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, *refs,
-                   scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int,
-                   page_size: int | None, merge_in_kernel: bool = False, tiles: int = 1, interpret: bool = False):
+def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int,
+                   page_size: int | None, merge_in_kernel: bool = False, tiles: int = 1, interpret: bool = False,
+                   unmasked_blocks: int | None = None):
     """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks.
+
+    refs: meta [4], q, k, v, the query and key (segment, position) rows, then the outputs. unmasked_blocks (every
+    query sees every key, and the cache is a whole number of blocks): refs start at q, there are no mask rows, and
+    all unmasked_blocks blocks run without the element mask.
 
     Paged (page_size given): k_ref / v_ref are the whole page pool of this KV head [P, page_size, D] and the
     extra table_ref [max_pages] maps the row's logical pages to pool pages; a block never crosses a page.
@@ -182,6 +190,11 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, 
     the whole partial arrays [B, G, n_splits, M, Dv] / [B, G, n_splits, M] instead of this program's blocks, the
     counters again (the output the input is aliased to), then the merged output's and lse's blocks; see
     _merge_last."""
+    unmasked = unmasked_blocks is not None
+    if unmasked:
+        q_ref, k_ref, v_ref, *refs = refs
+    else:
+        meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, *refs = refs
     if merge_in_kernel:  # inputs end with the counters, aliased to the third output (the same buffer)
         *tables, _, o_ref, lse_ref, count_ref, out_ref, out_lse_ref = refs
     else:
@@ -195,13 +208,17 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, 
             start = j * bk
             return ref[table_ref[start // page_size], pl.ds(pl.multiple_of(start % page_size, bk), bk), :]
     share = pl.program_id(0)
-    lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
+    if unmasked:
+        lo, flo, fhi, hi = 0, 0, unmasked_blocks, unmasked_blocks
+    else:
+        lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
     per = (hi - lo + n_splits - 1) // n_splits
     a = jnp.minimum(lo + share * per, hi)
     e = jnp.minimum(a + per, hi)
     q = q_ref[...]
-    qseg = qseg_ref[...]
-    qpos = qpos_ref[...]
+    if not unmasked:
+        qseg = qseg_ref[...]
+        qpos = qpos_ref[...]
 
     def body(j, carry, masked):
         acc, m, l = carry
@@ -227,10 +244,12 @@ def _decode_kernel(meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, 
     bm, dv = q.shape[0], v_ref.shape[-1]
     carry = (jnp.zeros((bm, dv), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
              jnp.zeros((bm,), jnp.float32))
-    # The share [a, e) in the row's three runs: masked [lo, flo), full [flo, fhi), masked [fhi, hi).
-    carry = lax.fori_loop(a, jnp.minimum(e, flo), lambda j, c: body(j, c, True), carry)
-    carry = lax.fori_loop(jnp.maximum(a, flo), jnp.minimum(e, fhi), lambda j, c: body(j, c, False), carry)
-    acc, m, l = lax.fori_loop(jnp.maximum(a, fhi), e, lambda j, c: body(j, c, True), carry)
+    if unmasked:
+        acc, m, l = lax.fori_loop(a, e, lambda j, c: body(j, c, False), carry)
+    else:  # the share [a, e) in the row's three runs: masked [lo, flo), full [flo, fhi), masked [fhi, hi)
+        carry = lax.fori_loop(a, jnp.minimum(e, flo), lambda j, c: body(j, c, True), carry)
+        carry = lax.fori_loop(jnp.maximum(a, flo), jnp.minimum(e, fhi), lambda j, c: body(j, c, False), carry)
+        acc, m, l = lax.fori_loop(jnp.maximum(a, fhi), e, lambda j, c: body(j, c, True), carry)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_part = acc / l_safe[:, None]
@@ -293,28 +312,40 @@ def _combine(o, lse):
 
 
 @lower_once(static_argnames=("scale", "softcap", "config", "interpret"))
-def _decode_impl(q, k, v, mask: AttentionMask, block_table=None, *, scale, softcap, config: DecodeConfig,
+def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale, softcap, config: DecodeConfig,
                  interpret: bool):
     """Contiguous: k, v [B, Skv, G, D]. Paged: k, v [P, page_size, G, D] pools, block_table [B, max_pages]
-    (the mask then spans the logical max_pages * page_size keys)."""
+    (the mask then spans the logical max_pages * page_size keys). mask None: every query sees every key (no mask
+    rows or loop bounds are built; a cache that is not a whole number of blocks gets a full mask for its padding)."""
     B, sq, h, dqk = q.shape
     g, dv = k.shape[2], v.shape[3]
     page_size = None if block_table is None else k.shape[1]
     skv = k.shape[1] if block_table is None else block_table.shape[1] * page_size
     geo = _geometry(config, B, sq, h, skv, g, dqk, dv, page_size)
     R, M = geo.rep, geo.n_tiles * geo.bm
+    unmasked = mask is None and block_table is None and geo.skv_pad == skv
+    if mask is None and not unmasked:
+        mask = AttentionMask.full(B, sq, skv)
     # q rows per KV head: [B, G, Sq * R, D] (row t * R + r), padded rows / columns of zeros.
     qp = q.reshape(B, sq, g, R, dqk).transpose(0, 2, 1, 3, 4).reshape(B, g, geo.rows, dqk)
     qp = _pad_axis(_pad_axis(qp, 2, M), 3, geo.dqk_pad)
     if block_table is None:
         k, v = _pad_axis(k, 1, geo.skv_pad), _pad_axis(v, 1, geo.skv_pad)
     k, v = _pad_axis(k, 3, geo.dqk_pad), _pad_axis(v, 3, geo.dv_pad)
-    # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
-    meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
-    kmask = mask.pad(sq, geo.skv_pad)
-    qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
-    qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
     nt, bm, S = geo.n_tiles, geo.bm, geo.n_splits
+    if unmasked:
+        mask_specs, mask_args = [], []
+    else:
+        # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
+        meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
+        kmask = mask.pad(sq, geo.skv_pad)
+        qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
+        qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
+        mask_specs = [pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
+                      pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
+                      pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
+                      pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0))]
+        mask_args = [qseg, qpos, kmask.kv_segment_ids, kmask.kv_positions]
     in_kernel = config.merge == "kernel"
     if block_table is None:
         kv_spec = lambda d: pl.BlockSpec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
@@ -336,7 +367,7 @@ def _decode_impl(q, k, v, mask: AttentionMask, block_table=None, *, scale, softc
         out_shape = part_shapes + [jax.ShapeDtypeStruct(count_shape, jnp.int32),
                                    jax.ShapeDtypeStruct((B, g, M, geo.dv_pad), jnp.float32),
                                    jax.ShapeDtypeStruct((B, g, M), jnp.float32)]
-        n_in = 8 + len(paged_args)
+        n_in = 3 + (0 if unmasked else 5) + len(paged_args)
         aliases = {n_in: 2}
     else:
         merge_specs, merge_args, aliases = [], [], {}
@@ -345,28 +376,23 @@ def _decode_impl(q, k, v, mask: AttentionMask, block_table=None, *, scale, softc
             pl.BlockSpec((None, None, None, bm), lambda s, b, i: (b, i // nt, s, i % nt)),
         ]
         out_shape = part_shapes
+    qkv_specs = [pl.BlockSpec((None, None, bm, geo.dqk_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
+                 kv_spec(geo.dqk_pad), kv_spec(geo.dv_pad)]
+    meta_specs, meta_args = ([], []) if unmasked else ([pl.BlockSpec((None, 4), lambda s, b, i: (b, 0))], [meta])
     outs = pl.pallas_call(
-        functools.partial(_decode_kernel, scale=scale, softcap=softcap, causal=mask.causal, window=mask.window,
+        functools.partial(_decode_kernel, scale=scale, softcap=softcap,
+                          causal=False if unmasked else mask.causal, window=(-1, -1) if unmasked else mask.window,
                           bk=geo.bk, n_splits=S, page_size=page_size, merge_in_kernel=in_kernel, tiles=nt,
-                          interpret=bool(interpret)),
+                          interpret=bool(interpret), unmasked_blocks=geo.skv_pad // geo.bk if unmasked else None),
         grid=(S, B, g * nt),
-        in_specs=[
-            pl.BlockSpec((None, 4), lambda s, b, i: (b, 0)),
-            pl.BlockSpec((None, None, bm, geo.dqk_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
-            kv_spec(geo.dqk_pad),
-            kv_spec(geo.dv_pad),
-            pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
-            pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
-            pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
-            pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
-        ] + paged_specs + merge_specs,
+        in_specs=meta_specs + qkv_specs + mask_specs + paged_specs + merge_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=triton_params(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="te_flash_decode",
-    )(meta, qp, k, v, qseg, qpos, kmask.kv_segment_ids, kmask.kv_positions, *paged_args, *merge_args)
+    )(*meta_args, qp, k, v, *mask_args, *paged_args, *merge_args)
     o, lse = outs[3:] if in_kernel else _combine(*outs)  # [B, G, M, Dvp], [B, G, M]
     out = o[:, :, :geo.rows, :dv].reshape(B, g, sq, R, dv).transpose(0, 2, 1, 3, 4).reshape(B, sq, h, dv)
     lse = lse[:, :, :geo.rows].reshape(B, g, sq, R).transpose(0, 1, 3, 2).reshape(B, h, sq)
@@ -386,6 +412,8 @@ def _decode_fwd(q, k, v, mask, scale, softcap, config, interpret):
 def _decode_bwd(scale, softcap, config, interpret, res, cts):
     q, k, v, mask, out, lse = res
     dout, dlse = cts
+    if mask is None:  # every query sees every key
+        mask = AttentionMask.full(q.shape[0], q.shape[1], k.shape[1])
     dq, dk, dv, _ = flash_attention_bwd(q, k, v, mask, None, out, lse, dout, dlse, scale=scale, softcap=softcap,
                                         interpret=interpret)
     return dq, dk, dv, None
@@ -394,18 +422,21 @@ def _decode_bwd(scale, softcap, config, interpret, res, cts):
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
-def flash_decode(q, k, v, mask: AttentionMask, *, scale: float, softcap: float | None = None,
+def flash_decode(q, k, v, mask: AttentionMask | None, *, scale: float, softcap: float | None = None,
                  config: DecodeConfig | None = None, interpret: bool | None = None):
     """Attention of a short query against a KV cache: (out [B, Sq, H, Dv], lse [B, H, Sq] f32).
 
     q [B, Sq, H, Dqk] (Sq <= MAX_QUERY_LEN), k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; mask: an
     `AttentionMask` with [B, Sq] / [B, Skv] segment ids and positions (a cache filled to length n_b on
-    row b: kv segment ids 1 on [0, n_b), 0 after; new tokens at positions n_b - Sq + t with causal=True).
+    row b: kv segment ids 1 on [0, n_b), 0 after; new tokens at positions n_b - Sq + t with causal=True),
+    or None when every query sees every key (a whole cache, cross-attention): then no mask rows or loop bounds
+    are computed around the kernel and every block runs without the element mask.
     Differentiable (the portable kernel's backward). Raises ValueError for shapes it does not take
     (`decode_reason`).
     """
-    if not isinstance(mask, AttentionMask):
-        raise TypeError(f"flash_decode: mask must be a pallas_kernels.mask.AttentionMask, got {type(mask).__name__}")
+    if mask is not None and not isinstance(mask, AttentionMask):
+        raise TypeError(f"flash_decode: mask must be a pallas_kernels.mask.AttentionMask or None, got "
+                        f"{type(mask).__name__}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
             or q.shape[3] != k.shape[3]:
         raise ValueError(f"flash_decode: expected q [B, Sq, H, Dqk], k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; got "
@@ -413,7 +444,7 @@ def flash_decode(q, k, v, mask: AttentionMask, *, scale: float, softcap: float |
     why = decode_reason(q.shape, k.shape, v.shape)
     if why is not None:
         raise ValueError(f"flash_decode: q{tuple(q.shape)} k{tuple(k.shape)}: {why}")
-    if (mask.batch, mask.q_len, mask.kv_len) != (q.shape[0], q.shape[1], k.shape[1]):
+    if mask is not None and (mask.batch, mask.q_len, mask.kv_len) != (q.shape[0], q.shape[1], k.shape[1]):
         raise ValueError(f"flash_decode: mask arrays [{mask.batch}, {mask.q_len}] / [{mask.batch}, {mask.kv_len}] do "
                          f"not match q{tuple(q.shape)} k{tuple(k.shape)}: expected [{q.shape[0]}, {q.shape[1]}] / "
                          f"[{q.shape[0]}, {k.shape[1]}]")

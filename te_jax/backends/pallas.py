@@ -164,6 +164,15 @@ class PallasBackend:
                                  (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v))
 
     @staticmethod
+    def decode_unmasked(call) -> bool:
+        """Whether every query of a decode call sees every key, so the decode kernel needs no mask rows: no padding,
+        segments or window, and no mask or a bottom-right causal mask over a single query token."""
+        d = call.dims
+        return (call.padding_source == "none" and call.window == (-1, -1) and call.attn_input_format != "thd"
+                and (call.mask.mask_type == "no_mask"
+                     or (call.mask.mask_type == "causal_bottom_right" and d.q_len == 1)))
+
+    @staticmethod
     def hopper_data_mask(call) -> bool:
         """Whether the Hopper kernel runs this call under a data mask (pallas_kernels.mask.AttentionMask: padding,
         segments / thd documents, windows, bottom-right or unequal-length causal) rather than its plain no-mask /
@@ -287,7 +296,8 @@ class PallasBackend:
             d = call.dims
             return "decode kernel (flash-decoding): " + fd.describe(
                 (d.batch, d.q_len, d.num_heads, d.head_dim_qk), (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
-                (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v), _of_kind(call.kernel_config, "decode"))
+                (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v), _of_kind(call.kernel_config, "decode"),
+                unmasked=self.decode_unmasked(call))
         hr = self.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
         cfg = "" if call.kernel_config is None else f"; config={call.kernel_config!r}"
         if hr is not None:
@@ -393,7 +403,8 @@ class PallasBackend:
         kernel = self.kernel_name(call)
         if kernel == "decode":
             from pallas_kernels import flash_decode as fd
-            out, lse = fd.flash_decode(q, k, v, tm.with_rule(causal, window), scale=scale, softcap=softcap,
+            mask = None if self.decode_unmasked(call) else tm.with_rule(causal, window)
+            out, lse = fd.flash_decode(q, k, v, mask, scale=scale, softcap=softcap,
                                        config=_of_kind(call.kernel_config, "decode"))
             return (out, lse) if with_lse else out
         if kernel == "hopper":
