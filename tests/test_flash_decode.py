@@ -252,3 +252,38 @@ def test_split_count_targets_one_wave_contiguous_and_two_waves_paged():
     assert _geometry(cfg, 16, 1, 32, 8192, 8, 128, 128, page_size=256).bk == 128
     assert _geometry(DecodeConfig(block_kv=256), 1, 1, 32, 8192, 8, 128, 128).bk == 256
     assert _geometry(DecodeConfig(num_splits=5), 1, 1, 32, 32768, 8, 128, 128, page_size=64).n_splits == 5
+
+
+def test_cache_loop_bounds_are_sound_and_as_tight_as_the_block_classes():
+    """The paged kernel's loop bounds from the cache lengths alone (no [B, Skv] key rows): on random lengths,
+    speculative queries with padding, causal or not, windows and block sizes, no visible key lies outside [lo, hi),
+    every key of [flo, fhi) is visible to every query, and the run is the one the block classes give
+    (`loop_bounds(block_classes)` on `paged_cache_mask`'s rows)."""
+    from pallas_kernels.flash_decode.kernel import cache_loop_bounds, paged_cache_mask
+    from pallas_kernels.mask import loop_bounds
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        b, sq, block = 4, int(rng.integers(1, 5)), int(rng.choice([16, 32]))
+        n_blocks = int(rng.integers(1, 6))
+        skv = n_blocks * block
+        lens = rng.integers(0, skv + 1, size=b)
+        q_valid = rng.random((b, sq)) < 0.8 if trial % 3 else None
+        causal = bool(trial % 2)
+        window = (int(rng.choice([-1, 3, 20])), -1 if causal else int(rng.choice([-1, 0, 5])))
+        mask = paged_cache_mask(lens, sq, skv, q_valid=q_valid, causal=causal, window=window)
+        got = np.asarray(cache_loop_bounds(lens, mask.q_positions, mask.q_segment_ids, causal=causal, window=window,
+                                           block=block, n_blocks=n_blocks))
+        ref = np.asarray(loop_bounds(mask.block_classes(sq, block))[:, 0, :])
+        dense = np.asarray(mask.dense())  # [B, Sq, Skv]
+        for r in range(b):
+            lo, flo, fhi, hi = got[r]
+            assert lo <= flo <= fhi <= hi <= n_blocks, (trial, r, got[r])
+            keys = np.nonzero(dense[r].any(axis=0))[0]
+            assert np.all((keys >= lo * block) & (keys < hi * block)), (trial, r, got[r], keys)
+            if fhi > flo:
+                assert dense[r][:, flo * block:fhi * block].all(), (trial, r, got[r])
+        # the same full run and no wider walk than the block classes give
+        assert np.all(got[:, 0] >= ref[:, 0]) and np.all(got[:, 3] <= ref[:, 3]), (trial, got, ref)
+        full_ref = ref[:, 2] - ref[:, 1]
+        assert np.all(got[:, 2] - got[:, 1] >= full_ref), (trial, got, ref)

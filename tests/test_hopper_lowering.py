@@ -163,3 +163,9 @@ def test_triton_kernels_lower_for_cuda():
     for cfg in (None, merged):  # no mask (every key visible): no loop bounds or mask rows
         assert _lower(lambda q, k, v: flash_decode(q, k, v, None, scale=0.1, interpret=False, config=cfg),
                       q, kv, kv) > 0
+    from pallas_kernels.flash_decode import flash_decode_paged  # key segments and positions made in the kernel
+
+    pages = jax.ShapeDtypeStruct((32, 64, 2, 128), BF)
+    table, lens = jnp.zeros((2, 16), jnp.int32), jnp.array([1000, 37], jnp.int32)
+    assert _lower(lambda q, k, v: flash_decode_paged(q, k, v, table, lens, scale=0.1, window=(100, 0),
+                                                     interpret=False), q, pages, pages) > 0

@@ -177,12 +177,14 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, unma
 # --------------------------------------------------------------------------------------
 def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int,
                    page_size: int | None, merge_in_kernel: bool = False, tiles: int = 1, interpret: bool = False,
-                   unmasked_blocks: int | None = None):
+                   unmasked_blocks: int | None = None, cache_keys: bool = False):
     """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks.
 
     refs: meta [4], q, k, v, the query and key (segment, position) rows, then the outputs. unmasked_blocks (every
     query sees every key, and the cache is a whole number of blocks): refs start at q, there are no mask rows, and
-    all unmasked_blocks blocks run without the element mask.
+    all unmasked_blocks blocks run without the element mask. cache_keys (a cache filled to its length): meta is
+    [8] with the row's key count at 4, and there are no key rows: key j has segment 1 below that count (else 0)
+    and position j.
 
     Paged (page_size given): k_ref / v_ref are the whole page pool of this KV head [P, page_size, D] and the
     extra table_ref [max_pages] maps the row's logical pages to pool pages; a block never crosses a page.
@@ -193,6 +195,8 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
     unmasked = unmasked_blocks is not None
     if unmasked:
         q_ref, k_ref, v_ref, *refs = refs
+    elif cache_keys:
+        meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, *refs = refs
     else:
         meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, *refs = refs
     if merge_in_kernel:  # inputs end with the counters, aliased to the third output (the same buffer)
@@ -229,8 +233,12 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
         else:
             s = s * (scale * LOG2E)
         if masked:
-            vis = visible(qseg[:, None], qpos[:, None], kseg_ref[sl][None, :], kpos_ref[sl][None, :],
-                          causal=causal, window=window)
+            if cache_keys:
+                kpos = j * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+                kseg = (kpos < meta_ref[4]).astype(jnp.int32)
+            else:
+                kseg, kpos = kseg_ref[sl], kpos_ref[sl]
+            vis = visible(qseg[:, None], qpos[:, None], kseg[None, :], kpos[None, :], causal=causal, window=window)
             s = jnp.where(vis, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
@@ -311,12 +319,42 @@ def _combine(o, lse):
     return out, jnp.where(tot > 0, mx + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
 
 
+def cache_loop_bounds(kv_lens, q_positions, q_segment_ids, *, causal: bool, window, block: int, n_blocks: int):
+    """int32 [B, 4] = (lo, flo, fhi, hi) as `loop_bounds` gives them, for a cache filled to kv_lens [B] (key j:
+    segment 1 below the length, else 0; position j) and this call's queries (q_positions, q_segment_ids [B, Sq],
+    segment 0 = a padding query), from the lengths alone: blocks outside [lo, hi) hold no visible key, and every
+    key of [flo, fhi) is visible to every query (none when a query is padding; then flo = fhi = hi)."""
+    lens = jnp.asarray(kv_lens, jnp.int32)
+    pos = jnp.asarray(q_positions, jnp.int32)
+    valid = jnp.asarray(q_segment_ids) != 0
+    big = jnp.iinfo(jnp.int32).max // 2
+    pmin = jnp.min(jnp.where(valid, pos, big), axis=1)
+    pmax = jnp.max(jnp.where(valid, pos, -big), axis=1)
+    left, right = window
+    reach = 0 if causal else (right if right >= 0 else None)  # keys past a query's position it can see
+    # keys some query sees: [ulo, uhi); keys every query sees: [ilo, ihi)
+    ulo = jnp.maximum(pmin - left, 0) if left >= 0 else jnp.zeros_like(lens)
+    ilo = jnp.maximum(pmax - left, 0) if left >= 0 else jnp.zeros_like(lens)
+    uhi = lens if reach is None else jnp.minimum(pmax + reach + 1, lens)
+    ihi = lens if reach is None else jnp.minimum(pmin + reach + 1, lens)
+    some = jnp.any(valid, axis=1) & (uhi > ulo)
+    lo = jnp.where(some, ulo // block, 0)
+    hi = jnp.where(some, jnp.minimum(-(-uhi // block), n_blocks), 0)
+    flo, fhi = -(-ilo // block), ihi // block
+    full = jnp.all(valid, axis=1) & some & (flo < fhi)
+    flo, fhi = jnp.where(full, flo, hi), jnp.where(full, fhi, hi)
+    return jnp.stack([lo, flo, fhi, hi], axis=1).astype(jnp.int32)
+
+
 @lower_once(static_argnames=("scale", "softcap", "config", "interpret"))
 def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale, softcap, config: DecodeConfig,
-                 interpret: bool):
+                 interpret: bool, kv_lens=None):
     """Contiguous: k, v [B, Skv, G, D]. Paged: k, v [P, page_size, G, D] pools, block_table [B, max_pages]
     (the mask then spans the logical max_pages * page_size keys). mask None: every query sees every key (no mask
-    rows or loop bounds are built; a cache that is not a whole number of blocks gets a full mask for its padding)."""
+    rows or loop bounds are built; a cache that is not a whole number of blocks gets a full mask for its padding).
+    kv_lens [B] (the mask is `paged_cache_mask(kv_lens, ...)`'s): the loop bounds come from the lengths
+    (`cache_loop_bounds`) and the kernel derives each key's segment and position, so the [B, Skv] key rows are
+    neither built nor read."""
     B, sq, h, dqk = q.shape
     g, dv = k.shape[2], v.shape[3]
     page_size = None if block_table is None else k.shape[1]
@@ -336,16 +374,23 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
     if unmasked:
         mask_specs, mask_args = [], []
     else:
-        # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
-        meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
-        kmask = mask.pad(sq, geo.skv_pad)
         qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
         qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
         mask_specs = [pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
-                      pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
-                      pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
-                      pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0))]
-        mask_args = [qseg, qpos, kmask.kv_segment_ids, kmask.kv_positions]
+                      pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt))]
+        mask_args = [qseg, qpos]
+        if kv_lens is not None:  # [lo, flo, fhi, hi, kv_len, 0, 0, 0] per row; no key rows
+            lens = jnp.asarray(kv_lens, jnp.int32)
+            bounds = cache_loop_bounds(lens, mask.q_positions, mask.q_segment_ids, causal=mask.causal,
+                                       window=mask.window, block=geo.bk, n_blocks=geo.skv_pad // geo.bk)
+            meta = jnp.concatenate([bounds, lens[:, None], jnp.zeros((B, 3), jnp.int32)], axis=1)
+        else:
+            # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
+            meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
+            kmask = mask.pad(sq, geo.skv_pad)
+            mask_specs += [pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
+                           pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0))]
+            mask_args += [kmask.kv_segment_ids, kmask.kv_positions]
     in_kernel = config.merge == "kernel"
     if block_table is None:
         kv_spec = lambda d: pl.BlockSpec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
@@ -367,7 +412,7 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
         out_shape = part_shapes + [jax.ShapeDtypeStruct(count_shape, jnp.int32),
                                    jax.ShapeDtypeStruct((B, g, M, geo.dv_pad), jnp.float32),
                                    jax.ShapeDtypeStruct((B, g, M), jnp.float32)]
-        n_in = 3 + (0 if unmasked else 5) + len(paged_args)
+        n_in = (0 if unmasked else 1) + 3 + (0 if unmasked else len(mask_args)) + len(paged_args)
         aliases = {n_in: 2}
     else:
         merge_specs, merge_args, aliases = [], [], {}
@@ -378,12 +423,14 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
         out_shape = part_shapes
     qkv_specs = [pl.BlockSpec((None, None, bm, geo.dqk_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
                  kv_spec(geo.dqk_pad), kv_spec(geo.dv_pad)]
-    meta_specs, meta_args = ([], []) if unmasked else ([pl.BlockSpec((None, 4), lambda s, b, i: (b, 0))], [meta])
+    meta_specs, meta_args = ([], []) if unmasked else (
+        [pl.BlockSpec((None, meta.shape[1]), lambda s, b, i: (b, 0))], [meta])
     outs = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, softcap=softcap,
                           causal=False if unmasked else mask.causal, window=(-1, -1) if unmasked else mask.window,
                           bk=geo.bk, n_splits=S, page_size=page_size, merge_in_kernel=in_kernel, tiles=nt,
-                          interpret=bool(interpret), unmasked_blocks=geo.skv_pad // geo.bk if unmasked else None),
+                          interpret=bool(interpret), unmasked_blocks=geo.skv_pad // geo.bk if unmasked else None,
+                          cache_keys=kv_lens is not None and not unmasked),
         grid=(S, B, g * nt),
         in_specs=meta_specs + qkv_specs + mask_specs + paged_specs + merge_specs,
         out_specs=out_specs,
@@ -511,4 +558,5 @@ def flash_decode_paged(q, k_pages, v_pages, block_table, kv_lens, *, scale: floa
     table = jnp.clip(jnp.asarray(block_table, jnp.int32), 0, k_pages.shape[0] - 1)
     return _decode_impl(q, k_pages, v_pages, mask, table, scale=float(scale),
                         softcap=None if softcap is None else float(softcap), config=config or DecodeConfig(),
-                        interpret=default_interpret() if interpret is None else bool(interpret))
+                        interpret=default_interpret() if interpret is None else bool(interpret),
+                        kv_lens=jnp.asarray(kv_lens, jnp.int32))
