@@ -1,6 +1,10 @@
 """Walk a jaxpr's equations recursively (tests that inspect what a traced function does)."""
 import jax.extend.core as jex_core  # an explicit import: jax 0.11 no longer loads jax.extend with jax
 
+#: Primitives whose sub-jaxprs are kernel bodies: Pallas calls, and Mosaic GPU kernels traced outside interpret
+#: mode (plgpu.kernel: mpmd_map / core_map).
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map", "core_map")
+
 
 def _sub_jaxprs(eqn):
     for val in eqn.params.values():
@@ -12,10 +16,10 @@ def _sub_jaxprs(eqn):
 
 
 def walk(jaxpr):
-    """Every equation, recursively, except inside pallas_call kernels (their bodies index refs)."""
+    """Every equation, recursively, except inside kernels (KERNEL_PRIMITIVES: their bodies index refs)."""
     for eqn in jaxpr.eqns:
         yield eqn
-        if eqn.primitive.name != "pallas_call":
+        if eqn.primitive.name not in KERNEL_PRIMITIVES:
             for sub in _sub_jaxprs(eqn):
                 yield from walk(sub)
 
@@ -31,7 +35,7 @@ def walk_resolved(jaxpr, env=None):
 
     for eqn in jaxpr.eqns:
         yield eqn, origin
-        if eqn.primitive.name != "pallas_call":
+        if eqn.primitive.name not in KERNEL_PRIMITIVES:
             for sub in _sub_jaxprs(eqn):
                 aligned = len(sub.invars) == len(eqn.invars)
                 sub_env = ({iv: origin(ov) for iv, ov in zip(sub.invars, eqn.invars)

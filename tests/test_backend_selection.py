@@ -9,6 +9,7 @@ import pytest
 import te_jax
 import te_jax.attention as attention_mod
 from helpers import qkv
+from jaxpr_walk import walk
 from te_jax.backends import selection
 
 
@@ -398,17 +399,6 @@ def test_sm90_data_mask_explanation_counts_the_tiles(fake_h100, monkeypatch):
     assert "forward tiles" not in plain.detail
 
 
-def _primitives(jaxpr):
-    """Every primitive outside the Pallas kernels, nested jaxprs included."""
-    for e in jaxpr.eqns:
-        if e.primitive.name == "pallas_call":
-            continue
-        yield e.primitive.name
-        for v in e.params.values():
-            if hasattr(v, "jaxpr") or hasattr(v, "eqns"):
-                yield from _primitives(getattr(v, "jaxpr", v))
-
-
 def test_sm90_work_around_the_kernels_has_no_loop(fake_h100, monkeypatch):
     """What runs around the attention kernels on sm90 for thd lengths (forward and gradients; the data-mask work
     that padding and segment ids share) and a decode step with cache lengths holds no scan or while loop: XLA may
@@ -434,5 +424,5 @@ def test_sm90_work_around_the_kernels_has_no_loop(fake_h100, monkeypatch):
         grad = jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
         fns = (("forward", f), ("gradients", grad)) if name == "thd lengths" else (("forward", f),)  # CI time
         for what, fn in fns:
-            loops = set(_primitives(jax.make_jaxpr(fn)(*shapes).jaxpr)) & {"scan", "while"}
+            loops = {e.primitive.name for e in walk(jax.make_jaxpr(fn)(*shapes).jaxpr)} & {"scan", "while"}
             assert not loops, (name, what, loops)

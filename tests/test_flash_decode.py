@@ -9,6 +9,7 @@ import pytest
 import te_jax
 import te_jax.attention as attention_mod
 from helpers import qkv, rand
+from jaxpr_walk import walk
 from pallas_kernels.flash_decode import DecodeConfig, decode_reason, flash_decode, flash_decode_paged
 from pallas_kernels.mask import AttentionMask
 
@@ -135,9 +136,10 @@ def test_gradients_match_reference():
 
 
 def test_unmasked_cache_matches_reference():
-    """mask=None (every query sees every key: a whole cache, cross-attention): no mask rows or loop bounds around
-    the kernel, and the same output, lse and gradients as the fp32 reference over the full mask; a cache that is
-    not a whole number of blocks (131 keys) takes the masked path for its padding; the in-kernel merge too."""
+    """mask=None (every query sees every key: a whole cache, cross-attention): the kernel makes the key rows from
+    the cache length (no [B, Skv] rows around it), and gives the output, lse and gradients of the fp32 reference
+    over the full mask; also a cache that is not a whole number of blocks (131 keys: its padding hidden) and the
+    in-kernel merge."""
     b, sq, h, g, d = 2, 2, 8, 2, 32
     for skv, cfg in ((128, DecodeConfig(block_kv=32, num_splits=3)), (131, None),
                      (96, DecodeConfig(block_kv=16, num_splits=4, merge="kernel"))):
@@ -152,16 +154,11 @@ def test_unmasked_cache_matches_reference():
         assert _rel(out, rout) < 1e-5 and _rel(lse, rlse) < 1e-5, skv
         for a, r in zip(g_ours, g_ref):
             assert _rel(a, r) < 1e-4, skv
-    def pallas_calls(jaxpr):
-        for e in jaxpr.eqns:
-            if e.primitive.name == "pallas_call":
-                yield e
-            for p in e.params.values():
-                if hasattr(p, "jaxpr") or hasattr(p, "eqns"):
-                    yield from pallas_calls(getattr(p, "jaxpr", p))
-
-    calls = list(pallas_calls(jax.make_jaxpr(lambda q, k, v: flash_decode(q, k, v, None, scale=0.3))(q, k, v).jaxpr))
-    assert len(calls) == 1 and len(calls[0].invars) == 3, calls  # q, k, v: no loop bounds, no mask rows
+    jaxpr = jax.make_jaxpr(lambda q, k, v: flash_decode(q, k, v, None, scale=0.3))(q, k, v).jaxpr
+    calls = [e for e in walk(jaxpr) if e.primitive.name == "pallas_call"]
+    # meta, q, k, v and the query rows: no [B, Skv] key rows
+    assert len(calls) == 1 and len(calls[0].invars) == 6, calls
+    assert all(skv not in v.aval.shape for v in calls[0].invars if v.aval.dtype == jnp.int32), calls[0].invars
 
 
 def test_front_door_passes_no_mask_when_every_key_is_visible(monkeypatch):
@@ -185,7 +182,7 @@ def test_front_door_passes_no_mask_when_every_key_is_visible(monkeypatch):
         q, k, v = qkv(sq, b, sq, skv, h, g, d)
         kw = dict(attn_input_format="bshd", **kw)
         detail = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw).detail
-        assert detail.startswith("decode kernel") and ("no mask: every block" in detail) == unmasked, (kw, detail)
+        assert detail.startswith("decode kernel") and ("no mask: the key rows" in detail) == unmasked, (kw, detail)
         seen.clear()
         ours, ref = jax.jit(lambda q, k, v: (te_jax.dot_product_attention(q, k, v, backend="pallas", **kw),
                                              te_jax.dot_product_attention(q, k, v, backend="xla", **kw)))(q, k, v)

@@ -278,6 +278,7 @@ def test_packed_lengths_become_segment_ids_without_a_loop():
     """thd lengths -> segment ids (te_jax.masks): equal to numpy's searchsorted on random lengths (empty documents,
     a sum short of the tensor, one document filling it), and the traced function holds no loop (which XLA may keep as
     a while loop on a GPU: launches and a host check per step)."""
+    from jaxpr_walk import walk
     from te_jax.masks import _seqlens_to_packed_segments
 
     rng = np.random.default_rng(0)
@@ -291,12 +292,5 @@ def test_packed_lengths_become_segment_ids_without_a_loop():
         idx = np.arange(total)
         want = np.where(idx < ends[-1], np.searchsorted(ends, idx, side="right") + 1, 0)
         np.testing.assert_array_equal(got, want, err_msg=str(lens))
-    def primitives(jaxpr):
-        for e in jaxpr.eqns:
-            yield e.primitive.name
-            for v in e.params.values():
-                if hasattr(v, "jaxpr") or hasattr(v, "eqns"):
-                    yield from primitives(getattr(v, "jaxpr", v))
-
     jaxpr = jax.make_jaxpr(_seqlens_to_packed_segments, static_argnums=1)(jnp.ones((4,), jnp.int32), 16)
-    assert not set(primitives(jaxpr.jaxpr)) & {"scan", "while"}, jaxpr
+    assert not {e.primitive.name for e in walk(jaxpr.jaxpr)} & {"scan", "while"}, jaxpr

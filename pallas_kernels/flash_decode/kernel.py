@@ -158,8 +158,8 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, unma
     line = (f"{sq} query token(s) x {geo.rep} query heads per KV head in {geo.n_tiles} tile(s) of {geo.bm} rows "
             f"(K/V read once per KV head); {geo.bk}-key steps; the KV length split into {geo.n_splits} share(s) per "
             f"(row, KV head), merged by logsumexp; "
-            + ("no mask: every block runs without the element mask, and no mask rows or loop bounds are built"
-               if unmasked and geo.skv_pad == skv else
+            + ("no mask: the key rows are made in the kernel from the cache length, and no mask rows or block "
+               "classes are built around it" if unmasked else
                "each row reads only the blocks its mask leaves visible (per-row cache lengths, causal, window)")
             + "; backward: the portable kernel's")
     copies = []
@@ -177,14 +177,12 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, unma
 # --------------------------------------------------------------------------------------
 def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int,
                    page_size: int | None, merge_in_kernel: bool = False, tiles: int = 1, interpret: bool = False,
-                   unmasked_blocks: int | None = None, cache_keys: bool = False):
+                   cache_keys: bool = False):
     """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks.
 
-    refs: meta [4], q, k, v, the query and key (segment, position) rows, then the outputs. unmasked_blocks (every
-    query sees every key, and the cache is a whole number of blocks): refs start at q, there are no mask rows, and
-    all unmasked_blocks blocks run without the element mask. cache_keys (a cache filled to its length): meta is
-    [8] with the row's key count at 4, and there are no key rows: key j has segment 1 below that count (else 0)
-    and position j.
+    refs: meta [4], q, k, v, the query and key (segment, position) rows, then the outputs. cache_keys (a cache
+    filled to its length): meta is [8] with the row's key count at 4, and there are no key rows: key j has
+    segment 1 below that count (else 0) and position j.
 
     Paged (page_size given): k_ref / v_ref are the whole page pool of this KV head [P, page_size, D] and the
     extra table_ref [max_pages] maps the row's logical pages to pool pages; a block never crosses a page.
@@ -192,10 +190,7 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
     the whole partial arrays [B, G, n_splits, M, Dv] / [B, G, n_splits, M] instead of this program's blocks, the
     counters again (the output the input is aliased to), then the merged output's and lse's blocks; see
     _merge_last."""
-    unmasked = unmasked_blocks is not None
-    if unmasked:
-        q_ref, k_ref, v_ref, *refs = refs
-    elif cache_keys:
+    if cache_keys:
         meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, *refs = refs
     else:
         meta_ref, q_ref, k_ref, v_ref, qseg_ref, qpos_ref, kseg_ref, kpos_ref, *refs = refs
@@ -212,17 +207,13 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
             start = j * bk
             return ref[table_ref[start // page_size], pl.ds(pl.multiple_of(start % page_size, bk), bk), :]
     share = pl.program_id(0)
-    if unmasked:
-        lo, flo, fhi, hi = 0, 0, unmasked_blocks, unmasked_blocks
-    else:
-        lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
+    lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
     per = (hi - lo + n_splits - 1) // n_splits
     a = jnp.minimum(lo + share * per, hi)
     e = jnp.minimum(a + per, hi)
     q = q_ref[...]
-    if not unmasked:
-        qseg = qseg_ref[...]
-        qpos = qpos_ref[...]
+    qseg = qseg_ref[...]
+    qpos = qpos_ref[...]
 
     def body(j, carry, masked):
         acc, m, l = carry
@@ -252,12 +243,10 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
     bm, dv = q.shape[0], v_ref.shape[-1]
     carry = (jnp.zeros((bm, dv), jnp.float32), jnp.full((bm,), -jnp.inf, jnp.float32),
              jnp.zeros((bm,), jnp.float32))
-    if unmasked:
-        acc, m, l = lax.fori_loop(a, e, lambda j, c: body(j, c, False), carry)
-    else:  # the share [a, e) in the row's three runs: masked [lo, flo), full [flo, fhi), masked [fhi, hi)
-        carry = lax.fori_loop(a, jnp.minimum(e, flo), lambda j, c: body(j, c, True), carry)
-        carry = lax.fori_loop(jnp.maximum(a, flo), jnp.minimum(e, fhi), lambda j, c: body(j, c, False), carry)
-        acc, m, l = lax.fori_loop(jnp.maximum(a, fhi), e, lambda j, c: body(j, c, True), carry)
+    # The share [a, e) in the row's three runs: masked [lo, flo), full [flo, fhi), masked [fhi, hi).
+    carry = lax.fori_loop(a, jnp.minimum(e, flo), lambda j, c: body(j, c, True), carry)
+    carry = lax.fori_loop(jnp.maximum(a, flo), jnp.minimum(e, fhi), lambda j, c: body(j, c, False), carry)
+    acc, m, l = lax.fori_loop(jnp.maximum(a, fhi), e, lambda j, c: body(j, c, True), carry)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_part = acc / l_safe[:, None]
@@ -350,20 +339,19 @@ def cache_loop_bounds(kv_lens, q_positions, q_segment_ids, *, causal: bool, wind
 def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale, softcap, config: DecodeConfig,
                  interpret: bool, kv_lens=None):
     """Contiguous: k, v [B, Skv, G, D]. Paged: k, v [P, page_size, G, D] pools, block_table [B, max_pages]
-    (the mask then spans the logical max_pages * page_size keys). mask None: every query sees every key (no mask
-    rows or loop bounds are built; a cache that is not a whole number of blocks gets a full mask for its padding).
-    kv_lens [B] (the mask is `paged_cache_mask(kv_lens, ...)`'s): the loop bounds come from the lengths
-    (`cache_loop_bounds`) and the kernel derives each key's segment and position, so the [B, Skv] key rows are
-    neither built nor read."""
+    (the mask then spans the logical max_pages * page_size keys). kv_lens [B] (the mask is
+    `paged_cache_mask(kv_lens, ...)`'s): the loop bounds come from the lengths (`cache_loop_bounds`) and the kernel
+    derives each key's segment and position, so the [B, Skv] key rows are neither built nor read. mask None
+    (every query sees every key) is that with every row's length the whole cache."""
     B, sq, h, dqk = q.shape
     g, dv = k.shape[2], v.shape[3]
     page_size = None if block_table is None else k.shape[1]
     skv = k.shape[1] if block_table is None else block_table.shape[1] * page_size
     geo = _geometry(config, B, sq, h, skv, g, dqk, dv, page_size)
     R, M = geo.rep, geo.n_tiles * geo.bm
-    unmasked = mask is None and block_table is None and geo.skv_pad == skv
-    if mask is None and not unmasked:
-        mask = AttentionMask.full(B, sq, skv)
+    if mask is None:  # the whole cache, seen by every query: its rows are never built (see kv_lens)
+        kv_lens = jnp.full((B,), skv, jnp.int32)
+        mask = paged_cache_mask(kv_lens, sq, skv, causal=False)
     # q rows per KV head: [B, G, Sq * R, D] (row t * R + r), padded rows / columns of zeros.
     qp = q.reshape(B, sq, g, R, dqk).transpose(0, 2, 1, 3, 4).reshape(B, g, geo.rows, dqk)
     qp = _pad_axis(_pad_axis(qp, 2, M), 3, geo.dqk_pad)
@@ -371,26 +359,23 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
         k, v = _pad_axis(k, 1, geo.skv_pad), _pad_axis(v, 1, geo.skv_pad)
     k, v = _pad_axis(k, 3, geo.dqk_pad), _pad_axis(v, 3, geo.dv_pad)
     nt, bm, S = geo.n_tiles, geo.bm, geo.n_splits
-    if unmasked:
-        mask_specs, mask_args = [], []
+    qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
+    qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
+    mask_specs = [pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
+                  pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt))]
+    mask_args = [qseg, qpos]
+    if kv_lens is not None:  # [lo, flo, fhi, hi, kv_len, 0, 0, 0] per row; no key rows
+        lens = jnp.asarray(kv_lens, jnp.int32)
+        bounds = cache_loop_bounds(lens, mask.q_positions, mask.q_segment_ids, causal=mask.causal,
+                                   window=mask.window, block=geo.bk, n_blocks=geo.skv_pad // geo.bk)
+        meta = jnp.concatenate([bounds, lens[:, None], jnp.zeros((B, 3), jnp.int32)], axis=1)
     else:
-        qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
-        qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
-        mask_specs = [pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
-                      pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt))]
-        mask_args = [qseg, qpos]
-        if kv_lens is not None:  # [lo, flo, fhi, hi, kv_len, 0, 0, 0] per row; no key rows
-            lens = jnp.asarray(kv_lens, jnp.int32)
-            bounds = cache_loop_bounds(lens, mask.q_positions, mask.q_segment_ids, causal=mask.causal,
-                                       window=mask.window, block=geo.bk, n_blocks=geo.skv_pad // geo.bk)
-            meta = jnp.concatenate([bounds, lens[:, None], jnp.zeros((B, 3), jnp.int32)], axis=1)
-        else:
-            # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
-            meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
-            kmask = mask.pad(sq, geo.skv_pad)
-            mask_specs += [pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
-                           pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0))]
-            mask_args += [kmask.kv_segment_ids, kmask.kv_positions]
+        # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
+        meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
+        kmask = mask.pad(sq, geo.skv_pad)
+        mask_specs += [pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
+                       pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0))]
+        mask_args += [kmask.kv_segment_ids, kmask.kv_positions]
     in_kernel = config.merge == "kernel"
     if block_table is None:
         kv_spec = lambda d: pl.BlockSpec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
@@ -412,7 +397,7 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
         out_shape = part_shapes + [jax.ShapeDtypeStruct(count_shape, jnp.int32),
                                    jax.ShapeDtypeStruct((B, g, M, geo.dv_pad), jnp.float32),
                                    jax.ShapeDtypeStruct((B, g, M), jnp.float32)]
-        n_in = (0 if unmasked else 1) + 3 + (0 if unmasked else len(mask_args)) + len(paged_args)
+        n_in = 1 + 3 + len(mask_args) + len(paged_args)  # meta, q, k, v, the mask rows, the table
         aliases = {n_in: 2}
     else:
         merge_specs, merge_args, aliases = [], [], {}
@@ -423,23 +408,20 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
         out_shape = part_shapes
     qkv_specs = [pl.BlockSpec((None, None, bm, geo.dqk_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
                  kv_spec(geo.dqk_pad), kv_spec(geo.dv_pad)]
-    meta_specs, meta_args = ([], []) if unmasked else (
-        [pl.BlockSpec((None, meta.shape[1]), lambda s, b, i: (b, 0))], [meta])
+    meta_spec = pl.BlockSpec((None, meta.shape[1]), lambda s, b, i: (b, 0))
     outs = pl.pallas_call(
-        functools.partial(_decode_kernel, scale=scale, softcap=softcap,
-                          causal=False if unmasked else mask.causal, window=(-1, -1) if unmasked else mask.window,
+        functools.partial(_decode_kernel, scale=scale, softcap=softcap, causal=mask.causal, window=mask.window,
                           bk=geo.bk, n_splits=S, page_size=page_size, merge_in_kernel=in_kernel, tiles=nt,
-                          interpret=bool(interpret), unmasked_blocks=geo.skv_pad // geo.bk if unmasked else None,
-                          cache_keys=kv_lens is not None and not unmasked),
+                          interpret=bool(interpret), cache_keys=kv_lens is not None),
         grid=(S, B, g * nt),
-        in_specs=meta_specs + qkv_specs + mask_specs + paged_specs + merge_specs,
+        in_specs=[meta_spec] + qkv_specs + mask_specs + paged_specs + merge_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=triton_params(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="te_flash_decode",
-    )(*meta_args, qp, k, v, *mask_args, *paged_args, *merge_args)
+    )(meta, qp, k, v, *mask_args, *paged_args, *merge_args)
     o, lse = outs[3:] if in_kernel else _combine(*outs)  # [B, G, M, Dvp], [B, G, M]
     out = o[:, :, :geo.rows, :dv].reshape(B, g, sq, R, dv).transpose(0, 2, 1, 3, 4).reshape(B, sq, h, dv)
     lse = lse[:, :, :geo.rows].reshape(B, g, sq, R).transpose(0, 1, 3, 2).reshape(B, h, sq)
@@ -476,8 +458,9 @@ def flash_decode(q, k, v, mask: AttentionMask | None, *, scale: float, softcap: 
     q [B, Sq, H, Dqk] (Sq <= MAX_QUERY_LEN), k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; mask: an
     `AttentionMask` with [B, Sq] / [B, Skv] segment ids and positions (a cache filled to length n_b on
     row b: kv segment ids 1 on [0, n_b), 0 after; new tokens at positions n_b - Sq + t with causal=True),
-    or None when every query sees every key (a whole cache, cross-attention): then no mask rows or loop bounds
-    are computed around the kernel and every block runs without the element mask.
+    or None when every query sees every key (a whole cache, cross-attention): then the kernel makes the key rows
+    from the cache length and the loop bounds come from it (as for a paged cache), so no [B, Skv] mask rows or
+    block classes are computed around the kernel.
     Differentiable (the portable kernel's backward). Raises ValueError for shapes it does not take
     (`decode_reason`).
     """

@@ -165,8 +165,9 @@ class PallasBackend:
 
     @staticmethod
     def decode_unmasked(call) -> bool:
-        """Whether every query of a decode call sees every key, so the decode kernel needs no mask rows: no padding,
-        segments or window, and no mask or a bottom-right causal mask over a single query token."""
+        """Whether every query of a decode call sees every key (flash_decode's mask=None: the kernel makes the key
+        rows from the cache length): no padding, segments or window, and no mask or a bottom-right causal mask over
+        a single query token."""
         d = call.dims
         return (call.padding_source == "none" and call.window == (-1, -1) and call.attn_input_format != "thd"
                 and (call.mask.mask_type == "no_mask"
