@@ -15,9 +15,9 @@ Bandwidth: K/V bytes each row must read (its filled part) / time, next to the HB
 process (x * 2 on 4 GiB of bf16: bytes read + written / time). Before timing, te_jax's output is checked against an
 fp32 reference on the moderate rows. Timing: `rounds` interleaved rounds of timing.measure's median; the cell is the
 median over rounds. `--configs` adds te_jax with other DecodeConfigs on the batch-16 GQA and batch-1 rows (tuning
-evidence): the old 264-program split, the shares merged inside the kernel (DecodeConfig.merge "kernel"), and the
-full-cache rows through the mask rows ("te_jax mask rows": padding lengths equal to the cache, against te_jax's
-no-mask path that builds none).
+evidence): the old 264-program split, the shares merged inside the kernel (DecodeConfig.merge "kernel"), and every
+row's call with its padding given as segment ids ("te_jax mask rows": the kernel reads [B, Skv] key rows), against
+te_jax's own path that builds none (no mask on full caches, the cache lengths on the partly filled row).
 `--device-time` adds a second table from the device clock (benchmarks/device_time.profiled: the GPU time of every
 kernel and memset one call launches, summed, over 20 profiled calls). It leaves out the host: a call of 10-60 us
 (the batch-1 rows) dispatched from Python is bound by dispatch, for every implementation alike, while inside a
@@ -63,7 +63,7 @@ def copy_bandwidth():
     return 2 * 2**31 * 2 / t / 1e12
 
 
-def makers(sq, g, lens, fa3, configs):
+def makers(sq, g, lens, fa3, configs, mask_rows=False):
     scale = D ** -0.5
     kw = dict(attn_input_format="bshd")
     if lens is not None:
@@ -72,11 +72,16 @@ def makers(sq, g, lens, fa3, configs):
     for name, cfg in configs.items():
         impls[name] = jax.jit(lambda q, k, v, cfg=cfg: te_jax.dot_product_attention(q, k, v, scale=scale, config=cfg,
                                                                                        backend="pallas", **kw))
-    if lens is None and configs:  # the same call through the mask rows (lengths = the whole cache): A/B of the
-        # no-mask path (flash_decode's mask None: no mask rows or loop bounds built around the kernel)
-        impls["te_jax mask rows"] = jax.jit(lambda q, k, v: te_jax.dot_product_attention(
-            q, k, v, scale=scale, attn_mask_type="padding", q_seqlens=jnp.full((q.shape[0],), q.shape[1], jnp.int32),
-            kv_seqlens=jnp.full((k.shape[0],), k.shape[1], jnp.int32), **kw))
+    if mask_rows:  # the same call with its padding as segment ids, which the decode kernel reads as [B, Skv] key
+        # rows: A/B of the no-mask path (full-cache rows: flash_decode's mask None) and of the cache-lengths path
+        # (kv_seqlens: flash_decode_cache); neither builds key rows or block classes around the kernel
+        def as_segments(q, k, v):
+            filled = k.shape[1] if lens is None else lens[:, None]
+            kv_seg = (jnp.arange(k.shape[1])[None] < filled).astype(jnp.int32)
+            return te_jax.dot_product_attention(
+                q, k, v, scale=scale, attn_input_format="bshd", attn_mask_type="padding",
+                q_segment_ids=jnp.ones(q.shape[:2], jnp.int32), kv_segment_ids=jnp.broadcast_to(kv_seg, k.shape[:2]))
+        impls["te_jax mask rows"] = jax.jit(as_segments)
     if lens is None:
         impls["cudnn"] = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale,
                                                                               implementation="cudnn"))
@@ -199,7 +204,8 @@ def main():
         part = min(s, 8192)
         k, v = (jnp.tile(jax.random.normal(kk, (b, part, g, D), jnp.bfloat16), (1, s // part, 1, 1)) for kk in ks[1:])
         row_configs = configs if (b == 16 and g == 8 and lens is None) else b1_configs if b == 1 else {}
-        impls, kw = makers(sq, g, lens, fa3, row_configs)
+        ab_rows = bool(row_configs) or (args.configs and lens is not None)
+        impls, kw = makers(sq, g, lens, fa3, row_configs, mask_rows=ab_rows)
         choice = te_jax.explain_attention_backend(q, k, v, **kw)
         print(f"\n== {name}: te_jax auto: {choice.selected}; {choice.detail[:160]}", flush=True)
         drop_failing(impls, q, k, v)

@@ -161,33 +161,101 @@ def test_unmasked_cache_matches_reference():
     assert all(skv not in v.aval.shape for v in calls[0].invars if v.aval.dtype == jnp.int32), calls[0].invars
 
 
-def test_front_door_passes_no_mask_when_every_key_is_visible(monkeypatch):
+def test_front_door_gives_the_kernel_the_lightest_mask(monkeypatch):
     """dot_product_attention hands the decode kernel mask=None for no_mask and for a one-token bottom-right causal
-    call (every key visible); padding lengths, windows and a top-left causal query keep their mask. Outputs equal
-    the xla backend's either way, and the explanation says which."""
+    call (every key visible); bshd/sbhd padding from seqlens goes to flash_decode_cache (key rows from the lengths),
+    with causal top-left or bottom-right, a window and padding queries; segment ids, windows without padding and a
+    top-left causal query keep their mask rows. Outputs and gradients equal the xla backend's either way, and the
+    explanation says which."""
     from pallas_kernels.flash_decode import kernel as fd_kernel
+    import pallas_kernels.flash_decode as fd_pkg
 
     seen = []
-    real = fd_kernel.flash_decode
-    monkeypatch.setattr(fd_kernel, "flash_decode", lambda q, k, v, mask, **kw: seen.append(mask is None) or real(
-        q, k, v, mask, **kw))
-    import pallas_kernels.flash_decode as fd_pkg
-    monkeypatch.setattr(fd_pkg, "flash_decode", fd_kernel.flash_decode)
+    real, real_cache = fd_kernel.flash_decode, fd_kernel.flash_decode_cache
+    monkeypatch.setattr(fd_pkg, "flash_decode", lambda q, k, v, mask, **kw: seen.append(
+        "none" if mask is None else "rows") or real(q, k, v, mask, **kw))
+    monkeypatch.setattr(fd_pkg, "flash_decode_cache", lambda *a, **kw: seen.append("cache") or real_cache(*a, **kw))
     b, skv, h, g, d = 2, 160, 8, 2, 32
-    cases = [(dict(attn_mask_type="no_mask"), 1, True), (dict(attn_mask_type="causal_bottom_right"), 1, True),
-             (dict(attn_mask_type="causal_bottom_right"), 3, False), (dict(attn_mask_type="causal"), 1, False),
-             (dict(attn_mask_type="no_mask", window_size=(40, 40)), 1, False),
-             (dict(attn_mask_type="padding", q_seqlens=jnp.array([1, 1]), kv_seqlens=jnp.array([160, 45])), 1, False)]
-    for kw, sq, unmasked in cases:
-        q, k, v = qkv(sq, b, sq, skv, h, g, d)
-        kw = dict(attn_input_format="bshd", **kw)
+    lens = dict(kv_seqlens=jnp.array([160, 45]))
+    cases = [(dict(attn_mask_type="no_mask"), 1, "none"), (dict(attn_mask_type="causal_bottom_right"), 1, "none"),
+             (dict(attn_mask_type="causal_bottom_right"), 3, "rows"), (dict(attn_mask_type="causal"), 1, "rows"),
+             (dict(attn_mask_type="no_mask", window_size=(40, 40)), 1, "rows"),
+             (dict(attn_mask_type="padding", q_seqlens=jnp.array([1, 1]), **lens), 1, "cache"),
+             # the Flax decode path's form
+             (dict(attn_mask_type="padding_causal_bottom_right", q_seqlens=jnp.array([1, 1]), **lens), 1, "cache"),
+             (dict(attn_mask_type="padding_causal_bottom_right", q_seqlens=jnp.array([3, 2]), **lens), 3, "cache"),
+             (dict(attn_mask_type="padding_causal_bottom_right", q_seqlens=jnp.array([4, 1]), window_size=(30, 0),
+                   **lens), 4, "cache"),
+             (dict(attn_mask_type="padding_causal", q_seqlens=jnp.array([2, 2]), kv_seqlens=jnp.array([7, 0])), 2,
+              "cache"),
+             (dict(attn_mask_type="padding_causal_bottom_right", q_segment_ids=jnp.ones((b, 1), jnp.int32),
+                   kv_segment_ids=(jnp.arange(skv)[None] < jnp.array([[160], [45]])).astype(jnp.int32)), 1, "rows")]
+    runs = [("bshd", c) for c in cases] + [("sbhd", cases[8])]
+    for fmt, (kw, sq, mode) in runs:
+        q, k, v, ct = qkv(sq, b, sq, skv, h, g, d, cotangent=True)
+        if fmt == "sbhd":
+            q, k, v, ct = (jnp.swapaxes(x, 0, 1) for x in (q, k, v, ct))
+        kw = dict(attn_input_format=fmt, **kw)
         detail = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw).detail
-        assert detail.startswith("decode kernel") and ("no mask: the key rows" in detail) == unmasked, (kw, detail)
+        assert detail.startswith("decode kernel"), (kw, detail)
+        assert ("no mask: the key rows" in detail) == (mode == "none"), (kw, detail)
+        assert ("filled to each row's length" in detail) == (mode == "cache"), (kw, detail)
         seen.clear()
-        ours, ref = jax.jit(lambda q, k, v: (te_jax.dot_product_attention(q, k, v, backend="pallas", **kw),
-                                             te_jax.dot_product_attention(q, k, v, backend="xla", **kw)))(q, k, v)
-        assert seen == [unmasked], (kw, seen)
+        fn = lambda backend: (lambda q, k, v: te_jax.dot_product_attention(q, k, v, backend=backend, **kw))
+        grads = lambda backend: jax.grad(lambda q, k, v: jnp.sum(fn(backend)(q, k, v) * ct), (0, 1, 2))
+        if mode != "cache":  # (the other modes' gradients: test_unmasked_cache_matches_reference, test_gradients_match_reference)
+            grads = lambda backend: (lambda q, k, v: ())
+        ours, ref, g_ours, g_ref = jax.jit(lambda q, k, v: (fn("pallas")(q, k, v), fn("xla")(q, k, v),
+                                                            grads("pallas")(q, k, v), grads("xla")(q, k, v)))(q, k, v)
+        assert seen and set(seen) == {mode}, (kw, seen)
         assert _rel(ours, ref) < 1e-5, kw
+        for a, r in zip(g_ours, g_ref):  # (a query that sees one key has dq 0: compare absolutely there)
+            assert _rel(a, r) < 1e-4 or float(jnp.max(jnp.abs(a - r))) < 1e-6, kw
+
+
+def test_cache_lengths_entry_against_the_reference():
+    """flash_decode_cache (a contiguous cache filled to per-row lengths, key rows made in the kernel) against the
+    fp32 reference over the equivalent dense mask: default and explicit query positions, padding queries, an empty
+    row, a window, softcap, top-left and bottom-right causal, not causal; out, lse and gradients; and its kernel
+    gets no [B, Skv] rows."""
+    from pallas_kernels.flash_decode import flash_decode_cache
+
+    rng = np.random.default_rng(7)
+    b, sq, h, g, d, skv = 3, 3, 8, 2, 32, 144
+    for causal, window, cap, explicit in ((True, (-1, -1), None, False), (True, (20, 0), 4.0, True),
+                                          (False, (-1, -1), None, True), (False, (10, 10), None, False)):
+        lens = np.array([144, int(rng.integers(1, 144)), 0])
+        q_valid = rng.random((b, sq)) < 0.8
+        q_pos = (rng.integers(0, 150, (b, sq)) if explicit else lens[:, None] - sq + np.arange(sq)[None])
+        q, k, v, ct = qkv(int(rng.integers(1000)), b, sq, skv, h, g, d, cotangent=True)
+        mask = AttentionMask(jnp.asarray(q_valid, jnp.int32), jnp.asarray(q_pos, jnp.int32),
+                             jnp.asarray(np.arange(skv)[None] < lens[:, None], jnp.int32),
+                             jnp.broadcast_to(jnp.arange(skv, dtype=jnp.int32), (b, skv)), causal=causal,
+                             window=window)
+        ours = lambda q, k, v: flash_decode_cache(q, k, v, jnp.asarray(lens), q_positions=jnp.asarray(q_pos) if
+                                                  explicit else None, q_valid=jnp.asarray(q_valid), causal=causal,
+                                                  window=window, softcap=cap, scale=0.3,
+                                                  config=DecodeConfig(block_kv=16, num_splits=3))
+        ref = lambda q, k, v: reference(q, k, v, mask, 0.3, cap)
+        loss = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v)[0] * ct))
+        (out, lse), (rout, rlse), g_ours, g_ref = jax.jit(lambda q, k, v: (
+            ours(q, k, v), ref(q, k, v), jax.grad(loss(ours), (0, 1, 2))(q, k, v),
+            jax.grad(loss(ref), (0, 1, 2))(q, k, v)))(q, k, v)
+        case = (causal, window, cap, explicit)
+        assert _rel(out, rout) < 1e-5, case
+        np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
+        fin = np.isfinite(np.asarray(rlse))
+        np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rlse)[fin], rtol=1e-5, atol=1e-5)
+        for a, r in zip(g_ours, g_ref):
+            assert _rel(a, r) < 1e-4, case
+    jaxpr = jax.make_jaxpr(lambda q, k, v: flash_decode_cache(q, k, v, jnp.asarray(lens), scale=0.3))(q, k, v).jaxpr
+    calls = [e for e in walk(jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1 and len(calls[0].invars) == 6, calls
+    assert all(skv not in v.aval.shape for v in calls[0].invars if v.aval.dtype == jnp.int32), calls[0].invars
+    with pytest.raises(ValueError, match=r"kv_lens has shape \(2,\), expected \[batch\] = \(3,\)"):
+        flash_decode_cache(q, k, v, jnp.array([1, 2]), scale=0.3)
+    with pytest.raises(ValueError, match=r"q_valid has shape \(3, 1\), expected \[batch, q_len\] = \(3, 3\)"):
+        flash_decode_cache(q, k, v, jnp.asarray(lens), q_valid=jnp.ones((3, 1), bool), scale=0.3)
 
 
 def test_reasons_and_errors():
@@ -202,20 +270,6 @@ def test_reasons_and_errors():
     from pallas_kernels.flash_attention import BlockSizes  # the same shared check
     with pytest.raises(ValueError, match="BlockSizes.block_q_dq=48 must be a power of two"):
         BlockSizes(block_q_dq=48)
-
-
-def test_front_door_decode_with_per_row_lengths():
-    """dot_product_attention(backend="pallas") on a decode-shaped call (the Flax decode path's form:
-    padding_causal_bottom_right from seqlens) runs the decode kernel, says so, and equals the xla backend."""
-    b, sq, skv, h, g, d = 2, 1, 160, 8, 2, 32
-    q, k, v = qkv(3, b, sq, skv, h, g, d)
-    kw = dict(attn_input_format="bshd", attn_mask_type="padding_causal_bottom_right",
-              q_seqlens=jnp.array([1, 1]), kv_seqlens=jnp.array([160, 45]))
-    choice = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw)
-    assert choice.selected == "pallas" and choice.detail.startswith("decode kernel (flash-decoding)"), choice
-    ours, ref = jax.jit(lambda q, k, v: (te_jax.dot_product_attention(q, k, v, backend="pallas", **kw),
-                                         te_jax.dot_product_attention(q, k, v, backend="xla", **kw)))(q, k, v)
-    assert _rel(ours, ref) < 1e-5
 
 
 def test_sm90_auto_takes_the_decode_kernel(monkeypatch):

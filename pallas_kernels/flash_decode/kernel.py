@@ -149,19 +149,24 @@ def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv, page_size=None) -> _
     return _Geom(rep, rows, bm, n_tiles, bk, skv_pad, n_splits, max(16, _next_pow2(dqk)), max(16, _next_pow2(dv)))
 
 
-def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, unmasked: bool = False) -> str:
-    """One line on how the kernel runs these shapes (for te_jax's backend explanation); unmasked: flash_decode's
-    mask is None (every query sees every key)."""
+def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, mode: str = "mask_rows") -> str:
+    """One line on how the kernel runs these shapes (for te_jax's backend explanation); mode: "no_mask"
+    (flash_decode's mask None: every query sees every key), "cache_lengths" (flash_decode_cache) or "mask_rows"
+    (flash_decode with a mask)."""
     B, sq, h, dqk = q_shape
     skv, g, dv = k_shape[1], k_shape[2], v_shape[3]
     geo = _geometry(config or DecodeConfig(), B, sq, h, skv, g, dqk, dv)
+    how = {"no_mask": "no mask: the key rows are made in the kernel from the cache length, and no mask rows or block "
+                      "classes are built around it",
+           "cache_lengths": "a cache filled to each row's length (kv_seqlens): the key rows are made in the kernel "
+                            "from the lengths and the loop bounds come from them (no [batch, kv_len] mask rows); "
+                            "each row reads only the blocks below its length that its causal / window bounds leave "
+                            "visible",
+           "mask_rows": "each row reads only the blocks its mask leaves visible (per-row cache lengths, causal, "
+                        "window)"}[mode]
     line = (f"{sq} query token(s) x {geo.rep} query heads per KV head in {geo.n_tiles} tile(s) of {geo.bm} rows "
             f"(K/V read once per KV head); {geo.bk}-key steps; the KV length split into {geo.n_splits} share(s) per "
-            f"(row, KV head), merged by logsumexp; "
-            + ("no mask: the key rows are made in the kernel from the cache length, and no mask rows or block "
-               "classes are built around it" if unmasked else
-               "each row reads only the blocks its mask leaves visible (per-row cache lengths, causal, window)")
-            + "; backward: the portable kernel's")
+            f"(row, KV head), merged by logsumexp; {how}; backward: the portable kernel's")
     copies = []
     if geo.skv_pad != skv:
         copies.append(f"kv_len {skv} padded to {geo.skv_pad}")
@@ -428,13 +433,14 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
     return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _decode(q, k, v, mask, scale, softcap, config, interpret):
-    return _decode_impl(q, k, v, mask, scale=scale, softcap=softcap, config=config, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _decode(q, k, v, mask, kv_lens, scale, softcap, config, interpret):
+    return _decode_impl(q, k, v, mask, scale=scale, softcap=softcap, config=config, interpret=interpret,
+                        kv_lens=kv_lens)
 
 
-def _decode_fwd(q, k, v, mask, scale, softcap, config, interpret):
-    out, lse = _decode(q, k, v, mask, scale, softcap, config, interpret)
+def _decode_fwd(q, k, v, mask, kv_lens, scale, softcap, config, interpret):
+    out, lse = _decode(q, k, v, mask, kv_lens, scale, softcap, config, interpret)
     return (out, lse), (q, k, v, mask, out, lse)
 
 
@@ -445,7 +451,7 @@ def _decode_bwd(scale, softcap, config, interpret, res, cts):
         mask = AttentionMask.full(q.shape[0], q.shape[1], k.shape[1])
     dq, dk, dv, _ = flash_attention_bwd(q, k, v, mask, None, out, lse, dout, dlse, scale=scale, softcap=softcap,
                                         interpret=interpret)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
 
 
 _decode.defvjp(_decode_fwd, _decode_bwd)
@@ -478,19 +484,53 @@ def flash_decode(q, k, v, mask: AttentionMask | None, *, scale: float, softcap: 
         raise ValueError(f"flash_decode: mask arrays [{mask.batch}, {mask.q_len}] / [{mask.batch}, {mask.kv_len}] do "
                          f"not match q{tuple(q.shape)} k{tuple(k.shape)}: expected [{q.shape[0]}, {q.shape[1]}] / "
                          f"[{q.shape[0]}, {k.shape[1]}]")
-    return _decode(q, k, v, mask, float(scale), None if softcap is None else float(softcap),
+    return _decode(q, k, v, mask, None, float(scale), None if softcap is None else float(softcap),
+                   config or DecodeConfig(), default_interpret() if interpret is None else bool(interpret))
+
+
+def flash_decode_cache(q, k, v, kv_lens, *, scale: float, softcap: float | None = None, causal: bool = True,
+                       window=(-1, -1), q_positions=None, q_valid=None, config: DecodeConfig | None = None,
+                       interpret: bool | None = None):
+    """Decode against a contiguous cache filled to per-row lengths: (out [B, Sq, H, Dv], lse [B, H, Sq] f32).
+
+    q [B, Sq, H, Dqk] (Sq <= MAX_QUERY_LEN), k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; kv_lens [B] int: row b holds
+    keys [0, kv_lens[b]) (the rest is never read, so it may hold anything). q_positions [B, Sq] int: each query's
+    position in the keys' frame (key j is at position j); default kv_lens - Sq + t, i.e. this call's tokens are the
+    last Sq of the cache. q_valid [B, Sq] bool: False marks padding queries (out 0, lse -inf). causal / window:
+    as `flash_decode`'s mask (a query at position p sees keys j <= p under causal).
+    The kernel makes each key's segment and position from its index and the row's length, so no [B, Skv] mask
+    rows are built or read (as `flash_decode(mask=None)` and `flash_decode_paged`). Differentiable (the portable
+    kernel's backward, under the equivalent `paged_cache_mask`).
+    """
+    why = decode_reason(q.shape, k.shape, v.shape)
+    if why is not None:
+        raise ValueError(f"flash_decode_cache: q{tuple(q.shape)} k{tuple(k.shape)}: {why}")
+    B, sq = q.shape[:2]
+    if jnp.shape(kv_lens) != (B,):
+        raise ValueError(f"flash_decode_cache: kv_lens has shape {jnp.shape(kv_lens)}, expected [batch] = ({B},)")
+    for name, x in (("q_positions", q_positions), ("q_valid", q_valid)):
+        if x is not None and jnp.shape(x) != (B, sq):
+            raise ValueError(f"flash_decode_cache: {name} has shape {jnp.shape(x)}, expected [batch, q_len] = "
+                             f"({B}, {sq})")
+    kv_lens = jnp.asarray(kv_lens, jnp.int32)
+    mask = paged_cache_mask(kv_lens, sq, k.shape[1], q_valid=q_valid, causal=causal, window=tuple(window),
+                            q_positions=q_positions)
+    return _decode(q, k, v, mask, kv_lens, float(scale), None if softcap is None else float(softcap),
                    config or DecodeConfig(), default_interpret() if interpret is None else bool(interpret))
 
 
 def paged_cache_mask(kv_lens, q_len: int, max_keys: int, *, q_valid=None, causal: bool = True,
-                     window=(-1, -1)) -> AttentionMask:
-    """The AttentionMask of a cache holding kv_lens[b] keys on row b whose last q_len are this call's queries
-    (query t at position kv_lens[b] - q_len + t; q_valid [B, q_len] False marks padding queries)."""
+                     window=(-1, -1), q_positions=None) -> AttentionMask:
+    """The AttentionMask of a cache holding kv_lens[b] keys on row b (key j: segment 1 below the length, else 0;
+    position j) whose last q_len are this call's queries (query t at position kv_lens[b] - q_len + t, or
+    q_positions [B, q_len] in the keys' frame; q_valid [B, q_len] False marks padding queries)."""
     kv_lens = jnp.asarray(kv_lens, jnp.int32)
     B = kv_lens.shape[0]
     idx = jnp.arange(max_keys, dtype=jnp.int32)
     q_seg = jnp.ones((B, q_len), jnp.int32) if q_valid is None else jnp.asarray(q_valid).astype(jnp.int32)
-    return AttentionMask(q_seg, kv_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None],
+    if q_positions is None:
+        q_positions = kv_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)[None]
+    return AttentionMask(q_seg, jnp.asarray(q_positions, jnp.int32),
                          (idx[None] < kv_lens[:, None]).astype(jnp.int32), jnp.broadcast_to(idx, (B, max_keys)),
                          causal=causal, window=window)
 

@@ -164,14 +164,21 @@ class PallasBackend:
                                  (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v))
 
     @staticmethod
-    def decode_unmasked(call) -> bool:
-        """Whether every query of a decode call sees every key (flash_decode's mask=None: the kernel makes the key
-        rows from the cache length): no padding, segments or window, and no mask or a bottom-right causal mask over
-        a single query token."""
+    def decode_mode(call) -> str:
+        """How the decode kernel gets the call's mask:
+        "no_mask": every query sees every key (no padding, segments or window; no mask, or bottom-right causal over
+        a single query token): flash_decode(mask=None), the key rows made in the kernel;
+        "cache_lengths": bshd/sbhd padding from kv_seqlens (a cache filled to each row's length; causal and windows
+        on positions): flash_decode_cache, the key rows made in the kernel from the lengths;
+        "mask_rows": anything else (segment ids, thd): flash_decode with the [B, Skv] key rows."""
         d = call.dims
-        return (call.padding_source == "none" and call.window == (-1, -1) and call.attn_input_format != "thd"
+        if call.attn_input_format != "thd" and call.padding_source == "seqlens":
+            return "cache_lengths"
+        if (call.padding_source == "none" and call.window == (-1, -1) and call.attn_input_format != "thd"
                 and (call.mask.mask_type == "no_mask"
-                     or (call.mask.mask_type == "causal_bottom_right" and d.q_len == 1)))
+                     or (call.mask.mask_type == "causal_bottom_right" and d.q_len == 1))):
+            return "no_mask"
+        return "mask_rows"
 
     @staticmethod
     def hopper_data_mask(call) -> bool:
@@ -298,7 +305,7 @@ class PallasBackend:
             return "decode kernel (flash-decoding): " + fd.describe(
                 (d.batch, d.q_len, d.num_heads, d.head_dim_qk), (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_qk),
                 (d.batch, d.kv_len, d.num_kv_heads, d.head_dim_v), _of_kind(call.kernel_config, "decode"),
-                unmasked=self.decode_unmasked(call))
+                mode=self.decode_mode(call))
         hr = self.hopper_reason(call) if call.platform == "gpu" else "not a GPU"
         cfg = "" if call.kernel_config is None else f"; config={call.kernel_config!r}"
         if hr is not None:
@@ -404,9 +411,17 @@ class PallasBackend:
         kernel = self.kernel_name(call)
         if kernel == "decode":
             from pallas_kernels import flash_decode as fd
-            mask = None if self.decode_unmasked(call) else tm.with_rule(causal, window)
-            out, lse = fd.flash_decode(q, k, v, mask, scale=scale, softcap=softcap,
-                                       config=_of_kind(call.kernel_config, "decode"))
+            cfg, mode = _of_kind(call.kernel_config, "decode"), self.decode_mode(call)
+            if mode == "cache_lengths":  # key j of row b: segment (j < kv_len), position j - kv_positions[b, 0]
+                import jax.numpy as jnp
+
+                out, lse = fd.flash_decode_cache(
+                    q, k, v, jnp.sum(tm.kv_segment_ids != 0, axis=1, dtype=jnp.int32),
+                    q_positions=tm.q_positions - tm.kv_positions[:, :1], q_valid=tm.q_segment_ids != 0,
+                    causal=causal, window=window, scale=scale, softcap=softcap, config=cfg)
+            else:
+                mask = None if mode == "no_mask" else tm.with_rule(causal, window)
+                out, lse = fd.flash_decode(q, k, v, mask, scale=scale, softcap=softcap, config=cfg)
             return (out, lse) if with_lse else out
         if kernel == "hopper":
             from pallas_kernels import flash_attention_hopper as fh
