@@ -173,8 +173,12 @@ def main():
                          "(benchmarks/decode_splits_gpu.py), on the batch-16 GQA and the batch-1 rows")
     ap.add_argument("--device-time", action="store_true",
                     help="also a table of TB/s by the device clock (the GPU time of each call's kernels, summed)")
+    ap.add_argument("--rows", default="", help="comma-separated substrings: only the rows whose name holds one "
+                                               "(the paged row: 'paged')")
     ap.add_argument("--cpu-smoke", action="store_true", help="two tiny rows on the CPU (checks the script runs)")
     args = ap.parse_args()
+    wanted = [w for w in args.rows.split(",") if w]
+    picked = lambda name: not wanted or any(w in name for w in wanted)
     from pallas_kernels.flash_decode import DecodeConfig
 
     fa3, fa3_line = ahg.import_fa3()
@@ -194,6 +198,8 @@ def main():
         configs, b1_configs = old, old
     table, dev_table, skipped = [], [], []
     for name, b, sq, g, s, lens in row_list:
+        if not picked(name):
+            continue
         if time.perf_counter() - T0 > args.budget:
             skipped.append(name)
             continue
@@ -234,7 +240,9 @@ def main():
             dev_table.append(device_row(name, impls, (q, k, v), nbytes, copy))
             print(dev_table[-1], flush=True)
         del q, k, v
-    if time.perf_counter() - T0 <= args.budget or args.cpu_smoke:
+    if not picked("paged"):
+        pass
+    elif time.perf_counter() - T0 <= args.budget or args.cpu_smoke:
         table.append(paged_row(args.rounds, args.cpu_smoke))
         print(table[-1], flush=True)
     else:
