@@ -82,6 +82,9 @@ def parse():
                    help="the fused MLP keeps its weights' FP8 copies for the backward (TE_JAX_FP8_KEEP_WEIGHTS=1) "
                         "instead of re-casting them (=0): auto (the library's default: kept for DelayedScaling "
                         "only), on, or both (=1 and =0 as variants: time and temporary memory side by side)")
+    p.add_argument("--env-ab", default="",
+                   help='"NAME=VALUE;NAME=VALUE": per entry, a copy of every FP8 variant traced with that environment '
+                        'variable set (trace-time switches such as TE_JAX_FP8_SPLIT_DOTS=0), labelled [NAME=VALUE]')
     p.add_argument("--trace", action="store_true",
                    help="profile 3 steps of each variant: device time per kernel category and the top ops; "
                         "optimized HLO to $OUT/fp8_hlo_<variant>.txt.gz")
@@ -216,6 +219,14 @@ def main():
         # the FP8 block GEMM (te_jax/fp8/block.py): style "block-pallas" sets TE_JAX_FP8_BLOCK_GEMM
         variants["Float8BlockScaling (FP8 block GEMM, pallas)"] = (fp8.Float8BlockScaling(), "block-pallas", "1")
 
+    extra_env = {}  # variant name -> {env name: value}, from --env-ab (one switch changed per copy)
+    base = [(name, v) for name, v in variants.items() if v[0] is not None]
+    for entry in [e for e in args.env_ab.split(";") if e]:
+        key, _, value = entry.partition("=")
+        for name, v in base:
+            variants[f"{name} [{key}={value}]"] = v
+            extra_env[f"{name} [{key}={value}]"] = {key: value}
+
     peers = {}
     if args.flax_peer:
         from benchmarks.flax_fp8_peer import FlaxLlamaBlock
@@ -253,7 +264,10 @@ def main():
         with (fp8.autocast(enabled=recipe is not None, recipe=recipe),
               env("TE_JAX_FP8_GEMM", "direct" if style == "block-pallas" else style),
               env("TE_JAX_FP8_FUSED", fused_mlp[0]), env("TE_JAX_FP8_BLOCK_GEMM", block_gemm),
-              env("TE_JAX_FP8_KEEP_WEIGHTS", {"1k": "1", "1r": "0"}.get(fused_mlp, "auto"))):
+              env("TE_JAX_FP8_KEEP_WEIGHTS", {"1k": "1", "1r": "0"}.get(fused_mlp, "auto")),
+              contextlib.ExitStack() as more):
+            for key, value in extra_env.get(name, {}).items():
+                more.enter_context(env(key, value))
             variables = jax.jit(lambda k: nn.meta.unbox(module.init(k, x[:1, :8], deterministic=True)))(kp)
             params, state = variables["params"], variables.get(fp8.FP8_COLLECTION, {})
             if name == "bf16":

@@ -18,6 +18,7 @@ from te_jax.fp8 import quantize as Q
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format
 from te_jax.flax import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP, TransformerLayer
 from helpers import cpu_mesh, norm_rel_err as _rel, rand
+from jaxpr_walk import walk
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 DENSE_DN = (((2,), (0,)), ((), ()))
@@ -400,6 +401,64 @@ def test_gqa_query_and_kv_share_one_norm_cast(recipe, monkeypatch):
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1["params"]),
                                 jax.tree_util.tree_leaves(g0["params"])):
             assert _rel(a, b) < 2.0 ** -5, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=3), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_norm_fp8_dense_kept_weights_and_split_gemms_change_no_value(recipe, monkeypatch):
+    """The fused dense path (quantize._tn_dense, here a norm in front of two GEMMs, GQA's query and K/V) with the
+    weights' FP8 copies kept for the backward (TE_JAX_FP8_KEEP_WEIGHTS=1) and with its GEMMs kept apart
+    (TE_JAX_FP8_SPLIT_DOTS=1) gives bitwise the outputs, gradients and next FP8 states of the re-cast, mergeable
+    path, over two steps; kept, its backward casts no weight outside the kernels; split, the GEMMs that share x_q /
+    x_qT read it through an optimization barrier. Both are within FP8 error of the fp32 norm and GEMMs."""
+    from te_jax.fp8 import norm_cast, norm_dense
+
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", "1")
+    spec = norm_cast.NormSpec("rmsnorm", 1e-6, False, "xla")
+    ks = jax.random.split(jax.random.PRNGKey(5), 5)
+    x = (jax.random.normal(ks[0], (64, 32)) * 2 + 0.5).astype(jnp.bfloat16)
+    gamma = 1 + 0.1 * jax.random.normal(ks[1], (32,))
+    ws = (0.2 * jax.random.normal(ks[2], (32, 64)), 0.2 * jax.random.normal(ks[3], (32, 16)))
+    cts = (jax.random.normal(ks[4], (64, 64)), jax.random.normal(ks[0], (64, 16)))
+    delayed = isinstance(recipe, DelayedScaling)
+
+    def loss(x, gamma, ws, states):
+        ys = norm_dense.norm_fp8_dense(x, gamma, None, ws, states, recipe, spec, interpret=True)
+        return sum(jnp.sum(y.astype(jnp.float32) * c) for y, c in zip(ys, cts))
+
+    def run(keep, split):
+        monkeypatch.setenv("TE_JAX_FP8_KEEP_WEIGHTS", keep)
+        monkeypatch.setenv("TE_JAX_FP8_SPLIT_DOTS", split)
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), compiler_options={
+            "xla_allow_excess_precision": False})
+        states = (Q.init_state(3), Q.init_state(3)) if delayed else None
+        out = []
+        for _ in range(2):
+            l, g = step(x, gamma, ws, states)
+            out.append((l, g[:3]))
+            states = g[3] if delayed else None
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=2))(x, gamma, ws, (Q.init_state(3),) * 2 if delayed else None)
+        eqns = list(walk(jaxpr.jaxpr))  # (not inside the cast kernels)
+        w_casts = sum(e.primitive.name == "convert_element_type" and jnp.dtype(e.params["new_dtype"]).itemsize == 1
+                      and tuple(e.outvars[0].aval.shape) in {(32, 64), (32, 16)} for e in eqns)
+        barriers = sum(e.primitive.name == "optimization_barrier" for e in eqns)
+        return out, states, w_casts, barriers
+
+    new, s_new, casts_new, bar_new = run("1", "1")
+    old, s_old, casts_old, bar_old = run("0", "0")
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                                      np.asarray(b, np.float32)), (new, s_new),
+                           (old, s_old))
+    assert casts_old == 2 and casts_new == 0, (casts_old, casts_new)  # the backward's re-casts of w_q, w_kv
+    assert bar_new == bar_old + 2, (bar_new, bar_old)  # x_q for the K/V GEMM, x_qT for its wgrad
+    xf = x.astype(jnp.float32)
+    ref = lambda x, gamma, ws: sum(jnp.sum((x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * gamma
+                                            ) @ w * c) for w, c in zip(ws, cts))
+    l_ref, g_ref = jax.value_and_grad(ref, argnums=(0, 1, 2))(xf, gamma, ws)
+    l_new, g_new = new[-1]
+    assert abs(float(l_new) - float(l_ref)) < 0.1 * abs(float(l_ref)) + 1.0
+    for a, b in zip(jax.tree_util.tree_leaves(g_new), jax.tree_util.tree_leaves(g_ref)):
+        assert _rel(a, b) < 0.15, _rel(a, b)
 
 
 def test_norm_fp8_dense_bad_arguments_are_clear_errors():

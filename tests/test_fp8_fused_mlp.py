@@ -337,8 +337,8 @@ def test_kept_weight_copies_equal_the_recast(recipe, monkeypatch):
     with pytest.raises(ValueError, match="TE_JAX_FP8_KEEP_WEIGHTS='yes' must be one of"):
         _fused(x, w1, w2, None, None, Float8CurrentScaling(), acts)
     monkeypatch.delenv("TE_JAX_FP8_KEEP_WEIGHTS")  # the default, "auto": kept for delayed scaling only
-    from te_jax.fp8.fused import keep_mlp_weight_copies
-    assert keep_mlp_weight_copies(DelayedScaling()) and not keep_mlp_weight_copies(Float8CurrentScaling())
+    from te_jax.fp8.fused import keep_weight_copies
+    assert keep_weight_copies(DelayedScaling()) and not keep_weight_copies(Float8CurrentScaling())
 
 
 def _all_eqns(jaxpr):

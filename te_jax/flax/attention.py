@@ -90,15 +90,15 @@ def apply_rotary_pos_emb(x, positions, *, group_method: str = "consecutive", win
         x1, x2 = xf[..., :half], xf[..., half:]
         out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     else:
-        # out[2i] = x[2i] cos_i - x[2i+1] sin_i, out[2i+1] = x[2i+1] cos_i + x[2i] sin_i, written as one elementwise
-        # pass over x's own layout: x * cos2 + partner(x) * (-+sin2), partner(x)[j] = x[j ^ 1] picked from x shifted
-        # by one lane either way. (A stack of the strided halves made XLA write a [..., d/2, 2] layout: a
-        # concatenate fusion at about half the copy bandwidth on an H100.)
-        cos2, sin2 = jnp.repeat(cos, 2, axis=-1), jnp.repeat(sin, 2, axis=-1)
-        even = (jnp.arange(d) % 2) == 0
-        nxt = jnp.concatenate([xf[..., 1:], xf[..., :1]], axis=-1)  # x[j + 1]
-        prv = jnp.concatenate([xf[..., -1:], xf[..., :-1]], axis=-1)  # x[j - 1]
-        out = xf * cos2 + jnp.where(even, -nxt, prv) * sin2
+        # out[2i] = x[2i] cos_i - x[2i+1] sin_i, out[2i+1] = x[2i+1] cos_i + x[2i] sin_i, as one elementwise pass
+        # over x's own layout: x * cos2 + swap(x) * (-+sin2), swap exchanging the two lanes of each pair (a reverse
+        # of a size-2 axis; its transpose is itself, so the backward is the same pass with no zeros or pads).
+        # (A stack of the strided halves made XLA write a [..., d/2, 2] layout: a concatenate fusion at about half
+        # the copy bandwidth on an H100; shifted slices instead made the backward pad with a zeros buffer.)
+        cos2 = jnp.repeat(cos, 2, axis=-1)
+        sin2 = jnp.repeat(sin, 2, axis=-1) * jnp.tile(jnp.array([-1.0, 1.0], jnp.float32), half)
+        swap = lax.rev(xf.reshape(*x.shape[:-1], half, 2), (xf.ndim,)).reshape(x.shape)
+        out = xf * cos2 + swap * sin2
     return out.astype(x.dtype)
 
 

@@ -38,19 +38,32 @@ def fused_setting() -> str:
 KEEP_WEIGHTS_ENV = "TE_JAX_FP8_KEEP_WEIGHTS"
 
 
-def keep_mlp_weight_copies(recipe) -> bool:
-    """Whether the fused FP8 MLP keeps its weights' FP8 copies from the forward for the backward's dgrad GEMMs
-    instead of re-casting them there (TE_JAX_FP8_KEEP_WEIGHTS, read at trace time: "1" keeps, "0" re-casts,
-    "auto", the default, keeps them for DelayedScaling only).
+def keep_weight_copies(recipe) -> bool:
+    """Whether the fused FP8 paths (the LayerNormMLP of mlp.py and the dense GEMMs of quantize._tn_dense) keep their
+    weights' FP8 copies from the forward for the backward's dgrad GEMMs instead of re-casting them there
+    (TE_JAX_FP8_KEEP_WEIGHTS, read at trace time: "1" keeps, "0" re-casts, "auto", the default, keeps them for
+    DelayedScaling only).
     Kept: the forward's cast writes both layouts from one read of each weight and the backward casts nothing; the
-    cost is the copies (D x n*F + F x D bytes) held from the forward to the MLP's backward, which runs first in a
-    layer's backward. Why auto is per recipe (H100 layer, benchmarks/results/fp8_layer_h100.md): with delayed
-    scaling the step's temporary memory stayed at bf16's and the step was 0.4-2% faster; with current scaling it was
-    as fast at 4 steps per dispatch and its temporary memory grew by 112 MiB (1170 -> 1282)."""
+    cost is the copies (K x N bytes per weight) held from the forward to the GEMM's backward. Why auto is per
+    recipe (H100 layer, benchmarks/results/fp8_layer_h100.md): with delayed scaling the step's temporary memory
+    stayed at bf16's and the step was faster; with current scaling the MLP's copies were as fast at 4 steps per
+    dispatch and its temporary memory grew by 112 MiB (1170 -> 1282)."""
     setting = policy.env_choice(KEEP_WEIGHTS_ENV, ("auto", "0", "1"), "auto")
     if setting == "auto":
         return isinstance(recipe, DelayedScaling)
     return setting == "1"
+
+
+SPLIT_DOTS_ENV = "TE_JAX_FP8_SPLIT_DOTS"
+
+
+def split_dots() -> bool:
+    """Whether FP8 GEMMs that share an operand (the query and key/value projections of GQA self-attention read one
+    FP8 input; their weight gradients read its one transposed copy) stay separate GEMMs (TE_JAX_FP8_SPLIT_DOTS, read
+    at trace time: "1" / "auto", the default: separate; "0": XLA may merge them). Merged, XLA's dot merger
+    concatenates the other operands first: a copy of the FP8 weights in the forward and of the transposed FP8
+    output gradients in the backward (69 us per step on the H100 layer, benchmarks/results/fp8_layer_h100.md)."""
+    return policy.env_choice(SPLIT_DOTS_ENV, ("auto", "0", "1"), "auto") != "0"
 
 
 def fused_cast_unavailable(recipe) -> str | None:

@@ -3,7 +3,7 @@
     x [M, D] (compute dtype dt) -- cast_transpose --> x_q [M, D], x_qT [D, M]           (amax(x))
     w1 [D, n*F] (param dtype)   -- cast_transposed --> w1_qT [n*F, D]     (amax(w1 in dt); w1_q re-cast in the bwd)
     w2 [F, D]                   -- cast_transposed --> w2_qT [D, F]       (amax(w2 in dt); w2_q likewise)
-    (kept copies, fused.keep_mlp_weight_copies: the default for DelayedScaling, TE_JAX_FP8_KEEP_WEIGHTS=1 for every
+    (kept copies, fused.keep_weight_copies: the default for DelayedScaling, TE_JAX_FP8_KEEP_WEIGHTS=1 for every
     recipe: cast_transpose writes w_q beside w_qT and the backward uses it, re-casting nothing)
     gu [M, n*F] dt = x_q . w1_qT                                      (FP8 GEMM, wi fprop)
     a_q [M, F], a_qT [F, M], amax(a) = act_cast(gu)                   (activation + cast + transpose, 1 pass)
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import fused_cast_unavailable, keep_mlp_weight_copies, launch_options
+from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -72,7 +72,7 @@ class _Cfg:
     w2_dtype: object
     interpret: bool | None
     norm: _nc.NormSpec | None = None  # x is the norm's input: the norm runs fused into x's cast (norm_cast.py)
-    keep_weights: bool = False  # fused.keep_mlp_weight_copies(recipe): the forward's FP8 weight copies go to the backward
+    keep_weights: bool = False  # fused.keep_weight_copies(recipe): the forward's FP8 weight copies go to the backward
 
 
 def _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b):
@@ -239,7 +239,7 @@ def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activation
         raise ValueError(f"fused_fp8_mlp: norm={norm} needs gamma of shape ({d},); got "
                          f"{None if gamma is None else tuple(gamma.shape)}.")
     cfg = _Cfg(recipe, acts[0], len(acts) == 2, gemm_style(), jnp.dtype(w1.dtype), jnp.dtype(w2.dtype), interpret,
-               norm, keep_mlp_weight_copies(recipe))
+               norm, keep_weight_copies(recipe))
     if norm is None:
         gamma = beta = None
     y = _mlp(x.reshape(-1, d), gamma, beta, w1, w2, wi_state, wo_state, cfg)

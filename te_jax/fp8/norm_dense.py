@@ -3,7 +3,8 @@ the query and key/value projections of GQA self-attention, which TransformerEngi
 
     x [M, K] (compute dtype dt), gamma / beta [K], kernels w_i [K, N_i]:
     forward   x_q, x_qT, amax = norm_cast.cast(x, ...)            one pass over x; the norm's output is never stored
-              w_qT_i = cast_transposed(w_i)                        (the backward re-casts w_i)
+              w_qT_i = cast_transposed(w_i)                        (the backward re-casts w_i; with kept weight
+                                                                   copies one cast writes w_q_i and w_qT_i)
               y_i [M, N_i] = x_q . w_qT_i                          FP8 GEMMs ("TN")
     backward  g_i_q, g_i_qT = cast_transpose(g_i)
               dln = sum_i g_i_q . w_q_i                            dgrads, summed in dt (as autodiff sums them)
@@ -20,6 +21,7 @@ import math
 
 import jax.numpy as jnp
 
+from te_jax.fp8.fused import keep_weight_copies, split_dots
 from te_jax.fp8.quantize import STATE_KEYS, _tn_dense, _TNCfg
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -52,7 +54,7 @@ def norm_fp8_dense(x, gamma, beta, kernels, states, recipe, norm, *, gemm_style=
     else:
         states = None
     dt = x.dtype
-    cfg = _TNCfg(recipe, norm, dt, gemm_style, interpret, jnp.dtype(dt))
+    cfg = _TNCfg(recipe, norm, dt, gemm_style, interpret, jnp.dtype(dt), keep_weight_copies(recipe), split_dots())
     flat = tuple(w.astype(dt).reshape(k, math.prod(w.shape[1:])) for w in kernels)  # dw in dt, then w's dtype
     ys = _tn_dense(x.reshape(-1, k), gamma, None if norm.layernorm_type == "rmsnorm" else beta, flat, states, cfg)
     return tuple(y.reshape(x.shape[:-1] + tuple(w.shape[1:])) for y, w in zip(ys, kernels))

@@ -32,7 +32,7 @@ from te_jax.fp8 import context as _ac
 from te_jax.fp8 import mlp as _fp8_mlp
 from te_jax.fp8 import norm_cast as _norm_cast
 from te_jax.fp8 import norm_dense as _norm_dense
-from te_jax.fp8.fused import fused_cast_unavailable, keep_mlp_weight_copies
+from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies
 from te_jax.fp8.quantize import STATE_KEYS, fp8_dot_general, gemm_style
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
@@ -198,7 +198,7 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
         path = "fused FP8 MLP (te_jax.fp8.mlp: cast/activation kernels write FP8 operands, transposes and amaxes"
         path += "; the norm fused into x's cast" if enable_layernorm else ""
         path += ("; the weights' FP8 copies kept for the backward, TE_JAX_FP8_KEEP_WEIGHTS)"
-                 if keep_mlp_weight_copies(recipe) else ")")
+                 if keep_weight_copies(recipe) else ")")
         _ac.record(module, "wi_kernel", recipe, f"{reason}; {path}", k=d, n=n_act * f,
                    shape=f"x{tuple(ln.shape)} . wi_kernel{tuple(w1.shape)}")
         _ac.record(module, "wo_kernel", recipe, f"{reason}; {path}", k=f, n=w2.shape[-1],
