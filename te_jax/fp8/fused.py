@@ -38,32 +38,21 @@ def fused_setting() -> str:
 KEEP_WEIGHTS_ENV = "TE_JAX_FP8_KEEP_WEIGHTS"
 
 
-def keep_weight_copies(recipe) -> bool:
-    """Whether the fused FP8 paths (the LayerNormMLP of mlp.py and the dense GEMMs of quantize._tn_dense) keep their
-    weights' FP8 copies from the forward for the backward's dgrad GEMMs instead of re-casting them there
-    (TE_JAX_FP8_KEEP_WEIGHTS, read at trace time: "1" keeps, "0" re-casts, "auto", the default, keeps them for
-    DelayedScaling only).
+def keep_weight_copies(recipe, *, dense: bool = False) -> bool:
+    """Whether a fused FP8 path keeps its weights' FP8 copies from the forward for the backward's dgrad GEMMs instead
+    of re-casting them there: the LayerNormMLP of mlp.py, or (dense=True) the dense GEMMs of quantize._tn_dense.
+    TE_JAX_FP8_KEEP_WEIGHTS, read at trace time: "1" keeps (both paths), "0" re-casts, "auto", the default, keeps the
+    MLP's under DelayedScaling only.
     Kept: the forward's cast writes both layouts from one read of each weight and the backward casts nothing; the
-    cost is the copies (K x N bytes per weight) held from the forward to the GEMM's backward. Why auto is per
-    recipe (H100 layer, benchmarks/results/fp8_layer_h100.md): with delayed scaling the step's temporary memory
-    stayed at bf16's and the step was faster; with current scaling the MLP's copies were as fast at 4 steps per
-    dispatch and its temporary memory grew by 112 MiB (1170 -> 1282)."""
+    cost is the copies (K x N bytes per weight) held from the forward to the GEMM's backward. Why auto is what it is
+    (H100 layer, benchmarks/results/fp8_layer_h100.md): the MLP's copies die before the step's peak (its backward
+    runs first), so under delayed scaling the step was faster at bf16's temporary memory; under current scaling as
+    fast at 4 steps per dispatch, with 112 MiB more. The attention projections' copies live through the MLP's
+    backward: 0.1 ms faster per step under delayed scaling, but 40 MiB of temporary memory above bf16's."""
     setting = policy.env_choice(KEEP_WEIGHTS_ENV, ("auto", "0", "1"), "auto")
     if setting == "auto":
-        return isinstance(recipe, DelayedScaling)
+        return isinstance(recipe, DelayedScaling) and not dense
     return setting == "1"
-
-
-SPLIT_DOTS_ENV = "TE_JAX_FP8_SPLIT_DOTS"
-
-
-def split_dots() -> bool:
-    """Whether FP8 GEMMs that share an operand (the query and key/value projections of GQA self-attention read one
-    FP8 input; their weight gradients read its one transposed copy) stay separate GEMMs (TE_JAX_FP8_SPLIT_DOTS, read
-    at trace time: "1" / "auto", the default: separate; "0": XLA may merge them). Merged, XLA's dot merger
-    concatenates the other operands first: a copy of the FP8 weights in the forward and of the transposed FP8
-    output gradients in the backward (69 us per step on the H100 layer, benchmarks/results/fp8_layer_h100.md)."""
-    return policy.env_choice(SPLIT_DOTS_ENV, ("auto", "0", "1"), "auto") != "0"
 
 
 def fused_cast_unavailable(recipe) -> str | None:

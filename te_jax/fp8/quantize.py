@@ -76,7 +76,7 @@ from te_jax._compat import gpu_compute_capability
 from te_jax.backends import policy
 from te_jax.fp8 import norm_cast as _nc
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
-from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options, split_dots
+from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
 
 GEMM_STYLES = ("direct", "qdq", "wgrad_qdq")
@@ -414,7 +414,6 @@ class _TNCfg:
     interpret: bool | None
     x_dtype: object  # dx's dtype
     keep_weights: bool = False  # fused.keep_weight_copies: the forward's FP8 weight copies go to the backward
-    split_dots: bool = False  # fused.split_dots: GEMMs sharing x_q (forward) / x_qT (wgrad) are kept apart
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -443,7 +442,7 @@ def _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg):
         # else the backward re-casts w
         wq, wtq, aw, sw = _scale_then_cast(recipe, w2, states[i]["kernel_scale"] if delayed else None, fmt.max_fwd,
                                            fmt.fwd_dtype, cfg.interpret, transposed_only=not cfg.keep_weights)
-        ys.append(_tn_gemm(_apart(xq, i, cfg), wtq, cfg.out_dtype, 1.0 / sx, 1.0 / sw, cfg.style))
+        ys.append(_tn_gemm(xq, wtq, cfg.out_dtype, 1.0 / sx, 1.0 / sw, cfg.style))
         sws.append(sw)
         wqs.append(wq)
         if delayed:
@@ -459,12 +458,6 @@ def _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg):
                        tuple(new_fwd) if delayed else None, norm_res)
 
 
-def _apart(a, i: int, cfg):
-    """a for the i-th GEMM of a group that shares it; behind an optimization barrier for i > 0 under cfg.split_dots,
-    so that XLA's dot merger does not join the GEMMs by concatenating their other operands (a copy)."""
-    return lax.optimization_barrier(a) if cfg.split_dots and i > 0 else a
-
-
 def _tn_dense_bwd(cfg, res, gs):
     xtq, sxi, kernels, sws, wqs, new_fwd, norm_res = res
     recipe, fmt = cfg.recipe, cfg.recipe.fp8_format
@@ -478,7 +471,7 @@ def _tn_dense_bwd(cfg, res, gs):
                                            fmt.bwd_dtype, cfg.interpret)
         d = _tn_gemm(gq, wq, x_dtype, 1.0 / sg, 1.0 / sw, cfg.style)             # dgrad
         dx = d if dx is None else dx + d                                          # summed as autodiff would
-        dws.append(_tn_gemm(_apart(xtq, i, cfg), gtq, w2.dtype, sxi, 1.0 / sg, wgrad_style(cfg.style)))  # wgrad
+        dws.append(_tn_gemm(xtq, gtq, w2.dtype, sxi, 1.0 / sg, wgrad_style(cfg.style)))  # wgrad
         if new_fwd is not None:
             ng, hg = delayed_update(new_fwd[i][5], sg, ag, fmt.max_bwd, recipe.margin, recipe.amax_compute_algo)
             state_cts.append(dict(zip(STATE_KEYS, new_fwd[i][:4] + (ng.reshape(1), hg))))
@@ -540,7 +533,7 @@ def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_el
     n_contract = _dense_split(dn, x.ndim, w.ndim)
     if n_contract is not None and fused_cast_unavailable(recipe) is None:  # every GEMM TN, the fused casts
         k = math.prod(x.shape[x.ndim - n_contract:])
-        cfg = _TNCfg(recipe, None, out_dtype, style, None, jnp.dtype(x.dtype), keep_weight_copies(recipe), split_dots())
+        cfg = _TNCfg(recipe, None, out_dtype, style, None, jnp.dtype(x.dtype), keep_weight_copies(recipe, dense=True))
         (y,) = _tn_dense(x.reshape(-1, k), None, None, (w.reshape(k, -1),), None if state is None else (state,), cfg)
         return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:])
     return _per_tensor_dot(x, w, state, dn, recipe, dtypes, style)
