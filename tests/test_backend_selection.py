@@ -399,6 +399,42 @@ def test_sm90_data_mask_explanation_counts_the_tiles(fake_h100, monkeypatch):
     assert "forward tiles" not in plain.detail
 
 
+def test_sm90_data_mask_compares_segments_only_where_there_are_any(fake_h100, monkeypatch):
+    """The front door tells the Hopper data-mask kernels whether a call has more than one segment: windows and
+    bottom-right causal without padding compare positions only (mask_segments=False, and the explanation says so);
+    padding (lengths or segment ids) and thd documents keep the segment compare. Traced only, the kernel recorded."""
+    import pallas_kernels.flash_attention_hopper as fh
+    from te_jax.backends import pallas as pallas_mod
+
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    seen = []
+
+    def record(q, k, v, *, mask=None, mask_segments=True, **kw):
+        seen.append(mask_segments)
+        return (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1])))
+
+    monkeypatch.setattr(fh, "hopper_attention", record)
+    x = jnp.zeros((2, 512, 4, 128), jnp.bfloat16)
+    t = jnp.zeros((512, 4, 128), jnp.bfloat16)
+    lens = jnp.array([512, 300], jnp.int32)
+    calls = [(dict(attn_mask_type="causal", window_size=(128, 0)), (x, x, x), False),
+             (dict(attn_mask_type="no_mask", window_size=(64, 64)), (x, x, x), False),
+             (dict(attn_mask_type="causal_bottom_right"), (x[:, :256], x, x), False),
+             (dict(attn_mask_type="padding_causal", window_size=(128, 0), q_seqlens=lens, kv_seqlens=lens), (x, x, x),
+              True),
+             (dict(attn_mask_type="padding", q_segment_ids=jnp.ones((2, 512), jnp.int32),
+                   kv_segment_ids=jnp.ones((2, 512), jnp.int32)), (x, x, x), True),
+             (dict(attn_input_format="thd", attn_mask_type="padding_causal", q_seqlens=jnp.array([200, 312]),
+                   kv_seqlens=jnp.array([200, 312])), (t, t, t), True)]
+    for kw, shapes, segments in calls:
+        kw = {"attn_input_format": "bshd", **kw}
+        seen.clear()
+        jax.make_jaxpr(lambda q, k, v: te_jax.dot_product_attention(q, k, v, backend="pallas", **kw))(*shapes)
+        assert seen == [segments], (kw, seen)
+        detail = te_jax.explain_attention_backend(*shapes, backend="pallas", **kw).detail
+        assert "data-mask schedule" in detail and ("positions only: one segment" in detail) == (not segments), detail
+
+
 def test_sm90_work_around_the_kernels_has_no_loop(fake_h100, monkeypatch):
     """What runs around the attention kernels on sm90 for thd lengths (forward and gradients; the data-mask work
     that padding and segment ids share) and a decode step with cache lengths holds no scan or while loop: XLA may

@@ -681,6 +681,28 @@ def _masked_case(name):
 
 MASKED_CASES = ["padding", "padding_causal_hd64", "documents_causal", "window_causal_hd64",
                 "window_two_sided_softcap_hd256", "bottom_right_causal", "empty_rows", "ragged_lengths"]
+#: Cases whose mask has one segment and whole-tile lengths: run with mask_segments=False (positions compared only).
+ONE_SEGMENT_CASES = ("window_causal_hd64", "window_two_sided_softcap_hd256", "bottom_right_causal")
+
+
+def test_one_segment_rule_equals_the_full_rule_on_one_segment():
+    """MaskRule(segments=False) (what hopper_attention(mask_segments=False) runs) hides exactly the pairs the full
+    rule hides when every token is in one segment, for causal, windows and both; with two segments it would not."""
+    from pallas_kernels.flash_attention_hopper.data_mask import MaskRule
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
+    q_pos, k_pos = jnp.asarray(rng.integers(0, 100, 64)), jnp.asarray(rng.integers(0, 100, 48))
+    one_q, one_k = jnp.ones(64, jnp.int32), jnp.ones(48, jnp.int32)
+    two_k = jnp.asarray(rng.integers(1, 3, 48))
+    for causal, window in ((True, (-1, -1)), (False, (20, 5)), (True, (10, -1))):
+        full, lean = MaskRule(causal, window), MaskRule(causal, window, segments=False)
+        for q_axis, xx in ((0, x), (1, x.T)):
+            a = full.apply(xx, (one_q, q_pos), (one_k, k_pos), -jnp.inf, q_axis=q_axis)
+            b = lean.apply(xx, (one_q, q_pos), (one_k, k_pos), -jnp.inf, q_axis=q_axis)
+            np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(full.apply(x, (one_q, q_pos), (two_k, k_pos), -jnp.inf, q_axis=0),
+                                  lean.apply(x, (one_q, q_pos), (two_k, k_pos), -jnp.inf, q_axis=0))
 
 
 @pytest.mark.slow
@@ -701,7 +723,8 @@ def test_data_mask_forward_and_grads(name):
     seen = np.asarray(mask.dense().any(-1))  # [B, Sq]: rows that see a key
     dl = jax.random.normal(ks[4], (B, H, Sq), jnp.float32) * seen[:, None, :]
     scale = D ** -0.5
-    f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, mask=mask, interpret=interpret, softcap=softcap)
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, mask=mask, interpret=interpret, softcap=softcap,
+                                         mask_segments=name not in ONE_SEGMENT_CASES)
     (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     ref = lambda q, k, v: reference_attention(q, k, v, mask, scale=scale, softcap=softcap)
@@ -741,7 +764,7 @@ def test_persistent_masked_forward(name):
     if not persistent_masked_chosen(cfg, D, D, BF):
         pytest.skip(f"head_dim {D}: the persistent data-mask forward's shared memory does not fit")
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, mask=mask, interpret=interpret, softcap=softcap,
-                                         config=cfg)
+                                         config=cfg, mask_segments=name not in ONE_SEGMENT_CASES)
     (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     ref = lambda q, k, v: reference_attention(q, k, v, mask, scale=D ** -0.5, softcap=softcap)

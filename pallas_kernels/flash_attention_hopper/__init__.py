@@ -194,7 +194,7 @@ def _masked_bwd_rule(scale, config, interpret, softcap, rule, res, cts):
 _masked_attention.defvjp(_masked_fwd_rule, _masked_bwd_rule)
 
 
-def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap):
+def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments=True):
     if not isinstance(mask, AttentionMask):
         raise ValueError(f"hopper_attention: mask={type(mask).__name__} must be a pallas_kernels.mask.AttentionMask "
                          f"(segment ids and positions [batch, length]; AttentionMask.from_segments / .full build one).")
@@ -210,19 +210,28 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap):
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     tables = mask_tables(padded, cfg, backward=False)  # the backward adds its lists (flash_bwd)
     out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,
-                                 interpret, _softcap(softcap), MaskRule(padded.causal, tuple(padded.window)))
+                                 interpret, _softcap(softcap),
+                                 MaskRule(padded.causal, tuple(padded.window), bool(segments or (pq, pkv) != (sq, skv))))
     if pq != sq:
         out, lse = out[:, :sq], lse[:, :, :sq]
     return out, lse
 
 
 def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None,
-                     interpret: bool | None = None, softcap: float | None = None, mask=None):
-    """Flash attention on Hopper: (out, lse).  Differentiable (custom_vjp) in q, k, v."""
+                     interpret: bool | None = None, softcap: float | None = None, mask=None,
+                     mask_segments: bool = True):
+    """Flash attention on Hopper: (out, lse).  Differentiable (custom_vjp) in q, k, v.
+
+    mask: a pallas_kernels.mask.AttentionMask (the data-mask kernels). mask_segments=False: the caller knows that
+    every query and key of the mask is in one segment (no padding, no documents; windows, bottom-right or
+    position-based causal only), so the element mask compares positions only. It is ignored where the lengths are
+    padded to whole tiles (the padded tokens are told apart by their segment). A mask with several segments under
+    mask_segments=False gives wrong results."""
     if mask is not None:
         if causal:
             raise ValueError("hopper_attention: pass causal in the mask (AttentionMask(causal=True)), not both")
-        return _hopper_masked(q, k, v, mask, scale=scale, config=config, interpret=interpret, softcap=softcap)
+        return _hopper_masked(q, k, v, mask, scale=scale, config=config, interpret=interpret, softcap=softcap,
+                              segments=mask_segments)
     _check(q, k, v, causal, softcap)
     sq, skv = q.shape[1], k.shape[1]
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK

@@ -192,6 +192,12 @@ class PallasBackend:
                     and not (call.mask.causal and d.q_len != d.kv_len))
 
     @staticmethod
+    def hopper_mask_segments(call) -> bool:
+        """Whether the Hopper data-mask kernels must compare segment ids: the call has padding or documents (thd,
+        segment ids); without them every token is in one segment and the element mask compares positions only."""
+        return call.padding_source != "none" or call.attn_input_format == "thd"
+
+    @staticmethod
     def _hopper_feature_reason(call):
         """(module, reason): what about the call keeps the Hopper kernel out (arch, mask, features)."""
         if call.compute_capability != (9, 0):
@@ -327,7 +333,9 @@ class PallasBackend:
             persistent = persistent_masked_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype, window)
             plan = ("data-mask schedule (" + ", ".join(what) + "): the mask's segment ids and positions are "
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
-                    "the element mask, partial tiles apply it; forward " + (
+                    "the element mask, partial tiles apply it" + (
+                        "" if self.hopper_mask_segments(call) or d.q_len % fh.BLOCK or d.kv_len % fh.BLOCK else
+                        " (positions only: one segment)") + "; forward " + (
                         "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
                         "Q and K/V load during the current one)" if persistent else
                         "one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid "
@@ -427,7 +435,8 @@ class PallasBackend:
             from pallas_kernels import flash_attention_hopper as fh
             if self.hopper_data_mask(call):
                 out, lse = fh.hopper_attention(q, k, v, scale=scale, config=call.kernel_config, softcap=softcap,
-                                               mask=tm.with_rule(causal, window))
+                                               mask=tm.with_rule(causal, window),
+                                               mask_segments=self.hopper_mask_segments(call))
             else:
                 out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config,
                                                softcap=softcap)
