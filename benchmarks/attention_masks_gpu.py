@@ -3,7 +3,9 @@
     bash benchmarks/install_peers.sh; export PYTHONPATH=.:/tmp/site   # carry [".whl"]
     python3 -m benchmarks.attention_masks_gpu [--rounds 3] [--rows window_causal_4k,...] [--device-time]
 
-Rows (bf16, hd128, 16 heads unless said): see ROWS. Implementations, where each supports the row:
+Rows (bf16, hd128, 16 heads unless said): see ROWS (the dense rows and the sinks rows complete the issue's list; no
+peer has sinks, so those rows add te_jax_no_sink: the same call without the sink). Implementations, where each
+supports the row:
   te_jax          te_jax.dot_product_attention(backend="auto"): what users get (the kernel it takes is printed)
   te_jax_pallas   the same with backend="pallas" (the Hopper kernel where it serves; only when auto takes another)
   te_jax_portable backend="pallas" with the portable kernel's BlockSizes (what served these rows before)
@@ -42,6 +44,11 @@ D = 128
 THD_DOCS = (2048, 512, 3000, 1024, 777, 2500, 1600, 900, 1200, 1823, 1000)  # 11 documents, 16,384 tokens
 
 
+def sink_logits(h: int):
+    """The learnable-sink rows' per-head sink logits [h] (fixed: the timing does not depend on them)."""
+    return jnp.linspace(-2.0, 2.0, h, dtype=jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     label: str
@@ -56,6 +63,7 @@ class Row:
     docs: tuple[int, ...] | None = None         # documents per batch row (bshd segment ids), or thd's documents
     thd: bool = False
     bottom_right: bool = False
+    softmax_type: str = "vanilla"  # attention sinks: "off-by-one" or "learnable" (per-head logits SINK_LOGITS)
 
     @property
     def kv(self):
@@ -99,6 +107,11 @@ ROWS = {
                                docs=(1500, 1000, 1096, 500)),
     "bottom_right_2k_8k": Row("causal bottom-right, q 2k x kv 8k, B4", 4, 2048, Skv=8192, causal=True,
                               bottom_right=True),
+    "sinks_learnable_causal_4k": Row("learnable sinks, causal, B4 x 4k", 4, 4096, causal=True,
+                                     softmax_type="learnable"),
+    "sinks_off_by_one_4k": Row("off-by-one sinks, non-causal, B4 x 4k", 4, 4096, softmax_type="off-by-one"),
+    "dense_causal_4k": Row("dense causal, B4 x 4k", 4, 4096, causal=True),
+    "dense_full_4k": Row("dense, no mask, B4 x 4k", 4, 4096),
 }
 
 
@@ -117,6 +130,10 @@ def visible_pairs(row: Row) -> int:
 
 def _te_kwargs(row: Row):
     kw = dict(attn_input_format="thd" if row.thd else "bshd", attn_mask_type=row.mask_type(), softcap=row.softcap)
+    if row.softmax_type != "vanilla":
+        kw["softmax_type"] = row.softmax_type
+        if row.softmax_type == "learnable":
+            kw["softmax_offset"] = sink_logits(row.H)
     if row.window is not None:
         kw["window_size"] = row.window
     if row.seqlens is not None:
@@ -145,6 +162,11 @@ def makers(row: Row, scale, tk, fa3, persistent=False):
     for name, extra in variants:
         out[name] = (lambda extra: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
             q, k, v, scale=scale, **kw, **extra)))(extra)
+    if row.softmax_type != "vanilla":  # no peer has sinks: the same call without them, for their cost
+        plain = {n: a for n, a in kw.items() if n not in ("softmax_type", "softmax_offset")}
+        out["te_jax_no_sink"] = lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
+            q, k, v, scale=scale, **plain))
+        return out
     docs = row.docs is not None
     if row.softcap is None and not docs and not row.bottom_right and not row.thd:
         lens = None if row.seqlens is None else jnp.asarray(row.seqlens, jnp.int32)
@@ -205,8 +227,12 @@ def reference_rows(row: Row, q, k, v, scale, n=512):
     qb, kb, vb = (batched(x).astype(jnp.float32) for x in (q, k, v))
     s0 = max(0, m.q_len - n)
     tail = dataclasses.replace(m, q_segment_ids=m.q_segment_ids[:, s0:], q_positions=m.q_positions[:, s0:])
-    out, _ = jax.jit(lambda q, k, v: reference_attention(q, k, v, tail, scale=scale, softcap=row.softcap))(
+    out, lse = jax.jit(lambda q, k, v: reference_attention(q, k, v, tail, scale=scale, softcap=row.softcap))(
         qb[:, s0:], kb, vb)
+    if row.softmax_type != "vanilla":  # the sink as one more logit in each row's softmax: out * e^lse / (e^lse + e^s)
+        sink = jnp.zeros((row.H,)) if row.softmax_type == "off-by-one" else sink_logits(row.H)
+        keep = jnp.exp(lse - jnp.logaddexp(lse, sink[None, :, None]))  # [b, h, s]
+        out = out * jnp.swapaxes(keep, 1, 2)[..., None]
     return out, s0
 
 
