@@ -197,6 +197,46 @@ def test_norm_cast_transpose_matches_reference(layernorm, zero_centered, dtype, 
         K.norm_cast_transpose(x, mean, rstd[:-1], g, b, scale, out_dtype=E4)
 
 
+@pytest.mark.parametrize("layernorm, zero_centered, dtype, m, n, block_n", [
+    (True, False, BF, 50, 64, 16), (False, True, BF, 40, 96, 32), (True, True, F32, 33, 32, 256),
+    (False, False, F16, 16, 48, 16)])
+def test_norm_stats_cast_transpose_matches_reference(layernorm, zero_centered, dtype, m, n, block_n):
+    """The norm's statistics computed inside the cast kernel (norm_stats_cast_transpose): mean and rstd as the norm
+    reference's (the same sums in another order: fp32 rounding apart), and the cast of the norm's stored output;
+    a y on a rounding boundary may move by one unit of x's dtype, so q matches the reference cast except at
+    such rare values, by at most one FP8 step; qT is q transposed; bad block sizes and an RMSNorm beta are errors."""
+    from pallas_kernels.norms import reference as NR
+
+    k = jax.random.split(jax.random.PRNGKey(11), 3)
+    x = (_rand(k[0], (m, n), F32) * 2.0 + 0.5).astype(dtype)
+    g, b = _rand(k[1], (n,), F32), _rand(k[2], (n,), F32)
+    if layernorm:
+        y, mean, rstd = NR.layernorm_fwd(x, g, b, zero_centered_gamma=zero_centered)
+    else:
+        (y, rstd), mean, b = NR.rmsnorm_fwd(x, g, zero_centered_gamma=zero_centered), None, None
+    scale = _scale_for(jnp.max(jnp.abs(y.astype(F32))), E4)
+    q, qt, amax, kmean, krstd = K.norm_stats_cast_transpose(
+        x, g, b, scale, rms=not layernorm, epsilon=1e-6, out_dtype=E4, zero_centered_gamma=zero_centered,
+        block_m=16, block_n=block_n)
+    np.testing.assert_allclose(krstd, rstd, rtol=2e-6)
+    if layernorm:
+        np.testing.assert_allclose(kmean, mean, rtol=1e-5, atol=1e-6)
+    else:
+        assert kmean is None
+    rq, _, ramax = R.cast_transpose(y, scale, out_dtype=E4)
+    diff = _f32(q) != _f32(rq)
+    assert diff.mean() < 0.01, diff.mean()
+    step = np.abs(_f32(rq)) * 2.0 ** -3 + 2.0 ** -9  # one E4M3 step at the reference's value
+    assert np.all(np.abs(_f32(q) - _f32(rq)) <= step)
+    np.testing.assert_array_equal(_f32(qt), _f32(q).T)
+    np.testing.assert_allclose(amax, ramax, rtol=2.0 ** -7)
+    with pytest.raises(ValueError, match="row length 48 is not a multiple of block_n=32"):
+        K.norm_stats_cast_transpose(jnp.ones((16, 48), BF), jnp.ones(48), None, scale, rms=True, epsilon=1e-6,
+                                    out_dtype=E4, block_n=32)
+    with pytest.raises(ValueError, match="RMSNorm takes no beta"):
+        K.norm_stats_cast_transpose(x, g, g, scale, rms=True, epsilon=1e-6, out_dtype=E4)
+
+
 def test_saturation_nan_and_inf():
     x = jnp.array([[1e30, -1e30, 3.0, 0.0], [np.nan, 2.0, -np.inf, 1.0]], F32)
     q, qt, amax = K.cast_transpose(x, 1.0, out_dtype=E4)
@@ -420,6 +460,42 @@ def test_fused_mlp_wgrad_qdq_style(monkeypatch):
 def _mlp_module(**kw):
     return LayerNormMLP(intermediate_dim=F, activations=("silu", "linear"), intermediate_dropout_rate=0.0, dtype=BF,
                         **{"layernorm_type": "rmsnorm", **kw})
+
+
+@pytest.mark.parametrize("layernorm_type", ["layernorm", "rmsnorm"])
+def test_norm_statistics_in_the_cast_kernel(layernorm_type, monkeypatch):
+    """TE_JAX_FP8_NORM_STATS=kernel under delayed scaling: LayerNormMLP's norm statistics come from its cast kernel
+    (norm_stats_cast_transpose is in the traced step, norm_cast_transpose is not), and the step's loss, gradients and
+    next FP8 state equal the default path's (statistics from XLA) up to fp32 summation order; "xla" keeps the old
+    kernels."""
+    from jaxpr_walk import walk
+
+    m = _mlp_module(layernorm_type=layernorm_type)
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, M // 2, D)) * 3.0 + 1.0
+    ct = jax.random.normal(jax.random.PRNGKey(4), (2, M // 2, D))
+    recipe = DelayedScaling(amax_history_len=4)
+    monkeypatch.setenv(FUSED_ENV, "1")
+
+    def loss(v, x):
+        return jnp.sum(m.apply(v, x, deterministic=True)[0].astype(F32) * ct)
+
+    def run(setting):
+        monkeypatch.setenv("TE_JAX_FP8_NORM_STATS", setting)
+        with fp8.autocast(recipe=recipe):
+            v = nn.meta.unbox(jax.jit(lambda k: m.init(k, x, deterministic=True))(jax.random.PRNGKey(1)))
+            step = jax.value_and_grad(loss, argnums=(0, 1))
+            names = {str(getattr(e.params.get("name_and_src_info"), "name", e.params.get("name")))
+                     for e in walk(jax.make_jaxpr(step)(v, x).jaxpr) if e.primitive.name == "pallas_call"}
+            return names, jax.jit(step, compiler_options=EXACT)(v, x)
+
+    names1, (y1, (gv1, gx1)) = run("kernel")
+    names0, (y0, (gv0, gx0)) = run("xla")
+    assert any("norm_stats" in n for n in names1) and not any("norm_cast" in n for n in names1), names1
+    assert any("norm_cast" in n for n in names0) and not any("norm_stats" in n for n in names0), names0
+    assert abs(float(y1) - float(y0)) <= 1e-5 * abs(float(y0)) + 1e-6
+    assert _rel(gx1, gx0) < 1e-4
+    for a, b in zip(jax.tree_util.tree_leaves(gv1), jax.tree_util.tree_leaves(gv0)):
+        assert _rel(a, b) < 1e-4
 
 
 def test_layernorm_mlp_runs_fused_and_the_switch_turns_it_off(monkeypatch):

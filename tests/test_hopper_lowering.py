@@ -155,6 +155,12 @@ def test_triton_kernels_lower_for_cuda():
     assert _lower(lambda x, m, r, g, b: norm_cast_transpose(x, m, r, g, b, 2.0, out_dtype=jnp.float8_e4m3fn,
                                                             interpret=False, block_m=32, block_n=128),
                   x, st, st, v, v) > 0
+    from pallas_kernels.fp8_cast import norm_stats_cast_transpose  # the statistics inside the kernel
+
+    for rms in (True, False):
+        assert _lower(lambda x, g, b, rms=rms: norm_stats_cast_transpose(
+            x, g, None if rms else b, 2.0, rms=rms, epsilon=1e-6, out_dtype=jnp.float8_e4m3fn, interpret=False,
+            block_n=128), x, v, v) > 0
     q = jax.ShapeDtypeStruct((2, 1, 8, 128), BF)
     kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), BF)
     mask = AttentionMask.full(2, 1, 1024, causal=True, bottom_right=True)

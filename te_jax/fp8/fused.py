@@ -55,6 +55,18 @@ def keep_weight_copies(recipe, *, dense: bool = False) -> bool:
     return setting == "1"
 
 
+NORM_STATS_ENV = "TE_JAX_FP8_NORM_STATS"
+
+
+def norm_stats_in_kernel() -> bool:
+    """Whether a norm in front of an FP8 GEMM computes its row statistics inside the cast kernel
+    (pallas_kernels/fp8_cast/norm_stats.py: one read of the input from memory) rather than in an XLA reduction
+    before it (TE_JAX_FP8_NORM_STATS, read at trace time: "xla", the default, or "kernel"). Delayed scaling only:
+    current scaling needs the output's amax before the cast, so it computes the statistics first anyway.
+    Not yet timed on a GPU (2026-11-27): an A/B switch until it is."""
+    return policy.env_choice(NORM_STATS_ENV, ("xla", "kernel"), "xla") == "kernel"
+
+
 def fused_cast_unavailable(recipe) -> str | None:
     """Why an FP8 GEMM would NOT quantize through the fused Pallas cast kernels (None: it does)."""
     setting = fused_setting()

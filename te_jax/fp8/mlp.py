@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options
+from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options, norm_stats_in_kernel
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -119,12 +119,16 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
     if delayed:
         sx, sw1 = _read_scale(wi_state["input_scale"]), _read_scale(wi_state["kernel_scale"])
         sa, sw2 = _read_scale(wo_state["input_scale"]), _read_scale(wo_state["kernel_scale"])
-    st = None if cfg.norm is None else _nc.stats(x, gamma, beta, cfg.norm)
+    fused_stats = (cfg.norm is not None and delayed and norm_stats_in_kernel()
+                   and _nc.stats_block(x.shape[-1]) is not None)
+    st = None if cfg.norm is None or fused_stats else _nc.stats(x, gamma, beta, cfg.norm)
     if not delayed:  # current scaling: the amax first (the unfused path's compute_scale(amax, 1, fmax))
         xin = x if cfg.norm is None else _nc.output(x, gamma, beta, st, cfg.norm)
         sx, sw1, sw2 = (compute_scale(amax(t), 1.0, fmax) for t in (xin, w1f.astype(dt), w2.astype(dt)))
     if cfg.norm is None:
         xq, xqT, ax = _k.cast_transpose(x, sx, out_dtype=fdt, **kw)
+    elif fused_stats:  # the norm's statistics inside the cast kernel (one read of x)
+        xq, xqT, ax, st = _nc.stats_and_cast(x, gamma, beta, sx, cfg.norm, fdt, cfg.interpret)
     else:
         xq, xqT, ax = _nc.cast(x, gamma, beta, st, sx, cfg.norm, fdt, **kw)
     if cfg.keep_weights:  # both layouts from one read; the backward's dgrads take w_q as it is

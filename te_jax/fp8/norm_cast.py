@@ -3,6 +3,8 @@
 Forward, x [M, D] in the compute dtype:
     stats  = mean (LayerNorm) and rstd [M], fp32      (one XLA reduction over x)
     x_q [M, D], x_qT [D, M], amax = norm_cast_transpose(x, stats, gamma, beta, scale)   (one Pallas pass)
+or, under delayed scaling with TE_JAX_FP8_NORM_STATS=kernel (fused.norm_stats_in_kernel), both in one kernel
+(`stats_and_cast`: norm_stats_cast_transpose; its sums run in another order than XLA's).
 so the norm's output never goes to memory: the unfused path writes it in the compute dtype, then reads it again
 to cast (and, under current scaling, once more for its amax). The values are the unfused path's exactly: the
 kernel applies the statistics in the reference's order and rounds to the compute dtype before the amax and cast
@@ -18,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_cast import norm_cast_transpose
+from pallas_kernels.fp8_cast import norm_cast_transpose, norm_stats_cast_transpose
 from pallas_kernels.norms import norm as _pallas_norm
 from pallas_kernels.norms import reference as _ref
 from te_jax import normalization as _norm
@@ -71,6 +73,25 @@ def cast(x, gamma, beta, st, scale, spec, out_dtype, **kernel_options):
                                zero_centered_gamma=spec.zero_centered_gamma, **kernel_options)
 
 
+def stats_block(n: int) -> int | None:
+    """The column chunk stats_and_cast walks a row of n features in (a power of two up to 256 dividing n), or None
+    when no chunk of at least 16 divides it (then the statistics come from XLA and `cast`)."""
+    for bn in (256, 128, 64, 32, 16):
+        if n % bn == 0:
+            return bn
+    return None
+
+
+def stats_and_cast(x, gamma, beta, scale, spec, out_dtype, interpret=None):
+    """(q [M, D], qT [D, M], amax, (mean or None, rstd)): the norm's statistics and its output cast with `scale`, in
+    one kernel that reads x from memory once (norm_stats_cast_transpose); x's D must have a stats_block."""
+    q, qt, am, mean, rstd = norm_stats_cast_transpose(
+        x, gamma, None if _rms(spec) else beta, jnp.asarray(scale, jnp.float32).reshape(()), rms=_rms(spec),
+        epsilon=spec.epsilon, out_dtype=out_dtype, zero_centered_gamma=spec.zero_centered_gamma, interpret=interpret,
+        block_n=stats_block(x.shape[-1]))
+    return q, qt, am, (mean, rstd)
+
+
 def backward(dln, x, gamma, beta, st, spec, interpret=None):
     """(dx [M, D] x's dtype, dgamma gamma's dtype, dbeta beta's dtype or None) for the output cotangent dln.
     dbeta is None exactly when beta is None (an RMSNorm given a beta gets zeros: it does not use it)."""
@@ -93,4 +114,4 @@ def backward(dln, x, gamma, beta, st, spec, interpret=None):
     return jax.vjp(lambda x, g, b: _ref.layernorm(x, g, b, **kw), x, gamma, beta)[1](dln)
 
 
-__all__ = ["NormSpec", "norm_spec", "stats", "output", "cast", "backward"]
+__all__ = ["NormSpec", "norm_spec", "stats", "output", "cast", "stats_block", "stats_and_cast", "backward"]
