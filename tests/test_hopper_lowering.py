@@ -155,6 +155,11 @@ def test_triton_kernels_lower_for_cuda():
     assert _lower(lambda x, m, r, g, b: norm_cast_transpose(x, m, r, g, b, 2.0, out_dtype=jnp.float8_e4m3fn,
                                                             interpret=False, block_m=32, block_n=128),
                   x, st, st, v, v) > 0
+    from pallas_kernels.fp8_cast import cast_transpose_many  # stacked transposes (several arrays, one kernel)
+
+    w1, w2 = jax.ShapeDtypeStruct((256, 256), BF), jax.ShapeDtypeStruct((256, 128), BF)
+    assert _lower(lambda a, b: cast_transpose_many((a, b), (2.0, 0.5), out_dtype=jnp.float8_e5m2, interpret=False,
+                                                   block_m=32, block_n=128), w1, w2) > 0
     from pallas_kernels.fp8_cast import norm_stats_cast_transpose  # the statistics inside the kernel
 
     for rms in (True, False):

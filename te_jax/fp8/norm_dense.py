@@ -21,7 +21,7 @@ import math
 
 import jax.numpy as jnp
 
-from te_jax.fp8.fused import keep_weight_copies
+from te_jax.fp8.fused import keep_weight_copies, merged_casts
 from te_jax.fp8.quantize import STATE_KEYS, _tn_dense, _TNCfg
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -54,7 +54,8 @@ def norm_fp8_dense(x, gamma, beta, kernels, states, recipe, norm, *, gemm_style=
     else:
         states = None
     dt = x.dtype
-    cfg = _TNCfg(recipe, norm, dt, gemm_style, interpret, jnp.dtype(dt), keep_weight_copies(recipe, dense=True))
+    cfg = _TNCfg(recipe, norm, dt, gemm_style, interpret, jnp.dtype(dt), keep_weight_copies(recipe, dense=True),
+                 merged_casts())
     flat = tuple(w.astype(dt).reshape(k, math.prod(w.shape[1:])) for w in kernels)  # dw in dt, then w's dtype
     ys = _tn_dense(x.reshape(-1, k), gamma, None if norm.layernorm_type == "rmsnorm" else beta, flat, states, cfg)
     return tuple(y.reshape(x.shape[:-1] + tuple(w.shape[1:])) for y, w in zip(ys, kernels))

@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.fp8_cast import cast_transpose, cast_transposed
+from pallas_kernels.fp8_cast import cast_transpose, cast_transpose_many, cast_transposed, many_block
 from pallas_kernels.fp8_gemm import quantize_blocks
 from te_jax._compat import gpu_compute_capability
 from te_jax.backends import policy
@@ -405,6 +405,34 @@ def _scale_then_cast(recipe, a, stored_scale, fmax, dtype, interpret, transposed
     return q, qt, am, s
 
 
+def _merged_casts(recipe, arrays, stored_scales, fmax, dtype, interpret, write_q):
+    """Several arrays with the same rows cast in one kernel, their transposes stacked
+    (pallas_kernels.fp8_cast.cast_transpose_many): (a_q each or None, the stacked a_qT, amax each, scale each)."""
+    if isinstance(recipe, DelayedScaling):
+        scales = [_read_scale(s) for s in stored_scales]
+    else:
+        scales = [compute_scale(amax(a), 1.0, fmax) for a in arrays]
+    qs, qt, amaxes = cast_transpose_many(tuple(arrays), tuple(scales), out_dtype=dtype, write_q=write_q,
+                                         interpret=interpret, **launch_options("weight", interpret))
+    return qs, qt, list(amaxes), scales
+
+
+def _split_cols(y, widths, sinvs, dtype):
+    """y [R, sum(widths)] -> its column blocks, block i times sinvs[i] (in fp32), in dtype."""
+    out, start = [], 0
+    for w, s in zip(widths, sinvs):
+        out.append((y[:, start:start + w].astype(jnp.float32) * s).astype(dtype))
+        start += w
+    return out
+
+
+def _merge(cfg, kernels) -> bool:
+    """Whether _tn_dense runs its GEMMs that share x_q / x_qT as one GEMM over stacked casts (cfg.merged_casts,
+    several kernels of one dtype whose widths share a column tile)."""
+    return (cfg.merged_casts and len(kernels) > 1 and len({w.dtype for w in kernels}) == 1
+            and many_block([w.shape[1] for w in kernels], 128) is not None)
+
+
 @dataclasses.dataclass(frozen=True)
 class _TNCfg:
     recipe: object
@@ -414,6 +442,7 @@ class _TNCfg:
     interpret: bool | None
     x_dtype: object  # dx's dtype
     keep_weights: bool = False  # fused.keep_weight_copies: the forward's FP8 weight copies go to the backward
+    merged_casts: bool = False  # fused.merged_casts: GEMMs sharing x_q / x_qT run as one over stacked casts
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -441,23 +470,34 @@ def _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg):
               compute_scale(amax(_nc.output(x2, gamma, beta, st, cfg.norm)), 1.0, fmt.max_fwd))
         xq, xtq, ax = _nc.cast(x2, gamma, beta, st, sx, cfg.norm, fmt.fwd_dtype, interpret=cfg.interpret,
                                **launch_options("cast", cfg.interpret))
-    ys, sws, wqs, new_fwd = [], [], [], []
-    for i, w2 in enumerate(kernels):
-        # the forward needs w's transposed copy; kept weights: the same cast writes w_q for the backward's dgrad,
-        # else the backward re-casts w
-        wq, wtq, aw, sw = _scale_then_cast(recipe, w2, states[i]["kernel_scale"] if delayed else None, fmt.max_fwd,
-                                           fmt.fwd_dtype, cfg.interpret, transposed_only=not cfg.keep_weights)
-        ys.append(_tn_gemm(xq, wtq, cfg.out_dtype, 1.0 / sx, 1.0 / sw, cfg.style))
-        sws.append(sw)
-        wqs.append(wq)
-        if delayed:
-            s = states[i]
-            nx, hx = delayed_update(s["input_amax_history"], _read_scale(s["input_scale"]), ax, fmt.max_fwd,
-                                    recipe.margin, recipe.amax_compute_algo)
-            nw, hw = delayed_update(s["kernel_amax_history"], sw, aw, fmt.max_fwd, recipe.margin,
-                                    recipe.amax_compute_algo)
-            new_fwd.append((nx.reshape(1), hx, nw.reshape(1), hw, s["output_grad_scale"],
-                            s["output_grad_amax_history"]))
+    if _merge(cfg, kernels):  # one GEMM over the weights' stacked transposes (fused.merged_casts)
+        widths = [w.shape[1] for w in kernels]
+        wqs, wtq_all, aws, sws = _merged_casts(recipe, kernels, [st_["kernel_scale"] for st_ in states] if delayed
+                                               else [None] * len(kernels), fmt.max_fwd, fmt.fwd_dtype, cfg.interpret,
+                                               write_q=cfg.keep_weights)
+        y_all = _tn_gemm(xq, wtq_all, cfg.out_dtype, 1.0 / sx, 1.0, cfg.style)
+        ys = _split_cols(y_all, widths, [1.0 / sw for sw in sws], cfg.out_dtype)
+        wqs = list(wqs) if cfg.keep_weights else [None] * len(kernels)
+    else:
+        ys, sws, wqs, aws = [], [], [], []
+        for i, w2 in enumerate(kernels):
+            # the forward needs w's transposed copy; kept weights: the same cast writes w_q for the backward's dgrad,
+            # else the backward re-casts w
+            wq, wtq, aw, sw = _scale_then_cast(recipe, w2, states[i]["kernel_scale"] if delayed else None,
+                                               fmt.max_fwd, fmt.fwd_dtype, cfg.interpret,
+                                               transposed_only=not cfg.keep_weights)
+            ys.append(_tn_gemm(xq, wtq, cfg.out_dtype, 1.0 / sx, 1.0 / sw, cfg.style))
+            sws.append(sw)
+            wqs.append(wq)
+            aws.append(aw)
+    new_fwd = []
+    for i in range(len(kernels) if delayed else 0):
+        s = states[i]
+        nx, hx = delayed_update(s["input_amax_history"], _read_scale(s["input_scale"]), ax, fmt.max_fwd,
+                                recipe.margin, recipe.amax_compute_algo)
+        nw, hw = delayed_update(s["kernel_amax_history"], sws[i], aws[i], fmt.max_fwd, recipe.margin,
+                                recipe.amax_compute_algo)
+        new_fwd.append((nx.reshape(1), hx, nw.reshape(1), hw, s["output_grad_scale"], s["output_grad_amax_history"]))
     norm_res = None if cfg.norm is None else (x2, gamma, beta, st)
     return tuple(ys), (xtq, 1.0 / sx, tuple(kernels), tuple(sws), tuple(wqs) if cfg.keep_weights else None,
                        tuple(new_fwd) if delayed else None, norm_res)
@@ -467,18 +507,30 @@ def _tn_dense_bwd(cfg, res, gs):
     xtq, sxi, kernels, sws, wqs, new_fwd, norm_res = res
     recipe, fmt = cfg.recipe, cfg.recipe.fp8_format
     x_dtype = cfg.x_dtype
-    dx, dws, state_cts = None, [], []
-    for i, (w2, sw, g) in enumerate(zip(kernels, sws, gs)):
+    g2s = [g.reshape(xtq.shape[1], w2.shape[1]) for w2, g in zip(kernels, gs)]
+    stored = [f[4] for f in new_fwd] if new_fwd is not None else [None] * len(kernels)
+    if _merge(cfg, kernels):  # the output gradients' transposes stacked: one weight-gradient GEMM
+        gqs, gtq_all, ags, sgs = _merged_casts(recipe, g2s, stored, fmt.max_bwd, fmt.bwd_dtype, cfg.interpret,
+                                               write_q=True)
+        dw_all = _tn_gemm(xtq, gtq_all, kernels[0].dtype, sxi, 1.0, wgrad_style(cfg.style))
+        dws = _split_cols(dw_all, [w.shape[1] for w in kernels], [1.0 / sg for sg in sgs], kernels[0].dtype)
+    else:
+        gqs, ags, sgs, dws = [], [], [], []
+        for g2, st_ in zip(g2s, stored):
+            gq, gtq, ag, sg = _scale_then_cast(recipe, g2, st_, fmt.max_bwd, fmt.bwd_dtype, cfg.interpret)
+            gqs.append(gq)
+            ags.append(ag)
+            sgs.append(sg)
+            dws.append(_tn_gemm(xtq, gtq, kernels[len(dws)].dtype, sxi, 1.0 / sg, wgrad_style(cfg.style)))  # wgrad
+    dx, state_cts = None, []
+    for i, (w2, sw) in enumerate(zip(kernels, sws)):
         # the values of the forward cast's w^T: its kept copy, or cast again
         wq = wqs[i] if wqs is not None else quantize(w2, sw, fmt.fwd_dtype)
-        g2 = g.reshape(xtq.shape[1], w2.shape[1])
-        gq, gtq, ag, sg = _scale_then_cast(recipe, g2, None if new_fwd is None else new_fwd[i][4], fmt.max_bwd,
-                                           fmt.bwd_dtype, cfg.interpret)
-        d = _tn_gemm(gq, wq, x_dtype, 1.0 / sg, 1.0 / sw, cfg.style)             # dgrad
-        dx = d if dx is None else dx + d                                          # summed as autodiff would
-        dws.append(_tn_gemm(xtq, gtq, w2.dtype, sxi, 1.0 / sg, wgrad_style(cfg.style)))  # wgrad
+        d = _tn_gemm(gqs[i], wq, x_dtype, 1.0 / sgs[i], 1.0 / sw, cfg.style)  # dgrad
+        dx = d if dx is None else dx + d                                       # summed as autodiff would
         if new_fwd is not None:
-            ng, hg = delayed_update(new_fwd[i][5], sg, ag, fmt.max_bwd, recipe.margin, recipe.amax_compute_algo)
+            ng, hg = delayed_update(new_fwd[i][5], sgs[i], ags[i], fmt.max_bwd, recipe.margin,
+                                    recipe.amax_compute_algo)
             state_cts.append(dict(zip(STATE_KEYS, new_fwd[i][:4] + (ng.reshape(1), hg))))
     dgamma = dbeta = None
     if norm_res is not None:  # dx is the norm output's cotangent: through the norm's backward
