@@ -171,22 +171,27 @@ def test_cast_transpose_matches_reference(dtype, out_dtype, round_to, blocks):
     np.testing.assert_array_equal(amax2, ref_amax)
 
 
+def _norm_problem(seed, m, n, layernorm, zero_centered, dtype):
+    """(x [m, n], gamma, beta (None for RMSNorm), the norm reference's y, mean (None), rstd, a scale for y)."""
+    from pallas_kernels.norms import reference as NR
+
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = (_rand(k[0], (m, n), F32) * 2.0 + 0.5).astype(dtype)
+    g, b = _rand(k[1], (n,), F32), _rand(k[2], (n,), F32)
+    if layernorm:
+        y, mean, rstd = NR.layernorm_fwd(x, g, b, zero_centered_gamma=zero_centered)
+    else:
+        (y, rstd), mean, b = NR.rmsnorm_fwd(x, g, zero_centered_gamma=zero_centered), None, None
+    return x, g, b, y, mean, rstd, _scale_for(jnp.max(jnp.abs(y.astype(F32))), E4)
+
+
 @pytest.mark.parametrize("layernorm, zero_centered, dtype, blocks", [
     (True, False, BF, (16, 16)), (True, True, F32, (32, 64)), (False, True, BF, (128, 64)),
     (False, False, F16, (16, 32))])
 def test_norm_cast_transpose_matches_reference(layernorm, zero_centered, dtype, blocks):
     """The norm applied in the cast kernel from the row statistics: bit for bit the norm's stored output cast (the
     norm reference's order of operations, rounded to x's dtype), and the amax of that output."""
-    from pallas_kernels.norms import reference as NR
-
-    k = jax.random.split(jax.random.PRNGKey(7), 3)
-    x = (_rand(k[0], (M, F), F32) * 2.0 + 0.5).astype(dtype)
-    g, b = _rand(k[1], (F,), F32), _rand(k[2], (F,), F32)
-    if layernorm:
-        y, mean, rstd = NR.layernorm_fwd(x, g, b, zero_centered_gamma=zero_centered)
-    else:
-        (y, rstd), mean, b = NR.rmsnorm_fwd(x, g, zero_centered_gamma=zero_centered), None, None
-    scale = _scale_for(jnp.max(jnp.abs(y.astype(F32))), E4)
+    x, g, b, y, mean, rstd, scale = _norm_problem(7, M, F, layernorm, zero_centered, dtype)
     q, qt, amax = K.norm_cast_transpose(x, mean, rstd, g, b, scale, out_dtype=E4, zero_centered_gamma=zero_centered,
                                         block_m=blocks[0], block_n=blocks[1])
     rq, rqt, ramax = R.cast_transpose(y, scale, out_dtype=E4)
@@ -205,16 +210,7 @@ def test_norm_stats_cast_transpose_matches_reference(layernorm, zero_centered, d
     reference's (the same sums in another order: fp32 rounding apart), and the cast of the norm's stored output;
     a y on a rounding boundary may move by one unit of x's dtype, so q matches the reference cast except at
     such rare values, by at most one FP8 step; qT is q transposed; bad block sizes and an RMSNorm beta are errors."""
-    from pallas_kernels.norms import reference as NR
-
-    k = jax.random.split(jax.random.PRNGKey(11), 3)
-    x = (_rand(k[0], (m, n), F32) * 2.0 + 0.5).astype(dtype)
-    g, b = _rand(k[1], (n,), F32), _rand(k[2], (n,), F32)
-    if layernorm:
-        y, mean, rstd = NR.layernorm_fwd(x, g, b, zero_centered_gamma=zero_centered)
-    else:
-        (y, rstd), mean, b = NR.rmsnorm_fwd(x, g, zero_centered_gamma=zero_centered), None, None
-    scale = _scale_for(jnp.max(jnp.abs(y.astype(F32))), E4)
+    x, g, b, y, mean, rstd, scale = _norm_problem(11, m, n, layernorm, zero_centered, dtype)
     q, qt, amax, kmean, krstd = K.norm_stats_cast_transpose(
         x, g, b, scale, rms=not layernorm, epsilon=1e-6, out_dtype=E4, zero_centered_gamma=zero_centered,
         block_m=16, block_n=block_n)
