@@ -494,7 +494,8 @@ def flash_decode_cache(q, k, v, kv_lens, *, scale: float, softcap: float | None 
     """Decode against a contiguous cache filled to per-row lengths: (out [B, Sq, H, Dv], lse [B, H, Sq] f32).
 
     q [B, Sq, H, Dqk] (Sq <= MAX_QUERY_LEN), k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; kv_lens [B] int: row b holds
-    keys [0, kv_lens[b]) (the rest is never read, so it may hold anything). q_positions [B, Sq] int: each query's
+    keys [0, kv_lens[b]) (blocks past the length are never read; keys past it in the last block read are hidden, and
+    must be finite, since their zero weights multiply them). q_positions [B, Sq] int: each query's
     position in the keys' frame (key j is at position j); default kv_lens - Sq + t, i.e. this call's tokens are the
     last Sq of the cache. q_valid [B, Sq] bool: False marks padding queries (out 0, lse -inf). causal / window:
     as `flash_decode`'s mask (a query at position p sees keys j <= p under causal).
