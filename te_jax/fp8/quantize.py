@@ -516,12 +516,12 @@ def _tn_dense_bwd(cfg, res, gs):
         dws = _split_cols(dw_all, [w.shape[1] for w in kernels], [1.0 / sg for sg in sgs], kernels[0].dtype)
     else:
         gqs, ags, sgs, dws = [], [], [], []
-        for g2, st_ in zip(g2s, stored):
+        for w2, g2, st_ in zip(kernels, g2s, stored):
             gq, gtq, ag, sg = _scale_then_cast(recipe, g2, st_, fmt.max_bwd, fmt.bwd_dtype, cfg.interpret)
             gqs.append(gq)
             ags.append(ag)
             sgs.append(sg)
-            dws.append(_tn_gemm(xtq, gtq, kernels[len(dws)].dtype, sxi, 1.0 / sg, wgrad_style(cfg.style)))  # wgrad
+            dws.append(_tn_gemm(xtq, gtq, w2.dtype, sxi, 1.0 / sg, wgrad_style(cfg.style)))  # wgrad
     dx, state_cts = None, []
     for i, (w2, sw) in enumerate(zip(kernels, sws)):
         # the values of the forward cast's w^T: its kept copy, or cast again
