@@ -256,6 +256,8 @@ def test_cache_lengths_entry_against_the_reference():
         flash_decode_cache(q, k, v, jnp.array([1, 2]), scale=0.3)
     with pytest.raises(ValueError, match=r"q_valid has shape \(3, 1\), expected \[batch, q_len\] = \(3, 3\)"):
         flash_decode_cache(q, k, v, jnp.asarray(lens), q_valid=jnp.ones((3, 1), bool), scale=0.3)
+    with pytest.raises(ValueError, match=r"expected q \[B, Sq, H, Dqk\], k \[B, Skv, G, Dqk\]"):
+        flash_decode_cache(q, k[:2], v[:2], jnp.asarray(lens), scale=0.3)
 
 
 def test_reasons_and_errors():

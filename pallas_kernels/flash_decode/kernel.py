@@ -503,6 +503,10 @@ def flash_decode_cache(q, k, v, kv_lens, *, scale: float, softcap: float | None 
     rows are built or read (as `flash_decode(mask=None)` and `flash_decode_paged`). Differentiable (the portable
     kernel's backward, under the equivalent `paged_cache_mask`).
     """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3]:
+        raise ValueError(f"flash_decode_cache: expected q [B, Sq, H, Dqk], k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; "
+                         f"got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
     why = decode_reason(q.shape, k.shape, v.shape)
     if why is not None:
         raise ValueError(f"flash_decode_cache: q{tuple(q.shape)} k{tuple(k.shape)}: {why}")
