@@ -49,10 +49,10 @@ ATTENTION_GPU_PREFERENCE = Tuned(
 #: Backend order on a GPU for short queries (q_len <= pallas_kernels.flash_decode.MAX_QUERY_LEN) against a KV cache.
 DECODE_GPU_PREFERENCE = Tuned(
     ("pallas", "cudnn", "xla"),
-    "H100, bf16 hd128, q 1/8 x cache 8k-128k x GQA/MHA x batch 1/16, host clock: 0.97-7.7x the best of cuDNN and "
-    "FlashAttention-3 (17 of 25 rows >= 1.0, the rest 0.97-0.98); cuDNN trails far on q 8 GQA (0.3-1.4 TB/s "
-    "against 0.4-2.9). By kernel time cuDNN leads on the q 1 batch-1 rows (te_jax 0.75-0.99: its small XLA ops "
-    "around the kernel) and on batch 16 by up to 7%",
+    "H100, bf16 hd128, q 1/8 x cache 8k-128k x GQA/MHA x batch 1/16, host clock: 0.94-8.0x the best of cuDNN and "
+    "FlashAttention-3 (20 of 25 rows >= 1.0, the rest 0.94-0.99); cuDNN trails far on q 8 GQA (0.3-1.4 TB/s "
+    "against 0.6-2.9). By kernel time 15 of 25 rows >= 1.0; cuDNN leads by 1-3% on batch-16 MHA and by 9% on "
+    "q 1 batch-1 GQA 8k",
     DECODE_RESULTS)
 
 #: te_jax.paged_decode_attention on a GPU: "pallas" (pallas_kernels.flash_decode_paged) or "xla" (gather the pages,
