@@ -240,12 +240,10 @@ def main():
             dev_table.append(device_row(name, impls, (q, k, v), nbytes, copy))
             print(dev_table[-1], flush=True)
         del q, k, v
-    if not picked("paged"):
-        pass
-    elif time.perf_counter() - T0 <= args.budget or args.cpu_smoke:
+    if picked("paged") and (time.perf_counter() - T0 <= args.budget or args.cpu_smoke):
         table.append(paged_row(args.rounds, args.cpu_smoke))
         print(table[-1], flush=True)
-    else:
+    elif picked("paged"):
         skipped.append("paged")
     print(f"\n## Decode attention, TB/s of K/V read ({args.rounds} interleaved rounds, medians), "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; HBM copy {copy:.2f} TB/s\n")

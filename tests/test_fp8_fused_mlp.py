@@ -171,6 +171,30 @@ def test_cast_transpose_matches_reference(dtype, out_dtype, round_to, blocks):
     np.testing.assert_array_equal(amax2, ref_amax)
 
 
+def test_cast_transpose_many_matches_reference():
+    """Several arrays cast in one kernel (cast_transpose_many): each x_q and amax bit for bit the reference cast's
+    with its own scale, and x_qT the transposes stacked; the transposed output alone (write_q=False) the same;
+    mismatched rows, widths with no shared tile and a missing scale are ValueErrors naming the shapes."""
+    ks = jax.random.split(jax.random.PRNGKey(5), 3)
+    xs = (_rand(ks[0], (M, 64), BF), _rand(ks[1], (M, 32), BF, scale=5.0), _rand(ks[2], (M, 16), BF, scale=0.3))
+    scales = [_scale_for(R.cast_transpose(x, 1.0, out_dtype=E5)[2], E5) for x in xs]
+    qs, qt, amaxes = K.cast_transpose_many(xs, scales, out_dtype=E5, block_m=16, block_n=32)
+    refs = [R.cast_transpose(x, s, out_dtype=E5) for x, s in zip(xs, scales)]
+    for q, a, (rq, _, ra) in zip(qs, amaxes, refs):
+        np.testing.assert_array_equal(_f32(q), _f32(rq))
+        np.testing.assert_array_equal(a, ra)
+    np.testing.assert_array_equal(_f32(qt), np.concatenate([_f32(r[1]) for r in refs]))
+    none, qt2, _ = K.cast_transpose_many(xs, scales, out_dtype=E5, write_q=False, block_m=16, block_n=32)
+    assert none is None
+    np.testing.assert_array_equal(_f32(qt2), _f32(qt))
+    with pytest.raises(ValueError, match=r"xs\[1\] has shape \(8, 32\).*expected \[M, N\] with M = 48"):
+        K.cast_transpose_many((xs[0], xs[1][:8]), scales[:2], out_dtype=E5)
+    with pytest.raises(ValueError, match=r"widths \[64, 24\] share no column tile"):
+        K.cast_transpose_many((xs[0], xs[1][:, :24]), scales[:2], out_dtype=E5)
+    with pytest.raises(ValueError, match="2 arrays and 1 scales"):
+        K.cast_transpose_many(xs[:2], scales[:1], out_dtype=E5)
+
+
 def _norm_problem(seed, m, n, layernorm, zero_centered, dtype):
     """(x [m, n], gamma, beta (None for RMSNorm), the norm reference's y, mean (None), rstd, a scale for y)."""
     from pallas_kernels.norms import reference as NR

@@ -457,6 +457,17 @@ def _decode_bwd(scale, softcap, config, interpret, res, cts):
 _decode.defvjp(_decode_fwd, _decode_bwd)
 
 
+def _check_qkv(where, q, k, v):
+    """A ValueError naming the shapes seen and expected unless q, k, v are decode shapes the kernel takes."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3]:
+        raise ValueError(f"{where}: expected q [B, Sq, H, Dqk], k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; got "
+                         f"q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
+    why = decode_reason(q.shape, k.shape, v.shape)
+    if why is not None:
+        raise ValueError(f"{where}: q{tuple(q.shape)} k{tuple(k.shape)}: {why}")
+
+
 def flash_decode(q, k, v, mask: AttentionMask | None, *, scale: float, softcap: float | None = None,
                  config: DecodeConfig | None = None, interpret: bool | None = None):
     """Attention of a short query against a KV cache: (out [B, Sq, H, Dv], lse [B, H, Sq] f32).
@@ -473,13 +484,7 @@ def flash_decode(q, k, v, mask: AttentionMask | None, *, scale: float, softcap: 
     if mask is not None and not isinstance(mask, AttentionMask):
         raise TypeError(f"flash_decode: mask must be a pallas_kernels.mask.AttentionMask or None, got "
                         f"{type(mask).__name__}")
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
-            or q.shape[3] != k.shape[3]:
-        raise ValueError(f"flash_decode: expected q [B, Sq, H, Dqk], k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; got "
-                         f"q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
-    why = decode_reason(q.shape, k.shape, v.shape)
-    if why is not None:
-        raise ValueError(f"flash_decode: q{tuple(q.shape)} k{tuple(k.shape)}: {why}")
+    _check_qkv("flash_decode", q, k, v)
     if mask is not None and (mask.batch, mask.q_len, mask.kv_len) != (q.shape[0], q.shape[1], k.shape[1]):
         raise ValueError(f"flash_decode: mask arrays [{mask.batch}, {mask.q_len}] / [{mask.batch}, {mask.kv_len}] do "
                          f"not match q{tuple(q.shape)} k{tuple(k.shape)}: expected [{q.shape[0]}, {q.shape[1]}] / "
@@ -503,13 +508,7 @@ def flash_decode_cache(q, k, v, kv_lens, *, scale: float, softcap: float | None 
     rows are built or read (as `flash_decode(mask=None)` and `flash_decode_paged`). Differentiable (the portable
     kernel's backward, under the equivalent `paged_cache_mask`).
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
-            or q.shape[3] != k.shape[3]:
-        raise ValueError(f"flash_decode_cache: expected q [B, Sq, H, Dqk], k [B, Skv, G, Dqk], v [B, Skv, G, Dv]; "
-                         f"got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
-    why = decode_reason(q.shape, k.shape, v.shape)
-    if why is not None:
-        raise ValueError(f"flash_decode_cache: q{tuple(q.shape)} k{tuple(k.shape)}: {why}")
+    _check_qkv("flash_decode_cache", q, k, v)
     B, sq = q.shape[:2]
     if jnp.shape(kv_lens) != (B,):
         raise ValueError(f"flash_decode_cache: kv_lens has shape {jnp.shape(kv_lens)}, expected [batch] = ({B},)")

@@ -85,7 +85,7 @@ def cast_transpose_many(xs, scales, *, out_dtype, write_q: bool = True, round_to
         raise ValueError(f"{where}: widths {list(widths)} share no column tile of 16 to {block_n} (a power of two "
                          f"dividing each). Fix: cast them separately (kernels.cast_transpose).")
     total = sum(widths)
-    if max(m * total, total * m) >= 2 ** 31:
+    if m * total >= 2 ** 31:
         raise ValueError(f"{where}: [{m}, {total}] has 2**31 or more elements; split it.")
     bm = min(block_m, max(16, _next_pow2(m)))
     gm, gn = pl.cdiv(m, bm), total // bn

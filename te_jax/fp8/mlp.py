@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options, norm_stats_in_kernel
+from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -119,8 +119,7 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
     if delayed:
         sx, sw1 = _read_scale(wi_state["input_scale"]), _read_scale(wi_state["kernel_scale"])
         sa, sw2 = _read_scale(wo_state["input_scale"]), _read_scale(wo_state["kernel_scale"])
-    fused_stats = (cfg.norm is not None and delayed and norm_stats_in_kernel()
-                   and _nc.stats_block(x.shape[-1]) is not None)
+    fused_stats = _nc.stats_in_kernel(x, cfg.norm, delayed)
     st = None if cfg.norm is None or fused_stats else _nc.stats(x, gamma, beta, cfg.norm)
     if not delayed:  # current scaling: the amax first (the unfused path's compute_scale(amax, 1, fmax))
         xin = x if cfg.norm is None else _nc.output(x, gamma, beta, st, cfg.norm)

@@ -24,6 +24,7 @@ from pallas_kernels.fp8_cast import norm_cast_transpose, norm_stats_cast_transpo
 from pallas_kernels.norms import norm as _pallas_norm
 from pallas_kernels.norms import reference as _ref
 from te_jax import normalization as _norm
+from te_jax.fp8.fused import norm_stats_in_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,12 @@ def stats_block(n: int) -> int | None:
     return None
 
 
+def stats_in_kernel(x, spec, delayed: bool) -> bool:
+    """Whether the norm `spec` (None: no norm) in front of x [M, D] runs `stats_and_cast` (delayed scaling,
+    fused.norm_stats_in_kernel, and a stats_block for D) rather than `stats` then `cast`."""
+    return spec is not None and delayed and norm_stats_in_kernel() and stats_block(x.shape[-1]) is not None
+
+
 def stats_and_cast(x, gamma, beta, scale, spec, out_dtype, interpret=None):
     """(q [M, D], qT [D, M], amax, (mean or None, rstd)): the norm's statistics and its output cast with `scale`, in
     one kernel that reads x from memory once (norm_stats_cast_transpose); x's D must have a stats_block."""
@@ -114,4 +121,4 @@ def backward(dln, x, gamma, beta, st, spec, interpret=None):
     return jax.vjp(lambda x, g, b: _ref.layernorm(x, g, b, **kw), x, gamma, beta)[1](dln)
 
 
-__all__ = ["NormSpec", "norm_spec", "stats", "output", "cast", "stats_block", "stats_and_cast", "backward"]
+__all__ = ["NormSpec", "norm_spec", "stats", "output", "cast", "stats_block", "stats_in_kernel", "stats_and_cast", "backward"]

@@ -76,7 +76,7 @@ from te_jax._compat import gpu_compute_capability
 from te_jax.backends import policy
 from te_jax.fp8 import norm_cast as _nc
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
-from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options, norm_stats_in_kernel
+from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
 
 GEMM_STYLES = ("direct", "qdq", "wgrad_qdq")
@@ -456,8 +456,7 @@ def _tn_dense(x2, gamma, beta, kernels, states, cfg):
 def _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg):
     recipe, fmt = cfg.recipe, cfg.recipe.fp8_format
     delayed = isinstance(recipe, DelayedScaling)
-    fused_stats = (cfg.norm is not None and delayed and norm_stats_in_kernel()
-                   and _nc.stats_block(x2.shape[-1]) is not None)
+    fused_stats = _nc.stats_in_kernel(x2, cfg.norm, delayed)
     st = None if cfg.norm is None or fused_stats else _nc.stats(x2, gamma, beta, cfg.norm)
     if cfg.norm is None:
         xq, xtq, ax, sx = _scale_then_cast(recipe, x2, states[0]["input_scale"] if delayed else None, fmt.max_fwd,
