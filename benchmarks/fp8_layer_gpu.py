@@ -83,8 +83,9 @@ def parse():
                         "instead of re-casting them (=0): auto (the library's default: kept for DelayedScaling "
                         "only), on, or both (=1 and =0 as variants: time and temporary memory side by side)")
     p.add_argument("--env-ab", default="",
-                   help='"NAME=VALUE;NAME=VALUE": per entry, a copy of every FP8 variant traced with that environment '
-                        'variable set (trace-time switches such as TE_JAX_FP8_SPLIT_DOTS=0), labelled [NAME=VALUE]')
+                   help='"NAME=VALUE;NAME=VALUE,NAME=VALUE": per entry, a copy of every FP8 variant traced with that '
+                        'environment (trace-time switches such as TE_JAX_FP8_SPLIT_DOTS=0; an entry may set several, '
+                        'comma-separated), labelled [entry]')
     p.add_argument("--trace", action="store_true",
                    help="profile 3 steps of each variant: device time per kernel category and the top ops; "
                         "optimized HLO to $OUT/fp8_hlo_<variant>.txt.gz")
@@ -219,13 +220,13 @@ def main():
         # the FP8 block GEMM (te_jax/fp8/block.py): style "block-pallas" sets TE_JAX_FP8_BLOCK_GEMM
         variants["Float8BlockScaling (FP8 block GEMM, pallas)"] = (fp8.Float8BlockScaling(), "block-pallas", "1")
 
-    extra_env = {}  # variant name -> {env name: value}, from --env-ab (one switch changed per copy)
+    extra_env = {}  # variant name -> {env name: value}, from --env-ab (one entry's switches per copy)
     base = [(name, v) for name, v in variants.items() if v[0] is not None]
     for entry in [e for e in args.env_ab.split(";") if e]:
-        key, _, value = entry.partition("=")
+        settings = dict(s.partition("=")[::2] for s in entry.split(",") if s)
         for name, v in base:
-            variants[f"{name} [{key}={value}]"] = v
-            extra_env[f"{name} [{key}={value}]"] = {key: value}
+            variants[f"{name} [{entry}]"] = v
+            extra_env[f"{name} [{entry}]"] = settings
 
     peers = {}
     if args.flax_peer:

@@ -410,10 +410,13 @@ def test_norm_fp8_dense_kept_weights_change_no_value(recipe, monkeypatch):
     weights' FP8 copies kept for the backward (TE_JAX_FP8_KEEP_WEIGHTS=1) gives bitwise the outputs, gradients and
     next FP8 states of the re-cast path over two steps, and its backward casts no weight outside the kernels; both
     are within FP8 error of the fp32 norm and GEMMs. auto keeps the dense copies for no recipe. With the norm's
-    statistics in the cast kernel (TE_JAX_FP8_NORM_STATS=kernel) the values match up to fp32 summation order."""
+    statistics in the cast kernel (TE_JAX_FP8_NORM_STATS=kernel) the values match up to fp32 summation order; with the
+    query and K/V GEMMs as one over stacked casts (TE_JAX_FP8_MERGED_CASTS=1) up to a bf16 rounding."""
     from te_jax.fp8 import norm_cast, norm_dense
 
     monkeypatch.setenv("TE_JAX_FP8_FUSED", "1")
+    monkeypatch.setenv("TE_JAX_FP8_NORM_STATS", "xla")  # the other settings are compared with this one below
+    monkeypatch.setenv("TE_JAX_FP8_MERGED_CASTS", "0")
     spec = norm_cast.NormSpec("rmsnorm", 1e-6, False, "xla")
     ks = jax.random.split(jax.random.PRNGKey(5), 5)
     x = (jax.random.normal(ks[0], (64, 32)) * 2 + 0.5).astype(jnp.bfloat16)

@@ -61,10 +61,11 @@ NORM_STATS_ENV = "TE_JAX_FP8_NORM_STATS"
 def norm_stats_in_kernel() -> bool:
     """Whether a norm in front of an FP8 GEMM computes its row statistics inside the cast kernel
     (pallas_kernels/fp8_cast/norm_stats.py: one read of the input from memory) rather than in an XLA reduction
-    before it (TE_JAX_FP8_NORM_STATS, read at trace time: "xla", the default, or "kernel"). Delayed scaling only:
+    before it (TE_JAX_FP8_NORM_STATS, read at trace time: "kernel", the default, or "xla"). Delayed scaling only:
     current scaling needs the output's amax before the cast, so it computes the statistics first anyway.
-    Not yet timed on a GPU (2026-11-27): an A/B switch until it is."""
-    return policy.env_choice(NORM_STATS_ENV, ("xla", "kernel"), "xla") == "kernel"
+    The default because the H100 layer step was faster with it (benchmarks/results/fp8_layer_h100_ab_log.txt:
+    11.66 against 11.92 ms alone, 11.56 with merged_casts)."""
+    return policy.env_choice(NORM_STATS_ENV, ("kernel", "xla"), "kernel") == "kernel"
 
 
 MERGED_CASTS_ENV = "TE_JAX_FP8_MERGED_CASTS"
@@ -74,10 +75,11 @@ def merged_casts() -> bool:
     """Whether GEMMs that share an FP8 operand (GQA self-attention's query and key/value projections read one x_q;
     their weight gradients one x_qT) run as one GEMM over their other operands cast into one stacked buffer
     (pallas_kernels/fp8_cast/many.py), each slice of the output then scaled by its own scale
-    (TE_JAX_FP8_MERGED_CASTS, read at trace time: "0", the default, or "1"). XLA's dot merger already joins those
+    (TE_JAX_FP8_MERGED_CASTS, read at trace time: "1", the default, or "0"). XLA's dot merger already joins those
     GEMMs on a GPU, but first concatenates the separately cast operands: 48 + 21 us per step on the H100 layer.
-    Not yet timed on a GPU (2026-11-27): an A/B switch until it is."""
-    return policy.env_choice(MERGED_CASTS_ENV, ("0", "1"), "0") == "1"
+    The default because the H100 layer step was faster with it (benchmarks/results/fp8_layer_h100_ab_log.txt:
+    11.76 against 11.92 ms alone, 11.56 with norm_stats_in_kernel)."""
+    return policy.env_choice(MERGED_CASTS_ENV, ("1", "0"), "1") == "1"
 
 
 def fused_cast_unavailable(recipe) -> str | None:

@@ -3,8 +3,8 @@
 Forward, x [M, D] in the compute dtype:
     stats  = mean (LayerNorm) and rstd [M], fp32      (one XLA reduction over x)
     x_q [M, D], x_qT [D, M], amax = norm_cast_transpose(x, stats, gamma, beta, scale)   (one Pallas pass)
-or, under delayed scaling with TE_JAX_FP8_NORM_STATS=kernel (fused.norm_stats_in_kernel), both in one kernel
-(`stats_and_cast`: norm_stats_cast_transpose; its sums run in another order than XLA's).
+or, under delayed scaling (the default; TE_JAX_FP8_NORM_STATS=xla turns it off: fused.norm_stats_in_kernel), both
+in one kernel (`stats_and_cast`: norm_stats_cast_transpose; its sums run in another order than XLA's).
 so the norm's output never goes to memory: the unfused path writes it in the compute dtype, then reads it again
 to cast (and, under current scaling, once more for its amax). The values are the unfused path's exactly: the
 kernel applies the statistics in the reference's order and rounds to the compute dtype before the amax and cast
