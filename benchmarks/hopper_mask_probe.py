@@ -4,10 +4,17 @@ kernel, for documents, padding and plain causal given as data; then the pre-pass
 bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
 
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe
+    PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --split-ab [--rounds 5]
+
+--split-ab: the data-mask forward with its partial tiles split by what their element mask compares (positions only,
+segments only, both: data_mask.MaskRule.partial_rules) against one group under the whole rule (MaskRule.split
+False), on prebuilt tables, interleaved rounds; thd's 11 documents, 4 documents per row, padding, causal as data.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +24,7 @@ from benchmarks import timing
 from pallas_kernels.flash_attention_hopper import hopper_attention
 from pallas_kernels.flash_attention_hopper.backward import flash_bwd
 from pallas_kernels.flash_attention_hopper.config import default_config
-from pallas_kernels.flash_attention_hopper.data_mask import MaskRule, mask_tables
+from pallas_kernels.flash_attention_hopper.data_mask import mask_rule, mask_tables
 from pallas_kernels.flash_attention_hopper.forward import flash_fwd
 from pallas_kernels.mask import AttentionMask
 
@@ -37,7 +44,7 @@ def main():
     for name, m in masks.items():
         vis = int(jnp.sum(m.dense()))
         fl = 4 * H * D * vis
-        rule = MaskRule(m.causal, m.window)
+        rule = mask_rule(m)
         for atomic, bkv in ((None, 128), (None, 64), (True, 128)):
             cfg = dataclasses.replace(base, bwd_dq_atomic=atomic, block_kv=bkv)
             t = jax.jit(lambda m: mask_tables(m, cfg))(m)
@@ -49,8 +56,8 @@ def main():
             tb = timing.measure(bwd, (q, k, v, out, lse, do), samples=20)[0]
             print(f"{name:15s} block_kv {bkv:3d} dQ {'atomic' if atomic else 'kernel':6s} fwd {tf * 1e6:7.1f} us "
                   f"{fl / tf / 1e12:5.0f} TFLOP/s | bwd {tb * 1e6:7.1f} us | fwd+bwd {3.5 * fl / (tf + tb) / 1e12:5.0f}"
-                  f" TFLOP/s   (visible steps fwd {int(t.fwd[0][..., 1].sum()) * H}, "
-                  f"partial {int(t.fwd[0][..., 0].sum()) * H})", flush=True)
+                  f" TFLOP/s   (visible steps fwd {int(t.fwd[0][..., -1].sum()) * H}, "
+                  f"partial {int(t.fwd[0][..., -2].sum()) * H})", flush=True)
         for which, bw in (("forward's list", False), ("all three lists", True)):
             pre = jax.jit(lambda m: mask_tables(m, base, backward=bw))
             print(f"{name:15s} pre-pass (mask_tables, {which}) {timing.measure(pre, (m,), samples=20)[0] * 1e6:7.1f} us",
@@ -65,5 +72,48 @@ def main():
           f"{4 * H * D * B * S * (S + 1) / 2 / sec / 1e12:5.0f} TFLOP/s")
 
 
+def split_ab(rounds: int):
+    from benchmarks.attention_masks_gpu import THD_DOCS
+
+    runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))
+    masks = {  # name: (mask, batch)
+        "thd 11 documents": AttentionMask.from_segments(runs(THD_DOCS, 16384)[None], causal=True),
+        "documents (4/row)": AttentionMask.from_segments(
+            np.repeat(np.arange(1, 5), [1500, 1000, 1096, 500])[None].repeat(B, 0), causal=True),
+        "padding": AttentionMask.from_segments(
+            (np.arange(S)[None] < np.array([4096, 3000, 2048, 3500])[:, None]).astype(np.int32), causal=True),
+        "causal as data": AttentionMask.full(B, S, S, causal=True),
+    }
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; forward on prebuilt tables; "
+          f"{rounds} interleaved rounds, medians")
+    for name, m in masks.items():
+        ks = jax.random.split(jax.random.key(1), 3)
+        q, k, v = (jax.random.normal(kk, (m.batch, m.q_len, H, D), jnp.bfloat16) for kk in ks)
+        cfg = default_config(D, m.kv_len, False, m.q_len)
+        fl = 4 * H * D * int(jnp.sum(m.dense()))
+        fns, outs, groups = {}, {}, ""
+        for split in (False, True):
+            t = jax.jit(lambda m: mask_tables(m, cfg, backward=False, split=split))(m)
+            kw = dict(scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=mask_rule(m, True, split))
+            fns[split] = jax.jit(lambda q, k, v, kw=kw: flash_fwd(q, k, v, **kw))
+            outs[split] = fns[split](q, k, v)
+            if split:
+                c = np.asarray(t.fwd[0]).sum((0, 1))
+                groups = f"partial groups (positions, segments, both) {np.diff(c[:-1], prepend=0).tolist()}, " \
+                         f"full {int(c[-1] - c[-2])}"
+        diff = float(jnp.max(jnp.abs(outs[True][0].astype(jnp.float32) - outs[False][0].astype(jnp.float32))))
+        secs = {False: [], True: []}
+        for _ in range(rounds):
+            for split, f in fns.items():
+                secs[split].append(timing.measure(f, (q, k, v), samples=20)[0])
+        t0, t1 = statistics.median(secs[False]), statistics.median(secs[True])
+        print(f"{name:18s} one group {t0 * 1e6:7.1f} us {fl / t0 / 1e12:5.0f} TFLOP/s | split {t1 * 1e6:7.1f} us "
+              f"{fl / t1 / 1e12:5.0f} TFLOP/s | x{t0 / t1:.3f} | max |out diff| {diff:.2e} | {groups}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--split-ab", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    split_ab(a.rounds) if a.split_ab else main()

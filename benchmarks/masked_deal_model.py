@@ -24,7 +24,7 @@ from pallas_kernels.mask import AttentionMask
 def block_counts(mask: AttentionMask) -> np.ndarray:
     """[B, query tiles, 2] (partial, all) visible blocks per forward tile."""
     cfg = default_config(128, mask.kv_len, False, mask.q_len)
-    return np.asarray(mask_tables(mask, cfg, backward=False).fwd[0])
+    return np.asarray(mask_tables(mask, cfg, backward=False).fwd[0])[..., -2:]
 
 
 def _runs(lens, total):

@@ -393,8 +393,10 @@ def test_sm90_data_mask_explanation_counts_the_tiles(fake_h100, monkeypatch):
     # 128 x 128 tiles, 16 per batch row. Row 0 (causal, 512 tokens): 10 visible, the 4 diagonal ones partial.
     # Row 1 (200 tokens): query tile 0 sees key tile 0 (diagonal: partial); query tile 1 (rows 128-199 valid)
     # sees key tiles 0 and 1, both partial (padding rows); query tiles 2 and 3 are padding and see nothing.
-    assert ("forward tiles (128 queries x 128 keys, per head): 13 of 32 computed (7 with the element mask, 6 full), "
-            "19 skipped") in choice.detail, choice.detail
+    # The partial ones by what their element mask compares: the 5 diagonal tiles without padding positions only;
+    # row 1's (query tile 1, key tile 0) segments only (every valid query is past every key), its diagonal both.
+    assert ("forward tiles (128 queries x 128 keys, per head): 13 of 32 computed (7 with the element mask: 5 "
+            "comparing positions only, 1 segments only, 1 both; 6 full), 19 skipped") in choice.detail, choice.detail
     plain = te_jax.explain_attention_backend(q, k, v, attn_mask_type="causal", backend="pallas")
     assert "forward tiles" not in plain.detail
 

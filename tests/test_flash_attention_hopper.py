@@ -843,38 +843,91 @@ def test_data_mask_split_head_dims(name):
         assert g.shape == rg.shape and _rel(g, rg) < 2e-2, _rel(g, rg)
 
 
-@pytest.mark.parametrize("name", MASKED_CASES)
-def test_data_mask_tables_list_the_visible_tiles(name):
-    """mask_tables (CPU): each tile's block list holds every block with a visible (query, key) pair, each once, the
-    blocks after the partial ones all fully visible; for the forward's, the dQ kernel's and the dK/dV kernel's
-    (transposed) tiles."""
-    from pallas_kernels.flash_attention_hopper.config import default_config
-    from pallas_kernels.flash_attention_hopper.data_mask import mask_tables
+def _check_tables(m, cfg, segments=True):
+    """mask_tables(m) against m's dense mask: each tile's block list holds every block with a visible (query, key)
+    pair, each once, the blocks after the partial ones all fully visible; for the forward's, the dQ kernel's and the
+    dK/dV kernel's (transposed) tiles.  The forward's partial blocks are grouped by MaskRule.partial_rules: on each
+    listed tile its group's element mask hides exactly the pairs the dense mask hides.  -> the forward's group sizes."""
+    from pallas_kernels.flash_attention_hopper.data_mask import mask_rule, mask_tables
 
-    B, Sq, Skv, H, G, D, mask, _ = _masked_case(name)
-    pq, pkv = -(-Sq // 128) * 128, -(-Skv // 128) * 128
-    cfg = default_config(D, pkv, False, pq)
-    m = mask.pad(pq, pkv)
-    t = jax.jit(lambda m: mask_tables(m, cfg))(m)
+    B, pq, pkv = m.batch, m.q_len, m.kv_len
+    t = jax.jit(lambda m: mask_tables(m, cfg, segments=segments))(m)
     dense = np.asarray(m.dense())
     qseg = np.where(np.asarray(m.q_segment_ids) == 0, np.iinfo(np.int32).min, m.q_segment_ids)  # padding queries
     np.testing.assert_array_equal(np.asarray(t.qm), np.stack([qseg, m.q_positions], 1))
-    for (counts, blocks), qt, kt, transposed in ((t.fwd, 2 * cfg.block_q, cfg.block_kv, False),
-                                                 (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False),
-                                                 (t.dkv, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True)):
+    rules = mask_rule(m, segments).partial_rules()
+    marks = [jnp.asarray(a) for a in (qseg, m.q_positions, m.kv_segment_ids, m.kv_positions)]
+    by_group = [np.stack([np.asarray(r.apply(jnp.ones(dense.shape[1:]), (marks[0][b], marks[1][b]),
+                                             (marks[2][b], marks[3][b]), 0.0, q_axis=0)) > 0 for b in range(B)])
+                for r in rules]
+    sizes = np.zeros(len(rules), int)
+    for (counts, blocks), qt, kt, transposed, split in (
+            (t.fwd, 2 * cfg.block_q, cfg.block_kv, False, True),
+            (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False, False),
+            (t.dkv, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True, False)):
         counts, blocks = np.asarray(counts), np.asarray(blocks)
-        tiles = dense.reshape(B, pq // qt, qt, pkv // kt, kt).transpose(0, 1, 3, 2, 4)  # [B, nq, nk, qt, kt]
+        cut = lambda x: x.reshape(B, pq // qt, qt, pkv // kt, kt).transpose(0, 1, 3, 2, 4)  # [B, nq, nk, qt, kt]
+        tiles = cut(dense)
         if transposed:
             tiles = tiles.transpose(0, 2, 1, 4, 3)
         any_seen, all_seen = tiles.any((-1, -2)), tiles.all((-1, -2))
-        assert counts.shape == any_seen.shape[:2] + (2,) and blocks.shape == any_seen.shape
+        n_groups = len(rules) if split else 1
+        assert counts.shape == any_seen.shape[:2] + (n_groups + 1,) and blocks.shape == any_seen.shape
         for b in range(B):
             for r in range(any_seen.shape[1]):
-                n_partial, n = counts[b, r]
+                n = counts[b, r, -1]
                 listed = blocks[b, r, :n]
                 assert len(set(listed.tolist())) == n
                 assert set(np.flatnonzero(any_seen[b, r])) <= set(listed.tolist())
-                assert all_seen[b, r, listed[n_partial:]].all()
+                assert all_seen[b, r, listed[counts[b, r, -2]:]].all()
+                if n_groups > 1:
+                    start = 0
+                    for g in range(n_groups):
+                        for blk in listed[start:counts[b, r, g]]:
+                            np.testing.assert_array_equal(cut(by_group[g])[b, r, blk], tiles[b, r, blk])
+                        sizes[g] += counts[b, r, g] - start
+                        start = counts[b, r, g]
+    return sizes
+
+
+@pytest.mark.parametrize("name", MASKED_CASES)
+def test_data_mask_tables_list_the_visible_tiles(name):
+    """mask_tables (CPU) against the dense mask (_check_tables), for each data-mask case."""
+    from pallas_kernels.flash_attention_hopper.config import default_config
+
+    B, Sq, Skv, H, G, D, mask, _ = _masked_case(name)
+    pq, pkv = -(-Sq // 128) * 128, -(-Skv // 128) * 128
+    sizes = _check_tables(mask.pad(pq, pkv), default_config(D, pkv, False, pq))
+    if name == "documents_causal":  # every group has tiles: the diagonal, a document's start, both
+        assert len(sizes) == 3 and sizes.min() > 0, sizes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_data_mask_tables_on_random_documents(seed):
+    """_check_tables on random packed documents (lengths 1 to 300, padding after them) under causal (top-left and
+    bottom-right), windows and no position rule, and with segment ids past partial_kinds' bounds (no tile then
+    compares segments only). With a left window no tile that mixes documents can be proved segments-only (the
+    combined marks of two documents lie 2^21 apart), so those compare both."""
+    import dataclasses
+
+    from pallas_kernels.flash_attention_hopper.config import default_config
+    from pallas_kernels.mask import AttentionMask
+
+    rng = np.random.default_rng(seed)
+    S = 512
+    seg = np.zeros((2, S), np.int32)
+    for b in range(2):
+        lens = rng.integers(1, 300, 8)
+        seg[b] = _runs(list(lens[np.cumsum(lens) <= S - 20]), S)
+    cfg = dataclasses.replace(default_config(128, S, False, S), block_q=64, block_kv=64)
+    for kw in (dict(causal=True), dict(causal=True, bottom_right=True), dict(causal=True, window=(100, 0)),
+               dict(window=(40, 70)), dict()):
+        m = AttentionMask.from_segments(seg, **kw)
+        sizes = _check_tables(m, cfg)
+        if kw.get("causal") and "window" not in kw:  # (a left window across documents fails the g proof)
+            assert sizes[1] > 0, (kw, sizes)  # some tile compares segments only
+    big = AttentionMask.from_segments(np.where(seg > 0, seg + 5000, 0), causal=True)
+    assert _check_tables(big, cfg)[1] == 0
 
 
 def test_block_lists_one_hot_and_sort_agree(monkeypatch):
@@ -882,16 +935,23 @@ def test_block_lists_one_hot_and_sort_agree(monkeypatch):
     sum (short rows) and the stable sort (long rows); counts = (partial, visible)."""
     from pallas_kernels.flash_attention_hopper import data_mask
 
-    classes = jnp.asarray(np.random.default_rng(0).integers(0, 3, (3, 5, 40)), jnp.int8)
-    counts, blocks = data_mask.block_lists(classes)
-    monkeypatch.setattr(data_mask, "ONE_HOT_MAX", 8)
-    counts2, blocks2 = data_mask.block_lists(classes)
-    c = np.asarray(classes)
-    for r in np.ndindex(c.shape[:-1]):
-        want = np.concatenate([np.flatnonzero(c[r] == 1), np.flatnonzero(c[r] == 2)])
-        assert tuple(np.asarray(counts)[r]) == ((c[r] == 1).sum(), len(want)) == tuple(np.asarray(counts2)[r])
-        np.testing.assert_array_equal(np.asarray(blocks)[r][:len(want)], want)
-        np.testing.assert_array_equal(np.asarray(blocks2)[r][:len(want)], want)
+    rng = np.random.default_rng(0)
+    classes = jnp.asarray(rng.integers(0, 3, (3, 5, 40)), jnp.int8)
+    groups = jnp.asarray(rng.integers(0, 3, (3, 5, 40)), jnp.int32)
+    for grouped in (False, True):
+        args = (classes, groups, 3) if grouped else (classes,)
+        monkeypatch.setattr(data_mask, "ONE_HOT_MAX", 256)
+        counts, blocks = data_mask.block_lists(*args)
+        monkeypatch.setattr(data_mask, "ONE_HOT_MAX", 8)
+        counts2, blocks2 = data_mask.block_lists(*args)
+        c, g = np.asarray(classes), np.asarray(groups if grouped else jnp.zeros_like(groups))
+        for r in np.ndindex(c.shape[:-1]):
+            parts = [np.flatnonzero((c[r] == 1) & (g[r] == j)) for j in range(3 if grouped else 1)]
+            want = np.concatenate(parts + [np.flatnonzero(c[r] == 2)])
+            ends = tuple(np.cumsum([len(p) for p in parts])) + (len(want),)
+            assert tuple(np.asarray(counts)[r]) == ends == tuple(np.asarray(counts2)[r])
+            np.testing.assert_array_equal(np.asarray(blocks)[r][:len(want)], want)
+            np.testing.assert_array_equal(np.asarray(blocks2)[r][:len(want)], want)
 
 
 def test_one_step_tiles_stay_off_the_persistent_forward():

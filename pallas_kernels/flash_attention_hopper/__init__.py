@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from .backward import flash_bwd
 from .config import HopperConfig, check_lengths, default_config, describe_plan
 from ..mask import AttentionMask
-from .data_mask import MaskRule, mask_tables
+from .data_mask import mask_rule, mask_tables
 from .forward import flash_fwd
 from .reference import attention_reference
 
@@ -208,10 +208,10 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
     cfg = config or default_config(q.shape[-1], pkv, False, pq, head_dim_v=v.shape[-1])
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
-    tables = mask_tables(padded, cfg, backward=False)  # the backward adds its lists (flash_bwd)
+    segments = bool(segments or (pq, pkv) != (sq, skv))
+    tables = mask_tables(padded, cfg, backward=False, segments=segments)  # the backward adds its lists (flash_bwd)
     out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,
-                                 interpret, _softcap(softcap),
-                                 MaskRule(padded.causal, tuple(padded.window), bool(segments or (pq, pkv) != (sq, skv))))
+                                 interpret, _softcap(softcap), mask_rule(padded, segments))
     if pq != sq:
         out, lse = out[:, :sq], lse[:, :, :sq]
     return out, lse

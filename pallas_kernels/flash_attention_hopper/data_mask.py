@@ -6,15 +6,20 @@
         qm [B, 2, Sq], km [B, 2, Skv] int32: (segment id, position) of every query / key, one TMA copy per tile
         (a padding query's segment id is NO_SEGMENT in qm, so that it equals no key's, padding keys' 0 included);
         fwd, dq: per query tile (of the forward's 2 block_q rows / the dQ kernel's bwd_wgs bwd_block_q rows) the
-        visible kv blocks as `block_lists` (counts [B, nq, 2], blocks [B, nq, nk]): the partial blocks first,
-        then the full ones; dkv: per key tile (bwd_wgs bwd_block_kv keys) its visible query blocks.
+        visible kv blocks as `block_lists` (counts [B, nq, n_groups + 1], blocks [B, nq, nk]): the partial blocks
+        first, in the groups of `MaskRule.partial_rules` (the forward's), then the full ones; counts are the groups'
+        cumulative ends, the last one the number of visible blocks; dkv: per key tile (bwd_wgs bwd_block_kv keys)
+        its visible query blocks (the backward's lists have one partial group).
         A list skips every empty tile, also between visible ones (documents: the tile that straddles a
         document's end looks possible to the whole document by its ranges, but no tile in between is walked).
     mask_tables(mask, cfg) -> MaskTables   (XLA, before the kernels: a pass over the [B, S] mask arrays)
 
 Every mask kind (padding, documents, causal top-left or bottom-right, windows, explicit positions) is data in
 these arrays; the kernels skip the empty tiles, compute the full ones without the element mask and apply
-`mask.visible` to the rest.
+`mask.visible` to the rest.  The forward splits the partial tiles by what their element mask must compare
+(`MaskRule.partial_rules`, `partial_kinds`): positions only (both tiles in one segment: a document's diagonal),
+segments only (every same-segment pair passes the position rule: a tile that straddles a document's start), or
+both; each group runs its own loop with one comparison fewer where it can.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ class MaskRule(NamedTuple):
     # positions only. (On the H100 dropping one of the mask's two compares made the documents' data-mask forward
     # 8-10% faster; on a causal window the segment compare is one of three, and the forward moved by 0-2%.)
     segments: bool = True
+    # False: the forward's partial tiles stay in one group under the whole rule (partial_rules), for A/B timing.
+    split: bool = True
 
     def apply(self, x, q_marks, k_marks, fill, *, q_axis: int):
         """x [rows, cols] with the hidden (query, key) pairs set to `fill`: `mask.visible` as a chain of selects,
@@ -61,6 +68,18 @@ class MaskRule(NamedTuple):
             x = jnp.where(kb(k_pos) <= qb(q_pos + right), x, fill)
         return x
 
+    @property
+    def compares_positions(self) -> bool:
+        return self.causal or max(self.window) >= 0
+
+    def partial_rules(self) -> tuple["MaskRule", ...]:
+        """The element masks of the forward's partial-tile groups, in list order (partial_kinds numbers them):
+        where the rule compares both segments and positions, (positions only, segments only, both); else the rule
+        itself, one group."""
+        if not (self.split and self.segments and self.compares_positions):
+            return (self,)
+        return (self._replace(segments=False), MaskRule(False, (-1, -1), True), self)
+
 
 class MaskTables(NamedTuple):
     qm: jax.Array
@@ -70,21 +89,28 @@ class MaskTables(NamedTuple):
     dkv: tuple  # per key tile: (counts [B, nkt, 2], query blocks [B, nkt, nq])
 
 
-def block_lists(classes):
-    """int8 classes [..., n] (mask.classify) -> (counts [..., 2] int32 = (partial, partial + full), blocks [..., n]
-    int32): each row's visible blocks, the partial ones first, then the full ones, in index order within each
-    group; the rest of the row is 0 (never read).  Rows of up to ONE_HOT_MAX blocks build the list as a one-hot
-    sum (one fused XLA reduction, n^2 per row); longer ones by a stable sort."""
+def block_lists(classes, groups=None, n_groups: int = 1):
+    """int8 classes [..., n] (mask.classify) -> (counts [..., n_groups + 1] int32, blocks [..., n] int32): each
+    row's visible blocks, the partial ones first, ordered by their group (groups [..., n] int32 in
+    [0, n_groups), read at the partial blocks; None: one group), then the full ones, in index order within each
+    group; the rest of the row is 0 (never read). counts: the cumulative ends of the partial groups, then the
+    number of visible blocks (one group: (partial, partial + full)).  Rows of up to ONE_HOT_MAX blocks build the
+    list as a one-hot sum (one fused XLA reduction, n^2 per row); longer ones by a stable sort."""
     partial, full = classes == PARTIAL, classes == FULL
     n = classes.shape[-1]
-    n_partial = jnp.sum(partial, -1, dtype=jnp.int32)
-    n_visible = n_partial + jnp.sum(full, -1, dtype=jnp.int32)
-    counts = jnp.stack([n_partial, n_visible], -1)
+    key = jnp.where(partial, 0 if groups is None else groups, jnp.where(full, n_groups, n_groups + 1))
+    key = key.astype(jnp.int32)  # list order: partial groups 0 .. n_groups - 1, full n_groups, not listed after
+    sizes = [jnp.sum(key == g, -1, dtype=jnp.int32) for g in range(n_groups + 1)]
+    ends = [sizes[0]]
+    for size in sizes[1:]:
+        ends.append(ends[-1] + size)
+    counts = jnp.stack(ends, -1)
     if n > ONE_HOT_MAX:
-        key = jnp.where(partial, 0, jnp.where(full, 1, 2)).astype(jnp.int32)
         return counts, jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
-    slot = jnp.where(partial, jnp.cumsum(partial, -1, dtype=jnp.int32) - 1,
-                     jnp.where(full, n_partial[..., None] + jnp.cumsum(full, -1, dtype=jnp.int32) - 1, n))
+    slot = jnp.full(key.shape, n, jnp.int32)
+    for g in range(n_groups + 1):
+        start = 0 if g == 0 else ends[g - 1][..., None]
+        slot = jnp.where(key == g, start + jnp.cumsum(key == g, -1, dtype=jnp.int32) - 1, slot)
     idx = jnp.arange(n, dtype=jnp.int32)
     hits = slot[..., :, None] == idx  # [..., block i, list slot j]
     return counts, jnp.sum(jnp.where(hits, idx[:, None], 0), axis=-2, dtype=jnp.int32)
@@ -104,25 +130,81 @@ def _pooled(stats: TileStats, factor: int) -> TileStats:
                      cut(stats.pos_max).max(-1), cut(stats.all_valid).all(-1))
 
 
-def _lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False):
+#: partial_kinds' bounds for its combined marks segment * 2^21 + position + 2^20 (exact in int32): segment ids below
+#: SEGMENT_BOUND, |positions| below POSITION_BOUND.  Where a mask exceeds them no tile is put in the segments-only
+#: group (those tiles compare both), which is slower, never wrong.
+SEGMENT_BOUND, POSITION_BOUND = 1 << 10, 1 << 20
+
+
+def partial_kinds(q_stats: TileStats, kv_stats: TileStats, q_marks: TileStats, kv_marks: TileStats, rule):
+    """The group (index into rule.partial_rules()) of every (q tile, kv tile), read at the partial ones:
+    [..., nq, nk] int32.  0, positions only: both tiles free of padding and in one and the same segment.
+    1, segments only: every pair passes the position rule on the combined marks g = segment * 2^21 + position
+    (+ 2^20), ranges from q_marks / kv_marks (TileStats whose positions are g); for two tokens of one segment g's
+    difference is the positions' difference, so every same-segment pair passes the rule itself (the segment
+    compare hides the rest).  2: both.  A rule with one group: all 0."""
+    shape = jnp.broadcast_shapes(q_stats.seg_min[..., :, None].shape, kv_stats.seg_min[..., None, :].shape)
+    if len(rule.partial_rules()) == 1:
+        return jnp.zeros(shape, jnp.int32)
+    qsmin, qsmax, _, _, qall = (x[..., :, None] for x in q_stats)
+    ksmin, ksmax, _, _, kall = (x[..., None, :] for x in kv_stats)
+    one_segment = qall & kall & (qsmin == qsmax) & (ksmin == ksmax) & (qsmin == ksmin)
+    _, _, qgmin, qgmax, _ = (x[..., :, None] for x in q_marks)
+    _, _, kgmin, kgmax, _ = (x[..., None, :] for x in kv_marks)
+    positions_hold = jnp.ones(shape, bool)
+    left, right = rule.window
+    if rule.causal:
+        positions_hold &= kgmax <= qgmin
+    if left >= 0:
+        positions_hold &= kgmin >= qgmax - left
+    if right >= 0:
+        positions_hold &= kgmax <= qgmin + right
+    return jnp.where(one_segment, 0, jnp.where(positions_hold, 1, 2)).astype(jnp.int32)
+
+
+def _combined_marks(seg, pos):
+    """(g [..., S] int32 = seg * 2^21 + pos + 2^20, whether every token fits partial_kinds' bounds)."""
+    fits = jnp.all((seg >= 0) & (seg < SEGMENT_BOUND) & (jnp.abs(pos) < POSITION_BOUND))
+    return jnp.where(fits, seg * (2 * POSITION_BOUND) + pos + POSITION_BOUND, 0).astype(jnp.int32), fits
+
+
+def _lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False, split: bool = False):
+    """(counts, blocks) of block_lists at these tiles; split: the partial tiles in partial_kinds' groups (the
+    forward's), else in one."""
     fine = 64  # ranges reduced once at the smallest tile, then pooled
-    q_stats = _pooled(tile_stats(qs, qp, fine), q_tile // fine)
-    kv_stats = _pooled(tile_stats(ks, kp, fine), kv_tile // fine)
+    stats = lambda seg, pos, tile: _pooled(tile_stats(seg, pos, fine), tile // fine)
+    q_stats, kv_stats = stats(qs, qp, q_tile), stats(ks, kp, kv_tile)
     classes = classify(q_stats, kv_stats, causal=rule.causal, window=rule.window)
-    return block_lists(jnp.swapaxes(classes, -1, -2) if transposed else classes)
+    if transposed:
+        classes = jnp.swapaxes(classes, -1, -2)
+    n_groups = len(rule.partial_rules()) if split else 1
+    if n_groups == 1:
+        return block_lists(classes)
+    (qg, q_fit), (kg, k_fit) = _combined_marks(qs, qp), _combined_marks(ks, kp)
+    groups = partial_kinds(q_stats, kv_stats, stats(qs, qg, q_tile), stats(ks, kg, kv_tile), rule)
+    groups = jnp.where(q_fit & k_fit, groups, jnp.where(groups == 0, 0, 2))  # g overflows: no segments-only
+    return block_lists(classes, groups, n_groups)
 
 
-def mask_tables(mask: AttentionMask, cfg, *, backward: bool = True) -> MaskTables:
+def mask_tables(mask: AttentionMask, cfg, *, backward: bool = True, segments: bool = True,
+                split: bool = True) -> MaskTables:
     """The kernels' tables for `mask` (its lengths already multiples of every tile: hopper_attention pads).
     backward=False: the forward's only (dq and dkv None; `backward_tables` adds them in the backward pass, so a
-    forward-only call pays for one list)."""
+    forward-only call pays for one list).  segments, split: MaskRule's (mask_rule(mask, segments, split) is the
+    rule the kernels must be given with these tables)."""
     t = MaskTables(qm=jnp.stack([jnp.where(mask.q_segment_ids == 0, NO_SEGMENT, mask.q_segment_ids), mask.q_positions],
                                 axis=1).astype(jnp.int32),
                    km=jnp.stack([mask.kv_segment_ids, mask.kv_positions], axis=1).astype(jnp.int32),
                    fwd=None, dq=None, dkv=None)
-    rule = MaskRule(mask.causal, tuple(mask.window))
-    t = t._replace(fwd=_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
+    rule = mask_rule(mask, segments, split)
+    t = t._replace(fwd=_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv, split=True))
     return backward_tables(t, rule, cfg) if backward else t
+
+
+def mask_rule(mask: AttentionMask, segments: bool = True, split: bool = True) -> MaskRule:
+    """The static rule of `mask` (segments False: the caller knows it has one segment and no padding; split
+    False: one group of partial tiles, MaskRule.split)."""
+    return MaskRule(mask.causal, tuple(mask.window), bool(segments), bool(split))
 
 
 def _marks(t: MaskTables):

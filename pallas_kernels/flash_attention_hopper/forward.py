@@ -104,8 +104,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         masked = (_flash_fwd_masked_persistent
                   if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
         return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
-                      interpret=interpret, softcap=softcap, mask_causal=mask_rule.causal,
-                      window=tuple(mask_rule.window))
+                      interpret=interpret, softcap=softcap, rule=mask_rule)
     if not causal and not split_dims and persistent_chosen(cfg, Skv, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
                                      kv_valid=kv_valid)

@@ -14,13 +14,14 @@ from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring,
 from .config import HopperConfig, logit_units, ring_choices
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
 
-def step_mask(plgpu, rule, q_marks, key_marks, slot, masked: bool):
-    """A data-mask forward step's element mask: for a masked (partial) step, a function that waits for the keys'
-    (segment, position) rows in ring slot `slot`, hands the slot back and hides the invisible logits (-inf); for a
-    full step None, the slot handed back at once (the keys' marks are streamed for every step).
-    key_marks: (loaded barriers, the marks ring [stages, 2, bkv], its slot hand-back)."""
+def step_mask(plgpu, rule, q_marks, key_marks, slot):
+    """A data-mask forward step's element mask: for a partial step (rule: its group's data_mask.MaskRule), a
+    function that waits for the keys' (segment, position) rows in ring slot `slot`, hands the slot back and hides
+    the invisible logits (-inf); for a full step (rule None) None, the slot handed back at once (the keys' marks
+    are streamed for every step).  key_marks: (loaded barriers, the marks ring [stages, 2, bkv], its slot
+    hand-back)."""
     km_bar, km_smem, km_slots = key_marks
-    if not masked:
+    if rule is None:
         plgpu.barrier_wait(km_bar.at[slot])
         km_slots.release(slot)
         return None
@@ -35,22 +36,34 @@ def step_mask(plgpu, rule, q_marks, key_marks, slot, masked: bool):
     return apply_mask
 
 
+def walk_groups(kv_body, ends, rule, carry):
+    """Run a tile's K/V steps group by group: ends (traced ints, data_mask.block_lists' counts for the tile) close
+    the partial groups of rule.partial_rules() and then the full blocks; kv_body(step, carry, rule) with the
+    group's rule (None: full blocks)."""
+    start = 0
+    for end, group_rule in zip(ends, rule.partial_rules() + (None,)):
+        carry = lax.fori_loop(start, end, functools.partial(kv_body, rule=group_rule), carry)
+        start = end
+    return carry
+
+
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
-                      softcap: float | None, mask_causal: bool, window: tuple[int, int]):
-    """Forward under a data mask (pallas_kernels.mask: segment ids and positions, causal, window), one CTA per
-    (head, query tile of 2 x block_q rows, batch).
+                      softcap: float | None, rule):
+    """Forward under a data mask (pallas_kernels.mask: segment ids and positions, causal, window; rule: its
+    data_mask.MaskRule), one CTA per (head, query tile of 2 x block_q rows, batch).
 
     qm [B, 2, S] and km [B, 2, Skv] int32: (segment id, position) of every query / key (data_mask.MaskTables);
-    counts [B, S // (2 bq), 2], blocks [B, S // (2 bq), Skv // bkv] (data_mask.block_lists): each tile's visible kv
-    blocks, the partial ones (computed with the element mask) first, then the full ones; no other block is loaded.
+    counts [B, S // (2 bq), n_groups + 1], blocks [B, S // (2 bq), Skv // bkv] (data_mask.block_lists): each
+    tile's visible kv blocks, the partial ones (computed with the element mask, one loop per group of
+    rule.partial_rules()) first, then the full ones; no other block is loaded.
     The memory warpgroup streams K, V and the keys' (segment, position) rows of the listed blocks.  Rows that see
     no key: out 0, lse -inf.
     """
-    from .data_mask import MaskRule
-
-    rule = MaskRule(mask_causal, window)
     plgpu = mosaic_gpu()
     B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
+    n_groups = len(rule.partial_rules())
+    if counts.shape[-1] != n_groups + 1:
+        raise ValueError(f"counts {counts.shape}: expected [..., {n_groups + 1}] for {rule} (data_mask.mask_tables)")
     Dv = v.shape[-1]  # v's head_dim (O tiles as forward_step.qo_scratch places them where Dv != D)
     c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
@@ -68,7 +81,8 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
         h = lax.axis_index("heads")
         qt = lax.axis_index("q_seq")
         kvh = lax.div(h, jnp.int32(rep))
-        n_partial, n_steps = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
+        ends = [counts_ref[b, qt, j] for j in range(n_groups + 1)]
+        n_steps = ends[-1]
         sched = _Sched(plgpu, sched, named)
 
         @pl.when(wg < 2)
@@ -94,9 +108,9 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             when(n_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[0]))
             pl.when(wg == 1)(sched.start)
 
-            def kv_body(step, carry, masked: bool):
+            def kv_body(step, carry, rule):
                 slot = rem(step, stages)
-                apply_mask = step_mask(plgpu, rule, q_marks, (km_bar, km_smem, km_slots), slot, masked)
+                apply_mask = step_mask(plgpu, rule, q_marks, (km_bar, km_smem, km_slots), slot)
 
                 def wait_next_k():
                     @pl.when(step + 1 < n_steps)
@@ -108,11 +122,9 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
                     k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                     v_release=lambda: v_slots.release(slot),
                     sched=sched, c=c, dtype=dtype, interpret=interpret,
-                    apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
+                    apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=rule is not None)
 
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)
-            carry = lax.fori_loop(n_partial, n_steps, functools.partial(kv_body, masked=False), carry)
+            carry = walk_groups(kv_body, ends, rule, (acc, m_i, l_i))
             pl.when(wg == 0)(sched.finish)
             finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
                         o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],

@@ -12,7 +12,7 @@ from jax import lax
 from .._compat import mosaic_gpu, pl
 from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel, when
 from .config import LN2, HopperConfig, logit_units, ring_choices
-from .forward_masked import step_mask
+from .forward_masked import step_mask, walk_groups
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
 
 
@@ -33,8 +33,7 @@ def tiles_of_cta(cta, n_tiles: int, n_ctas: int):
 
 
 def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig,
-                                 interpret: bool, softcap: float | None, mask_causal: bool,
-                                 window: tuple[int, int]):
+                                 interpret: bool, softcap: float | None, rule):
     """The data-mask forward (see forward_masked._flash_fwd_masked for the tables) on n_ctas CTAs (cfg.fwd_ctas or
     the SM count), tiles dealt by snake_tile in (batch, head, query tile) order, so the CTAs running together read
     the same K/V in L2.
@@ -50,10 +49,8 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
     every pair of such a tile, so every tile has at least one step (out 0, lse -inf) and no Q load waits for the end
     of a tile.  Shared memory: 2 Q/O buffers per warpgroup beside the K/V ring (config.persistent_fits); D == Dv.
     """
-    from .data_mask import MaskRule
-
-    rule = MaskRule(mask_causal, window)
     plgpu = mosaic_gpu()
+    n_groups = len(rule.partial_rules())
     B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
     if v.shape[-1] != D:
         raise ValueError(f"the persistent data-mask forward needs v's head_dim {v.shape[-1]} == q/k's {D}")
@@ -70,11 +67,12 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
         return div(bh, H), rem(bh, H), rem(t, n_qt)
 
     def steps_of(counts_ref, cta, i, my_tiles):
-        """(partial steps, all steps) of the CTA's i-th tile (clamped to its last), an empty list as 1 masked step."""
+        """The step ends of the CTA's i-th tile (clamped to its last; forward_masked.walk_groups), an empty list as
+        1 step under the whole rule (the last partial group)."""
         b, _, qt = tile_coords(cta, jnp.minimum(i, my_tiles - 1))
-        n_partial, n_steps = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
-        empty = n_steps == 0
-        return jnp.where(empty, 1, n_partial), jnp.where(empty, 1, n_steps)
+        ends = [counts_ref[b, qt, j] for j in range(n_groups + 1)]
+        empty = ends[-1] == 0
+        return tuple(jnp.where(empty, 0 if j < n_groups - 1 else 1, e) for j, e in enumerate(ends))
 
     def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
         qo_smem4, k_smem, v_smem, lse_smem2, qm_smem4, km_smem = smem
@@ -106,7 +104,8 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
             pl.when(wg == 1)(sched.start)
 
             def tile_body(i, carry):
-                g0, n_partial, n_steps = carry
+                g0, ends = carry[0], carry[1:]
+                n_steps = ends[-1]
                 nxt = steps_of(counts_ref, cta, i + 1, my_tiles)  # read a tile ahead, used at the next tile
                 b, h, qt = tile_coords(cta, i)
                 buf = rem(i, 2)
@@ -122,10 +121,10 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                 early_q = i + 1 < my_tiles
                 early_step = jnp.minimum(1, n_steps - 1)
 
-                def kv_body(step, carry, masked: bool):
+                def kv_body(step, carry, rule):
                     g = g0 + step
                     slot = rem(g, stages)
-                    apply_mask = step_mask(plgpu, rule, q_marks, (km_bar, km_smem, km_slots), slot, masked)
+                    apply_mask = step_mask(plgpu, rule, q_marks, (km_bar, km_smem, km_slots), slot)
 
                     def wait_next_k():
                         @pl.when(step + 1 < n_steps)
@@ -142,11 +141,9 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                         k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                         v_release=lambda: v_slots.release(slot),
                         sched=sched, c=c, dtype=dtype, interpret=interpret,
-                        apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=masked)
+                        apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=rule is not None)
 
-                carry = (acc, m_i, l_i)
-                carry = lax.fori_loop(0, n_partial, functools.partial(kv_body, masked=True), carry)
-                acc, m_i, l_i = lax.fori_loop(n_partial, n_steps, functools.partial(kv_body, masked=False), carry)
+                acc, m_i, l_i = walk_groups(kv_body, ends, rule, (acc, m_i, l_i))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's lse store read out
                 empty = l_i == 0.0  # a row without a visible key: out 0, lse -inf
                 inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
@@ -171,7 +168,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                 def tile_loads(i, g0):
                     b, h, qt = tile_coords(cta, i)
                     kvh = lax.div(h, jnp.int32(rep))
-                    n_steps = jnp.maximum(counts_ref[b, qt, 1], 1)  # an empty list walks block 0 (blocks_ref 0)
+                    n_steps = jnp.maximum(counts_ref[b, qt, n_groups], 1)  # an empty list walks block 0
 
                     def load(j, _):
                         g = g0 + j

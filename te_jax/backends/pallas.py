@@ -372,11 +372,19 @@ class PallasBackend:
         d = call.dims
         pq, pkv = -(-d.q_len // fh.BLOCK) * fh.BLOCK, -(-d.kv_len // fh.BLOCK) * fh.BLOCK
         cfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, pkv, False, pq)
-        counts = jax.device_get(mask_tables(mask.pad(pq, pkv), cfg, backward=False).fwd[0])  # [B, nq, 2]
+        counts = jax.device_get(mask_tables(mask.pad(pq, pkv), cfg, backward=False,
+                                            segments=self.hopper_mask_segments(call)).fwd[0])  # [B, nq, groups + 1]
         total = counts.shape[0] * counts.shape[1] * (pkv // cfg.block_kv)
-        partial, visible = int(counts[..., 0].sum()), int(counts[..., 1].sum())
+        ends = [int(counts[..., j].sum()) for j in range(counts.shape[-1])]
+        partial, visible = ends[-2], ends[-1]
+        groups = ""
+        if len(ends) == 4:  # data_mask.MaskRule.partial_rules: positions only, segments only, both
+            sizes = [ends[0], ends[1] - ends[0], ends[2] - ends[1]]
+            groups = ": " + ", ".join(f"{n} {what}" for n, what in zip(sizes, (
+                "comparing positions only", "segments only", "both")))
         return (f"forward tiles ({2 * cfg.block_q} queries x {cfg.block_kv} keys, per head): {visible} of {total} "
-                f"computed ({partial} with the element mask, {visible - partial} full), {total - visible} skipped")
+                f"computed ({partial} with the element mask{groups}; {visible - partial} full), "
+                f"{total - visible} skipped")
 
     def kernel_name(self, call) -> str:
         """"decode", "hopper" or "portable": the kernel that runs `call`."""
