@@ -6,9 +6,10 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --split-ab [--rounds 5]
 
---split-ab: the data-mask forward with its partial tiles split by what their element mask compares (positions only,
-segments only, both: data_mask.MaskRule.partial_rules) against one group under the whole rule (MaskRule.split
-False), on prebuilt tables, interleaved rounds; thd's 11 documents, 4 documents per row, padding, causal as data.
+--split-ab: the data-mask forward and backward with their partial tiles split by what their element mask compares
+(positions only, segments only, both: data_mask.MaskRule.partial_rules) against one group under the whole rule
+(MaskRule.split False), on prebuilt tables, interleaved rounds; thd's 11 documents, 4 documents per row, padding,
+causal as data.
 """
 from __future__ import annotations
 
@@ -91,24 +92,34 @@ def split_ab(rounds: int):
         q, k, v = (jax.random.normal(kk, (m.batch, m.q_len, H, D), jnp.bfloat16) for kk in ks)
         cfg = default_config(D, m.kv_len, False, m.q_len)
         fl = 4 * H * D * int(jnp.sum(m.dense()))
+        do = jax.random.normal(jax.random.key(2), q.shape, jnp.bfloat16)
         fns, outs, groups = {}, {}, ""
         for split in (False, True):
-            t = jax.jit(lambda m: mask_tables(m, cfg, backward=False, split=split))(m)
+            t = jax.jit(lambda m: mask_tables(m, cfg, split=split))(m)
             kw = dict(scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=mask_rule(m, True, split))
-            fns[split] = jax.jit(lambda q, k, v, kw=kw: flash_fwd(q, k, v, **kw))
-            outs[split] = fns[split](q, k, v)
+            fwd = jax.jit(lambda q, k, v, kw=kw: flash_fwd(q, k, v, **kw))
+            out, lse = fwd(q, k, v)
+            bwd = jax.jit(lambda q, k, v, o, l, do, kw=kw: flash_bwd(q, k, v, o, l, do, **kw))
+            fns[("fwd", split)] = (fwd, (q, k, v))
+            fns[("bwd", split)] = (bwd, (q, k, v, out, lse, do))
+            outs[split] = (out,) + tuple(bwd(q, k, v, out, lse, do))
             if split:
-                c = np.asarray(t.fwd[0]).sum((0, 1))
-                groups = f"partial groups (positions, segments, both) {np.diff(c[:-1], prepend=0).tolist()}, " \
-                         f"full {int(c[-1] - c[-2])}"
-        diff = float(jnp.max(jnp.abs(outs[True][0].astype(jnp.float32) - outs[False][0].astype(jnp.float32))))
-        secs = {False: [], True: []}
+                groups = "; ".join(f"{kind} {np.diff(c[:-1], prepend=0).tolist()} + full {int(c[-1] - c[-2])}" for
+                                   kind, c in (("fwd", np.asarray(t.fwd[0]).sum((0, 1))),
+                                               ("dkv", np.asarray(t.dkv[0]).sum((0, 1)))))
+        diffs = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                 for a, b in zip(outs[True], outs[False])]
+        secs = {key: [] for key in fns}
         for _ in range(rounds):
-            for split, f in fns.items():
-                secs[split].append(timing.measure(f, (q, k, v), samples=20)[0])
-        t0, t1 = statistics.median(secs[False]), statistics.median(secs[True])
-        print(f"{name:18s} one group {t0 * 1e6:7.1f} us {fl / t0 / 1e12:5.0f} TFLOP/s | split {t1 * 1e6:7.1f} us "
-              f"{fl / t1 / 1e12:5.0f} TFLOP/s | x{t0 / t1:.3f} | max |out diff| {diff:.2e} | {groups}", flush=True)
+            for key, (f, args) in fns.items():
+                secs[key].append(timing.measure(f, args, samples=20)[0])
+        med = {key: statistics.median(v) for key, v in secs.items()}
+        f0, f1, b0, b1 = med[("fwd", False)], med[("fwd", True)], med[("bwd", False)], med[("bwd", True)]
+        print(f"{name:18s} fwd: one group {f0 * 1e6:7.1f} us, split {f1 * 1e6:7.1f} us (x{f0 / f1:.3f}, "
+              f"{fl / f1 / 1e12:.0f} TFLOP/s) | bwd: {b0 * 1e6:7.1f} us, split {b1 * 1e6:7.1f} us (x{b0 / b1:.3f}) | "
+              f"fwd+bwd x{(f0 + b0) / (f1 + b1):.3f} ({3.5 * fl / (f1 + b1) / 1e12:.0f} TFLOP/s) | "
+              f"max |diff| out, dq, dk, dv {', '.join(f'{d:.1e}' for d in diffs)}", flush=True)
+        print(f"{'':18s} partial groups (positions, segments, both): {groups}", flush=True)
 
 
 if __name__ == "__main__":

@@ -846,9 +846,10 @@ def test_data_mask_split_head_dims(name):
 def _check_tables(m, cfg, segments=True):
     """mask_tables(m) against m's dense mask: each tile's block list holds every block with a visible (query, key)
     pair, each once, the blocks after the partial ones all fully visible; for the forward's, the dQ kernel's and the
-    dK/dV kernel's (transposed) tiles.  The forward's partial blocks are grouped by MaskRule.partial_rules: on each
-    listed tile its group's element mask hides exactly the pairs the dense mask hides.  -> the forward's group sizes."""
-    from pallas_kernels.flash_attention_hopper.data_mask import mask_rule, mask_tables
+    dK/dV kernel's (transposed) tiles.  Their partial blocks are grouped by MaskRule.partial_rules (the backward's
+    by data_mask.backward_rule's): on each listed tile its group's element mask hides exactly the pairs the dense
+    mask hides.  -> the group sizes summed over the lists that are grouped."""
+    from pallas_kernels.flash_attention_hopper.data_mask import backward_rule, mask_rule, mask_tables
 
     B, pq, pkv = m.batch, m.q_len, m.kv_len
     t = jax.jit(lambda m: mask_tables(m, cfg, segments=segments))(m)
@@ -856,22 +857,24 @@ def _check_tables(m, cfg, segments=True):
     qseg = np.where(np.asarray(m.q_segment_ids) == 0, np.iinfo(np.int32).min, m.q_segment_ids)  # padding queries
     np.testing.assert_array_equal(np.asarray(t.qm), np.stack([qseg, m.q_positions], 1))
     rules = mask_rule(m, segments).partial_rules()
+    bwd_groups = len(backward_rule(mask_rule(m, segments)).partial_rules())
     marks = [jnp.asarray(a) for a in (qseg, m.q_positions, m.kv_segment_ids, m.kv_positions)]
     by_group = [np.stack([np.asarray(r.apply(jnp.ones(dense.shape[1:]), (marks[0][b], marks[1][b]),
                                              (marks[2][b], marks[3][b]), 0.0, q_axis=0)) > 0 for b in range(B)])
                 for r in rules]
     sizes = np.zeros(len(rules), int)
-    for (counts, blocks), qt, kt, transposed, split in (
-            (t.fwd, 2 * cfg.block_q, cfg.block_kv, False, True),
-            (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False, False),
-            (t.dkv, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True, False)):
+    for (counts, blocks), qt, kt, transposed, n_groups in (
+            (t.fwd, 2 * cfg.block_q, cfg.block_kv, False, len(rules)),
+            (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False, bwd_groups),
+            (t.dkv, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True, bwd_groups)):
         counts, blocks = np.asarray(counts), np.asarray(blocks)
-        cut = lambda x: x.reshape(B, pq // qt, qt, pkv // kt, kt).transpose(0, 1, 3, 2, 4)  # [B, nq, nk, qt, kt]
+
+        def cut(x):  # [B, nq, nk, qt, kt], or per key tile [B, nk, nq, kt, qt]
+            x = x.reshape(B, pq // qt, qt, pkv // kt, kt).transpose(0, 1, 3, 2, 4)
+            return x.transpose(0, 2, 1, 4, 3) if transposed else x
+
         tiles = cut(dense)
-        if transposed:
-            tiles = tiles.transpose(0, 2, 1, 4, 3)
         any_seen, all_seen = tiles.any((-1, -2)), tiles.all((-1, -2))
-        n_groups = len(rules) if split else 1
         assert counts.shape == any_seen.shape[:2] + (n_groups + 1,) and blocks.shape == any_seen.shape
         for b in range(B):
             for r in range(any_seen.shape[1]):
@@ -903,11 +906,11 @@ def test_data_mask_tables_list_the_visible_tiles(name):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_data_mask_tables_on_random_documents(seed):
+def test_data_mask_tables_on_random_documents(seed, monkeypatch):
     """_check_tables on random packed documents (lengths 1 to 300, padding after them) under causal (top-left and
     bottom-right), windows and no position rule, and with segment ids past partial_kinds' bounds (no tile then
-    compares segments only). With a left window no tile that mixes documents can be proved segments-only (the
-    combined marks of two documents lie 2^21 apart), so those compare both."""
+    compares segments only), the backward's lists grouped too. With a left window no tile that mixes documents can
+    be proved segments-only (the combined marks of two documents lie 2^21 apart), so those compare both."""
     import dataclasses
 
     from pallas_kernels.flash_attention_hopper.config import default_config
@@ -928,6 +931,10 @@ def test_data_mask_tables_on_random_documents(seed):
             assert sizes[1] > 0, (kw, sizes)  # some tile compares segments only
     big = AttentionMask.from_segments(np.where(seg > 0, seg + 5000, 0), causal=True)
     assert _check_tables(big, cfg)[1] == 0
+    # the backward's lists grouped too (the kernels walk them; data_mask.BACKWARD_SPLIT is off by measurement)
+    from pallas_kernels.flash_attention_hopper import data_mask
+    monkeypatch.setattr(data_mask, "BACKWARD_SPLIT", True)
+    _check_tables(AttentionMask.from_segments(seg, causal=True), cfg)
 
 
 def test_block_lists_one_hot_and_sort_agree(monkeypatch):

@@ -30,7 +30,7 @@ from .._lower_once import lower_once
 
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
-from .data_mask import DataMask, backward_tables
+from .data_mask import DataMask, backward_rule, backward_tables
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
                      dq_split, logit_units, piece_split_chosen, ring_choices)
 
@@ -131,8 +131,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         # last head would run alone at the end with the other SMs idle.
         kv_cta0 = kt * (wgs * bkv)
         q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
-        if dm is not None:  # the visible query blocks of this key tile, the partial ones first (block_lists)
-            m_partial, n_steps_h = counts_ref[b, kt, 0], counts_ref[b, kt, 1]
+        if dm is not None:  # the visible query blocks of this key tile, the partial groups first (block_lists)
+            dm_ends = [counts_ref[b, kt, j] for j in range(len(dm.rule.partial_rules()) + 1)]
+            n_steps_h = dm_ends[-1]
         else:
             n_steps_h = nq - q_lo  # query blocks per query head
         # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
@@ -183,9 +184,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 z = zero(D)
                 return (z if want_dk else None), ((z if Dv == D else zero(Dv)) if want_dv else None)
 
-            def step_body(t, qb, carry, masked: bool, *, hh, bb, kv0, dm_masked: bool = False):
+            def step_body(t, qb, carry, masked: bool, *, hh, bb, kv0, dm_rule=None):
                 """One query block of query head hh against this warpgroup's keys.  t: the CTA's ring step (its Q /
-                dO / lse / delta slot and its dS buffer).  dm_masked: apply the data mask's element mask."""
+                dO / lse / delta slot and its dS buffer).  dm_rule: the data mask's element mask for this step (a
+                group of MaskRule.partial_rules), None for a full block."""
+                dm_masked = dm_rule is not None
                 dk_acc, dv_acc = carry
                 slot = rem(t, stages)
                 plgpu.barrier_wait(q_bar.at[slot])
@@ -211,7 +214,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                         for i in range(2))
                     qm_cons.release(slot)
                     if dm_masked:
-                        pT = dm.rule.apply(pT, (q_seg, q_pos), key_marks, 0.0, q_axis=1)
+                        pT = dm_rule.apply(pT, (q_seg, q_pos), key_marks, 0.0, q_axis=1)
                 plgpu.barrier_wait(do_bar.at[slot])
                 if want_dv and want_dk and not interpret:
                     # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
@@ -311,16 +314,19 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     base = i * n_steps_h
                     hh = g * rep + i
 
-                    def walk(lo, hi, carry, masked, dm_masked=False):
+                    def walk(lo, hi, carry, masked, dm_rule=None):
                         def body(j, carry):
                             return step_body(base + j, query_block(j), carry, masked=masked, hh=hh, bb=b, kv0=kv0,
-                                             dm_masked=dm_masked)
+                                             dm_rule=dm_rule)
 
                         return lax.fori_loop(lo, hi, body, carry)
 
-                    if dm is not None:
-                        carry = walk(0, m_partial, carry, masked=False, dm_masked=True)
-                        return walk(m_partial, n_steps_h, carry, masked=False)
+                    if dm is not None:  # group by group (forward_masked.walk_groups), the full blocks last
+                        lo = 0
+                        for hi, rule in zip(dm_ends, dm.rule.partial_rules() + (None,)):
+                            carry = walk(lo, hi, carry, masked=False, dm_rule=rule)
+                            lo = hi
+                        return carry
                     if reverse:  # from the last query block down: the diagonal blocks come last
                         carry = walk(0, n_steps_h - n_mask, carry, masked=False)
                         return walk(n_steps_h - n_mask, n_steps_h, carry, masked=True)
@@ -497,8 +503,9 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             qt = (n_qt - 1) - qt
         kvh = lax.div(h, jnp.int32(rep))
         q_cta0 = qt * (wgs * bq)
-        if dm is not None:  # the listed kv blocks, the partial ones first (block_lists)
-            m_partial, total = counts_ref[b, qt, 0], counts_ref[b, qt, 1]
+        if dm is not None:  # the listed kv blocks, the partial groups first (block_lists)
+            dm_ends = [counts_ref[b, qt, j] for j in range(len(dm.rule.partial_rules()) + 1)]
+            total = dm_ends[-1]
         elif causal:
             total = cdiv(q_cta0 + wgs * bq, bkv)
             n_full = lax.div(q_cta0, jnp.int32(bkv)) if split else jnp.int32(0)
@@ -531,7 +538,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             dq_acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def step_body(t, dq_acc, masked: bool, dm_masked: bool = False):
+            def step_body(t, dq_acc, masked: bool, dm_rule=None):
+                dm_masked = dm_rule is not None  # dm_rule: this step's element mask (a partial group's), or none
                 slot = rem(t, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
@@ -563,7 +571,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(cols + t * bkv < kv_valid, p, 0.0)
                 if dm_masked:
-                    p = dm.rule.apply(p, q_marks, k_marks, 0.0, q_axis=0)
+                    p = dm_rule.apply(p, q_marks, k_marks, 0.0, q_axis=0)
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 if pre is not None:
                     ds = ds * (1.0 - th * th)
@@ -572,10 +580,11 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 k_cons.release(slot)
                 return dq_acc
 
-            if dm is not None:
-                masked_step = functools.partial(step_body, masked=False, dm_masked=True)
-                dq_acc = lax.fori_loop(0, m_partial, masked_step, dq_acc)
-                dq_acc = lax.fori_loop(m_partial, total, functools.partial(step_body, masked=False), dq_acc)
+            if dm is not None:  # group by group (forward_masked.walk_groups), the full blocks last
+                lo = 0
+                for hi, rule in zip(dm_ends, dm.rule.partial_rules() + (None,)):
+                    dq_acc = lax.fori_loop(lo, hi, functools.partial(step_body, masked=False, dm_rule=rule), dq_acc)
+                    lo = hi
             elif causal:
                 dq_acc = lax.fori_loop(0, n_full, functools.partial(step_body, masked=False), dq_acc)
                 dq_acc = lax.fori_loop(n_full, total, functools.partial(step_body, masked=True), dq_acc)
@@ -651,7 +660,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
         # rows without a visible key (lse -inf): 0, so that exp2(s - 0) is finite before the mask zeroes it
         lse2 = jnp.where(lse == -jnp.inf, 0.0, lse2)
-        kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), mask_rule)
+        kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), backward_rule(mask_rule))
     # Under a data mask dQ comes from its own kernel: the dK/dV kernel with the atomic dQ and the element mask spills
     # registers, and the H100 measured the dQ kernel 5-11% faster there (benchmarks/hopper_mask_probe.py).
     if (Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret)

@@ -7,9 +7,9 @@
         (a padding query's segment id is NO_SEGMENT in qm, so that it equals no key's, padding keys' 0 included);
         fwd, dq: per query tile (of the forward's 2 block_q rows / the dQ kernel's bwd_wgs bwd_block_q rows) the
         visible kv blocks as `block_lists` (counts [B, nq, n_groups + 1], blocks [B, nq, nk]): the partial blocks
-        first, in the groups of `MaskRule.partial_rules` (the forward's), then the full ones; counts are the groups'
-        cumulative ends, the last one the number of visible blocks; dkv: per key tile (bwd_wgs bwd_block_kv keys)
-        its visible query blocks (the backward's lists have one partial group).
+        first, in the groups of `MaskRule.partial_rules` (the backward's: of `backward_rule`), then the full ones;
+        counts are the groups' cumulative ends, the last one the number of visible blocks; dkv: per key tile
+        (bwd_wgs bwd_block_kv keys) its visible query blocks.
         A list skips every empty tile, also between visible ones (documents: the tile that straddles a
         document's end looks possible to the whole document by its ranges, but no tile in between is walked).
     mask_tables(mask, cfg) -> MaskTables   (XLA, before the kernels: a pass over the [B, S] mask arrays)
@@ -19,7 +19,8 @@ these arrays; the kernels skip the empty tiles, compute the full ones without th
 `mask.visible` to the rest.  The forward splits the partial tiles by what their element mask must compare
 (`MaskRule.partial_rules`, `partial_kinds`): positions only (both tiles in one segment: a document's diagonal),
 segments only (every same-segment pair passes the position rule: a tile that straddles a document's start), or
-both; each group runs its own loop with one comparison fewer where it can.
+both; each group runs its own loop with one comparison fewer where it can (the backward kernels can too, but
+walk one group: BACKWARD_SPLIT).
 """
 from __future__ import annotations
 
@@ -168,21 +169,22 @@ def _combined_marks(seg, pos):
     return jnp.where(fits, seg * (2 * POSITION_BOUND) + pos + POSITION_BOUND, 0).astype(jnp.int32), fits
 
 
-def _lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False, split: bool = False):
-    """(counts, blocks) of block_lists at these tiles; split: the partial tiles in partial_kinds' groups (the
-    forward's), else in one."""
+def _lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False):
+    """(counts, blocks) of block_lists at these tiles, the partial tiles in partial_kinds' groups of `rule`
+    (transposed: per key tile)."""
     fine = 64  # ranges reduced once at the smallest tile, then pooled
     stats = lambda seg, pos, tile: _pooled(tile_stats(seg, pos, fine), tile // fine)
     q_stats, kv_stats = stats(qs, qp, q_tile), stats(ks, kp, kv_tile)
     classes = classify(q_stats, kv_stats, causal=rule.causal, window=rule.window)
+    n_groups = len(rule.partial_rules())
+    groups = None
+    if n_groups > 1:
+        (qg, q_fit), (kg, k_fit) = _combined_marks(qs, qp), _combined_marks(ks, kp)
+        groups = partial_kinds(q_stats, kv_stats, stats(qs, qg, q_tile), stats(ks, kg, kv_tile), rule)
+        groups = jnp.where(q_fit & k_fit, groups, jnp.where(groups == 0, 0, 2))  # g overflows: no segments-only
     if transposed:
         classes = jnp.swapaxes(classes, -1, -2)
-    n_groups = len(rule.partial_rules()) if split else 1
-    if n_groups == 1:
-        return block_lists(classes)
-    (qg, q_fit), (kg, k_fit) = _combined_marks(qs, qp), _combined_marks(ks, kp)
-    groups = partial_kinds(q_stats, kv_stats, stats(qs, qg, q_tile), stats(ks, kg, kv_tile), rule)
-    groups = jnp.where(q_fit & k_fit, groups, jnp.where(groups == 0, 0, 2))  # g overflows: no segments-only
+        groups = None if groups is None else jnp.swapaxes(groups, -1, -2)
     return block_lists(classes, groups, n_groups)
 
 
@@ -197,7 +199,7 @@ def mask_tables(mask: AttentionMask, cfg, *, backward: bool = True, segments: bo
                    km=jnp.stack([mask.kv_segment_ids, mask.kv_positions], axis=1).astype(jnp.int32),
                    fwd=None, dq=None, dkv=None)
     rule = mask_rule(mask, segments, split)
-    t = t._replace(fwd=_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv, split=True))
+    t = t._replace(fwd=_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
     return backward_tables(t, rule, cfg) if backward else t
 
 
@@ -213,11 +215,23 @@ def _marks(t: MaskTables):
     return qs, t.qm[:, 1], t.km[:, 0], t.km[:, 1]
 
 
+#: Whether the backward kernels group their partial tiles as the forward does (MaskRule.partial_rules).  They can
+#: (the kernels walk any number of groups), but on the H100 (hopper_mask_probe --split-ab, 3 rounds) the grouped
+#: backward was 2-3% faster on documents and 2-3% slower on padding and on causal given as data, so it walks one.
+BACKWARD_SPLIT = False
+
+
+def backward_rule(rule: MaskRule) -> MaskRule:
+    """The rule the backward kernels and their tables use (BACKWARD_SPLIT)."""
+    return rule._replace(split=rule.split and BACKWARD_SPLIT)
+
+
 def backward_tables(t: MaskTables, rule: MaskRule, cfg) -> MaskTables:
-    """t with the dQ kernel's and the dK/dV kernel's block lists."""
+    """t with the dQ kernel's and the dK/dV kernel's block lists (grouped by backward_rule(rule))."""
     if t.dq is not None:
         return t
     marks = _marks(t)
+    rule = backward_rule(rule)
     return t._replace(dq=_lists(*marks, rule, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv),
                       dkv=_lists(*marks, rule, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True))
 
