@@ -5,7 +5,10 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
 
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --split-ab [--rounds 5]
+    PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --aligned-ab [--rounds 5]
 
+--aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
+at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
 --split-ab: the data-mask forward and backward with their partial tiles split by what their element mask compares
 (positions only, segments only, both: data_mask.MaskRule.partial_rules) against one group under the whole rule
 (MaskRule.split False), on prebuilt tables, interleaved rounds; thd's 11 documents, 4 documents per row, padding,
@@ -122,9 +125,62 @@ def split_ab(rounds: int):
         print(f"{'':18s} partial groups (positions, segments, both): {groups}", flush=True)
 
 
+def aligned_ab(rounds: int, device: bool = False):
+    """hopper_attention(mask=..., mask_aligned=False / True) as a user calls it (pre-pass and output gather
+    included): forward, and forward+backward (the backward is the same kernels), interleaved rounds."""
+    from benchmarks.attention_masks_gpu import THD_DOCS
+
+    runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))
+    masks = {
+        "thd 11 documents": AttentionMask.from_segments(runs(THD_DOCS, 16384)[None], causal=True),
+        "documents (4/row)": AttentionMask.from_segments(
+            np.repeat(np.arange(1, 5), [1500, 1000, 1096, 500])[None].repeat(B, 0), causal=True),
+        "64 documents of 256": AttentionMask.from_segments(runs([256] * 64, 16384)[None], causal=True),
+        "80 documents of 200": AttentionMask.from_segments(runs([200] * 80, 16384)[None], causal=True),
+    }
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; hopper_attention with the "
+          f"mask (pre-pass included), {rounds} interleaved rounds, medians")
+    for name, m in masks.items():
+        ks = jax.random.split(jax.random.key(3), 3)
+        q, k, v = (jax.random.normal(kk, (m.batch, m.q_len, H, D), jnp.bfloat16) for kk in ks)
+        fl = 4 * H * D * int(jnp.sum(m.dense()))
+        fns, outs = {}, {}
+        for al in (False, True):  # the mask is an argument: its tables are built in every call
+            f = lambda q, k, v, m, al=al: hopper_attention(q, k, v, scale=D ** -0.5, mask=m, mask_aligned=al)[0]
+            fns[("fwd", al)] = jax.jit(f)
+            fns[("fwd+bwd", al)] = jax.jit(jax.grad(
+                lambda q, k, v, m, f=f: jnp.sum(f(q, k, v, m).astype(jnp.float32)), argnums=(0, 1, 2)))
+            outs[al] = fns[("fwd", al)](q, k, v, m)
+        diff = float(jnp.max(jnp.abs(outs[True].astype(jnp.float32) - outs[False].astype(jnp.float32))))
+        secs = {key: [] for key in fns}
+        for _ in range(rounds):
+            for key, f in fns.items():
+                secs[key].append(timing.measure(f, (q, k, v, m), samples=20)[0])
+        med = {key: statistics.median(v) for key, v in secs.items()}
+
+        def cell(p):
+            grid, al = med[(p, False)], med[(p, True)]
+            tflops = (1 if p == "fwd" else 3.5) * fl / al / 1e12
+            return (f"{p}: grid {grid * 1e6:7.1f} us, aligned {al * 1e6:7.1f} us (x{grid / al:.3f}, "
+                    f"{tflops:.0f} TFLOP/s)")
+
+        line = " | ".join(cell(p) for p in ("fwd", "fwd+bwd"))
+        print(f"{name:20s} {line} | max |out grid - aligned| {diff:.1e}", flush=True)
+        if device:  # the device clock: kernel time per call and the costliest kernels
+            from benchmarks import device_time
+            for (p, al), f in fns.items():
+                prof = device_time.profiled(f, (q, k, v, m), calls=5)
+                top = ", ".join(f"{n} {t * 1e6:.0f}" for n, t in list(prof["durations"].items())[:8])
+                print(f"  {p} {'aligned' if al else 'grid'} device: {prof['kernel_s'] * 1e6:.1f} us/call in "
+                      f"{prof['kernels_per_call']:.0f} kernels (us: {top})", flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--split-ab", action="store_true")
+    ap.add_argument("--aligned-ab", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device-time", action="store_true", help="--aligned-ab: the device clock's kernels too "
+                    "(run with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each kernel is seen)")
     a = ap.parse_args()
-    split_ab(a.rounds) if a.split_ab else main()
+    split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()

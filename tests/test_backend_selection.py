@@ -437,6 +437,46 @@ def test_sm90_data_mask_compares_segments_only_where_there_are_any(fake_h100, mo
         assert "data-mask schedule" in detail and ("positions only: one segment" in detail) == (not segments), detail
 
 
+def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100, monkeypatch):
+    """tuning.HOPPER_ALIGNED_TILES_AUTO (off by measurement): auto never passes mask_aligned=True; switched on, it
+    does for documents (segment ids, thd) and not for padding from lengths or windows, and the explanation counts
+    the aligned tiles without a grid total."""
+    import pallas_kernels.flash_attention_hopper as fh
+    from te_jax.backends import pallas as pallas_mod
+    from te_jax.backends import tuning
+
+    monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    seen = []
+    real = fh.hopper_attention
+
+    def record(q, k, v, *, mask_aligned=False, **kw):
+        seen.append(mask_aligned)
+        return (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1])))
+
+    x = jnp.zeros((2, 512, 4, 128), jnp.bfloat16)
+    t = jnp.zeros((512, 4, 128), jnp.bfloat16)
+    lens = jnp.array([512, 300], jnp.int32)
+    docs = jnp.asarray(np.repeat(np.arange(1, 4), [100, 300, 112])[None].repeat(2, 0), jnp.int32)
+    calls = [(dict(attn_mask_type="padding_causal", q_segment_ids=docs, kv_segment_ids=docs), (x, x, x), True),
+             (dict(attn_input_format="thd", attn_mask_type="padding_causal", q_seqlens=jnp.array([200, 312]),
+                   kv_seqlens=jnp.array([200, 312])), (t, t, t), True),
+             (dict(attn_mask_type="padding_causal", q_seqlens=lens, kv_seqlens=lens), (x, x, x), False),
+             (dict(attn_mask_type="causal", window_size=(128, 0)), (x, x, x), False)]
+    for on in (False, True):
+        monkeypatch.setattr(tuning, "HOPPER_ALIGNED_TILES_AUTO", tuning.Tuned(on, "test", "none"))
+        for kw, shapes, aligned in calls:
+            kw = {"attn_input_format": "bshd", **kw}
+            seen.clear()
+            monkeypatch.setattr(fh, "hopper_attention", record)
+            jax.make_jaxpr(lambda q, k, v: te_jax.dot_product_attention(q, k, v, backend="pallas", **kw))(*shapes)
+            assert seen == [on and aligned], (on, kw, seen)
+            monkeypatch.setattr(fh, "hopper_attention", real)
+            detail = te_jax.explain_attention_backend(*shapes, backend="pallas", **kw).detail
+            assert ("document-aligned" in detail) == (on and aligned), detail
+            if on and aligned and kw["attn_input_format"] == "bshd":
+                assert "starting at every document" in detail and "skipped" not in detail, detail
+
+
 def test_sm90_work_around_the_kernels_has_no_loop(fake_h100, monkeypatch):
     """What runs around the attention kernels on sm90 for thd lengths (forward and gradients; the data-mask work
     that padding and segment ids share) and a decode step with cache lengths holds no scan or while loop: XLA may

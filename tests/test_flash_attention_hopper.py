@@ -711,6 +711,23 @@ def test_one_segment_rule_equals_the_full_rule_on_one_segment():
 def test_data_mask_forward_and_grads(name):
     """hopper_attention(mask=AttentionMask) against the fp32 reference with the same mask: out, lse, dq, dk, dv;
     rows that see no key give out 0, lse -inf and zero dq."""
+    _check_data_mask(name)
+
+
+ALIGNED_CASES = ["documents_causal", "padding", "empty_rows", "ragged_lengths", "window_causal_hd64"]
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("name", ALIGNED_CASES)
+def test_aligned_data_mask_forward_and_grads(name):
+    """The forward on document-aligned tiles (mask_aligned=True: Q and K/V loaded at each document's rows, out and
+    lse gathered back from the tiles' padded layout) against the fp32 reference, as test_data_mask_forward_and_grads
+    (the backward is the grid's, fed the aligned forward's out and lse)."""
+    _check_data_mask(name, mask_aligned=True)
+
+
+def _check_data_mask(name, **kw):
     from pallas_kernels.flash_attention.reference import reference_attention
 
     interpret = _mode()
@@ -724,7 +741,7 @@ def test_data_mask_forward_and_grads(name):
     dl = jax.random.normal(ks[4], (B, H, Sq), jnp.float32) * seen[:, None, :]
     scale = D ** -0.5
     f = lambda q, k, v: hopper_attention(q, k, v, scale=scale, mask=mask, interpret=interpret, softcap=softcap,
-                                         mask_segments=name not in ONE_SEGMENT_CASES)
+                                         mask_segments=name not in ONE_SEGMENT_CASES, **kw)
     (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     ref = lambda q, k, v: reference_attention(q, k, v, mask, scale=scale, softcap=softcap)
@@ -814,10 +831,11 @@ def test_snake_deal_gives_every_tile_once():
 
 @pytest.mark.slow
 @needs_kernel
-@pytest.mark.parametrize("name", ["documents_causal", "padding", "window_causal_hd64"])
-def test_data_mask_split_head_dims(name):
+@pytest.mark.parametrize("name,aligned", [("documents_causal", False), ("padding", False),
+                                          ("window_causal_hd64", False), ("documents_causal", True)])
+def test_data_mask_split_head_dims(name, aligned):
     """A data mask with q/k head_dim 192 and v head_dim 128 (DeepSeek-V3's geometry with packed documents, padding,
-    a window): out, lse, dq, dk, dv against the fp32 reference with the same mask."""
+    a window; documents on aligned tiles too): out, lse, dq, dk, dv against the fp32 reference with the same mask."""
     from pallas_kernels.flash_attention.reference import reference_attention
 
     interpret = _mode()
@@ -830,7 +848,8 @@ def test_data_mask_split_head_dims(name):
     do = jax.random.normal(ks[3], (B, Sq, H, Dv), BF)
     seen = np.asarray(mask.dense().any(-1))
     dl = jax.random.normal(ks[4], (B, H, Sq), jnp.float32) * seen[:, None, :]
-    f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, mask=mask, interpret=interpret, softcap=softcap)
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, mask=mask, interpret=interpret, softcap=softcap,
+                                         mask_aligned=aligned)
     (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v))(q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     ref = lambda q, k, v: reference_attention(q, k, v, mask, scale=D ** -0.5, softcap=softcap)

@@ -40,7 +40,7 @@ def _lower(f, *shapes):
 
 
 def _attention_fwd_bwd(S, D, Dv, *, causal=False, Skv=None, H=2, G=1, mask=None, softcap=None, dtype=BF,
-                       mask_segments=True, **cfg_kw):
+                       mask_segments=True, mask_aligned=False, **cfg_kw):
     Skv = Skv or S
     pq, pkv = -(-S // 128) * 128, -(-Skv // 128) * 128
     cfg = dataclasses.replace(default_config(D, pkv, causal, pq, head_dim_v=Dv), **cfg_kw)
@@ -51,7 +51,8 @@ def _attention_fwd_bwd(S, D, Dv, *, causal=False, Skv=None, H=2, G=1, mask=None,
     def f(q, k, v):
         (o, lse), vjp = jax.vjp(lambda q, k, v: hopper_attention(q, k, v, scale=0.1, causal=causal, mask=mask,
                                                                  softcap=softcap, interpret=False, config=cfg,
-                                                                 mask_segments=mask_segments),
+                                                                 mask_segments=mask_segments,
+                                                                 mask_aligned=mask_aligned),
                                 q, k, v)
         return o, lse, vjp((o, jnp.zeros_like(lse)))
 
@@ -105,6 +106,15 @@ def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, ptx):
     # one-segment masks (window, bottom right) lower as the front door runs them: positions compared only
     assert _attention_fwd_bwd(mask.q_len, D, Dv, Skv=mask.kv_len, mask=mask, mask_segments=name == "documents",
                               **ptx) > 0
+
+
+@pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
+@pytest.mark.parametrize("D,Dv", [(128, 128), (192, 128)])
+def test_hopper_aligned_data_mask_forward_lowers_for_cuda(D, Dv, ptx):
+    """The forward on document-aligned tiles (aligned_tiles: Q and K/V loaded at the documents' rows, the output in
+    the tiles' padded layout, gathered back)."""
+    mask = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=600), causal=True)
+    assert _attention_fwd_bwd(mask.q_len, D, Dv, mask=mask, mask_aligned=True, **ptx) > 0
 
 
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")

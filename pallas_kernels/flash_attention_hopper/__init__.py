@@ -194,7 +194,7 @@ def _masked_bwd_rule(scale, config, interpret, softcap, rule, res, cts):
 _masked_attention.defvjp(_masked_fwd_rule, _masked_bwd_rule)
 
 
-def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments=True):
+def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments=True, aligned=False):
     if not isinstance(mask, AttentionMask):
         raise ValueError(f"hopper_attention: mask={type(mask).__name__} must be a pallas_kernels.mask.AttentionMask "
                          f"(segment ids and positions [batch, length]; AttentionMask.from_segments / .full build one).")
@@ -209,7 +209,8 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     segments = bool(segments or (pq, pkv) != (sq, skv))
-    tables = mask_tables(padded, cfg, backward=False, segments=segments)  # the backward adds its lists (flash_bwd)
+    # the backward adds its lists (flash_bwd)
+    tables = mask_tables(padded, cfg, backward=False, segments=segments, aligned=aligned)
     out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,
                                  interpret, _softcap(softcap), mask_rule(padded, segments))
     if pq != sq:
@@ -219,19 +220,21 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
 
 def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None,
                      interpret: bool | None = None, softcap: float | None = None, mask=None,
-                     mask_segments: bool = True):
+                     mask_segments: bool = True, mask_aligned: bool = False):
     """Flash attention on Hopper: (out, lse).  Differentiable (custom_vjp) in q, k, v.
 
     mask: a pallas_kernels.mask.AttentionMask (the data-mask kernels). mask_segments=False: the caller knows that
     every query and key of the mask is in one segment (no padding, no documents; windows, bottom-right or
     position-based causal only), so the element mask compares positions only. It is ignored where the lengths are
     padded to whole tiles (the padded tokens are told apart by their segment). A mask with several segments under
-    mask_segments=False gives wrong results."""
+    mask_segments=False gives wrong results. mask_aligned=True: the forward's query tiles and key blocks start at
+    every run of equal segment ids (aligned_tiles: packed documents compute a tenth of the pairs outside the
+    visible area instead of a quarter), its output gathered back to token order; any mask, best with documents."""
     if mask is not None:
         if causal:
             raise ValueError("hopper_attention: pass causal in the mask (AttentionMask(causal=True)), not both")
         return _hopper_masked(q, k, v, mask, scale=scale, config=config, interpret=interpret, softcap=softcap,
-                              segments=mask_segments)
+                              segments=mask_segments, aligned=mask_aligned)
     _check(q, k, v, causal, softcap)
     sq, skv = q.shape[1], k.shape[1]
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK

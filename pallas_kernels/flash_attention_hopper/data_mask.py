@@ -85,9 +85,11 @@ class MaskRule(NamedTuple):
 class MaskTables(NamedTuple):
     qm: jax.Array
     km: jax.Array
-    fwd: tuple  # (counts [B, nq, 2], blocks [B, nq, nk]) at the forward's tiles
+    fwd: tuple  # (counts [B, nq, n_groups + 1], blocks [B, nq, nk]) at the forward's tiles
     dq: tuple   # the same at the dQ kernel's tiles
     dkv: tuple  # per key tile: (counts [B, nkt, 2], query blocks [B, nkt, nq])
+    # aligned_tiles.AlignedTiles: the forward on document-aligned tiles instead of `fwd` (None: the global grid)
+    aligned: tuple | None = None
 
 
 def block_lists(classes, groups=None, n_groups: int = 1):
@@ -189,17 +191,22 @@ def _lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = F
 
 
 def mask_tables(mask: AttentionMask, cfg, *, backward: bool = True, segments: bool = True,
-                split: bool = True) -> MaskTables:
+                split: bool = True, aligned: bool = False) -> MaskTables:
     """The kernels' tables for `mask` (its lengths already multiples of every tile: hopper_attention pads).
     backward=False: the forward's only (dq and dkv None; `backward_tables` adds them in the backward pass, so a
     forward-only call pays for one list).  segments, split: MaskRule's (mask_rule(mask, segments, split) is the
-    rule the kernels must be given with these tables)."""
+    rule the kernels must be given with these tables).  aligned: the forward's tiles start at every document
+    (aligned_tiles; `fwd` is then None)."""
     t = MaskTables(qm=jnp.stack([jnp.where(mask.q_segment_ids == 0, NO_SEGMENT, mask.q_segment_ids), mask.q_positions],
                                 axis=1).astype(jnp.int32),
                    km=jnp.stack([mask.kv_segment_ids, mask.kv_positions], axis=1).astype(jnp.int32),
                    fwd=None, dq=None, dkv=None)
     rule = mask_rule(mask, segments, split)
-    t = t._replace(fwd=_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
+    if aligned:
+        from .aligned_tiles import aligned_tables
+        t = t._replace(aligned=aligned_tables(t, rule, cfg))
+    else:
+        t = t._replace(fwd=_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
     return backward_tables(t, rule, cfg) if backward else t
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
+from .aligned_tiles import ROW_ALIGN
 from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
 from .config import HopperConfig, logit_units, ring_choices
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
@@ -48,7 +49,7 @@ def walk_groups(kv_body, ends, rule, carry):
 
 
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
-                      softcap: float | None, rule):
+                      softcap: float | None, rule, rows=None):
     """Forward under a data mask (pallas_kernels.mask: segment ids and positions, causal, window; rule: its
     data_mask.MaskRule), one CTA per (head, query tile of 2 x block_q rows, batch).
 
@@ -56,11 +57,19 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     counts [B, S // (2 bq), n_groups + 1], blocks [B, S // (2 bq), Skv // bkv] (data_mask.block_lists): each
     tile's visible kv blocks, the partial ones (computed with the element mask, one loop per group of
     rule.partial_rules()) first, then the full ones; no other block is loaded.
+    rows (aligned_tiles.AlignedTiles' q_rows [B, T], kv_rows [B, T, Tk]): document-aligned tiles.  Query tile t
+    loads q from row ROW_ALIGN * q_rows[b, t] and its listed block j's K / V from row ROW_ALIGN * kv_rows[b, t, j]
+    (aligned_tiles.ROW_ALIGN: a multiple Mosaic GPU can see; a tile with q_rows -1 does nothing); qm and km are
+    then the tiles' padded layouts ([B, 2, T * 2 bq], [B, 2, Tk * bkv], blocks indexing km's blocks), and out / lse come
+    back in that layout ([B, T * 2 bq, H, Dv], [B, H, T * 2 bq]: aligned_tiles.gather_rows).
     The memory warpgroup streams K, V and the keys' (segment, position) rows of the listed blocks.  Rows that see
     no key: out 0, lse -inf.
     """
     plgpu = mosaic_gpu()
     B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
+    if rows is not None:  # the tiles' padded layout: as many query tiles as it holds
+        n_qt = qm.shape[-1] // (2 * bq)
+        stages = max(1, min(cfg.stages, km.shape[-1] // bkv))
     n_groups = len(rule.partial_rules())
     if counts.shape[-1] != n_groups + 1:
         raise ValueError(f"counts {counts.shape}: expected [..., {n_groups + 1}] for {rule} (data_mask.mask_tables)")
@@ -70,7 +79,9 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
-    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
+    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, *refs):
+        (q_rows_ref, kv_rows_ref), refs = (refs[:2], refs[2:]) if rows is not None else ((None, None), refs)
+        o_ref, lse_ref, smem, bars = refs
         qo_smem2, o_tiles = qo_refs(smem[0], smem[6:], bq, D, Dv, dtype)
         k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem[1:6]
         k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
@@ -84,15 +95,17 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
         ends = [counts_ref[b, qt, j] for j in range(n_groups + 1)]
         n_steps = ends[-1]
         sched = _Sched(plgpu, sched, named)
+        active = True if rows is None else q_rows_ref[b, qt] >= 0  # aligned: a tile past the row's last exits
 
-        @pl.when(wg < 2)
+        @pl.when((wg < 2) & active)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             qo_smem = qo_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
             qm_smem = qm_smem2.at[wg]
-            q0 = qt * (2 * bq) + wg * bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
+            q0 = qt * (2 * bq) + wg * bq  # the tile's rows in the outputs and qm
+            q_row = q0 if rows is None else q_rows_ref[b, qt] * ROW_ALIGN + wg * bq  # and in q
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_row, bq), h], qo_smem, q_bar.at[wg])
             plgpu.copy_gmem_to_smem(qm_ref.at[b, :, pl.ds(q0, bq)], qm_smem, qm_bar.at[wg])
             k_slots.prime()
             v_slots.prime()
@@ -130,14 +143,19 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
                         o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
                         may_be_empty=True)  # a row without a visible key: out 0, lse -inf
 
-        @pl.when(wg == 2)
+        @pl.when((wg == 2) & active)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
+            def coords(g):  # (K / V rows, the keys' marks) of step g
+                marks = pl.ds(blocks_ref[b, qt, g] * bkv, bkv)
+                kv = marks if rows is None else pl.ds(kv_rows_ref[b, qt, g] * ROW_ALIGN, bkv)
+                return (b, kv, kvh), marks
+
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, n_steps, stages, lambda g: (b, pl.ds(blocks_ref[b, qt, g] * bkv, bkv), kvh),
-                [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_slots),
-                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots),
-                 (lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_slots)]), single_warp=producer_warp)
+                plgpu, n_steps, stages, coords,
+                [(lambda c: k_ref.at[c[0]], k_smem, k_bar, k_slots),
+                 (lambda c: v_ref.at[c[0]], v_smem, v_bar, v_slots),
+                 (lambda c: km_ref.at[b, :, c[1]], km_smem, km_bar, km_slots)]), single_warp=producer_warp)
 
     tr, tr_v = smem_transforms(plgpu, dtype, D), smem_transforms(plgpu, dtype, Dv)
     q_tiles, o_extra = qo_scratch(plgpu, plgpu.SMEM((2, bq, D), dtype, transforms=tr), bq, D, Dv, dtype, tr_v)
@@ -163,8 +181,10 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         ),
     ]
-    out_type = (jax.ShapeDtypeStruct((B, S, H, Dv), dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    s_out = n_qt * 2 * bq
+    out_type = (jax.ShapeDtypeStruct((B, s_out, H, Dv), dtype), jax.ShapeDtypeStruct((B, H, s_out), jnp.float32))
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(H, n_qt, B),
                                    grid_names=("heads", "q_seq", "batch"), compute_wgs=2, interpret=interpret,
-                                   name="te_jax_attn_fwd_masked", no_auto_barriers=producer_warp)(
-        q, k, v, qm, km, counts, blocks)
+                                   name="te_jax_attn_fwd_masked" if rows is None else "te_jax_attn_fwd_aligned",
+                                   no_auto_barriers=producer_warp)(
+        q, k, v, qm, km, counts, blocks, *(() if rows is None else rows))

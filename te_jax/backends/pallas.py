@@ -198,6 +198,17 @@ class PallasBackend:
         return call.padding_source != "none" or call.attn_input_format == "thd"
 
     @staticmethod
+    def hopper_aligned_tiles(call) -> bool:
+        """Whether the Hopper data-mask forward starts its tiles at every document (aligned_tiles): calls with
+        documents (thd, segment ids), where tuning.HOPPER_ALIGNED_TILES_AUTO says so (today it does not: the
+        pre-pass and the output gather cost more than the kernel saves). Padding from lengths keeps the global
+        grid: its one document per row starts at row 0, where the grid already starts."""
+        from te_jax.backends import tuning
+
+        return bool(tuning.HOPPER_ALIGNED_TILES_AUTO.value) and (
+            call.padding_source == "segment_ids" or call.attn_input_format == "thd")
+
+    @staticmethod
     def _hopper_feature_reason(call):
         """(module, reason): what about the call keeps the Hopper kernel out (arch, mask, features)."""
         if call.compute_capability != (9, 0):
@@ -336,6 +347,8 @@ class PallasBackend:
                     "the element mask, partial tiles apply it" + (
                         "" if self.hopper_mask_segments(call) or d.q_len % fh.BLOCK or d.kv_len % fh.BLOCK else
                         " (positions only: one segment)") + "; forward " + (
+                        "on document-aligned tiles (query tiles and key blocks start at every document; the output "
+                        "gathered back to token order)" if self.hopper_aligned_tiles(call) else
                         "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
                         "Q and K/V load during the current one)" if persistent else
                         "one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid "
@@ -372,9 +385,10 @@ class PallasBackend:
         d = call.dims
         pq, pkv = -(-d.q_len // fh.BLOCK) * fh.BLOCK, -(-d.kv_len // fh.BLOCK) * fh.BLOCK
         cfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, pkv, False, pq)
-        counts = jax.device_get(mask_tables(mask.pad(pq, pkv), cfg, backward=False,
-                                            segments=self.hopper_mask_segments(call)).fwd[0])  # [B, nq, groups + 1]
-        total = counts.shape[0] * counts.shape[1] * (pkv // cfg.block_kv)
+        aligned = self.hopper_aligned_tiles(call)
+        t = mask_tables(mask.pad(pq, pkv), cfg, backward=False, segments=self.hopper_mask_segments(call),
+                        aligned=aligned)
+        counts = jax.device_get(t.aligned.counts if aligned else t.fwd[0])  # [B, query tiles, groups + 1]
         ends = [int(counts[..., j].sum()) for j in range(counts.shape[-1])]
         partial, visible = ends[-2], ends[-1]
         groups = ""
@@ -382,9 +396,13 @@ class PallasBackend:
             sizes = [ends[0], ends[1] - ends[0], ends[2] - ends[1]]
             groups = ": " + ", ".join(f"{n} {what}" for n, what in zip(sizes, (
                 "comparing positions only", "segments only", "both")))
+        what = f"({partial} with the element mask{groups}; {visible - partial} full)"
+        if aligned:  # the tiles in use vary with the documents: no grid to count skipped tiles against
+            return (f"forward tiles ({2 * cfg.block_q} queries x {cfg.block_kv} keys, per head, starting at every "
+                    f"document): {visible} computed {what}")
+        total = counts.shape[0] * counts.shape[1] * (pkv // cfg.block_kv)
         return (f"forward tiles ({2 * cfg.block_q} queries x {cfg.block_kv} keys, per head): {visible} of {total} "
-                f"computed ({partial} with the element mask{groups}; {visible - partial} full), "
-                f"{total - visible} skipped")
+                f"computed {what}, {total - visible} skipped")
 
     def kernel_name(self, call) -> str:
         """"decode", "hopper" or "portable": the kernel that runs `call`."""
@@ -444,7 +462,8 @@ class PallasBackend:
             if self.hopper_data_mask(call):
                 out, lse = fh.hopper_attention(q, k, v, scale=scale, config=call.kernel_config, softcap=softcap,
                                                mask=tm.with_rule(causal, window),
-                                               mask_segments=self.hopper_mask_segments(call))
+                                               mask_segments=self.hopper_mask_segments(call),
+                                               mask_aligned=self.hopper_aligned_tiles(call))
             else:
                 out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config,
                                                softcap=softcap)

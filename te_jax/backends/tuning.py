@@ -81,6 +81,16 @@ HOPPER_GPU_VERIFIED = Tuned(
     "test_data_mask_split_head_dims passed for documents, padding and a window at 192/128",
     "benchmarks/results/gpu_tests_h100.md")
 
+#: Whether auto runs the Hopper data-mask forward on document-aligned tiles (hopper_attention(mask_aligned=True))
+#: for calls with documents (thd, segment ids).
+HOPPER_ALIGNED_TILES_AUTO = Tuned(
+    False,
+    "H100, thd 11 documents in 16k (device clock): the aligned forward kernel 309 us against the grid's 375 (-18%), "
+    "but its pre-pass costs 55 us more and the output gather back to token order 216 us (a row gather should cost "
+    "about 40): 618 against 413 us per forward; on 64 documents of 256 tokens (already on the grid) only the costs "
+    "remain. Off until the kernel writes token order itself",
+    "benchmarks/results/attention_masks_h100.md")
+
 #: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100
 #: (0: never). auto takes the Hopper kernel up to it, cuDNN beyond.
 _HOPPER_HD64 = Tuned(16384, "fwd+bwd 1.01-1.14x the best of cuDNN and tokamax on every row 1k-16k, kernel time and "
