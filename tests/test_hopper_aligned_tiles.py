@@ -33,7 +33,7 @@ def _kernel_model(t, rule, cfg, q_len, kv_len):
             q_marks = a.qm[b, :, tile * tq:(tile + 1) * tq]
             real = q_marks[0] != NO_SEGMENT
             q_tokens = a.q_rows[b, tile] * aligned_tiles.ROW_ALIGN + np.arange(tq)
-            group, start = 0, 0
+            group = 0
             for step in range(ends[-1]):
                 while group < len(rules) and step >= ends[group]:
                     group += 1
