@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.flash_attention_hopper import aligned_tiles
 from pallas_kernels.flash_attention_hopper.config import default_config
-from pallas_kernels.flash_attention_hopper.data_mask import NO_SEGMENT, mask_rule, mask_tables
+from pallas_kernels.flash_attention_hopper.data_mask import NO_SEGMENT, mask_rule
 from pallas_kernels.mask import AttentionMask
 
 
@@ -68,11 +68,11 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_aligned_tables_compute_every_visible_pair_once(name):
-    """aligned_tables (through mask_tables(aligned=True)) against the dense mask: the kernel model adds every visible
+    """aligned_tables (through aligned_mask_tables) against the dense mask: the kernel model adds every visible
     pair once and no other pair, and gather_rows brings every query's row back to token order."""
     m = CASES[name]()
     cfg = dataclasses.replace(default_config(128, m.kv_len, False, m.q_len), block_q=64, block_kv=128)
-    t = jax.jit(lambda m: mask_tables(m, cfg, backward=False, aligned=True))(m)
+    t = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m)
     assert t.fwd is None
     seen = _kernel_model(t, mask_rule(m), cfg, m.q_len, m.kv_len)
     np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
@@ -104,6 +104,6 @@ def test_aligned_tiles_start_at_documents_and_fall_back_past_the_bound():
         aligned_tiles.run_tiles(seg, 128, 2)
     m = AttentionMask.from_segments(np.asarray(seg), causal=True)
     cfg = dataclasses.replace(default_config(128, 384, False, 384), block_q=64, block_kv=128)
-    t = jax.jit(lambda m: mask_tables(m, cfg, backward=False, aligned=True))(m)
+    t = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m)
     np.testing.assert_array_equal(_kernel_model(t, mask_rule(m), cfg, 384, 384),
                                   np.asarray(m.dense()).astype(np.int32))

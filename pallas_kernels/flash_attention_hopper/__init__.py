@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from .backward import flash_bwd
 from .config import HopperConfig, check_lengths, default_config, describe_plan
 from ..mask import AttentionMask
+from .aligned_tiles import aligned_mask_tables
 from .data_mask import mask_rule, mask_tables
 from .forward import flash_fwd
 from .reference import attention_reference
@@ -210,7 +211,7 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     segments = bool(segments or (pq, pkv) != (sq, skv))
     # the backward adds its lists (flash_bwd)
-    tables = mask_tables(padded, cfg, backward=False, segments=segments, aligned=aligned)
+    tables = (aligned_mask_tables if aligned else mask_tables)(padded, cfg, backward=False, segments=segments)
     out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,
                                  interpret, _softcap(softcap), mask_rule(padded, segments))
     if pq != sq:

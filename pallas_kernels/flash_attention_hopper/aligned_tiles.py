@@ -20,6 +20,7 @@ the tiles start where the documents do (FlashAttention-3's varlen tiling):
         kv_rows [B, T, Tk]           the listed key blocks' first rows in k / v, in units of ROW_ALIGN (list order)
         out_index [B, S]             each query's row in the forward's padded output [B, T * tq, ...]
     aligned_tables(tables, rule, cfg) -> AlignedTiles    (XLA, from data_mask.MaskTables' marks)
+    aligned_mask_tables(mask, cfg, ...) -> MaskTables     (data_mask.mask_tables with `aligned` in place of `fwd`)
 
 The kernel loads Q and K/V at these rows (ROW_ALIGN * the table's value: Mosaic GPU must see that a TMA's row offset
 is a multiple of the shared-memory tile's 8 rows; rows past the end read as zeros), reads the marks of the padded
@@ -34,6 +35,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from .data_mask import NO_SEGMENT, backward_tables, marks_only, mask_rule, tile_lists
 
 
 #: Tiles start at multiples of this many rows (the swizzled shared-memory tiles' rows: Mosaic GPU's layout inference
@@ -97,8 +100,6 @@ def _padded_marks(marks, index, size: int, fill_segment: int):
 def aligned_tables(tables, rule, cfg) -> AlignedTiles:
     """The forward's AlignedTiles from data_mask.MaskTables `tables` (their global marks; lengths multiples of the
     tiles) for rule (data_mask.MaskRule: the forward's partial groups) and config cfg."""
-    from .data_mask import NO_SEGMENT, _lists
-
     tq, bkv = 2 * cfg.block_q, cfg.block_kv
     q_seg = jnp.where(tables.qm[:, 0] == NO_SEGMENT, 0, tables.qm[:, 0])
     k_seg = tables.km[:, 0]
@@ -109,9 +110,18 @@ def aligned_tables(tables, rule, cfg) -> AlignedTiles:
     qm = _padded_marks(tables.qm, q_index, n_q * tq, NO_SEGMENT)
     km = _padded_marks(tables.km, k_index, n_k * bkv, 0)
     qs = jnp.where(qm[:, 0] == NO_SEGMENT, 0, qm[:, 0])
-    counts, blocks = _lists(qs, qm[:, 1], km[:, 0], km[:, 1], rule, tq, bkv)
+    counts, blocks = tile_lists(qs, qm[:, 1], km[:, 0], km[:, 1], rule, tq, bkv)
     kv_rows = jnp.take_along_axis(jnp.broadcast_to(k_starts[:, None, :], blocks.shape), blocks, axis=-1)
     return AlignedTiles(q_rows // ROW_ALIGN, qm, km, counts, blocks, kv_rows // ROW_ALIGN, q_index)
+
+
+def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = True, split: bool = True):
+    """data_mask.mask_tables with the forward on document-aligned tiles: MaskTables whose `aligned` holds this
+    module's AlignedTiles and whose `fwd` is None (the backward's lists as mask_tables builds them)."""
+    rule = mask_rule(mask, segments, split)
+    t = marks_only(mask)
+    t = t._replace(aligned=aligned_tables(t, rule, cfg))
+    return backward_tables(t, rule, cfg) if backward else t
 
 
 def gather_rows(out_padded, lse_padded, out_index):

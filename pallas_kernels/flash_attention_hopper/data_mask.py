@@ -171,7 +171,7 @@ def _combined_marks(seg, pos):
     return jnp.where(fits, seg * (2 * POSITION_BOUND) + pos + POSITION_BOUND, 0).astype(jnp.int32), fits
 
 
-def _lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False):
+def tile_lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False):
     """(counts, blocks) of block_lists at these tiles, the partial tiles in partial_kinds' groups of `rule`
     (transposed: per key tile)."""
     fine = 64  # ranges reduced once at the smallest tile, then pooled
@@ -191,23 +191,24 @@ def _lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = F
 
 
 def mask_tables(mask: AttentionMask, cfg, *, backward: bool = True, segments: bool = True,
-                split: bool = True, aligned: bool = False) -> MaskTables:
+                split: bool = True) -> MaskTables:
     """The kernels' tables for `mask` (its lengths already multiples of every tile: hopper_attention pads).
     backward=False: the forward's only (dq and dkv None; `backward_tables` adds them in the backward pass, so a
     forward-only call pays for one list).  segments, split: MaskRule's (mask_rule(mask, segments, split) is the
-    rule the kernels must be given with these tables).  aligned: the forward's tiles start at every document
-    (aligned_tiles; `fwd` is then None)."""
-    t = MaskTables(qm=jnp.stack([jnp.where(mask.q_segment_ids == 0, NO_SEGMENT, mask.q_segment_ids), mask.q_positions],
-                                axis=1).astype(jnp.int32),
-                   km=jnp.stack([mask.kv_segment_ids, mask.kv_positions], axis=1).astype(jnp.int32),
-                   fwd=None, dq=None, dkv=None)
+    rule the kernels must be given with these tables).  aligned_tiles.aligned_mask_tables builds the same with the
+    forward on document-aligned tiles."""
     rule = mask_rule(mask, segments, split)
-    if aligned:
-        from .aligned_tiles import aligned_tables
-        t = t._replace(aligned=aligned_tables(t, rule, cfg))
-    else:
-        t = t._replace(fwd=_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
+    t = marks_only(mask)
+    t = t._replace(fwd=tile_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
     return backward_tables(t, rule, cfg) if backward else t
+
+
+def marks_only(mask: AttentionMask) -> MaskTables:
+    """MaskTables with the marks qm / km of `mask` and no lists yet."""
+    return MaskTables(qm=jnp.stack([jnp.where(mask.q_segment_ids == 0, NO_SEGMENT, mask.q_segment_ids),
+                                    mask.q_positions], axis=1).astype(jnp.int32),
+                      km=jnp.stack([mask.kv_segment_ids, mask.kv_positions], axis=1).astype(jnp.int32),
+                      fwd=None, dq=None, dkv=None)
 
 
 def mask_rule(mask: AttentionMask, segments: bool = True, split: bool = True) -> MaskRule:
@@ -239,8 +240,8 @@ def backward_tables(t: MaskTables, rule: MaskRule, cfg) -> MaskTables:
         return t
     marks = _marks(t)
     rule = backward_rule(rule)
-    return t._replace(dq=_lists(*marks, rule, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv),
-                      dkv=_lists(*marks, rule, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True))
+    return t._replace(dq=tile_lists(*marks, rule, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv),
+                      dkv=tile_lists(*marks, rule, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True))
 
 
 class DataMask(NamedTuple):

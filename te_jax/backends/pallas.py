@@ -380,14 +380,15 @@ class PallasBackend:
         if not all(_is_concrete(x) for x in jax.tree_util.tree_leaves(mask)):
             return None
         from pallas_kernels import flash_attention_hopper as fh
+        from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_mask_tables
         from pallas_kernels.flash_attention_hopper.data_mask import mask_tables
 
         d = call.dims
         pq, pkv = -(-d.q_len // fh.BLOCK) * fh.BLOCK, -(-d.kv_len // fh.BLOCK) * fh.BLOCK
         cfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, pkv, False, pq)
         aligned = self.hopper_aligned_tiles(call)
-        t = mask_tables(mask.pad(pq, pkv), cfg, backward=False, segments=self.hopper_mask_segments(call),
-                        aligned=aligned)
+        t = (aligned_mask_tables if aligned else mask_tables)(mask.pad(pq, pkv), cfg, backward=False,
+                                                              segments=self.hopper_mask_segments(call))
         counts = jax.device_get(t.aligned.counts if aligned else t.fwd[0])  # [B, query tiles, groups + 1]
         ends = [int(counts[..., j].sum()) for j in range(counts.shape[-1])]
         partial, visible = ends[-2], ends[-1]
