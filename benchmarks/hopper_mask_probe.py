@@ -6,6 +6,7 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --split-ab [--rounds 5]
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --aligned-ab [--rounds 5]
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --prepass
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -175,12 +176,44 @@ def aligned_ab(rounds: int, device: bool = False):
                       f"{prof['kernels_per_call']:.0f} kernels (us: {top})", flush=True)
 
 
+def prepass(rounds: int):
+    """The XLA pre-pass alone, by the device clock: every kernel of mask_tables (the grid forward's lists),
+    aligned_tiles.aligned_mask_tables and the backward's lists, on thd's 11 documents (H16 does not matter here)."""
+    import collections
+
+    from benchmarks import device_time
+    from benchmarks.attention_masks_gpu import THD_DOCS
+    from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_mask_tables
+
+    runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))
+    m = AttentionMask.from_segments(runs(THD_DOCS, 16384)[None], causal=True)
+    cfg = default_config(D, m.kv_len, False, m.q_len)
+    fns = {"grid forward lists": jax.jit(lambda m: mask_tables(m, cfg, backward=False)),
+           "aligned forward lists": jax.jit(lambda m: aligned_mask_tables(m, cfg, backward=False)),
+           "grid forward + backward lists": jax.jit(lambda m: mask_tables(m, cfg, backward=True))}
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  thd 11 documents in 16384 tokens; device clock")
+    for name, f in fns.items():
+        jax.block_until_ready(f(m))
+        prof = device_time.profiled(f, (m,), calls=rounds)
+        per = collections.Counter()
+        for start, end, kname in prof["events"]:
+            per[kname[:50]] += (end - start) * 1e-3 / rounds
+        print(f"{name}: {prof['kernel_s'] * 1e6:.1f} us of kernels in {prof['kernels_per_call']:.0f} per call "
+              f"(span {prof['span_s'] * 1e6:.1f} us)", flush=True)
+        for kname, us in per.most_common():
+            print(f"    {us:7.2f} us  {kname}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--split-ab", action="store_true")
     ap.add_argument("--aligned-ab", action="store_true")
+    ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab: the device clock's kernels too "
                     "(run with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each kernel is seen)")
     a = ap.parse_args()
-    split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()
+    if a.prepass:
+        prepass(a.rounds)
+    else:
+        split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()
