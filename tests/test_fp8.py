@@ -392,6 +392,18 @@ def test_gqa_query_and_kv_share_one_norm_cast(recipe, monkeypatch):
     shared = [i for i in info1 if "shared by query and kv" in i.reason]
     assert [i.module for i in shared] == ["attention/query", "attention/kv"], info1
     assert not any("shared by query and kv" in i.reason for i in info0)
+    # the explanation says where the norm's statistics come from (in the cast kernel: delayed scaling, the default)
+    # and that the query and K/V weights are cast into one buffer (TE_JAX_FP8_MERGED_CASTS, the default)
+    in_kernel = isinstance(recipe, DelayedScaling)
+    for i in shared:
+        assert ("computed in the same kernel" in i.reason) == in_kernel, i.reason
+        assert ("XLA reduction first" in i.reason) == (not in_kernel), i.reason
+        assert "one buffer for one GEMM" in i.reason, i.reason
+    monkeypatch.setenv("TE_JAX_FP8_NORM_STATS", "xla")
+    monkeypatch.setenv("TE_JAX_FP8_MERGED_CASTS", "0")
+    _, info_off, _ = run("1")
+    for i in (i for i in info_off if "shared by query and kv" in i.reason):
+        assert "XLA reduction first" in i.reason and "one buffer" not in i.reason, i.reason
     if jax.default_backend() == "cpu":
         np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree_util.tree_leaves(g0)):

@@ -57,6 +57,8 @@ from te_jax.flax._common import (
 from te_jax.flax._sharding import mesh_axes_of, run_per_shard
 from te_jax.flax.module import DenseGeneral, DenseOperands, LayerNormDenseGeneral, LayerNormDenseOperands
 from te_jax.fp8 import context as _fp8_ac
+from te_jax.fp8 import fused as _fp8_fused
+from te_jax.fp8 import norm_cast as _fp8_norm_cast
 from te_jax.fp8 import state as _fp8_state
 
 ROTARY_GROUP_METHODS = ("consecutive", "alternate")
@@ -801,7 +803,10 @@ class MultiHeadAttention(nn.Module):
             # (te_jax/fp8/norm_dense.py); the parameters and FP8 states keep LayerNormDenseGeneral's and
             # DenseGeneral's names ("query/...", "kv/...")
             recipe, why = fp8_plan
-            why = f"{why}; {_fp8_state.NORM_DENSE_PATH}, shared by query and kv"
+            stats = _fp8_norm_cast.describe_stats(recipe, inputs_q.shape[-1])
+            merged = ("; the query and K/V weights cast into one buffer for one GEMM (TE_JAX_FP8_MERGED_CASTS)"
+                      if _fp8_fused.merged_casts() else "")
+            why = f"{why}; {_fp8_state.NORM_DENSE_PATH}, {stats}, shared by query and kv{merged}"
             q_kw = dict(features=(h, d), kernel_init=_scaled_init(base_init, 1, q_scale),
                         kernel_axes=("embed", "heads", "kv"), name="query", **ln_args, **common)
             x_q, gamma, beta, wq, sq = LayerNormDenseOperands(**q_kw)(inputs_q, recipe, why)

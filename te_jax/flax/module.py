@@ -43,6 +43,7 @@ from te_jax import activations as _acts
 from te_jax import mlp as _mlp
 from te_jax import normalization as _norm
 from te_jax.fp8 import context as _fp8_ac
+from te_jax.fp8 import norm_cast as _fp8_norm_cast
 from te_jax.fp8 import state as _fp8
 from te_jax.flax._common import Initializer, check_rate, default_kernel_init, dropout, flat_init, param
 from te_jax.flax._sharding import partitioned_axes_of, run_per_shard
@@ -322,7 +323,8 @@ class LayerNormDenseGeneral(nn.Module):
             why_not = _fp8.norm_dense_unavailable(recipe, has_bias=bias is not None,
                                                   returns_ln=self.return_layernorm_output)
             if why_not is None:  # the norm inside x's cast (te_jax/fp8/norm_dense.py)
-                _fp8_ac.record(self, "kernel", recipe, f"{why}; {_fp8.NORM_DENSE_PATH}", k=d,
+                path = f"{_fp8.NORM_DENSE_PATH}, {_fp8_norm_cast.describe_stats(recipe, d)}"
+                _fp8_ac.record(self, "kernel", recipe, f"{why}; {path}", k=d,
                                n=math.prod(features), shape=f"x{tuple(x.shape)} . kernel{tuple(kernel.shape)}")
                 (y,) = _fp8.norm_dense(x, gamma, beta, (kernel,), (_fp8.meta_state(recipe),), recipe,
                                        **self._norm_kw())

@@ -89,6 +89,15 @@ def stats_in_kernel(x, spec, delayed: bool) -> bool:
     return spec is not None and delayed and norm_stats_in_kernel() and stats_block(x.shape[-1]) is not None
 
 
+def describe_stats(recipe, d: int) -> str:
+    """For te_jax.fp8.explain: where a norm in front of an FP8 GEMM over D = d features gets its row statistics."""
+    from te_jax.fp8.recipe import DelayedScaling
+
+    inside = isinstance(recipe, DelayedScaling) and norm_stats_in_kernel() and stats_block(d) is not None
+    return ("its row statistics computed in the same kernel (TE_JAX_FP8_NORM_STATS)" if inside else
+            "its row statistics from an XLA reduction first")
+
+
 def stats_and_cast(x, gamma, beta, scale, spec, out_dtype, interpret=None):
     """(q [M, D], qT [D, M], amax, (mean or None, rstd)): the norm's statistics and its output cast with `scale`, in
     one kernel that reads x from memory once (norm_stats_cast_transpose); x's D must have a stats_block."""

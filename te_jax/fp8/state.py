@@ -196,7 +196,7 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
     if why_not is None:
         d, n_act, f = w1.shape
         path = "fused FP8 MLP (te_jax.fp8.mlp: cast/activation kernels write FP8 operands, transposes and amaxes"
-        path += "; the norm fused into x's cast" if enable_layernorm else ""
+        path += f"; the norm fused into x's cast, {_norm_cast.describe_stats(recipe, d)}" if enable_layernorm else ""
         path += ("; the weights' FP8 copies kept for the backward, TE_JAX_FP8_KEEP_WEIGHTS)"
                  if keep_weight_copies(recipe) else ")")
         _ac.record(module, "wi_kernel", recipe, f"{reason}; {path}", k=d, n=n_act * f,
