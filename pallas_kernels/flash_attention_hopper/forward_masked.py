@@ -39,11 +39,11 @@ def step_mask(plgpu, rule, q_marks, key_marks, slot):
 
 def walk_groups(kv_body, ends, rule, carry):
     """Run a tile's K/V steps group by group: ends (traced ints, data_mask.block_lists' counts for the tile) close
-    the partial groups of rule.partial_rules() and then the full blocks; kv_body(step, carry, rule) with the
+    the partial groups of rule.partial_rules() and then the full blocks; kv_body(step, carry, group_rule) with the
     group's rule (None: full blocks)."""
     start = 0
     for end, group_rule in zip(ends, rule.partial_rules() + (None,)):
-        carry = lax.fori_loop(start, end, functools.partial(kv_body, rule=group_rule), carry)
+        carry = lax.fori_loop(start, end, functools.partial(kv_body, group_rule=group_rule), carry)
         start = end
     return carry
 
@@ -60,8 +60,8 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     rows (aligned_tiles.AlignedTiles' q_rows [B, T], kv_rows [B, T, Tk]): document-aligned tiles.  Query tile t
     loads q from row ROW_ALIGN * q_rows[b, t] and its listed block j's K / V from row ROW_ALIGN * kv_rows[b, t, j]
     (aligned_tiles.ROW_ALIGN: a multiple Mosaic GPU can see; a tile with q_rows -1 does nothing); qm and km are
-    then the tiles' padded layouts ([B, 2, T * 2 bq], [B, 2, Tk * bkv], blocks indexing km's blocks), and out / lse come
-    back in that layout ([B, T * 2 bq, H, Dv], [B, H, T * 2 bq]: aligned_tiles.gather_rows).
+    then the tiles' padded layouts ([B, 2, T * 2 bq], [B, 2, Tk * bkv], blocks indexing km's blocks), and out /
+    lse come back in that layout ([B, T * 2 bq, H, Dv], [B, H, T * 2 bq]: aligned_tiles.gather_rows).
     The memory warpgroup streams K, V and the keys' (segment, position) rows of the listed blocks.  Rows that see
     no key: out 0, lse -inf.
     """
@@ -121,9 +121,9 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             when(n_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[0]))
             pl.when(wg == 1)(sched.start)
 
-            def kv_body(step, carry, rule):
+            def kv_body(step, carry, group_rule):
                 slot = rem(step, stages)
-                apply_mask = step_mask(plgpu, rule, q_marks, (km_bar, km_smem, km_slots), slot)
+                apply_mask = step_mask(plgpu, group_rule, q_marks, (km_bar, km_smem, km_slots), slot)
 
                 def wait_next_k():
                     @pl.when(step + 1 < n_steps)
@@ -135,7 +135,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
                     k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                     v_release=lambda: v_slots.release(slot),
                     sched=sched, c=c, dtype=dtype, interpret=interpret,
-                    apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=rule is not None)
+                    apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=group_rule is not None)
 
             carry = walk_groups(kv_body, ends, rule, (acc, m_i, l_i))
             pl.when(wg == 0)(sched.finish)
@@ -146,6 +146,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
         @pl.when((wg == 2) & active)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
+
             def coords(g):  # (K / V rows, the keys' marks) of step g
                 marks = pl.ds(blocks_ref[b, qt, g] * bkv, bkv)
                 kv = marks if rows is None else pl.ds(kv_rows_ref[b, qt, g] * ROW_ALIGN, bkv)

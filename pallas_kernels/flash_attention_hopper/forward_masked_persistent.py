@@ -121,10 +121,10 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                 early_q = i + 1 < my_tiles
                 early_step = jnp.minimum(1, n_steps - 1)
 
-                def kv_body(step, carry, rule):
+                def kv_body(step, carry, group_rule):
                     g = g0 + step
                     slot = rem(g, stages)
-                    apply_mask = step_mask(plgpu, rule, q_marks, (km_bar, km_smem, km_slots), slot)
+                    apply_mask = step_mask(plgpu, group_rule, q_marks, (km_bar, km_smem, km_slots), slot)
 
                     def wait_next_k():
                         @pl.when(step + 1 < n_steps)
@@ -141,7 +141,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                         k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                         v_release=lambda: v_slots.release(slot),
                         sched=sched, c=c, dtype=dtype, interpret=interpret,
-                        apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=rule is not None)
+                        apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=group_rule is not None)
 
                 acc, m_i, l_i = walk_groups(kv_body, ends, rule, (acc, m_i, l_i))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's lse store read out
