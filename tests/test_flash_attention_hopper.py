@@ -995,7 +995,7 @@ def test_one_step_tiles_stay_off_the_persistent_forward():
 
 def test_data_mask_bad_arguments_are_named():
     """hopper_attention(mask=...) refuses, before any kernel: a mask built for other lengths (both shapes named, and
-    the fix), causal given twice, and a mask that is not an AttentionMask."""
+    the fix), causal given twice, a mask that is not an AttentionMask, and the data-mask options without a mask."""
     from pallas_kernels.mask import AttentionMask
 
     q = jnp.zeros((2, 256, 2, 128), BF)
@@ -1007,6 +1007,9 @@ def test_data_mask_bad_arguments_are_named():
         hopper_attention(q, k, k, scale=0.1, causal=True, mask=AttentionMask.full(2, 256, 384, causal=True))
     with pytest.raises(ValueError, match="mask=ndarray must be a pallas_kernels.mask.AttentionMask"):
         hopper_attention(q, k, k, scale=0.1, mask=np.ones((2, 256, 384), bool))
+    for kw in (dict(mask_aligned=True), dict(mask_segments=False)):  # data-mask options without a data mask
+        with pytest.raises(ValueError, match="apply to a data mask, and mask=None. Fix: pass mask=AttentionMask"):
+            hopper_attention(q, k, k, scale=0.1, **kw)
 
 
 def test_split_head_dims_config_and_plan():

@@ -236,6 +236,10 @@ def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None
             raise ValueError("hopper_attention: pass causal in the mask (AttentionMask(causal=True)), not both")
         return _hopper_masked(q, k, v, mask, scale=scale, config=config, interpret=interpret, softcap=softcap,
                               segments=mask_segments, aligned=mask_aligned)
+    if mask_aligned or not mask_segments:
+        raise ValueError(f"hopper_attention: mask_aligned={mask_aligned}, mask_segments={mask_segments} apply to a "
+                         f"data mask, and mask=None. Fix: pass mask=AttentionMask(...), or leave them at their "
+                         f"defaults (False, True).")
     _check(q, k, v, causal, softcap)
     sq, skv = q.shape[1], k.shape[1]
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK
