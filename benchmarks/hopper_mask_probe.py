@@ -36,15 +36,29 @@ from pallas_kernels.mask import AttentionMask
 B, S, H, D = 4, 4096, 16, 128
 
 
+def probe_masks(*names):
+    """The probe's masks by name (causal): "thd" (11 documents in 16k tokens, one row), "documents" (4 per row,
+    B x S), "padding" (rows 4096/3000/2048/3500), "causal as data", "64x256" / "80x200" (equal documents, 16k)."""
+    from benchmarks.attention_masks_gpu import THD_DOCS
+
+    runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))[None]
+    build = {
+        "thd": lambda: AttentionMask.from_segments(runs(THD_DOCS, 16384), causal=True),
+        "documents": lambda: AttentionMask.from_segments(runs([1500, 1000, 1096, 500], S).repeat(B, 0), causal=True),
+        "padding": lambda: AttentionMask.from_segments(
+            (np.arange(S)[None] < np.array([4096, 3000, 2048, 3500])[:, None]).astype(np.int32), causal=True),
+        "causal as data": lambda: AttentionMask.full(B, S, S, causal=True),
+        "64x256": lambda: AttentionMask.from_segments(runs([256] * 64, 16384), causal=True),
+        "80x200": lambda: AttentionMask.from_segments(runs([200] * 80, 16384), causal=True),
+    }
+    return {name: build[name]() for name in names}
+
+
 def main():
     ks = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in ks)
     base = default_config(D, S, False, S)
-    docs = np.repeat(np.arange(1, 5), [1500, 1000, 1096, 500])[None].repeat(B, 0)
-    pad = (np.arange(S)[None] < np.array([4096, 3000, 2048, 3500])[:, None]).astype(np.int32)
-    masks = {"documents": AttentionMask.from_segments(docs, causal=True),
-             "padding": AttentionMask.from_segments(pad, causal=True),
-             "causal as data": AttentionMask.full(B, S, S, causal=True)}
+    masks = probe_masks("documents", "padding", "causal as data")
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  B{B} S{S} H{H} D{D}")
     for name, m in masks.items():
         vis = int(jnp.sum(m.dense()))
@@ -78,17 +92,7 @@ def main():
 
 
 def split_ab(rounds: int):
-    from benchmarks.attention_masks_gpu import THD_DOCS
-
-    runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))
-    masks = {  # name: (mask, batch)
-        "thd 11 documents": AttentionMask.from_segments(runs(THD_DOCS, 16384)[None], causal=True),
-        "documents (4/row)": AttentionMask.from_segments(
-            np.repeat(np.arange(1, 5), [1500, 1000, 1096, 500])[None].repeat(B, 0), causal=True),
-        "padding": AttentionMask.from_segments(
-            (np.arange(S)[None] < np.array([4096, 3000, 2048, 3500])[:, None]).astype(np.int32), causal=True),
-        "causal as data": AttentionMask.full(B, S, S, causal=True),
-    }
+    masks = probe_masks("thd", "documents", "padding", "causal as data")
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; forward on prebuilt tables; "
           f"{rounds} interleaved rounds, medians")
     for name, m in masks.items():
@@ -129,16 +133,7 @@ def split_ab(rounds: int):
 def aligned_ab(rounds: int, device: bool = False):
     """hopper_attention(mask=..., mask_aligned=False / True) as a user calls it (pre-pass and output gather
     included): forward, and forward+backward (the backward is the same kernels), interleaved rounds."""
-    from benchmarks.attention_masks_gpu import THD_DOCS
-
-    runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))
-    masks = {
-        "thd 11 documents": AttentionMask.from_segments(runs(THD_DOCS, 16384)[None], causal=True),
-        "documents (4/row)": AttentionMask.from_segments(
-            np.repeat(np.arange(1, 5), [1500, 1000, 1096, 500])[None].repeat(B, 0), causal=True),
-        "64 documents of 256": AttentionMask.from_segments(runs([256] * 64, 16384)[None], causal=True),
-        "80 documents of 200": AttentionMask.from_segments(runs([200] * 80, 16384)[None], causal=True),
-    }
+    masks = probe_masks("thd", "documents", "64x256", "80x200")
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; hopper_attention with the "
           f"mask (pre-pass included), {rounds} interleaved rounds, medians")
     for name, m in masks.items():
@@ -182,11 +177,9 @@ def prepass(rounds: int):
     import collections
 
     from benchmarks import device_time
-    from benchmarks.attention_masks_gpu import THD_DOCS
     from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_mask_tables
 
-    runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))
-    m = AttentionMask.from_segments(runs(THD_DOCS, 16384)[None], causal=True)
+    m = probe_masks("thd")["thd"]
     cfg = default_config(D, m.kv_len, False, m.q_len)
     fns = {"grid forward lists": jax.jit(lambda m: mask_tables(m, cfg, backward=False)),
            "aligned forward lists": jax.jit(lambda m: aligned_mask_tables(m, cfg, backward=False)),

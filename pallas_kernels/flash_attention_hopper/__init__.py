@@ -46,6 +46,7 @@ __all__ = [
     "supports",
     "attention_reference",
     "BLOCK",
+    "compares_segments",
     "HEAD_DIMS",
 ]
 
@@ -195,6 +196,12 @@ def _masked_bwd_rule(scale, config, interpret, softcap, rule, res, cts):
 _masked_attention.defvjp(_masked_fwd_rule, _masked_bwd_rule)
 
 
+def compares_segments(mask_segments: bool, q_len: int, kv_len: int) -> bool:
+    """Whether the data-mask kernels compare segment ids: asked (mask_segments), or lengths padded to whole tiles
+    (the padded tokens are told apart by their segment)."""
+    return bool(mask_segments or q_len % BLOCK or kv_len % BLOCK)
+
+
 def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments=True, aligned=False):
     if not isinstance(mask, AttentionMask):
         raise ValueError(f"hopper_attention: mask={type(mask).__name__} must be a pallas_kernels.mask.AttentionMask "
@@ -209,7 +216,7 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
     cfg = config or default_config(q.shape[-1], pkv, False, pq, head_dim_v=v.shape[-1])
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
-    segments = bool(segments or (pq, pkv) != (sq, skv))
+    segments = compares_segments(segments, sq, skv)
     # the backward adds its lists (flash_bwd)
     tables = (aligned_mask_tables if aligned else mask_tables)(padded, cfg, backward=False, segments=segments)
     out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,

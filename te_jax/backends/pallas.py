@@ -345,7 +345,7 @@ class PallasBackend:
             plan = ("data-mask schedule (" + ", ".join(what) + "): the mask's segment ids and positions are "
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
                     "the element mask, partial tiles apply it" + (
-                        "" if self.hopper_mask_segments(call) or d.q_len % fh.BLOCK or d.kv_len % fh.BLOCK else
+                        "" if fh.compares_segments(self.hopper_mask_segments(call), d.q_len, d.kv_len) else
                         " (positions only: one segment)") + "; forward " + (
                         "on document-aligned tiles (query tiles and key blocks start at every document; the output "
                         "gathered back to token order)" if self.hopper_aligned_tiles(call) else

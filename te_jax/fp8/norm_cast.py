@@ -130,4 +130,5 @@ def backward(dln, x, gamma, beta, st, spec, interpret=None):
     return jax.vjp(lambda x, g, b: _ref.layernorm(x, g, b, **kw), x, gamma, beta)[1](dln)
 
 
-__all__ = ["NormSpec", "norm_spec", "stats", "output", "cast", "stats_block", "stats_in_kernel", "stats_and_cast", "backward"]
+__all__ = ["NormSpec", "norm_spec", "stats", "output", "cast", "stats_block", "stats_in_kernel", "stats_and_cast",
+           "describe_stats", "backward"]
