@@ -91,15 +91,20 @@ def main():
           f"{4 * H * D * B * S * (S + 1) / 2 / sec / 1e12:5.0f} TFLOP/s")
 
 
+def _inputs(m, seed: int):
+    """(q, k, v) bf16 [batch, q_len, H, D] for mask m, and the forward's FLOPs on its visible area."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q, k, v = (jax.random.normal(kk, (m.batch, m.q_len, H, D), jnp.bfloat16) for kk in ks)
+    return (q, k, v), 4 * H * D * int(jnp.sum(m.dense()))
+
+
 def split_ab(rounds: int):
     masks = probe_masks("thd", "documents", "padding", "causal as data")
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; forward on prebuilt tables; "
           f"{rounds} interleaved rounds, medians")
     for name, m in masks.items():
-        ks = jax.random.split(jax.random.key(1), 3)
-        q, k, v = (jax.random.normal(kk, (m.batch, m.q_len, H, D), jnp.bfloat16) for kk in ks)
+        (q, k, v), fl = _inputs(m, 1)
         cfg = default_config(D, m.kv_len, False, m.q_len)
-        fl = 4 * H * D * int(jnp.sum(m.dense()))
         do = jax.random.normal(jax.random.key(2), q.shape, jnp.bfloat16)
         fns, outs, groups = {}, {}, ""
         for split in (False, True):
@@ -137,9 +142,7 @@ def aligned_ab(rounds: int, device: bool = False):
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; hopper_attention with the "
           f"mask (pre-pass included), {rounds} interleaved rounds, medians")
     for name, m in masks.items():
-        ks = jax.random.split(jax.random.key(3), 3)
-        q, k, v = (jax.random.normal(kk, (m.batch, m.q_len, H, D), jnp.bfloat16) for kk in ks)
-        fl = 4 * H * D * int(jnp.sum(m.dense()))
+        (q, k, v), fl = _inputs(m, 3)
         fns, outs = {}, {}
         for al in (False, True):  # the mask is an argument: its tables are built in every call
             f = lambda q, k, v, m, al=al: hopper_attention(q, k, v, scale=D ** -0.5, mask=m, mask_aligned=al)[0]
