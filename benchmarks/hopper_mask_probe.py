@@ -7,11 +7,6 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --split-ab [--rounds 5]
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --aligned-ab [--rounds 5]
     XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --prepass
-    PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --index-ab [--rounds 5]
-
---index-ab: windows, bottom-right and causal given as data (one segment, positions = token indices): the element
-mask from loaded positions against iotas (MaskRule.offset), the dQ kernel against the atomic dQ; kernels on
-prebuilt tables.
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -140,57 +135,6 @@ def split_ab(rounds: int):
         print(f"{'':18s} partial groups (positions, segments, both): {groups}", flush=True)
 
 
-def index_ab(rounds: int):
-    """One-segment masks whose positions are token indices (windows, bottom-right, causal given as data), on
-    prebuilt tables: the element mask from the loaded positions against iotas (MaskRule.offset), and the backward's
-    dQ from its own kernel against the atomic dQ in the dK/dV kernel; interleaved rounds."""
-    cases = {  # name: (mask, offset of the query positions)
-        "window (1024, 0) causal": (AttentionMask.full(B, S, S, causal=True, window=(1024, 0)), 0),
-        "window (256, 256)": (AttentionMask.full(B, S, S, window=(256, 256)), 0),
-        "bottom-right 2k x 8k": (AttentionMask.full(B, 2048, 8192, causal=True, bottom_right=True), 8192 - 2048),
-        "causal as data": (AttentionMask.full(B, S, S, causal=True), 0),
-    }
-    variants = {  # name: (offset used?, bwd_dq_atomic)
-        "positions, dQ kernel": (False, None), "positions, atomic dQ": (False, True),
-        "index, dQ kernel": (True, False), "index, atomic dQ": (True, None)}
-    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; kernels on prebuilt tables; "
-          f"{rounds} interleaved rounds, medians")
-    for name, (m, offset) in cases.items():
-        ks = jax.random.split(jax.random.key(5), 4)
-        q, do = (jax.random.normal(kk, (B, m.q_len, H, D), jnp.bfloat16) for kk in ks[:2])
-        k, v = (jax.random.normal(kk, (B, m.kv_len, H, D), jnp.bfloat16) for kk in ks[2:])
-        fl = 4 * H * D * int(jnp.sum(m.dense()))
-        base = default_config(D, m.kv_len, False, m.q_len)
-        fns, outs = {}, {}
-        for vname, (by_index, atomic) in variants.items():
-            cfg = dataclasses.replace(base, bwd_dq_atomic=atomic)
-            rule = mask_rule(m, False, offset=offset if by_index else None)
-            t = jax.jit(lambda m: mask_tables(m, cfg, segments=False))(m)
-            kw = dict(scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=rule)
-            fwd = jax.jit(lambda q, k, v, kw=kw: flash_fwd(q, k, v, **kw))
-            out, lse = fwd(q, k, v)
-            bwd = jax.jit(lambda q, k, v, o, l, do, kw=kw: flash_bwd(q, k, v, o, l, do, **kw))
-            fns[("fwd", vname)] = (fwd, (q, k, v))
-            fns[("bwd", vname)] = (bwd, (q, k, v, out, lse, do))
-            outs[vname] = (out,) + tuple(bwd(q, k, v, out, lse, do))
-        ref = outs["positions, dQ kernel"]
-        secs = {key: [] for key in fns}
-        for _ in range(rounds):
-            for key, (f, args) in fns.items():
-                secs[key].append(timing.measure(f, args, samples=20)[0])
-        med = {key: statistics.median(v) for key, v in secs.items()}
-        f0, b0 = med[("fwd", "positions, dQ kernel")], med[("bwd", "positions, dQ kernel")]
-        print(f"{name}: {fl / 1e9:.0f} GFLOP forward on the visible area", flush=True)
-        for vname in variants:
-            f1, b1 = med[("fwd", vname)], med[("bwd", vname)]
-            diffs = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
-                     for a, r in zip(outs[vname], ref)]
-            print(f"  {vname:22s} fwd {f1 * 1e6:7.1f} us ({fl / f1 / 1e12:4.0f} TFLOP/s, x{f0 / f1:.3f}) | bwd "
-                  f"{b1 * 1e6:7.1f} us (x{b0 / b1:.3f}) | fwd+bwd {3.5 * fl / (f1 + b1) / 1e12:4.0f} TFLOP/s "
-                  f"(x{(f0 + b0) / (f1 + b1):.3f}) | max |diff| out, dq, dk, dv "
-                  f"{', '.join(f'{d:.1e}' for d in diffs)}", flush=True)
-
-
 def aligned_ab(rounds: int, device: bool = False):
     """hopper_attention(mask=..., mask_aligned=False / True) as a user calls it (pre-pass and output gather
     included): forward, and forward+backward (the backward is the same kernels), interleaved rounds."""
@@ -260,8 +204,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--split-ab", action="store_true")
     ap.add_argument("--aligned-ab", action="store_true")
-    ap.add_argument("--index-ab", action="store_true", help="one-segment masks: positions loaded against iotas, "
-                    "dQ kernel against atomic dQ")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab: the device clock's kernels too "
@@ -269,7 +211,5 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.prepass:
         prepass(a.rounds)
-    elif a.index_ab:
-        index_ab(a.rounds)
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()

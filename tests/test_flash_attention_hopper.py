@@ -714,58 +714,6 @@ def test_one_segment_rule_equals_the_full_rule_on_one_segment():
                                   lean.apply(x, (one_q, q_pos), (two_k, k_pos), -jnp.inf, q_axis=0))
 
 
-def test_index_rule_equals_the_position_rule():
-    """MaskRule(offset=...).apply_index (the element mask from iotas, what hopper_attention(mask_offset=...) runs)
-    hides exactly what the position rule hides on token-index positions (query i at i + offset, key j at j), on a
-    tile anywhere in the score matrix, in both orientations (the dK/dV kernel's tiles are transposed)."""
-    from pallas_kernels.flash_attention_hopper.data_mask import MaskRule
-
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
-    one_q, one_k = jnp.ones(64, jnp.int32), jnp.ones(48, jnp.int32)
-    kmq = jnp.arange(48)[None, :] - jnp.arange(64)[:, None]  # [queries, keys]
-    for causal, window, offset in ((True, (-1, -1), 0), (True, (-1, -1), 384), (False, (20, 5), 0),
-                                   (True, (10, -1), 100), (False, (-1, 7), -30)):
-        rule = MaskRule(causal, window, segments=False, offset=offset)
-        for q0, k0 in ((0, 0), (128, 64), (64, 192), (448, 0)):
-            q_pos, k_pos = q0 + offset + jnp.arange(64), k0 + jnp.arange(48)
-            want = rule._replace(offset=None).apply(x, (one_q, q_pos), (one_k, k_pos), -jnp.inf, q_axis=0)
-            np.testing.assert_array_equal(rule.apply_index(x, kmq, q0, k0, -jnp.inf), want)
-            np.testing.assert_array_equal(rule.apply_index(x.T, kmq.T, q0, k0, -jnp.inf), want.T)
-    with pytest.raises(ValueError, match="segments=False"):
-        from pallas_kernels.flash_attention_hopper.data_mask import mask_rule
-        from pallas_kernels.mask import AttentionMask
-        mask_rule(AttentionMask.full(1, 128, 128, causal=True), True, offset=0)
-
-
-def test_mask_offset_arguments_are_checked():
-    """hopper_attention's mask_offset: an int, only with a data mask, mask_segments=False and mask_aligned=False."""
-    from pallas_kernels.mask import AttentionMask
-
-    q = jnp.zeros((1, 128, 2, 64), BF)
-    m = AttentionMask.full(1, 128, 128, causal=True)
-    for kw in (dict(mask=m, mask_offset=0), dict(mask=m, mask_segments=False, mask_offset=0.5),
-               dict(mask=m, mask_segments=False, mask_aligned=True, mask_offset=0), dict(mask_offset=0)):
-        with pytest.raises(ValueError, match="mask_offset"):
-            hopper_attention(q, q, q, scale=0.1, **kw)
-
-
-@pytest.mark.slow
-@needs_kernel
-@pytest.mark.parametrize("name", ONE_SEGMENT_CASES)
-@pytest.mark.parametrize("atomic", [None, True])
-def test_index_mask_forward_and_grads(name, atomic):
-    """One-segment masks with positions as token indices (mask_offset: every kernel computes the element mask from
-    iotas; the dK/dV kernel accumulates dQ where `atomic` forces it, as auto does from 2k keys) against the fp32
-    reference, as test_data_mask_forward_and_grads."""
-    from pallas_kernels.flash_attention_hopper.config import default_config
-
-    B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
-    cfg = dataclasses.replace(default_config(D, Skv, False, Sq), bwd_dq_atomic=atomic)
-    offset = Skv - Sq if name == "bottom_right_causal" else 0
-    _check_data_mask(name, mask_offset=offset, config=cfg)
-
-
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("name", MASKED_CASES)

@@ -30,7 +30,7 @@ from .._lower_once import lower_once
 
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
-from .data_mask import DataMask, backward_rule, backward_tables, key_minus_query
+from .data_mask import DataMask, backward_rule, backward_tables
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
                      dq_split, logit_units, piece_split_chosen, ring_choices)
 
@@ -208,16 +208,12 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                     pT = jnp.where(rows + kv0 < kv_valid, pT, 0.0)
                 if dm is not None:  # the queries' (segment, position) rows are streamed every step
-                    by_index = dm_masked and dm_rule.offset is not None  # positions are token indices: iotas
                     plgpu.barrier_wait(qm_bar.at[slot])
-                    if dm_masked and not by_index:
+                    if dm_masked:
                         q_seg, q_pos = (plgpu.load(qm_ring.at[slot, i], layout=plgpu.Layout.WGMMA.reduce(0))
                                         for i in range(2))
                     qm_cons.release(slot)
-                    if by_index:
-                        pT = dm_rule.apply_index(pT, key_minus_query(plgpu, (bkv, bq), q_axis=1), qb * bq, kv0,
-                                                 0.0)
-                    elif dm_masked:
+                    if dm_masked:
                         pT = dm_rule.apply(pT, (q_seg, q_pos), key_marks, 0.0, q_axis=1)
                 plgpu.barrier_wait(do_bar.at[slot])
                 if want_dv and want_dk and not interpret:
@@ -547,10 +543,9 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 slot = rem(t, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                by_index = dm_masked and dm_rule.offset is not None  # positions are token indices: iotas
                 if dm is not None:  # the keys' (segment, position) rows are streamed every step
                     plgpu.barrier_wait(km_bar.at[slot])
-                    if dm_masked and not by_index:
+                    if dm_masked:
                         k_marks = [plgpu.load(km_smem.at[slot, i], layout=plgpu.Layout.WGMMA.reduce(0))
                                    for i in range(2)]
                     km_cons.release(slot)
@@ -575,10 +570,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 if kv_valid is not None:  # padded keys (non-causal, every step)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(cols + t * bkv < kv_valid, p, 0.0)
-                if by_index:
-                    p = dm_rule.apply_index(p, key_minus_query(plgpu, (bq, bkv), q_axis=0), q0,
-                                            blocks_ref[b, qt, t] * bkv, 0.0)
-                elif dm_masked:
+                if dm_masked:
                     p = dm_rule.apply(p, q_marks, k_marks, 0.0, q_axis=0)
                 ds = p * (dp - lax.broadcast_in_dim(delta, (bq, bkv), [0]))
                 if pre is not None:
@@ -644,18 +636,6 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     return dq
 
 
-#: Whether auto accumulates dQ in the dK/dV kernel under a data mask whose positions are token indices
-#: (MaskRule.offset: windows, bottom-right and unequal-length causal without padding).  Under a mask that reads its
-#: positions and segment ids dQ comes from its own kernel: there the dK/dV kernel with the atomic dQ and the element
-#: mask spilled registers, and the H100 measured the dQ kernel 5-11% faster (benchmarks/hopper_mask_probe.py).
-ATOMIC_DQ_BY_INDEX = True
-
-
-def atomic_dq_by_index(rule, cfg: HopperConfig) -> bool:
-    """Whether auto takes the atomic dQ under the data mask `rule` (ATOMIC_DQ_BY_INDEX)."""
-    return ATOMIC_DQ_BY_INDEX and cfg.bwd_dq_atomic is None and rule is not None and rule.offset is not None
-
-
 @lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule"))
 def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
               config: HopperConfig | None = None, dlse=None, interpret: bool | None = None,
@@ -681,8 +661,10 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         # rows without a visible key (lse -inf): 0, so that exp2(s - 0) is finite before the mask zeroes it
         lse2 = jnp.where(lse == -jnp.inf, 0.0, lse2)
         kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), backward_rule(mask_rule))
-    if Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret) and (
-            mask_tables is None or cfg.bwd_dq_atomic is True or atomic_dq_by_index(mask_rule, cfg)):
+    # Under a data mask dQ comes from its own kernel: the dK/dV kernel with the atomic dQ and the element mask spills
+    # registers, and the H100 measured the dQ kernel 5-11% faster there (benchmarks/hopper_mask_probe.py).
+    if (Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret)
+            and (mask_tables is None or cfg.bwd_dq_atomic is True)):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)

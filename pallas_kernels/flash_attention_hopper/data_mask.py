@@ -1,9 +1,7 @@
 """A data mask for the Hopper kernels: `pallas_kernels.mask.AttentionMask` as the kernels read it.
 
-    MaskRule(causal, window, segments, split, offset)
-                                          static: the visibility rule's settings (hashable, a jit static argument;
-                                          segments False: one segment, only positions are compared; offset an
-                                          int: the positions are token indices, computed in the kernels)
+    MaskRule(causal, window, segments)    static: the visibility rule's settings (hashable, a jit static argument;
+                                          segments False: one segment, only positions are compared)
     MaskTables(qm, km, fwd, dq, dkv)      arrays (traced):
         qm [B, 2, Sq], km [B, 2, Skv] int32: (segment id, position) of every query / key, one TMA copy per tile
         (a padding query's segment id is NO_SEGMENT in qm, so that it equals no key's, padding keys' 0 included);
@@ -50,12 +48,6 @@ class MaskRule(NamedTuple):
     segments: bool = True
     # False: the forward's partial tiles stay in one group under the whole rule (partial_rules), for A/B timing.
     split: bool = True
-    # An int (with segments False): the mask's positions are token indices, query i at i + offset and key j at j
-    # (AttentionMask.full: 0 top-left, kv_len - q_len bottom-right), so the kernels compare index differences
-    # from iotas (apply_index) instead of loading positions, as their plain causal schedules do.  None: positions
-    # are data (qm / km).
-    offset: int | None = None
-
 
     def apply(self, x, q_marks, k_marks, fill, *, q_axis: int):
         """x [rows, cols] with the hidden (query, key) pairs set to `fill`: `mask.visible` as a chain of selects,
@@ -77,22 +69,6 @@ class MaskRule(NamedTuple):
             x = jnp.where(kb(k_pos) <= qb(q_pos + right), x, fill)
         return x
 
-    def apply_index(self, x, key_minus_query, q0: int, k0: int, fill):
-        """x [rows, cols] with the hidden pairs set to `fill`, for a rule with `offset` (positions are token
-        indices): key_minus_query [rows, cols] int32 is (key index - query index) within the tile (an iota
-        difference), q0 / k0 the tile's first query and key (traced ints).  key j is visible to query i iff
-        the position rule holds on j - (i + offset) = key_minus_query - c with c = q0 + offset - k0."""
-        assert self.offset is not None and not self.segments, self
-        c = q0 + self.offset - k0
-        left, right = self.window
-        if self.causal:
-            x = jnp.where(key_minus_query <= c, x, fill)
-        if left >= 0:
-            x = jnp.where(key_minus_query >= c - left, x, fill)
-        if right >= 0:
-            x = jnp.where(key_minus_query <= c + right, x, fill)
-        return x
-
     @property
     def compares_positions(self) -> bool:
         return self.causal or max(self.window) >= 0
@@ -104,13 +80,6 @@ class MaskRule(NamedTuple):
         if not (self.split and self.segments and self.compares_positions):
             return (self,)
         return (self._replace(segments=False), MaskRule(False, (-1, -1), True), self)
-
-
-def key_minus_query(plgpu, shape, *, q_axis: int):
-    """(key index - query index) within a [rows, cols] score tile in the WGMMA layout, int32 (queries along
-    q_axis): MaskRule.apply_index's argument."""
-    rows, cols = (plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA) for axis in (0, 1))
-    return cols - rows if q_axis == 0 else rows - cols
 
 
 class MaskTables(NamedTuple):
@@ -242,14 +211,10 @@ def marks_only(mask: AttentionMask) -> MaskTables:
                       fwd=None, dq=None, dkv=None)
 
 
-def mask_rule(mask: AttentionMask, segments: bool = True, split: bool = True, offset: int | None = None) -> MaskRule:
+def mask_rule(mask: AttentionMask, segments: bool = True, split: bool = True) -> MaskRule:
     """The static rule of `mask` (segments False: the caller knows it has one segment and no padding; split
-    False: one group of partial tiles, MaskRule.split; offset: the caller knows the positions are token indices,
-    query i at i + offset, key j at j (MaskRule.offset; only with segments False))."""
-    if offset is not None and (segments or isinstance(offset, bool) or not isinstance(offset, int)):
-        raise ValueError(f"mask_rule: offset={offset!r} must be an int, and it needs segments=False (positions are "
-                         f"token indices only where every token is in one segment).")
-    return MaskRule(mask.causal, tuple(mask.window), bool(segments), bool(split), offset)
+    False: one group of partial tiles, MaskRule.split)."""
+    return MaskRule(mask.causal, tuple(mask.window), bool(segments), bool(split))
 
 
 def _marks(t: MaskTables):

@@ -13,24 +13,19 @@ from .._compat import mosaic_gpu, pl
 from .aligned_tiles import ROW_ALIGN
 from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
 from .config import HopperConfig, logit_units, ring_choices
-from .data_mask import key_minus_query
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
 
-def step_mask(plgpu, rule, q_marks, key_marks, slot, index=None):
+def step_mask(plgpu, rule, q_marks, key_marks, slot):
     """A data-mask forward step's element mask: for a partial step (rule: its group's data_mask.MaskRule), a
     function that waits for the keys' (segment, position) rows in ring slot `slot`, hands the slot back and hides
     the invisible logits (-inf); for a full step (rule None) None, the slot handed back at once (the keys' marks
     are streamed for every step).  key_marks: (loaded barriers, the marks ring [stages, 2, bkv], its slot
-    hand-back).  index: (q0, k0), the step's first query and key row, for a rule with positions as token indices
-    (MaskRule.offset): the mask comes from iotas, the keys' marks are not read."""
+    hand-back)."""
     km_bar, km_smem, km_slots = key_marks
-    if rule is None or rule.offset is not None:
+    if rule is None:
         plgpu.barrier_wait(km_bar.at[slot])
         km_slots.release(slot)
-        if rule is None:
-            return None
-        q0, k0 = index
-        return lambda x: rule.apply_index(x, key_minus_query(plgpu, x.shape, q_axis=0), q0, k0, -jnp.inf)
+        return None
     cols = plgpu.Layout.WGMMA.reduce(0)
 
     def apply_mask(x):
@@ -72,8 +67,6 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     """
     plgpu = mosaic_gpu()
     B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
-    if rows is not None and rule.offset is not None:
-        raise ValueError(f"{rule}: positions as token indices (offset) do not hold on document-aligned tiles")
     if rows is not None:  # the tiles' padded layout: as many query tiles as it holds
         n_qt = qm.shape[-1] // (2 * bq)
         stages = max(1, min(cfg.stages, km.shape[-1] // bkv))
@@ -130,8 +123,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
 
             def kv_body(step, carry, group_rule):
                 slot = rem(step, stages)
-                apply_mask = step_mask(plgpu, group_rule, q_marks, (km_bar, km_smem, km_slots), slot,
-                                       index=(q0, blocks_ref[b, qt, step] * bkv))
+                apply_mask = step_mask(plgpu, group_rule, q_marks, (km_bar, km_smem, km_slots), slot)
 
                 def wait_next_k():
                     @pl.when(step + 1 < n_steps)

@@ -124,8 +124,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                 def kv_body(step, carry, group_rule):
                     g = g0 + step
                     slot = rem(g, stages)
-                    apply_mask = step_mask(plgpu, group_rule, q_marks, (km_bar, km_smem, km_slots), slot,
-                                           index=(q0, blocks_ref[b, qt, step] * bkv))
+                    apply_mask = step_mask(plgpu, group_rule, q_marks, (km_bar, km_smem, km_slots), slot)
 
                     def wait_next_k():
                         @pl.when(step + 1 < n_steps)
