@@ -7,6 +7,11 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --split-ab [--rounds 5]
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --aligned-ab [--rounds 5]
     XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --prepass
+    PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --band-ab [--rounds 5]
+
+--band-ab: windows, bottom-right and causal given as data (one segment, positions = token indices): the backward
+on the data-mask tables against the band backward (MaskRule.offset: no tables), with the atomic dQ and the dQ
+kernel; kernels on prebuilt tables.
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -135,6 +140,56 @@ def split_ab(rounds: int):
         print(f"{'':18s} partial groups (positions, segments, both): {groups}", flush=True)
 
 
+def band_ab(rounds: int):
+    """One-segment masks whose positions are token indices (windows, bottom-right, causal given as data): the
+    backward on the data-mask tables (positions read, dQ kernel) against the band backward (MaskRule.offset: no
+    tables, the element mask from iotas) with the atomic dQ (auto) and with the dQ kernel; on prebuilt tables, so
+    the pre-pass is not timed; the forward (the same kernel) once for scale; interleaved rounds."""
+    cases = {  # name: (mask, offset of the query positions)
+        "window (1024, 0) causal": (AttentionMask.full(B, S, S, causal=True, window=(1024, 0)), 0),
+        "window (256, 256)": (AttentionMask.full(B, S, S, window=(256, 256)), 0),
+        "bottom-right 2k x 8k": (AttentionMask.full(B, 2048, 8192, causal=True, bottom_right=True), 8192 - 2048),
+        "causal as data": (AttentionMask.full(B, S, S, causal=True), 0),
+    }
+    variants = {"tables, dQ kernel": (False, None), "band, atomic dQ": (True, None), "band, dQ kernel": (True, False)}
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; kernels on prebuilt tables; "
+          f"{rounds} interleaved rounds, medians")
+    for name, (m, offset) in cases.items():
+        ks = jax.random.split(jax.random.key(5), 4)
+        q, do = (jax.random.normal(kk, (B, m.q_len, H, D), jnp.bfloat16) for kk in ks[:2])
+        k, v = (jax.random.normal(kk, (B, m.kv_len, H, D), jnp.bfloat16) for kk in ks[2:])
+        fl = 4 * H * D * int(jnp.sum(m.dense()))
+        base = default_config(D, m.kv_len, False, m.q_len)
+        fns, outs, fwd_fn = {}, {}, None
+        for vname, (band, atomic) in variants.items():
+            cfg = dataclasses.replace(base, bwd_dq_atomic=atomic)
+            rule = mask_rule(m, False, offset=offset if band else None)
+            t = jax.jit(lambda m: mask_tables(m, cfg, segments=False, backward=not band))(m)
+            kw = dict(scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=rule)
+            fwd = jax.jit(lambda q, k, v, kw=kw: flash_fwd(q, k, v, **kw))
+            out, lse = fwd(q, k, v)
+            fwd_fn = fwd_fn or (fwd, (q, k, v))
+            bwd = jax.jit(lambda q, k, v, o, l, do, kw=kw: flash_bwd(q, k, v, o, l, do, **kw))
+            fns[vname] = (bwd, (q, k, v, out, lse, do))
+            outs[vname] = tuple(bwd(q, k, v, out, lse, do))
+        fns["forward"] = fwd_fn
+        secs = {key: [] for key in fns}
+        for _ in range(rounds):
+            for key, (f, args) in fns.items():
+                secs[key].append(timing.measure(f, args, samples=20)[0])
+        med = {key: statistics.median(v) for key, v in secs.items()}
+        tf, b0 = med["forward"], med["tables, dQ kernel"]
+        print(f"{name}: forward {tf * 1e6:.1f} us ({fl / tf / 1e12:.0f} TFLOP/s on {fl / 1e9:.0f} GFLOP visible)",
+              flush=True)
+        for vname in variants:
+            b1 = med[vname]
+            diffs = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
+                     for a, r in zip(outs[vname], outs["tables, dQ kernel"])]
+            print(f"  {vname:18s} bwd {b1 * 1e6:7.1f} us ({2.5 * fl / b1 / 1e12:4.0f} TFLOP/s, x{b0 / b1:.3f}) | "
+                  f"fwd+bwd {3.5 * fl / (tf + b1) / 1e12:4.0f} TFLOP/s (x{(tf + b0) / (tf + b1):.3f}) | max |diff| "
+                  f"dq, dk, dv {', '.join(f'{d:.1e}' for d in diffs)}", flush=True)
+
+
 def aligned_ab(rounds: int, device: bool = False):
     """hopper_attention(mask=..., mask_aligned=False / True) as a user calls it (pre-pass and output gather
     included): forward, and forward+backward (the backward is the same kernels), interleaved rounds."""
@@ -204,6 +259,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--split-ab", action="store_true")
     ap.add_argument("--aligned-ab", action="store_true")
+    ap.add_argument("--band-ab", action="store_true", help="one-segment masks: the backward on tables against "
+                    "the band backward (MaskRule.offset)")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab: the device clock's kernels too "
@@ -211,5 +268,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.prepass:
         prepass(a.rounds)
+    elif a.band_ab:
+        band_ab(a.rounds)
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()

@@ -403,16 +403,25 @@ def test_sm90_data_mask_explanation_counts_the_tiles(fake_h100, monkeypatch):
 
 def test_sm90_data_mask_compares_segments_only_where_there_are_any(fake_h100, monkeypatch):
     """The front door tells the Hopper data-mask kernels whether a call has more than one segment: windows and
-    bottom-right causal without padding compare positions only (mask_segments=False, and the explanation says so);
-    padding (lengths or segment ids) and thd documents keep the segment compare. Traced only, the kernel recorded."""
+    bottom-right causal without padding compare positions only (mask_segments=False, and the explanation says so),
+    computed from token indices (mask_offset: kv_len - q_len bottom-right, else 0; checked against the mask's
+    positions); padding (lengths or segment ids) and thd documents keep the segment compare and read positions.
+    The kernel is recorded, not run."""
     import pallas_kernels.flash_attention_hopper as fh
     from te_jax.backends import pallas as pallas_mod
 
     monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
     seen = []
 
-    def record(q, k, v, *, mask=None, mask_segments=True, **kw):
+    offsets = []
+
+    def record(q, k, v, *, mask=None, mask_segments=True, mask_offset=None, **kw):
         seen.append(mask_segments)
+        offsets.append(mask_offset)
+        if mask_offset is not None:  # the front door's claim: query i at i + offset, key j at j (token indices)
+            qd = np.asarray(mask.q_positions) - np.arange(mask.q_len)
+            kd = np.asarray(mask.kv_positions) - np.arange(mask.kv_len)
+            assert np.all(qd - kd[:, :1] == mask_offset) and np.all(kd == kd[:, :1]), (mask_offset, qd, kd)
         return (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1])))
 
     monkeypatch.setattr(fh, "hopper_attention", record)
@@ -422,6 +431,7 @@ def test_sm90_data_mask_compares_segments_only_where_there_are_any(fake_h100, mo
     calls = [(dict(attn_mask_type="causal", window_size=(128, 0)), (x, x, x), False),
              (dict(attn_mask_type="no_mask", window_size=(64, 64)), (x, x, x), False),
              (dict(attn_mask_type="causal_bottom_right"), (x[:, :256], x, x), False),
+             (dict(attn_mask_type="causal", window_size=(64, 0)), (x[:, :256], x, x), False),
              (dict(attn_mask_type="padding_causal", window_size=(128, 0), q_seqlens=lens, kv_seqlens=lens), (x, x, x),
               True),
              (dict(attn_mask_type="padding", q_segment_ids=jnp.ones((2, 512), jnp.int32),
@@ -431,8 +441,12 @@ def test_sm90_data_mask_compares_segments_only_where_there_are_any(fake_h100, mo
     for kw, shapes, segments in calls:
         kw = {"attn_input_format": "bshd", **kw}
         seen.clear()
-        jax.make_jaxpr(lambda q, k, v: te_jax.dot_product_attention(q, k, v, backend="pallas", **kw))(*shapes)
+        offsets.clear()
+        te_jax.dot_product_attention(*shapes, backend="pallas", **kw)  # eager: record sees concrete positions
         assert seen == [segments], (kw, seen)
+        bottom_right = kw["attn_mask_type"].endswith("bottom_right")
+        want = None if segments else (shapes[1].shape[1] - shapes[0].shape[1]) * bottom_right  # kv_len - q_len
+        assert offsets == [want], (kw, offsets)
         detail = te_jax.explain_attention_backend(*shapes, backend="pallas", **kw).detail
         assert "data-mask schedule" in detail and ("positions only: one segment" in detail) == (not segments), detail
 

@@ -714,6 +714,113 @@ def test_one_segment_rule_equals_the_full_rule_on_one_segment():
                                   lean.apply(x, (one_q, q_pos), (two_k, k_pos), -jnp.inf, q_axis=0))
 
 
+def _band_cases():
+    """(causal, window, q_len, kv_len, bottom_right) one-segment masks for the band tests."""
+    return [(True, (-1, -1), 512, 512, False), (True, (128, 0), 768, 768, False), (False, (100, 50), 384, 384, False),
+            (True, (-1, -1), 256, 640, True), (True, (200, -1), 256, 1024, True), (False, (-1, 70), 512, 256, False),
+            (True, (-1, -1), 640, 256, True), (False, (0, 0), 256, 256, False), (True, (64, -1), 384, 512, False)]
+
+
+def test_band_walks_cover_exactly_the_visible_pairs():
+    """MaskRule.band with backward.band_walk / band_mask, as the dK/dV kernel (per key tile, walking query blocks)
+    and the dQ kernel (per query tile, walking key blocks) use them, against the dense mask of AttentionMask.full:
+    the walked blocks hold every visible pair, the full ones only visible pairs, and band_mask on the masked ones
+    keeps exactly the visible pairs; blocks outside the walk hold none."""
+    from pallas_kernels.flash_attention_hopper.backward import _band_big, band_mask, band_walk
+    from pallas_kernels.flash_attention_hopper.data_mask import mask_rule
+    from pallas_kernels.mask import AttentionMask
+
+    for causal, window, sq, skv, br in _band_cases():
+        m = AttentionMask.full(1, sq, skv, causal=causal, window=window, bottom_right=br)
+        dense = np.asarray(m.dense()[0])  # [sq, skv]
+        band = mask_rule(m, False, offset=skv - sq if br else 0).band()
+        off, lo, hi = band
+        big = _band_big(band, sq, skv)
+        for keys_fixed, tile, block in ((True, 128, 64), (False, 128, 128), (True, 128, 128), (False, 64, 64)):
+            fixed, walked = (skv, sq) if keys_fixed else (sq, skv)
+            for t0 in range(0, fixed, tile):
+                t1 = t0 + tile
+                if keys_fixed:  # the dK/dV kernel: keys [t0, t1) walk query blocks
+                    args = (None if hi is None else t0 - off - hi, None if lo is None else t1 - 1 - off - lo,
+                            None if hi is None else t1 - 1 - off - hi, None if lo is None else t0 - block + 1 - off - lo)
+                else:  # the dQ kernel: queries [t0, t1) walk key blocks
+                    args = (None if lo is None else t0 + off + lo, None if hi is None else t1 - 1 + off + hi,
+                            None if lo is None else t1 - 1 + off + lo, None if hi is None else t0 + off + hi - block + 1)
+                first, steps, flo, fhi = (int(x) for x in band_walk(*args, block, walked // block, big))
+                walked_blocks = set(range(first, first + steps))
+                for blk in range(walked // block):
+                    w0 = blk * block
+                    sub = dense[w0:w0 + block, t0:t1].T if keys_fixed else dense[t0:t1, w0:w0 + block]
+                    if blk not in walked_blocks:
+                        assert not sub.any(), (band, t0, blk)
+                        continue
+                    j = blk - first
+                    if flo <= j < fhi:
+                        assert sub.all(), (band, t0, blk, "full")
+                    else:  # rows: the fixed axis, columns the walked one
+                        kmq = (np.arange(block)[None, :] - np.arange(tile)[:, None] if not keys_fixed else
+                               np.arange(tile)[:, None] - np.arange(block)[None, :])
+                        c = (t0 + off - w0) if not keys_fixed else (w0 + off - t0)
+                        kept = np.asarray(band_mask(jnp.ones((tile, block)), jnp.asarray(kmq), c, band)) > 0
+                        np.testing.assert_array_equal(kept, sub, err_msg=f"{band} tile {t0} block {blk}")
+
+
+def test_mask_offset_arguments_are_checked():
+    """hopper_attention's mask_offset: an int, only with a data mask, mask_segments=False and mask_aligned=False;
+    MaskRule's offset only without the segment compare."""
+    from pallas_kernels.flash_attention_hopper.data_mask import mask_rule
+    from pallas_kernels.mask import AttentionMask
+
+    q = jnp.zeros((1, 128, 2, 64), BF)
+    m = AttentionMask.full(1, 128, 128, causal=True)
+    for kw in (dict(mask=m, mask_offset=0), dict(mask=m, mask_segments=False, mask_offset=0.5),
+               dict(mask=m, mask_segments=False, mask_aligned=True, mask_offset=0), dict(mask_offset=0)):
+        with pytest.raises(ValueError, match="mask_offset"):
+            hopper_attention(q, q, q, scale=0.1, **kw)
+    with pytest.raises(ValueError, match="segments=False"):
+        mask_rule(m, True, offset=0)
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("name", ONE_SEGMENT_CASES)
+@pytest.mark.parametrize("atomic", [None, True])
+def test_band_backward_forward_and_grads(name, atomic):
+    """One-segment masks with positions as token indices (mask_offset: the backward walks the band, no tables; dQ
+    from the dQ kernel at these lengths, or in the dK/dV kernel where `atomic` forces it, as auto does from 2k
+    keys) against the fp32 reference, as test_data_mask_forward_and_grads."""
+    from pallas_kernels.flash_attention_hopper.config import default_config
+
+    B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
+    cfg = dataclasses.replace(default_config(D, Skv, False, Sq), bwd_dq_atomic=atomic)
+    offset = Skv - Sq if name == "bottom_right_causal" else 0
+    _check_data_mask(name, mask_offset=offset, config=cfg)
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("case", range(len(_band_cases())))
+def test_band_backward_on_awkward_bands(case):
+    """The band backward on every band of _band_cases (empty walks, q longer than kv bottom-right with rows that see
+    nothing, one-sided windows, the diagonal alone) against the fp32 reference: out, lse, dq, dk, dv."""
+    from pallas_kernels.flash_attention.reference import reference_attention
+    from pallas_kernels.mask import AttentionMask
+
+    causal, window, sq, skv, br = _band_cases()[case]
+    m = AttentionMask.full(1, sq, skv, causal=causal, window=window, bottom_right=br)
+    ks = jax.random.split(jax.random.key(case), 4)
+    q, do = (jax.random.normal(kk, (1, sq, 2, 128), BF) for kk in ks[:2])
+    k, v = (jax.random.normal(kk, (1, skv, 1, 128), BF) for kk in ks[2:])
+    f = lambda q, k, v: hopper_attention(q, k, v, scale=0.1, mask=m, mask_segments=False,
+                                         mask_offset=skv - sq if br else 0, interpret=_mode())[0]
+    out, vjp = jax.vjp(f, q, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+    rout, rvjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, m, scale=0.1)[0], f32(q), f32(k), f32(v))
+    assert _rel(out, rout) < 1e-2
+    for g, rg in zip(vjp(do), rvjp(f32(do))):
+        assert np.all(np.isfinite(np.asarray(g, np.float32))) and _rel(g, rg) < 2e-2, _rel(g, rg)
+
+
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("name", MASKED_CASES)

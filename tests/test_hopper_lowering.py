@@ -40,7 +40,7 @@ def _lower(f, *shapes):
 
 
 def _attention_fwd_bwd(S, D, Dv, *, causal=False, Skv=None, H=2, G=1, mask=None, softcap=None, dtype=BF,
-                       mask_segments=True, mask_aligned=False, **cfg_kw):
+                       mask_segments=True, mask_aligned=False, mask_offset=None, **cfg_kw):
     Skv = Skv or S
     pq, pkv = -(-S // 128) * 128, -(-Skv // 128) * 128
     cfg = dataclasses.replace(default_config(D, pkv, causal, pq, head_dim_v=Dv), **cfg_kw)
@@ -52,7 +52,7 @@ def _attention_fwd_bwd(S, D, Dv, *, causal=False, Skv=None, H=2, G=1, mask=None,
         (o, lse), vjp = jax.vjp(lambda q, k, v: hopper_attention(q, k, v, scale=0.1, causal=causal, mask=mask,
                                                                  softcap=softcap, interpret=False, config=cfg,
                                                                  mask_segments=mask_segments,
-                                                                 mask_aligned=mask_aligned),
+                                                                 mask_aligned=mask_aligned, mask_offset=mask_offset),
                                 q, k, v)
         return o, lse, vjp((o, jnp.zeros_like(lse)))
 
@@ -106,6 +106,23 @@ def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, ptx):
     # one-segment masks (window, bottom right) lower as the front door runs them: positions compared only
     assert _attention_fwd_bwd(mask.q_len, D, Dv, Skv=mask.kv_len, mask=mask, mask_segments=name == "documents",
                               **ptx) > 0
+
+
+@pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
+@pytest.mark.parametrize("name,cfg_kw", [("window", dict(bwd_dq_atomic=False)), ("bottom right", {}),
+                                         ("window", dict(fwd_persistent_masked=True, fwd_ctas=3, bwd_dq_atomic=False)),
+                                         ("window", dict(D=192, Dv=128)), ("bottom right", dict(bwd_dq_atomic=True))])
+def test_hopper_band_backward_lowers_for_cuda(name, cfg_kw, ptx):
+    """One-segment masks with positions as token indices (mask_offset): the data-mask forwards (grid and persistent)
+    and the band backward, with the dQ kernel and with the atomic dQ in the dK/dV kernel (jax >= 0.11)."""
+    cfg_kw = dict(cfg_kw)
+    D, Dv = cfg_kw.pop("D", 128), cfg_kw.pop("Dv", 128)
+    mask, offset = {"window": (AttentionMask.full(1, 512, 512, causal=True, window=(128, 0)), 0),
+                    "bottom right": (AttentionMask.full(1, 256, 640, causal=True, bottom_right=True), 384)}[name]
+    if cfg_kw.get("bwd_dq_atomic") and not _has_inline_ptx():
+        pytest.skip("jax 0.10.2 cannot lower a jax.new_ref in a custom VJP backward under jit (jax >= 0.11 can)")
+    assert _attention_fwd_bwd(mask.q_len, D, Dv, Skv=mask.kv_len, mask=mask, mask_segments=False,
+                              mask_offset=offset, **cfg_kw, **ptx) > 0
 
 
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")

@@ -202,7 +202,7 @@ def compares_segments(mask_segments: bool, q_len: int, kv_len: int) -> bool:
     return bool(mask_segments or q_len % BLOCK or kv_len % BLOCK)
 
 
-def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments=True, aligned=False):
+def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments=True, aligned=False, offset=None):
     if not isinstance(mask, AttentionMask):
         raise ValueError(f"hopper_attention: mask={type(mask).__name__} must be a pallas_kernels.mask.AttentionMask "
                          f"(segment ids and positions [batch, length]; AttentionMask.from_segments / .full build one).")
@@ -217,10 +217,11 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     segments = compares_segments(segments, sq, skv)
+    offset = None if segments else offset  # padded to whole tiles: the padded tokens need their segment ids
     # the backward adds its lists (flash_bwd)
     tables = (aligned_mask_tables if aligned else mask_tables)(padded, cfg, backward=False, segments=segments)
     out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,
-                                 interpret, _softcap(softcap), mask_rule(padded, segments))
+                                 interpret, _softcap(softcap), mask_rule(padded, segments, offset=offset))
     if pq != sq:
         out, lse = out[:, :sq], lse[:, :, :sq]
     return out, lse
@@ -228,7 +229,7 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
 
 def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None,
                      interpret: bool | None = None, softcap: float | None = None, mask=None,
-                     mask_segments: bool = True, mask_aligned: bool = False):
+                     mask_segments: bool = True, mask_aligned: bool = False, mask_offset: int | None = None):
     """Flash attention on Hopper: (out, lse).  Differentiable (custom_vjp) in q, k, v.
 
     mask: a pallas_kernels.mask.AttentionMask (the data-mask kernels). mask_segments=False: the caller knows that
@@ -237,16 +238,27 @@ def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None
     padded to whole tiles (the padded tokens are told apart by their segment). A mask with several segments under
     mask_segments=False gives wrong results. mask_aligned=True: the forward's query tiles and key blocks start at
     every run of equal segment ids (aligned_tiles: packed documents compute a tenth of the pairs outside the
-    visible area instead of a quarter), its output gathered back to token order; any mask, best with documents."""
+    visible area instead of a quarter), its output gathered back to token order; any mask, best with documents.
+    mask_offset (with mask_segments=False): the caller knows that the mask's positions are token indices, query i
+    at i + mask_offset relative to key j at j (AttentionMask.full: 0 top-left, kv_len - q_len bottom-right), so
+    the visible pairs form a band of key - query index differences (data_mask.MaskRule.band) and the backward walks
+    it as the plain causal backward walks its triangle: no tables, the element mask from iotas, dQ accumulated in
+    the dK/dV kernel where auto takes that for the plain kernels. Like mask_segments=False it is ignored where the
+    lengths are padded to whole tiles, and a mask whose positions are not these gives wrong results."""
     if mask is not None:
         if causal:
             raise ValueError("hopper_attention: pass causal in the mask (AttentionMask(causal=True)), not both")
+        if mask_offset is not None and (mask_segments or mask_aligned or isinstance(mask_offset, bool)
+                                        or not isinstance(mask_offset, int)):
+            raise ValueError(f"hopper_attention: mask_offset={mask_offset!r} must be an int, with "
+                             f"mask_segments=False and mask_aligned=False (got {mask_segments}, {mask_aligned}). "
+                             f"Fix: pass mask_segments=False for a one-segment mask, or mask_offset=None.")
         return _hopper_masked(q, k, v, mask, scale=scale, config=config, interpret=interpret, softcap=softcap,
-                              segments=mask_segments, aligned=mask_aligned)
-    if mask_aligned or not mask_segments:
-        raise ValueError(f"hopper_attention: mask_aligned={mask_aligned}, mask_segments={mask_segments} apply to a "
-                         f"data mask, and mask=None. Fix: pass mask=AttentionMask(...), or leave them at their "
-                         f"defaults (False, True).")
+                              segments=mask_segments, aligned=mask_aligned, offset=mask_offset)
+    if mask_aligned or not mask_segments or mask_offset is not None:
+        raise ValueError(f"hopper_attention: mask_aligned={mask_aligned}, mask_segments={mask_segments}, "
+                         f"mask_offset={mask_offset} apply to a data mask, and mask=None. Fix: pass "
+                         f"mask=AttentionMask(...), or leave them at their defaults (False, True, None).")
     _check(q, k, v, causal, softcap)
     sq, skv = q.shape[1], k.shape[1]
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK

@@ -35,14 +35,49 @@ from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_regi
                      dq_split, logit_units, piece_split_chosen, ring_choices)
 
 
+def _floor_div(x, d: int, big: int):
+    """floor(x / d) for a traced int32 x >= -big * d (lax.div truncates toward zero)."""
+    return lax.div(x + big * d, jnp.int32(d)) - big
+
+
+def band_walk(w_min, w_max, full_min, full_max, block: int, n_blocks: int, big: int):
+    """A CTA's walk over the blocks of one axis under a band mask (MaskRule.band): the blocks holding an index in
+    [w_min, w_max] (None: unbounded), of which those whose first index lies in [full_min, full_max] are full.
+    Returns (first block, steps, full_lo, full_hi) with steps [0, full_lo) and [full_hi, steps) masked and
+    [full_lo, full_hi) full (traced int32; big: |every bound| <= big * block)."""
+    first = jnp.int32(0) if w_min is None else jnp.clip(_floor_div(w_min, block, big), 0, n_blocks)
+    end = jnp.int32(n_blocks) if w_max is None else jnp.clip(_floor_div(w_max, block, big) + 1, first, n_blocks)
+    f_lo = first if full_min is None else jnp.clip(-_floor_div(-full_min, block, big), first, end)
+    f_hi = end if full_max is None else jnp.clip(_floor_div(full_max, block, big) + 1, f_lo, end)
+    return first, end - first, f_lo - first, f_hi - first
+
+
+def band_mask(x, key_minus_query, c, band, fill=0.0):
+    """x [rows, cols] with the pairs outside the band set to `fill`: key_minus_query (key index - query index within
+    the tile, an iota difference) - c is j - i - offset for the tile's pairs (c = q0 + offset - k0)."""
+    _, lo, hi = band
+    if lo is not None:
+        x = jnp.where(key_minus_query >= c + lo, x, fill)
+    if hi is not None:
+        x = jnp.where(key_minus_query <= c + hi, x, fill)
+    return x
+
+
+def _band_big(band, *lengths) -> int:
+    off, lo, hi = band
+    return (sum(lengths) + abs(off) + abs(lo or 0) + abs(hi or 0)) // 64 + 4
+
+
 # --------------------------------------------------------------------------------------------
 # Backward: dK/dV
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                    want_dk: bool, want_dv: bool, interpret: bool, dq_acc_ref=None, softcap=None, kv_valid=None,
-                   data_mask=None):
+                   data_mask=None, band=None):
     """data_mask (a DataMask): the key tile's query-block walk is [lo, hi) of its bounds row (mask.loop_bounds on the
-    transposed block classes), computed without the element mask on [flo, fhi); no PieceSplit, no reversal."""
+    transposed block classes), computed without the element mask on [flo, fhi); no PieceSplit, no reversal.
+    band (MaskRule.band(): (offset, lo, hi)): key j sees query i iff lo <= j - i - offset <= hi; the key tile walks
+    the query blocks of its band (band_walk), masking the two edges."""
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Dv = v.shape[-1]  # v's head_dim (may differ from q/k's D: no atomic dQ, no PieceSplit then)
@@ -76,8 +111,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         raise ValueError(f"atomic dQ needs equal q/k and v head_dims (got {D} and {Dv})")
 
     steps = rep * nq  # a non-causal key tile's walk
-    plan = None if causal or dm is not None or Dv != D else piece_split_chosen(cfg, G * n_kt * B, steps,
-                                                                    cfg.bwd_ctas or num_sms(), Skv)
+    if band is not None and (causal or dm is not None or kv_valid is not None):
+        raise ValueError("a band carries causal and windows itself (causal=False, no data mask, no kv_valid)")
+    plain_walk = not causal and dm is None and band is None and Dv == D
+    plan = piece_split_chosen(cfg, G * n_kt * B, steps, cfg.bwd_ctas or num_sms(), Skv) if plain_walk else None
     n_grads = int(want_dk) + int(want_dv)
 
     def tile_coords(tile):
@@ -134,17 +171,26 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         if dm is not None:  # the visible query blocks of this key tile, the partial groups first (block_lists)
             dm_ends = [counts_ref[b, kt, j] for j in range(len(dm.rule.partial_rules()) + 1)]
             n_steps_h = dm_ends[-1]
+        elif band is not None:  # the query blocks of this key tile's band: masked, full, masked
+            off, lo_r, hi_r = band
+            k1 = kv_cta0 + wgs * bkv
+            q_first, n_steps_h, band_flo, band_fhi = band_walk(
+                None if hi_r is None else kv_cta0 - off - hi_r, None if lo_r is None else k1 - 1 - off - lo_r,
+                None if hi_r is None else k1 - 1 - off - hi_r, None if lo_r is None else kv_cta0 - bq + 1 - off - lo_r,
+                bq, nq, _band_big(band, S, Skv))
         else:
             n_steps_h = nq - q_lo  # query blocks per query head
         # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
         if causal:
             n_mask = (cdiv(kv_cta0 + wgs * bkv, bq) - q_lo) if split else n_steps_h
         total = rep * n_steps_h
-        n_div = jnp.maximum(n_steps_h, 1) if dm is not None else n_steps_h  # a walk may be empty
+        n_div = jnp.maximum(n_steps_h, 1) if dm is not None or band is not None else n_steps_h  # may be empty
 
         def query_block(j):  # the j-th query block of a head's walk
             if dm is not None:
                 return blocks_ref[b, kt, j]
+            if band is not None:
+                return q_first + j
             return (nq - 1) - j if reverse else q_lo + j
 
         def step_coords(t):
@@ -203,7 +249,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
-                    pT = jnp.where(cols + qb * bq >= rows + kv0, pT, 0.0)
+                    if band is None:
+                        pT = jnp.where(cols + qb * bq >= rows + kv0, pT, 0.0)
+                    else:  # rows are keys, columns queries
+                        pT = band_mask(pT, rows - cols, qb * bq + band[0] - kv0, band)
                 if kv_valid is not None:  # padded keys (non-causal, every step)
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                     pT = jnp.where(rows + kv0 < kv_valid, pT, 0.0)
@@ -327,6 +376,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                             carry = walk(lo, hi, carry, masked=False, dm_rule=rule)
                             lo = hi
                         return carry
+                    if band is not None:
+                        carry = walk(0, band_flo, carry, masked=True)
+                        carry = walk(band_flo, band_fhi, carry, masked=False)
+                        return walk(band_fhi, n_steps_h, carry, masked=True)
                     if reverse:  # from the last query block down: the diagonal blocks come last
                         carry = walk(0, n_steps_h - n_mask, carry, masked=False)
                         return walk(n_steps_h - n_mask, n_steps_h, carry, masked=True)
@@ -463,8 +516,9 @@ def _sum_pieces(grad, part, *, plan: PieceSplit, B: int, n_kt: int, rows: int):
 # Backward: dQ
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                  interpret: bool, softcap=None, kv_valid=None, data_mask=None):
-    """data_mask (a DataMask): the query tile's K/V walk is [lo, hi) of its bounds row, unmasked on [flo, fhi)."""
+                  interpret: bool, softcap=None, kv_valid=None, data_mask=None, band=None):
+    """data_mask (a DataMask): the query tile's K/V walk is [lo, hi) of its bounds row, unmasked on [flo, fhi).
+    band (MaskRule.band()): the query tile walks the K/V blocks of its band (band_walk), masking the two edges."""
     plgpu = mosaic_gpu()
     dm = data_mask
     B, S, H, D = q.shape
@@ -503,9 +557,17 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             qt = (n_qt - 1) - qt
         kvh = lax.div(h, jnp.int32(rep))
         q_cta0 = qt * (wgs * bq)
+        k_first = 0
         if dm is not None:  # the listed kv blocks, the partial groups first (block_lists)
             dm_ends = [counts_ref[b, qt, j] for j in range(len(dm.rule.partial_rules()) + 1)]
             total = dm_ends[-1]
+        elif band is not None:  # the K/V blocks of this query tile's band: masked, full, masked
+            off, lo_r, hi_r = band
+            q1 = q_cta0 + wgs * bq
+            k_first, total, band_flo, band_fhi = band_walk(
+                None if lo_r is None else q_cta0 + off + lo_r, None if hi_r is None else q1 - 1 + off + hi_r,
+                None if lo_r is None else q1 - 1 + off + lo_r, None if hi_r is None else q_cta0 + off + hi_r - bkv + 1,
+                bkv, n_kv, _band_big(band, S, Skv))
         elif causal:
             total = cdiv(q_cta0 + wgs * bq, bkv)
             n_full = lax.div(q_cta0, jnp.int32(bkv)) if split else jnp.int32(0)
@@ -566,7 +628,10 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-                    p = jnp.where(rows + q0 >= cols + t * bkv, p, 0.0)
+                    if band is None:
+                        p = jnp.where(rows + q0 >= cols + t * bkv, p, 0.0)
+                    else:  # rows are queries, columns keys
+                        p = band_mask(p, cols - rows, q0 + band[0] - (k_first + t) * bkv, band)
                 if kv_valid is not None:  # padded keys (non-causal, every step)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
                     p = jnp.where(cols + t * bkv < kv_valid, p, 0.0)
@@ -585,6 +650,10 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 for hi, rule in zip(dm_ends, dm.rule.partial_rules() + (None,)):
                     dq_acc = lax.fori_loop(lo, hi, functools.partial(step_body, masked=False, dm_rule=rule), dq_acc)
                     lo = hi
+            elif band is not None:
+                dq_acc = lax.fori_loop(0, band_flo, functools.partial(step_body, masked=True), dq_acc)
+                dq_acc = lax.fori_loop(band_flo, band_fhi, functools.partial(step_body, masked=False), dq_acc)
+                dq_acc = lax.fori_loop(band_fhi, total, functools.partial(step_body, masked=True), dq_acc)
             elif causal:
                 dq_acc = lax.fori_loop(0, n_full, functools.partial(step_body, masked=False), dq_acc)
                 dq_acc = lax.fori_loop(n_full, total, functools.partial(step_body, masked=True), dq_acc)
@@ -599,8 +668,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         def _memory():
             plgpu.set_max_registers(producer_regs, action="decrease")
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, total, stages, lambda g: (b, pl.ds((blocks_ref[b, qt, g] if dm is not None else g) * bkv, bkv),
-                                                  kvh),
+                plgpu, total, stages, lambda g: (b, pl.ds((blocks_ref[b, qt, g] if dm is not None else k_first + g)
+                                                          * bkv, bkv), kvh),
                 [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
                  (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)]
                 + ([(lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_cons)] if dm is not None else [])),
@@ -655,16 +724,21 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     if causal and kv_valid is not None:
         raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
     kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret, softcap=softcap, kv_valid=kv_valid)
+    band = mask_rule.band() if mask_tables is not None else None
     if mask_tables is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
         # rows without a visible key (lse -inf): 0, so that exp2(s - 0) is finite before the mask zeroes it
         lse2 = jnp.where(lse == -jnp.inf, 0.0, lse2)
-        kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), backward_rule(mask_rule))
-    # Under a data mask dQ comes from its own kernel: the dK/dV kernel with the atomic dQ and the element mask spills
-    # registers, and the H100 measured the dQ kernel 5-11% faster there (benchmarks/hopper_mask_probe.py).
-    if (Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret)
-            and (mask_tables is None or cfg.bwd_dq_atomic is True)):
+        if band is not None:  # positions are token indices: walk the band, no tables (MaskRule.offset)
+            kw["band"] = band
+        else:
+            kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), backward_rule(mask_rule))
+    # Under a data mask that reads positions dQ comes from its own kernel: the dK/dV kernel with the atomic dQ and
+    # the element mask spills registers, and the H100 measured the dQ kernel 5-11% faster there
+    # (benchmarks/hopper_mask_probe.py).  A band (token-index positions) has no tables and no spill.
+    if Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret) and (
+            mask_tables is None or band is not None or cfg.bwd_dq_atomic is True):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)

@@ -1,7 +1,9 @@
 """A data mask for the Hopper kernels: `pallas_kernels.mask.AttentionMask` as the kernels read it.
 
-    MaskRule(causal, window, segments)    static: the visibility rule's settings (hashable, a jit static argument;
-                                          segments False: one segment, only positions are compared)
+    MaskRule(causal, window, segments, split, offset)
+                                          static: the visibility rule's settings (hashable, a jit static argument;
+                                          segments False: one segment, only positions are compared; offset an
+                                          int: the positions are token indices, and the backward runs as a band)
     MaskTables(qm, km, fwd, dq, dkv)      arrays (traced):
         qm [B, 2, Sq], km [B, 2, Skv] int32: (segment id, position) of every query / key, one TMA copy per tile
         (a padding query's segment id is NO_SEGMENT in qm, so that it equals no key's, padding keys' 0 included);
@@ -48,6 +50,20 @@ class MaskRule(NamedTuple):
     segments: bool = True
     # False: the forward's partial tiles stay in one group under the whole rule (partial_rules), for A/B timing.
     split: bool = True
+    # An int (with segments False): the mask's positions are token indices, query i at i + offset and key j at j
+    # (AttentionMask.full: 0 top-left, kv_len - q_len bottom-right), so every visible pair lies in a band of
+    # key - query index differences (band()) and the backward walks it without tables or positions.  None: positions
+    # are data (qm / km).
+    offset: int | None = None
+
+    def band(self):
+        """(offset, lo, hi) for a rule with `offset`: key j is visible to query i iff lo <= j - i - offset <= hi (lo
+        / hi None: unbounded); None without an offset."""
+        if self.offset is None:
+            return None
+        left, right = self.window
+        his = ([0] if self.causal else []) + ([right] if right >= 0 else [])
+        return self.offset, (-left if left >= 0 else None), (min(his) if his else None)
 
     def apply(self, x, q_marks, k_marks, fill, *, q_axis: int):
         """x [rows, cols] with the hidden (query, key) pairs set to `fill`: `mask.visible` as a chain of selects,
@@ -211,10 +227,14 @@ def marks_only(mask: AttentionMask) -> MaskTables:
                       fwd=None, dq=None, dkv=None)
 
 
-def mask_rule(mask: AttentionMask, segments: bool = True, split: bool = True) -> MaskRule:
+def mask_rule(mask: AttentionMask, segments: bool = True, split: bool = True, offset: int | None = None) -> MaskRule:
     """The static rule of `mask` (segments False: the caller knows it has one segment and no padding; split
-    False: one group of partial tiles, MaskRule.split)."""
-    return MaskRule(mask.causal, tuple(mask.window), bool(segments), bool(split))
+    False: one group of partial tiles, MaskRule.split; offset: the caller knows the positions are token indices,
+    query i at i + offset, key j at j (MaskRule.offset; only with segments False))."""
+    if offset is not None and (segments or isinstance(offset, bool) or not isinstance(offset, int)):
+        raise ValueError(f"mask_rule: offset={offset!r} must be an int, and it needs segments=False (positions are "
+                         f"token indices only where every token is in one segment).")
+    return MaskRule(mask.causal, tuple(mask.window), bool(segments), bool(split), offset)
 
 
 def _marks(t: MaskTables):

@@ -197,6 +197,16 @@ class PallasBackend:
         segment ids); without them every token is in one segment and the element mask compares positions only."""
         return call.padding_source != "none" or call.attn_input_format == "thd"
 
+    @classmethod
+    def hopper_mask_offset(cls, call) -> int | None:
+        """For a one-segment call (no padding, no documents): the offset of the query positions against the keys'
+        when both are token indices (masks.build_token_mask: kv_len - q_len bottom-right, else 0), which the Hopper
+        data-mask kernels then compute from iotas (hopper_attention(mask_offset=...)); None otherwise."""
+        if cls.hopper_mask_segments(call):
+            return None
+        d = call.dims
+        return d.kv_len - d.q_len if call.mask.bottom_right else 0
+
     @staticmethod
     def hopper_aligned_tiles(call) -> bool:
         """Whether the Hopper data-mask forward starts its tiles at every document (aligned_tiles): calls with
@@ -346,7 +356,9 @@ class PallasBackend:
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
                     "the element mask, partial tiles apply it" + (
                         "" if fh.compares_segments(self.hopper_mask_segments(call), d.q_len, d.kv_len) else
-                        " (positions only: one segment)") + "; forward " + (
+                        " (positions only: one segment; token indices, so the backward walks the band of visible pairs "
+                        "without tables)")
+                    + "; forward " + (
                         "on document-aligned tiles (query tiles and key blocks start at every document; the output "
                         "gathered back to token order)" if self.hopper_aligned_tiles(call) else
                         "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
@@ -464,7 +476,8 @@ class PallasBackend:
                 out, lse = fh.hopper_attention(q, k, v, scale=scale, config=call.kernel_config, softcap=softcap,
                                                mask=tm.with_rule(causal, window),
                                                mask_segments=self.hopper_mask_segments(call),
-                                               mask_aligned=self.hopper_aligned_tiles(call))
+                                               mask_aligned=self.hopper_aligned_tiles(call),
+                                               mask_offset=self.hopper_mask_offset(call))
             else:
                 out, lse = fh.hopper_attention(q, k, v, scale=scale, causal=causal, config=call.kernel_config,
                                                softcap=softcap)
