@@ -818,7 +818,11 @@ def test_band_backward_on_awkward_bands(case):
     rout, rvjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, m, scale=0.1)[0], f32(q), f32(k), f32(v))
     assert _rel(out, rout) < 1e-2
     for g, rg in zip(vjp(do), rvjp(f32(do))):
-        assert np.all(np.isfinite(np.asarray(g, np.float32))) and _rel(g, rg) < 2e-2, _rel(g, rg)
+        assert np.all(np.isfinite(np.asarray(g, np.float32)))
+        if float(jnp.max(jnp.abs(rg))) < 1e-3:  # the diagonal alone: softmax over one key, dq exactly 0
+            assert float(jnp.max(jnp.abs(f32(g)))) < 1e-2
+        else:
+            assert _rel(g, rg) < 2e-2, _rel(g, rg)
 
 
 @pytest.mark.slow

@@ -63,6 +63,20 @@ def band_mask(x, key_minus_query, c, band, fill=0.0):
     return x
 
 
+#: The narrowest band (keys per query: hi - lo + 1; unbounded on one side counts as wide) whose backward takes the
+#: atomic dQ in the dK/dV kernel where the plain kernels would (atomic_dq_chosen).  H100, hd128, B4 x 4k x 16 heads
+#: (hopper_mask_probe --band-ab, attention_masks_h100.md): the backward with the atomic dQ against the dQ kernel was
+#: 1.11x on causal and 1.11x on causal bottom-right q 2k x kv 8k (unbounded), 0.98x on window (1024, 0) and 0.94x on
+#: window (256, 256): short key-tile walks do not amortize the dQ buffer's zeroing and conversion.
+ATOMIC_DQ_MIN_BAND = 2048
+
+
+def band_is_wide(band) -> bool:
+    """Whether the band's backward takes the atomic dQ (ATOMIC_DQ_MIN_BAND)."""
+    _, lo, hi = band
+    return lo is None or hi is None or hi - lo + 1 >= ATOMIC_DQ_MIN_BAND
+
+
 def _band_big(band, *lengths) -> int:
     off, lo, hi = band
     return (sum(lengths) + abs(off) + abs(lo or 0) + abs(hi or 0)) // 64 + 4
@@ -736,9 +750,9 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
             kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), backward_rule(mask_rule))
     # Under a data mask that reads positions dQ comes from its own kernel: the dK/dV kernel with the atomic dQ and
     # the element mask spills registers, and the H100 measured the dQ kernel 5-11% faster there
-    # (benchmarks/hopper_mask_probe.py).  A band (token-index positions) has no tables and no spill.
+    # (benchmarks/hopper_mask_probe.py).  A band has no tables and no spill: wide bands take the atomic dQ.
     if Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret) and (
-            mask_tables is None or band is not None or cfg.bwd_dq_atomic is True):
+            mask_tables is None or cfg.bwd_dq_atomic is True or (band is not None and band_is_wide(band))):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)
