@@ -11,7 +11,8 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
 
 --band-ab: windows, bottom-right and causal given as data (one segment, positions = token indices): the backward
 on the data-mask tables against the band backward (MaskRule.offset: no tables), with the atomic dQ and the dQ
-kernel; kernels on prebuilt tables.
+kernel; kernels on prebuilt tables.  --band-fwd-ab: their forward as a call runs it, the data-mask forward with its
+pre-pass against the band forward (no pre-pass).
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -145,12 +146,7 @@ def band_ab(rounds: int):
     backward on the data-mask tables (positions read, dQ kernel) against the band backward (MaskRule.offset: no
     tables, the element mask from iotas) with the atomic dQ (auto) and with the dQ kernel; on prebuilt tables, so
     the pre-pass is not timed; the forward (the same kernel) once for scale; interleaved rounds."""
-    cases = {  # name: (mask, offset of the query positions)
-        "window (1024, 0) causal": (AttentionMask.full(B, S, S, causal=True, window=(1024, 0)), 0),
-        "window (256, 256)": (AttentionMask.full(B, S, S, window=(256, 256)), 0),
-        "bottom-right 2k x 8k": (AttentionMask.full(B, 2048, 8192, causal=True, bottom_right=True), 8192 - 2048),
-        "causal as data": (AttentionMask.full(B, S, S, causal=True), 0),
-    }
+    cases = band_cases()
     variants = {"tables, dQ kernel": (False, None), "band, atomic dQ": (True, None), "band, dQ kernel": (True, False)}
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; kernels on prebuilt tables; "
           f"{rounds} interleaved rounds, medians")
@@ -165,10 +161,12 @@ def band_ab(rounds: int):
             cfg = dataclasses.replace(base, bwd_dq_atomic=atomic)
             rule = mask_rule(m, False, offset=offset if band else None)
             t = jax.jit(lambda m: mask_tables(m, cfg, segments=False, backward=not band))(m)
-            kw = dict(scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=rule)
-            fwd = jax.jit(lambda q, k, v, kw=kw: flash_fwd(q, k, v, **kw))
+            fkw = dict(scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=rule._replace(offset=None))
+            fwd = jax.jit(lambda q, k, v, kw=fkw: flash_fwd(q, k, v, **kw))
             out, lse = fwd(q, k, v)
             fwd_fn = fwd_fn or (fwd, (q, k, v))
+            kw = dict(scale=D ** -0.5, causal=False, config=cfg, **(
+                dict(band=rule.band()) if band else dict(mask_tables=t, mask_rule=rule)))
             bwd = jax.jit(lambda q, k, v, o, l, do, kw=kw: flash_bwd(q, k, v, o, l, do, **kw))
             fns[vname] = (bwd, (q, k, v, out, lse, do))
             outs[vname] = tuple(bwd(q, k, v, out, lse, do))
@@ -188,6 +186,48 @@ def band_ab(rounds: int):
             print(f"  {vname:18s} bwd {b1 * 1e6:7.1f} us ({2.5 * fl / b1 / 1e12:4.0f} TFLOP/s, x{b0 / b1:.3f}) | "
                   f"fwd+bwd {3.5 * fl / (tf + b1) / 1e12:4.0f} TFLOP/s (x{(tf + b0) / (tf + b1):.3f}) | max |diff| "
                   f"dq, dk, dv {', '.join(f'{d:.1e}' for d in diffs)}", flush=True)
+
+
+def band_fwd_ab(rounds: int):
+    """The forward of one-segment masks with token-index positions as a user's call runs it: the data-mask forward
+    with its pre-pass (the forward's tables built in the call; windows on the persistent grid) against the band
+    kernel (flash_fwd(band=): no pre-pass, no tables); interleaved rounds."""
+    masks = band_cases()
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; forward, pre-pass included; "
+          f"{rounds} interleaved rounds, medians")
+    for name, (m, offset) in masks.items():
+        ks = jax.random.split(jax.random.key(6), 3)
+        q = jax.random.normal(ks[0], (B, m.q_len, H, D), jnp.bfloat16)
+        k, v = (jax.random.normal(kk, (B, m.kv_len, H, D), jnp.bfloat16) for kk in ks[1:])
+        fl = 4 * H * D * int(jnp.sum(m.dense()))
+        cfg = default_config(D, m.kv_len, False, m.q_len)
+        rule = mask_rule(m, False, offset=offset)
+        fns = {
+            "tables": jax.jit(lambda q, k, v, m: flash_fwd(
+                q, k, v, scale=D ** -0.5, causal=False, config=cfg, mask_rule=rule._replace(offset=None),
+                mask_tables=mask_tables(m, cfg, backward=False, segments=False))[0]),
+            "band": jax.jit(lambda q, k, v, m: flash_fwd(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
+                                                         band=rule.band())[0]),
+        }
+        outs = {key: f(q, k, v, m) for key, f in fns.items()}
+        diff = float(jnp.max(jnp.abs(outs["band"].astype(jnp.float32) - outs["tables"].astype(jnp.float32))))
+        secs = {key: [] for key in fns}
+        for _ in range(rounds):
+            for key, f in fns.items():
+                secs[key].append(timing.measure(f, (q, k, v, m), samples=20)[0])
+        t0, t1 = (statistics.median(secs[key]) for key in ("tables", "band"))
+        print(f"{name:26s} tables {t0 * 1e6:7.1f} us ({fl / t0 / 1e12:4.0f} TFLOP/s) | band {t1 * 1e6:7.1f} us "
+              f"({fl / t1 / 1e12:4.0f} TFLOP/s, x{t0 / t1:.3f}) | max |out diff| {diff:.1e}", flush=True)
+
+
+def band_cases():
+    """One-segment masks with token-index positions: name -> (mask, offset of the query positions)."""
+    return {
+        "window (1024, 0) causal": (AttentionMask.full(B, S, S, causal=True, window=(1024, 0)), 0),
+        "window (256, 256)": (AttentionMask.full(B, S, S, window=(256, 256)), 0),
+        "bottom-right 2k x 8k": (AttentionMask.full(B, 2048, 8192, causal=True, bottom_right=True), 8192 - 2048),
+        "causal as data": (AttentionMask.full(B, S, S, causal=True), 0),
+    }
 
 
 def aligned_ab(rounds: int, device: bool = False):
@@ -261,6 +301,8 @@ if __name__ == "__main__":
     ap.add_argument("--aligned-ab", action="store_true")
     ap.add_argument("--band-ab", action="store_true", help="one-segment masks: the backward on tables against "
                     "the band backward (MaskRule.offset)")
+    ap.add_argument("--band-fwd-ab", action="store_true", help="one-segment masks: the data-mask forward with its "
+                    "pre-pass against the band forward")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab: the device clock's kernels too "
@@ -270,5 +312,7 @@ if __name__ == "__main__":
         prepass(a.rounds)
     elif a.band_ab:
         band_ab(a.rounds)
+    elif a.band_fwd_ab:
+        band_fwd_ab(a.rounds)
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()

@@ -726,7 +726,7 @@ def test_band_walks_cover_exactly_the_visible_pairs():
     and the dQ kernel (per query tile, walking key blocks) use them, against the dense mask of AttentionMask.full:
     the walked blocks hold every visible pair, the full ones only visible pairs, and band_mask on the masked ones
     keeps exactly the visible pairs; blocks outside the walk hold none."""
-    from pallas_kernels.flash_attention_hopper.backward import _band_big, band_mask, band_walk
+    from pallas_kernels.flash_attention_hopper.band import band_big, band_mask, band_walk
     from pallas_kernels.flash_attention_hopper.data_mask import mask_rule
     from pallas_kernels.mask import AttentionMask
 
@@ -735,7 +735,7 @@ def test_band_walks_cover_exactly_the_visible_pairs():
         dense = np.asarray(m.dense()[0])  # [sq, skv]
         band = mask_rule(m, False, offset=skv - sq if br else 0).band()
         off, lo, hi = band
-        big = _band_big(band, sq, skv)
+        big = band_big(band, sq, skv)
         for keys_fixed, tile, block in ((True, 128, 64), (False, 128, 128), (True, 128, 128), (False, 64, 64)):
             fixed, walked = (skv, sq) if keys_fixed else (sq, skv)
             for t0 in range(0, fixed, tile):

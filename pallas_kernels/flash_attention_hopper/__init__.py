@@ -27,6 +27,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from .band import band_forward_chosen
 from .backward import flash_bwd
 from .config import HopperConfig, check_lengths, default_config, describe_plan
 from ..mask import AttentionMask
@@ -188,12 +189,34 @@ def _masked_fwd_rule(q, k, v, tables, scale, config, interpret, softcap, rule):
 def _masked_bwd_rule(scale, config, interpret, softcap, rule, res, cts):
     q, k, v, out, lse, tables = res
     dout, dlse = cts
+    by_band = dict(band=rule.band()) if rule.offset is not None else dict(mask_tables=tables, mask_rule=rule)
     dq, dk, dv = flash_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=False, config=config,
-                           dlse=dlse, interpret=interpret, softcap=softcap, mask_tables=tables, mask_rule=rule)
+                           dlse=dlse, interpret=interpret, softcap=softcap, **by_band)
     return dq, dk, dv, None
 
 
 _masked_attention.defvjp(_masked_fwd_rule, _masked_bwd_rule)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _band_attention(q, k, v, scale, config, interpret, softcap, band):
+    return flash_fwd(q, k, v, scale=scale, causal=False, config=config, interpret=interpret, softcap=softcap,
+                     band=band)
+
+
+def _band_fwd_rule(q, k, v, scale, config, interpret, softcap, band):
+    out, lse = _band_attention(q, k, v, scale, config, interpret, softcap, band)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _band_bwd_rule(scale, config, interpret, softcap, band, res, cts):
+    q, k, v, out, lse = res
+    dout, dlse = cts
+    return flash_bwd(q, k, v, out, lse, dout.astype(q.dtype), scale=scale, causal=False, config=config, dlse=dlse,
+                     interpret=interpret, softcap=softcap, band=band)
+
+
+_band_attention.defvjp(_band_fwd_rule, _band_bwd_rule)
 
 
 def compares_segments(mask_segments: bool, q_len: int, kv_len: int) -> bool:
@@ -218,10 +241,13 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     segments = compares_segments(segments, sq, skv)
     offset = None if segments else offset  # padded to whole tiles: the padded tokens need their segment ids
+    rule = mask_rule(padded, segments, offset=offset)
+    if offset is not None and band_forward_chosen(rule.band()):  # the band kernels: no pre-pass, no tables
+        return _band_attention(q, k, v, float(scale), cfg, interpret, _softcap(softcap), rule.band())
     # the backward adds its lists (flash_bwd)
     tables = (aligned_mask_tables if aligned else mask_tables)(padded, cfg, backward=False, segments=segments)
     out, lse = _masked_attention(_pad_seq(q, pq), _pad_seq(k, pkv), _pad_seq(v, pkv), tables, float(scale), cfg,
-                                 interpret, _softcap(softcap), mask_rule(padded, segments, offset=offset))
+                                 interpret, _softcap(softcap), rule)  # a rule with an offset: the band backward
     if pq != sq:
         out, lse = out[:, :sq], lse[:, :, :sq]
     return out, lse
@@ -241,10 +267,10 @@ def hopper_attention(q, k, v, *, scale: float, causal: bool = False, config=None
     visible area instead of a quarter), its output gathered back to token order; any mask, best with documents.
     mask_offset (with mask_segments=False): the caller knows that the mask's positions are token indices, query i
     at i + mask_offset relative to key j at j (AttentionMask.full: 0 top-left, kv_len - q_len bottom-right), so
-    the visible pairs form a band of key - query index differences (data_mask.MaskRule.band) and the backward walks
-    it as the plain causal backward walks its triangle: no tables, the element mask from iotas, dQ accumulated in
-    the dK/dV kernel where auto takes that for the plain kernels. Like mask_segments=False it is ignored where the
-    lengths are padded to whole tiles, and a mask whose positions are not these gives wrong results."""
+    the visible pairs form a band of key - query index differences (data_mask.MaskRule.band) and the kernels walk
+    it as the plain causal ones walk their triangle: no pre-pass or tables, the edges masked from iotas, dQ in the
+    dK/dV kernel for wide bands (band.ATOMIC_DQ_MIN_BAND). Like mask_segments=False it is ignored where the lengths
+    are padded to whole tiles, and a mask whose positions are not these gives wrong results."""
     if mask is not None:
         if causal:
             raise ValueError("hopper_attention: pass causal in the mask (AttentionMask(causal=True)), not both")

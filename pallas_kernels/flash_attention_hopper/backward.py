@@ -30,56 +30,10 @@ from .._lower_once import lower_once
 
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
+from .band import band_big, band_is_wide, band_mask, band_walk
 from .data_mask import DataMask, backward_rule, backward_tables
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
                      dq_split, logit_units, piece_split_chosen, ring_choices)
-
-
-def _floor_div(x, d: int, big: int):
-    """floor(x / d) for a traced int32 x >= -big * d (lax.div truncates toward zero)."""
-    return lax.div(x + big * d, jnp.int32(d)) - big
-
-
-def band_walk(w_min, w_max, full_min, full_max, block: int, n_blocks: int, big: int):
-    """A CTA's walk over the blocks of one axis under a band mask (MaskRule.band): the blocks holding an index in
-    [w_min, w_max] (None: unbounded), of which those whose first index lies in [full_min, full_max] are full.
-    Returns (first block, steps, full_lo, full_hi) with steps [0, full_lo) and [full_hi, steps) masked and
-    [full_lo, full_hi) full (traced int32; big: |every bound| <= big * block)."""
-    first = jnp.int32(0) if w_min is None else jnp.clip(_floor_div(w_min, block, big), 0, n_blocks)
-    end = jnp.int32(n_blocks) if w_max is None else jnp.clip(_floor_div(w_max, block, big) + 1, first, n_blocks)
-    f_lo = first if full_min is None else jnp.clip(-_floor_div(-full_min, block, big), first, end)
-    f_hi = end if full_max is None else jnp.clip(_floor_div(full_max, block, big) + 1, f_lo, end)
-    return first, end - first, f_lo - first, f_hi - first
-
-
-def band_mask(x, key_minus_query, c, band, fill=0.0):
-    """x [rows, cols] with the pairs outside the band set to `fill`: key_minus_query (key index - query index within
-    the tile, an iota difference) - c is j - i - offset for the tile's pairs (c = q0 + offset - k0)."""
-    _, lo, hi = band
-    if lo is not None:
-        x = jnp.where(key_minus_query >= c + lo, x, fill)
-    if hi is not None:
-        x = jnp.where(key_minus_query <= c + hi, x, fill)
-    return x
-
-
-#: The narrowest band (keys per query: hi - lo + 1; unbounded on one side counts as wide) whose backward takes the
-#: atomic dQ in the dK/dV kernel where the plain kernels would (atomic_dq_chosen).  H100, hd128, B4 x 4k x 16 heads
-#: (hopper_mask_probe --band-ab, attention_masks_h100.md): the backward with the atomic dQ against the dQ kernel was
-#: 1.11x on causal and 1.11x on causal bottom-right q 2k x kv 8k (unbounded), 0.98x on window (1024, 0) and 0.94x on
-#: window (256, 256): short key-tile walks do not amortize the dQ buffer's zeroing and conversion.
-ATOMIC_DQ_MIN_BAND = 2048
-
-
-def band_is_wide(band) -> bool:
-    """Whether the band's backward takes the atomic dQ (ATOMIC_DQ_MIN_BAND)."""
-    _, lo, hi = band
-    return lo is None or hi is None or hi - lo + 1 >= ATOMIC_DQ_MIN_BAND
-
-
-def _band_big(band, *lengths) -> int:
-    off, lo, hi = band
-    return (sum(lengths) + abs(off) + abs(lo or 0) + abs(hi or 0)) // 64 + 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +145,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             q_first, n_steps_h, band_flo, band_fhi = band_walk(
                 None if hi_r is None else kv_cta0 - off - hi_r, None if lo_r is None else k1 - 1 - off - lo_r,
                 None if hi_r is None else k1 - 1 - off - hi_r, None if lo_r is None else kv_cta0 - bq + 1 - off - lo_r,
-                bq, nq, _band_big(band, S, Skv))
+                bq, nq, band_big(band, S, Skv))
         else:
             n_steps_h = nq - q_lo  # query blocks per query head
         # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
@@ -581,7 +535,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             k_first, total, band_flo, band_fhi = band_walk(
                 None if lo_r is None else q_cta0 + off + lo_r, None if hi_r is None else q1 - 1 + off + hi_r,
                 None if lo_r is None else q1 - 1 + off + lo_r, None if hi_r is None else q_cta0 + off + hi_r - bkv + 1,
-                bkv, n_kv, _band_big(band, S, Skv))
+                bkv, n_kv, band_big(band, S, Skv))
         elif causal:
             total = cdiv(q_cta0 + wgs * bq, bkv)
             n_full = lax.div(q_cta0, jnp.int32(bkv)) if split else jnp.int32(0)
@@ -719,12 +673,13 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     return dq
 
 
-@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule"))
+@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule", "band"))
 def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
               config: HopperConfig | None = None, dlse=None, interpret: bool | None = None,
-              softcap: float | None = None, kv_valid: int | None = None, mask_tables=None, mask_rule=None):
-    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S] (softcap, kv_valid, mask_tables
-    and mask_rule as flash_fwd's; padded keys get zero dk, dv; rows with lse -inf contribute nothing)."""
+              softcap: float | None = None, kv_valid: int | None = None, mask_tables=None, mask_rule=None,
+              band=None):
+    """Gradients (dq, dk, dv) given the forward's out and natural-log lse [B,H,S] (softcap, kv_valid, mask_tables,
+    mask_rule and band as flash_fwd's; padded keys get zero dk, dv; rows with lse -inf contribute nothing)."""
     interpret = resolve_interpret(interpret)
     D = q.shape[-1]
     Dv = v.shape[-1]
@@ -738,8 +693,9 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     if causal and kv_valid is not None:
         raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
     kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret, softcap=softcap, kv_valid=kv_valid)
-    band = mask_rule.band() if mask_tables is not None else None
-    if mask_tables is not None:
+    if band is not None and (causal or kv_valid is not None or mask_tables is not None):
+        raise ValueError("a band carries causal and windows itself (causal=False, no kv_valid, no mask tables)")
+    if mask_tables is not None or band is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
         # rows without a visible key (lse -inf): 0, so that exp2(s - 0) is finite before the mask zeroes it
@@ -752,7 +708,8 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     # the element mask spills registers, and the H100 measured the dQ kernel 5-11% faster there
     # (benchmarks/hopper_mask_probe.py).  A band has no tables and no spill: wide bands take the atomic dQ.
     if Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret) and (
-            mask_tables is None or cfg.bwd_dq_atomic is True or (band is not None and band_is_wide(band))):
+            (mask_tables is None and band is None) or cfg.bwd_dq_atomic is True
+            or (band is not None and band_is_wide(band))):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)

@@ -28,6 +28,7 @@ from .._compat import mosaic_gpu, pl
 from .._lower_once import lower_once
 
 from .aligned_tiles import gather_rows
+from .band import band_big, band_mask, band_walk
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
 from .forward_masked import _flash_fwd_masked
@@ -78,16 +79,18 @@ def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages
                                    no_auto_barriers=producer_warp)(q, k, v, *extra_in)
 
 
-@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule"))
+@lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule", "band"))
 def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | None = None,
               interpret: bool | None = None, softcap: float | None = None, kv_valid: int | None = None,
-              mask_tables=None, mask_rule=None):
+              mask_tables=None, mask_rule=None, band=None):
     """-> (out [B,S,H,Dv] q.dtype, lse [B,H,S] float32, natural log); q/k head_dim D, v's Dv (Dv != D: the grid
     or data-mask kernel, not the persistent ones).  softcap: logits softcap * tanh(s / softcap)
     (s = scale * q.k; tanh in the score path, before the mask).  kv_valid (non-causal): keys at or past it are
     padding (masked on every K/V step: the caller padded a ragged length up to a whole block).
     mask_tables / mask_rule (data_mask.MaskTables / MaskRule; causal False, kv_valid None): a data mask; rows
-    that see no key give out 0 and lse -inf."""
+    that see no key give out 0 and lse -inf.  band ((offset, lo, hi): data_mask.MaskRule.band; causal False, no
+    kv_valid or tables): key j is visible to query i iff lo <= j - i - offset <= hi; each query tile walks the K/V
+    blocks of its band (backward.band_walk), masking the edges from iotas; rows that see no key as a data mask's."""
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
     Dv = v.shape[-1]
@@ -99,6 +102,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         raise ValueError("causal needs Sq == Skv")
     if causal and kv_valid is not None:
         raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
+    if band is not None and (causal or kv_valid is not None or mask_tables is not None):
+        raise ValueError("a band carries causal and windows itself (causal=False, no kv_valid, no mask tables)")
     if mask_tables is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
@@ -112,7 +117,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                   if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
         return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
                       interpret=interpret, softcap=softcap, rule=mask_rule)
-    if not causal and not split_dims and persistent_chosen(cfg, Skv, D, dtype):
+    if band is None and not causal and not split_dims and persistent_chosen(cfg, Skv, D, dtype):
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
                                      kv_valid=kv_valid)
     if causal and not split_dims and persistent_causal_chosen(cfg, S, D, dtype):
@@ -139,8 +144,16 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
         sched = _Sched(plgpu, sched, named)
 
+        k_first = 0
         if causal:
             cta_steps = cdiv((qt + 1) * (2 * bq), bkv)
+        elif band is not None:  # the K/V blocks of this query tile's band: masked, full, masked (both warpgroups)
+            off, lo_r, hi_r = band
+            q_cta0, q1 = qt * (2 * bq), (qt + 1) * (2 * bq)
+            k_first, cta_steps, band_flo, band_fhi = band_walk(
+                None if lo_r is None else q_cta0 + off + lo_r, None if hi_r is None else q1 - 1 + off + hi_r,
+                None if lo_r is None else q1 - 1 + off + lo_r, None if hi_r is None else q_cta0 + off + hi_r - bkv + 1,
+                bkv, n_kv, band_big(band, S, Skv))
         else:
             cta_steps = n_kv
 
@@ -150,7 +163,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             qo_smem = qo_smem2.at[wg]
             lse_smem = lse_smem2.at[wg]
             q0 = qt * (2 * bq) + wg * bq
-            kv_steps = cdiv(q0 + bq, bkv) if causal else n_kv
+            kv_steps = cdiv(q0 + bq, bkv) if causal else cta_steps
 
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
             k_slots.prime()
@@ -163,7 +176,10 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                                     plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((bq, Dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            plgpu.barrier_wait(k_bar.at[0])
+            if band is not None:  # a band's walk may be empty (rows that see no key)
+                when(cta_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[0]))
+            else:
+                plgpu.barrier_wait(k_bar.at[0])
             pl.when(wg == 1)(sched.start)
 
             def kv_body(step, carry, masked: bool):
@@ -183,15 +199,26 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                     def _():
                         plgpu.barrier_wait(k_bar.at[rem(nxt, stages)])
 
+                def apply_band(x):  # rows are queries, columns keys
+                    rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
+                    return band_mask(x, cols - rows, q0 + band[0] - (k_first + step) * bkv, band, -jnp.inf)
+
+                by_band = band is not None and masked
                 return _fwd_kv_step(
                     plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
                     k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
                     v_release=lambda: v_slots.release(slot),
                     sched=sched, c=c, dtype=dtype, interpret=interpret,
-                    mask=mask if masked else None, wait_next_k=wait_next_k, pre=pre)
+                    mask=mask if masked and band is None else None, wait_next_k=wait_next_k, pre=pre,
+                    apply_mask=apply_band if by_band else None, may_be_empty=by_band)
 
             carry = (acc, m_i, l_i)
-            if not causal:
+            if band is not None:
+                carry = lax.fori_loop(0, band_flo, functools.partial(kv_body, masked=True), carry)
+                carry = lax.fori_loop(band_flo, band_fhi, functools.partial(kv_body, masked=False), carry)
+                carry = lax.fori_loop(band_fhi, cta_steps, functools.partial(kv_body, masked=True), carry)
+            elif not causal:
                 carry = lax.fori_loop(0, n_kv, functools.partial(kv_body, masked=kv_valid is not None), carry)
             else:
                 full = lax.div(q0, jnp.int32(bkv)) if split else jnp.int32(0)
@@ -212,13 +239,13 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             pl.when(wg == 0)(sched.finish)
             finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
                         o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
-                        may_be_empty=False)
+                        may_be_empty=band is not None)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, cta_steps, stages, lambda g: (b, pl.ds(g * bkv, bkv), kvh),
+                plgpu, cta_steps, stages, lambda g: (b, pl.ds((k_first + g) * bkv, bkv), kvh),
                 [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_slots),
                  (lambda sl: v_ref.at[sl], v_smem, v_bar, v_slots)]), single_warp=producer_warp)
 

@@ -1,0 +1,73 @@
+"""Band masks for the Hopper kernels: one segment with token-index positions (data_mask.MaskRule.offset), so key j
+is visible to query i iff lo <= j - i - offset <= hi (MaskRule.band(): windows, causal top-left or bottom-right,
+any lengths).  A tile walks the blocks of its band with no tables: band_walk gives its first block, its masked edges
+and its full middle; band_mask hides the pairs outside the band from iotas.  Pure index arithmetic on traced int32
+scalars and tiles: it runs inside the Mosaic GPU kernels and on the CPU alike.
+
+    band_walk(w_min, w_max, full_min, full_max, block, n_blocks, big) -> (first, steps, full_lo, full_hi)
+    band_mask(x, key_minus_query, c, band, fill)                       -> x outside the band set to fill
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def _floor_div(x, d: int, big: int):
+    """floor(x / d) for a traced int32 x >= -big * d (lax.div truncates toward zero)."""
+    return lax.div(x + big * d, jnp.int32(d)) - big
+
+
+def band_walk(w_min, w_max, full_min, full_max, block: int, n_blocks: int, big: int):
+    """A CTA's walk over the blocks of one axis under a band mask (MaskRule.band): the blocks holding an index in
+    [w_min, w_max] (None: unbounded), of which those whose first index lies in [full_min, full_max] are full.
+    Returns (first block, steps, full_lo, full_hi) with steps [0, full_lo) and [full_hi, steps) masked and
+    [full_lo, full_hi) full (traced int32; big: |every bound| <= big * block)."""
+    first = jnp.int32(0) if w_min is None else jnp.clip(_floor_div(w_min, block, big), 0, n_blocks)
+    end = jnp.int32(n_blocks) if w_max is None else jnp.clip(_floor_div(w_max, block, big) + 1, first, n_blocks)
+    f_lo = first if full_min is None else jnp.clip(-_floor_div(-full_min, block, big), first, end)
+    f_hi = end if full_max is None else jnp.clip(_floor_div(full_max, block, big) + 1, f_lo, end)
+    return first, end - first, f_lo - first, f_hi - first
+
+
+def band_mask(x, key_minus_query, c, band, fill=0.0):
+    """x [rows, cols] with the pairs outside the band set to `fill`: key_minus_query (key index - query index within
+    the tile, an iota difference) - c is j - i - offset for the tile's pairs (c = q0 + offset - k0)."""
+    _, lo, hi = band
+    if lo is not None:
+        x = jnp.where(key_minus_query >= c + lo, x, fill)
+    if hi is not None:
+        x = jnp.where(key_minus_query <= c + hi, x, fill)
+    return x
+
+
+#: The narrowest band (keys per query: hi - lo + 1; unbounded on one side counts as wide) whose backward takes the
+#: atomic dQ in the dK/dV kernel where the plain kernels would (atomic_dq_chosen).  H100, hd128, B4 x 4k x 16 heads
+#: (hopper_mask_probe --band-ab, attention_masks_h100.md): the backward with the atomic dQ against the dQ kernel was
+#: 1.06x on causal given as data and 1.11x on causal bottom-right q 2k x kv 8k (unbounded), 0.99x on window (1024, 0)
+#: and 0.94x on window (256, 256): short key-tile walks do not amortize the dQ buffer's zeroing and conversion.
+ATOMIC_DQ_MIN_BAND = 2048
+
+
+def band_is_wide(band) -> bool:
+    """Whether the band's backward takes the atomic dQ (ATOMIC_DQ_MIN_BAND)."""
+    _, lo, hi = band
+    return lo is None or hi is None or hi - lo + 1 >= ATOMIC_DQ_MIN_BAND
+
+
+def band_big(band, *lengths) -> int:
+    """band_walk's `big` for a band over these lengths (every bound it is given stays above -big * 64)."""
+    off, lo, hi = band
+    return (sum(lengths) + abs(off) + abs(lo or 0) + abs(hi or 0)) // 64 + 4
+
+
+#: Whether a band's forward runs the band grid kernel (no pre-pass, no tables; forward.flash_fwd(band=)) rather than
+#: the data-mask forward on tables (whose windows take the persistent grid), per kind of band: "window" (bounded on
+#: both sides) or "open" (causal, bottom-right, one-sided windows).
+BAND_FORWARD = {"window": True, "open": True}
+
+
+def band_forward_chosen(band) -> bool:
+    """Whether hopper_attention runs this band's forward on the band kernel (BAND_FORWARD)."""
+    _, lo, hi = band
+    return BAND_FORWARD["window" if lo is not None and hi is not None else "open"]
