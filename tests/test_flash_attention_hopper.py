@@ -765,6 +765,29 @@ def test_band_walks_cover_exactly_the_visible_pairs():
                         np.testing.assert_array_equal(kept, sub, err_msg=f"{band} tile {t0} block {blk}")
 
 
+def test_band_forward_only_where_every_query_sees_a_key():
+    """band.every_query_sees_a_key against the dense mask on every band of _band_cases, and the dispatch it drives:
+    hopper_attention(mask_offset=...) runs the band forward (kernel te_jax_attn_fwd) where every query has a key,
+    else the data-mask forward (te_jax_attn_fwd_masked, whose empty rows are GPU-tested); the band backward both
+    times (no dQ or dK/dV tables: te_jax_attn_bwd_* kernels without the masked ones' tables)."""
+    from pallas_kernels.flash_attention_hopper.band import every_query_sees_a_key
+    from pallas_kernels.flash_attention_hopper.data_mask import mask_rule
+    from pallas_kernels.mask import AttentionMask
+
+    for causal, window, sq, skv, br in _band_cases():
+        m = AttentionMask.full(1, sq, skv, causal=causal, window=window, bottom_right=br)
+        band = mask_rule(m, False, offset=skv - sq if br else 0).band()
+        assert every_query_sees_a_key(band, sq, skv) == bool(np.asarray(m.dense()).any(-1).all()), (band, sq, skv)
+        q = jax.ShapeDtypeStruct((1, sq, 2, 128), BF)
+        k = jax.ShapeDtypeStruct((1, skv, 1, 128), BF)
+        f = lambda q, k, v: jax.vjp(lambda q, k, v: hopper_attention(
+            q, k, v, scale=0.1, mask=m, mask_segments=False, mask_offset=skv - sq if br else 0, interpret=False)[0],
+            q, k, v)[1](jnp.zeros((1, sq, 2, 128), BF))
+        text = str(jax.make_jaxpr(f)(q, k, k))
+        assert ("te_jax_attn_fwd_masked" in text) != every_query_sees_a_key(band, sq, skv), (band, sq, skv)
+        assert "te_jax_attn_bwd" in text
+
+
 def test_mask_offset_arguments_are_checked():
     """hopper_attention's mask_offset: an int, only with a data mask, mask_segments=False and mask_aligned=False;
     MaskRule's offset only without the segment compare."""

@@ -242,7 +242,7 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
     segments = compares_segments(segments, sq, skv)
     offset = None if segments else offset  # padded to whole tiles: the padded tokens need their segment ids
     rule = mask_rule(padded, segments, offset=offset)
-    if offset is not None and band_forward_chosen(rule.band()):  # the band kernels: no pre-pass, no tables
+    if offset is not None and band_forward_chosen(rule.band(), sq, skv):  # the band kernels: no pre-pass, no tables
         return _band_attention(q, k, v, float(scale), cfg, interpret, _softcap(softcap), rule.band())
     # the backward adds its lists (flash_bwd)
     tables = (aligned_mask_tables if aligned else mask_tables)(padded, cfg, backward=False, segments=segments)
