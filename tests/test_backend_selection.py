@@ -338,7 +338,8 @@ def test_sm90_ragged_lengths_take_the_hopper_kernel_padded(fake_h100, monkeypatc
 
 def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
     """On sm90, padding (seqlens or segment ids), thd documents, windows, bottom-right and unequal-length causal
-    run on the Hopper kernel's data-mask schedule (GPU-checked: tuning.HOPPER_GPU_VERIFIED); a dense mask and a
+    run on the Hopper kernel's data-mask schedule (GPU-checked: tuning.HOPPER_GPU_VERIFIED), one-segment ones as
+    bands (the explanation says so, with the offset); a dense mask and a
     bias keep it out by name; without the GPU check auto leaves data masks to the portable kernel."""
     from te_jax.backends import pallas as pallas_mod
     from te_jax.backends import tuning
@@ -356,11 +357,13 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
     for name, kw in cases.items():
         choice = te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw)
         assert choice.selected == "pallas" and "data-mask schedule" in choice.detail, (name, choice.detail)
-        # windows (even walks) on the persistent forward, documents and padding one CTA per query tile
-        assert ("forward on a persistent grid" in choice.detail) == ("window" in name), (name, choice.detail)
+        # windows (one segment, token-index positions) as bands; documents and padding on tables
+        assert ("as a band" in choice.detail) == ("window" in name), (name, choice.detail)
+        assert ("one CTA per query tile" in choice.detail) == ("window" not in name), (name, choice.detail)
     br = te_jax.explain_attention_backend(*_qkv(b=2, sq=256, skv=1024, d=128), attn_mask_type="causal_bottom_right",
                                           backend="pallas")
     assert "data-mask schedule" in br.detail and "causal_bottom_right" in br.detail, br.detail
+    assert "as a band" in br.detail and "offset 768" in br.detail and "no pre-pass" in br.detail, br.detail
     tq, tk, tv = _qkv(b=1, sq=1024, skv=1024, d=128, fmt="thd")
     docs = jnp.array([300, 1, 723], jnp.int32)
     thd = te_jax.explain_attention_backend(tq, tk, tv, attn_input_format="thd", attn_mask_type="padding_causal",

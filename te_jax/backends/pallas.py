@@ -352,13 +352,11 @@ class PallasBackend:
                                                                               q_padded)
             window = tuple(call.window) if call.window is not None else (-1, -1)
             persistent = persistent_masked_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype, window)
-            plan = ("data-mask schedule (" + ", ".join(what) + "): the mask's segment ids and positions are "
+            band_plan = self._hopper_band_plan(call, hcfg, q_padded, kv_padded)
+            plan = ("data-mask schedule (" + ", ".join(what) + ") as a band" + band_plan) if band_plan else (
+                    "data-mask schedule (" + ", ".join(what) + "): the mask's segment ids and positions are "
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
-                    "the element mask, partial tiles apply it" + (
-                        "" if fh.compares_segments(self.hopper_mask_segments(call), d.q_len, d.kv_len) else
-                        " (positions only: one segment; token indices, so the backward walks the band of visible pairs "
-                        "without tables)")
-                    + "; forward " + (
+                    "the element mask, partial tiles apply it; forward " + (
                         "on document-aligned tiles (query tiles and key blocks start at every document; the output "
                         "gathered back to token order)" if self.hopper_aligned_tiles(call) else
                         "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
@@ -377,6 +375,29 @@ class PallasBackend:
                         else "the padded keys hidden by the causal diagonal" if call.mask.causal
                         else "the padded keys masked on every K/V step"))
         return f"Hopper (Mosaic GPU) kernel: {plan}{cfg}"
+
+    def _hopper_band_plan(self, call, hcfg, q_padded: int, kv_padded: int) -> str | None:
+        """How the Hopper kernels walk a one-segment call as a band (hopper_attention(mask_offset=)), in words; None
+        for calls that are not bands (padding, documents, or lengths padded to whole tiles)."""
+        from pallas_kernels import flash_attention_hopper as fh
+        from pallas_kernels.flash_attention_hopper.band import band_forward_chosen, band_is_wide
+        from pallas_kernels.flash_attention_hopper.config import atomic_dq_chosen
+        from pallas_kernels.flash_attention_hopper.data_mask import MaskRule
+
+        d = call.dims
+        offset = self.hopper_mask_offset(call)
+        if offset is None or fh.compares_segments(False, d.q_len, d.kv_len):
+            return None
+        window = tuple(call.window) if call.window is not None else (-1, -1)
+        band = MaskRule(call.mask.causal, window, False, True, offset).band()
+        atomic = (d.head_dim_qk == d.head_dim_v and band_is_wide(band)
+                  and atomic_dq_chosen(d.head_dim_qk, kv_padded, hcfg, False))
+        return (" (positions only: one segment; token indices, offset " + str(offset) + "): each query tile (forward, "
+                "dQ) and key tile (dK/dV) walks only the blocks of its band of visible pairs, the edge blocks masked "
+                "from iotas; no pre-pass, no tables; backward dQ " + (
+                    "accumulated in the dK/dV kernel (a wide band)" if atomic else "from its own kernel") + (
+                    "" if band_forward_chosen(band, d.q_len, d.kv_len) else
+                    "; forward on the data-mask tables (some queries see no key)"))
 
     def data_mask_tiles(self, call, tm, window) -> str | None:
         """For a call the Hopper kernel runs under a data mask, with concrete mask arrays: how its forward walks
