@@ -110,19 +110,24 @@ def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, ptx):
 
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
 @pytest.mark.parametrize("name,cfg_kw", [("window", dict(bwd_dq_atomic=False)), ("bottom right", {}),
-                                         ("window", dict(fwd_persistent_masked=True, fwd_ctas=3, bwd_dq_atomic=False)),
-                                         ("window", dict(D=192, Dv=128)), ("bottom right", dict(bwd_dq_atomic=True))])
-def test_hopper_band_backward_lowers_for_cuda(name, cfg_kw, ptx):
-    """One-segment masks with positions as token indices (mask_offset): the data-mask forwards (grid and persistent)
-    and the band backward, with the dQ kernel and with the atomic dQ in the dK/dV kernel (jax >= 0.11)."""
+                                         ("window", dict(D=192, Dv=128)), ("bottom right", dict(bwd_dq_atomic=True)),
+                                         ("window", dict(D=256, Dv=256, softcap=2.0)), ("bottom right", dict(D=64, Dv=64)),
+                                         ("rows that see no key", {})])
+def test_hopper_band_kernels_lower_for_cuda(name, cfg_kw, ptx):
+    """One-segment masks with positions as token indices (mask_offset): the band forward and the band backward, with
+    the dQ kernel and with the atomic dQ in the dK/dV kernel (jax >= 0.11), at several head dims; a band that leaves
+    queries without a key takes the data-mask forward with the band backward."""
     cfg_kw = dict(cfg_kw)
     D, Dv = cfg_kw.pop("D", 128), cfg_kw.pop("Dv", 128)
+    softcap = cfg_kw.pop("softcap", None)
     mask, offset = {"window": (AttentionMask.full(1, 512, 512, causal=True, window=(128, 0)), 0),
-                    "bottom right": (AttentionMask.full(1, 256, 640, causal=True, bottom_right=True), 384)}[name]
+                    "bottom right": (AttentionMask.full(1, 256, 640, causal=True, bottom_right=True), 384),
+                    "rows that see no key": (AttentionMask.full(1, 640, 256, causal=True, bottom_right=True), -384),
+                    }[name]
     if cfg_kw.get("bwd_dq_atomic") and not _has_inline_ptx():
         pytest.skip("jax 0.10.2 cannot lower a jax.new_ref in a custom VJP backward under jit (jax >= 0.11 can)")
     assert _attention_fwd_bwd(mask.q_len, D, Dv, Skv=mask.kv_len, mask=mask, mask_segments=False,
-                              mask_offset=offset, **cfg_kw, **ptx) > 0
+                              mask_offset=offset, softcap=softcap, **cfg_kw, **ptx) > 0
 
 
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
