@@ -90,7 +90,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     mask_tables / mask_rule (data_mask.MaskTables / MaskRule; causal False, kv_valid None): a data mask; rows
     that see no key give out 0 and lse -inf.  band ((offset, lo, hi): data_mask.MaskRule.band; causal False, no
     kv_valid or tables): key j is visible to query i iff lo <= j - i - offset <= hi; each query tile walks the K/V
-    blocks of its band (backward.band_walk), masking the edges from iotas; rows that see no key as a data mask's."""
+    blocks of its band (band.band_walk), masking the edges from iotas; rows that see no key as a data mask's."""
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
     Dv = v.shape[-1]
