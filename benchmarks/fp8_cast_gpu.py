@@ -14,11 +14,14 @@ Shapes: the Llama MLP of benchmarks/fp8_layer_gpu.py (tokens M = 4 x 2048, hidde
 the unfused path's passes. Reported: ms (median of interleaved rounds) and TB/s of the fused kernel's minimal
 traffic (each input read once, each output written once), so both variants are rated on the same bytes.
 Correctness: kernel vs xla outputs at most one FP8 step apart, amax within fp32 rounding. JSON to $OUT.
+dact_cast_transpose also runs the TMA kernel (pallas_kernels/fp8_cast/tma.py, tiles of 64 and 128; GPU only, not
+with --cpu-smoke), checked and timed beside the Triton-lowered one.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -31,6 +34,7 @@ import numpy as np
 from benchmarks import timing
 from pallas_kernels import fp8_cast as K
 from pallas_kernels.fp8_cast import reference as R
+from pallas_kernels.fp8_cast import tma as T
 
 E4, E5, BF = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 
@@ -59,7 +63,10 @@ def cases(M, D, F):
         "dact_cast_transpose": dict(
             args=(dh, gu, s), nbytes=M * F * 2 + M * 2 * F * 2 + 2 * M * 2 * F,
             kernel=lambda cfg: jax.jit(lambda dh, gu, s: K.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act, **cfg)),
-            xla=jax.jit(lambda dh, gu, s: R.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act))),
+            xla=jax.jit(lambda dh, gu, s: R.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act)),
+            extra={f"tma block={b}": jax.jit(functools.partial(  # pallas_kernels/fp8_cast/tma.py (GPU only)
+                lambda dh, gu, s, b: T.dact_cast_transpose_tma(dh, gu, s, out_dtype=E5, block=b, **act), b=b))
+                for b in (64, 128)}),
         "act_amax": dict(
             args=(gu,), nbytes=M * 2 * F * 2,
             kernel=lambda cfg: jax.jit(lambda gu: (K.act_amax(gu, **act, **cfg),)),
@@ -120,6 +127,9 @@ def main():
         for cfg in configs:
             variants["pallas " + (",".join(f"{k}={v}" for k, v in cfg.items()) or "default")] = c["kernel"](cfg)
         all_ok &= check(name, variants["pallas default"](*c["args"]), variants["xla"](*c["args"]))
+        for v, f in ({} if args.cpu_smoke else c.get("extra", {})).items():  # other kernels for the same call
+            variants[v] = f
+            all_ok &= check(f"{name} ({v})", f(*c["args"]), variants["xla"](*c["args"]))
         times = {v: [] for v in variants}
         for _ in range(args.rounds):
             for v, f in variants.items():

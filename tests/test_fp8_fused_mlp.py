@@ -121,6 +121,65 @@ def test_dact_cast_transpose_matches_reference(activation, gated, dtype, out_dty
     np.testing.assert_array_equal(K.dact_amax(dh, gu, block_m=bm, block_n=bn, **kw), amax)
 
 
+def test_dact_traced_equals_dact():
+    """common.dact_traced (dact's jaxpr run primitive by primitive, add_any as add: what the TMA kernel traces, since
+    Mosaic GPU does not lower add_any) gives dact's values bit for bit, for every activation, gated and not."""
+    from pallas_kernels.fp8_cast import common as C
+
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    dh, g, u = (jax.random.normal(k, (16, 24), jnp.float32) * 3 for k in ks)
+    for activation in ("gelu", "linear", "quick_gelu", "relu", "silu", "squared_relu"):
+        for gated in (True, False):
+            want = C.dact(activation, gated, dh, g, u if gated else None)
+            got = C.dact_traced(activation, gated, dh, g, u if gated else None)
+            assert len(got) == len(want) == (2 if gated else 1)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_dact_kernel_switch(monkeypatch):
+    """TE_JAX_FP8_DACT_KERNEL picks the dact cast kernel: "triton" by default; "tma" only compiled (not in interpret
+    mode) and where M and F are multiples of its tile; anything else a clear error."""
+    from te_jax.fp8.fused import TMA_DACT_BLOCK, dact_kernel
+
+    b = TMA_DACT_BLOCK
+    monkeypatch.delenv("TE_JAX_FP8_DACT_KERNEL", raising=False)
+    assert dact_kernel(8 * b, 4 * b, False) == "triton"
+    monkeypatch.setenv("TE_JAX_FP8_DACT_KERNEL", "tma")
+    assert dact_kernel(8 * b, 4 * b, False) == "tma"
+    assert dact_kernel(8 * b, 4 * b, True) == "triton" and dact_kernel(8 * b + 8, 4 * b, False) == "triton"
+    monkeypatch.setenv("TE_JAX_FP8_DACT_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="TE_JAX_FP8_DACT_KERNEL"):
+        dact_kernel(8 * b, 4 * b, False)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the TMA kernel runs on an sm90 GPU only")
+@pytest.mark.parametrize("activation, gated, block", [("silu", True, 64), ("silu", True, 128), ("gelu", False, 64)])
+def test_gpu_dact_tma_matches_the_triton_kernel(activation, gated, block):
+    """On an sm90 GPU the TMA dact kernel (pallas_kernels/fp8_cast/tma.py) gives the Triton kernel's outputs: q and
+    qT within one FP8 step of the reference, qT the transpose of q, the same amax; with owed input scales too."""
+    from te_jax._compat import gpu_compute_capability
+    from pallas_kernels.fp8_cast.tma import dact_cast_transpose_tma
+
+    if (gpu_compute_capability() or (0, 0)) != (9, 0):
+        pytest.skip("not sm90")
+    m, f = 512, 768
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    gu = _rand(k1, (m, 2, f) if gated else (m, f), BF)
+    dh = _rand(k2, (m, f), BF, scale=1.0)
+    for owed in ({}, dict(gu_scale=jnp.float32(0.5), dh_scale=jnp.float32(3.0))):
+        kw = dict(activation=activation, gated=gated, round_to=BF, **owed)
+        scale = _scale_for(R.dact_amax(dh, gu, **kw), E5)
+        q, qt, amax = dact_cast_transpose_tma(dh, gu, scale, out_dtype=E5, block=block, **kw)
+        rq, _, ramax = R.dact_cast_transpose(dh, gu, scale, out_dtype=E5, **kw)
+        tq, _, tamax = K.dact_cast_transpose(dh, gu, scale, out_dtype=E5, **kw)
+        assert q.shape == gu.shape and qt.shape == ((2 if gated else 1) * f, m)
+        _assert_fp8_close(q, rq)
+        np.testing.assert_array_equal(_f32(qt), _f32(q).reshape(m, -1).T)
+        np.testing.assert_allclose(amax, tamax, rtol=_AMAX_RTOL)
+        np.testing.assert_allclose(amax, ramax, rtol=2.0 ** -8)
+
+
 @pytest.mark.parametrize("gated", [True, False])
 def test_owed_input_scales_equal_prescaled_inputs(gated):
     """gu_scale / dh_scale (a GEMM's dequantization scale applied in the kernel): the kernels read exactly what
@@ -675,3 +734,27 @@ def test_gpu_fused_mlp_compiles_to_six_fp8_gemms(recipe):
     for step_f, step_u in zip(fused, unfused):
         for name, a, b in zip(("y", "dx", "dw1", "dw2"), step_f, step_u):
             assert np.all(np.isfinite(_f32(a))) and _rel(a, b) < 2.0 ** -4, (name, _rel(a, b))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the TMA kernel runs on an sm90 GPU only")
+def test_gpu_fused_mlp_with_the_tma_dact_kernel(monkeypatch):
+    """TE_JAX_FP8_DACT_KERNEL=tma: the fused MLP's steps (delayed scaling, the state carried) equal the default's,
+    the activation gradient's cast being the only kernel that differs."""
+    from te_jax._compat import gpu_compute_capability
+
+    if (gpu_compute_capability() or (0, 0)) != (9, 0):
+        pytest.skip("not sm90")
+    acts = ("silu", "linear")
+    ks = jax.random.split(jax.random.PRNGKey(1), 4)
+    x = jax.random.normal(ks[0], (2, 128, 256)).astype(BF)
+    w1 = (jax.random.normal(ks[1], (256, 2, 512)) * 256 ** -0.5).astype(BF)
+    w2 = (jax.random.normal(ks[2], (512, 256)) * 512 ** -0.5).astype(BF)
+    g = jax.random.normal(ks[3], x.shape).astype(BF)
+    recipe = DelayedScaling(amax_history_len=16)
+    monkeypatch.delenv("TE_JAX_FP8_DACT_KERNEL", raising=False)
+    want = _steps(_fused, recipe, acts, x, w1, w2, g)
+    monkeypatch.setenv("TE_JAX_FP8_DACT_KERNEL", "tma")
+    got = _steps(_fused, recipe, acts, x, w1, w2, g)
+    for step_g, step_w in zip(got, want):
+        for name, a, b in zip(("y", "dx", "dw1", "dw2"), step_g, step_w):
+            assert np.all(np.isfinite(_f32(a))) and _rel(a, b) < 2.0 ** -6, (name, _rel(a, b))

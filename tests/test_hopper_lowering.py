@@ -216,3 +216,20 @@ def test_triton_kernels_lower_for_cuda():
     table, lens = jnp.zeros((2, 16), jnp.int32), jnp.array([1000, 37], jnp.int32)
     assert _lower(lambda q, k, v: flash_decode_paged(q, k, v, table, lens, scale=0.1, window=(100, 0),
                                                      interpret=False), q, pages, pages) > 0
+
+
+@pytest.mark.parametrize("activation,gated,block,scaled", [("silu", True, 64, False), ("silu", True, 128, True),
+                                                           ("gelu", False, 64, True)])
+def test_fp8_dact_tma_lowers_for_cuda(activation, gated, block, scaled):
+    """The TMA dActivation + cast + transpose (pallas_kernels/fp8_cast/tma.py: the transposed tile stored through a
+    transposed view of shared memory from the WGMMA_TRANSPOSED register layout), with and without input scales."""
+    from pallas_kernels.fp8_cast.tma import dact_cast_transpose_tma
+
+    M, F = 256, 384
+    dh = jax.ShapeDtypeStruct((M, F), BF)
+    gu = jax.ShapeDtypeStruct((M, 2, F) if gated else (M, F), BF)
+    s = jax.ShapeDtypeStruct((), jnp.float32)
+    extra = dict(gu_scale=jnp.float32(0.5), dh_scale=jnp.float32(2.0)) if scaled else {}
+    f = lambda dh, gu, s: dact_cast_transpose_tma(dh, gu, s, activation=activation, gated=gated, block=block,
+                                                  out_dtype=jnp.float8_e5m2, round_to=BF, **extra)
+    assert _lower(f, dh, gu, s) > 0

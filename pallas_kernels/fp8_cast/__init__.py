@@ -12,3 +12,4 @@ from pallas_kernels.fp8_cast.kernels import (  # noqa: F401
 )
 from pallas_kernels.fp8_cast.many import cast_transpose_many, many_block  # noqa: F401
 from pallas_kernels.fp8_cast.norm_stats import norm_stats_cast_transpose  # noqa: F401
+from pallas_kernels.fp8_cast.tma import dact_cast_transpose_tma  # noqa: F401

@@ -10,6 +10,7 @@ input's dtype (`prescale`): a GEMM's FP8 dequantization scale is applied here in
 from __future__ import annotations
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 
 from pallas_kernels.ln_mlp.activations import ACTIVATIONS  # the activation math te_jax uses (plain jnp)
@@ -54,6 +55,23 @@ def dact(activation: str, gated: bool, dh, g, u=None):
     fn = act_fn(activation, gated)
     args = (g, u) if gated else (g,)
     return jax.vjp(fn, *args)[1](dh)
+
+
+def dact_traced(activation: str, gated: bool, dh, g, u=None):
+    """dact's values from the same operations, with autodiff's add_any (which Mosaic GPU does not lower) run as
+    add: dact's jaxpr evaluated primitive by primitive (flat: the activations are plain jnp)."""
+    args = (dh, g) + ((u,) if gated else ())
+    closed = jax.make_jaxpr(lambda *a: dact(activation, gated, *a))(*args)
+    env = dict(zip(closed.jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
+    for eqn in closed.jaxpr.eqns:
+        prim = jax.lax.add_p if eqn.primitive.name == "add_any" else eqn.primitive
+        if eqn.params.get("jaxpr") is not None or eqn.params.get("call_jaxpr") is not None:
+            raise NotImplementedError(f"dact_traced: {eqn.primitive} holds a sub-jaxpr")
+        outs = prim.bind(*map(read, eqn.invars), **eqn.params)
+        for var, val in zip(eqn.outvars, outs if prim.multiple_results else [outs]):
+            env[var] = val
+    return [read(v) for v in closed.jaxpr.outvars]
 
 
 def check_common(where, *, activation=None, gated=None, out_dtype=None, round_to=None, arrays=()):

@@ -82,6 +82,27 @@ def merged_casts() -> bool:
     return policy.env_choice(MERGED_CASTS_ENV, ("1", "0"), "1") == "1"
 
 
+DACT_KERNEL_ENV = "TE_JAX_FP8_DACT_KERNEL"
+
+
+def dact_kernel(m: int, f: int, interpret) -> str:
+    """Which kernel casts the fused MLP's activation gradient (dact + cast + transpose): "triton" (the default,
+    pallas_kernels/fp8_cast/kernels.py) or "tma" (pallas_kernels/fp8_cast/tma.py: Hopper's TMA, written to reach copy
+    bandwidth; NOT YET RUN ON A GPU, so opt-in), from TE_JAX_FP8_DACT_KERNEL ("triton" or "tma", read at trace
+    time).  "tma" falls back to "triton" where it cannot run: M or F not a multiple of TMA_DACT_BLOCK, or the
+    kernels in interpret mode (no GPU)."""
+    setting = policy.env_choice(DACT_KERNEL_ENV, ("triton", "tma"), "triton")
+    interpreted = jax.default_backend() != "gpu" if interpret is None else interpret
+    if setting == "tma" and not interpreted and m % TMA_DACT_BLOCK == 0 and f % TMA_DACT_BLOCK == 0:
+        return "tma"
+    return "triton"
+
+
+#: The TMA dact kernel's tile (64: 40 KiB of shared memory per CTA for SwiGLU, so several CTAs share an SM and
+#: overlap one another's loads and stores; a 128 tile would take 160 KiB, one CTA per SM).
+TMA_DACT_BLOCK = 64
+
+
 def fused_cast_unavailable(recipe) -> str | None:
     """Why an FP8 GEMM would NOT quantize through the fused Pallas cast kernels (None: it does)."""
     setting = fused_setting()

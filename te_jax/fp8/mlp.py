@@ -45,7 +45,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options
+from pallas_kernels.fp8_cast.tma import dact_cast_transpose_tma
+from te_jax.fp8.fused import (TMA_DACT_BLOCK, dact_kernel, fused_cast_unavailable, keep_weight_copies,
+                             launch_options)
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -190,8 +192,12 @@ def _mlp_bwd(cfg, res, dy):
     if not delayed:
         sdgu = compute_scale(_k.dact_amax(dh, gu, **owed, **act, **launch_options("dact_amax", cfg.interpret)),
                              1.0, bmax)
-    dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act,
-                                               **launch_options("dact", cfg.interpret))
+    if dact_kernel(dh.shape[0], dh.shape[1], cfg.interpret) == "tma":  # TE_JAX_FP8_DACT_KERNEL=tma (opt-in)
+        dguq, dguqT, adgu = dact_cast_transpose_tma(dh, gu, sdgu, out_dtype=bdt, **owed, **act,
+                                                    block=TMA_DACT_BLOCK)
+    else:
+        dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act,
+                                                   **launch_options("dact", cfg.interpret))
     dx = _gemm(cfg, dt, 1.0 / sdgu, sw1i, dguq.reshape(dh.shape[0], -1), w1q)   # [M, D]     wi dgrad
     dw1 = _wgrad(cfg, dt, sxi, 1.0 / sdgu, xqT, dguqT)                    # [D, n*F]   wi wgrad
     wi_ct = wo_ct = None
