@@ -220,16 +220,23 @@ def test_triton_kernels_lower_for_cuda():
 
 @pytest.mark.parametrize("activation,gated,block,scaled", [("silu", True, 64, False), ("silu", True, 128, True),
                                                            ("gelu", False, 64, True)])
-def test_fp8_dact_tma_lowers_for_cuda(activation, gated, block, scaled):
-    """The TMA dActivation + cast + transpose (pallas_kernels/fp8_cast/tma.py: the transposed tile stored through a
-    transposed view of shared memory from the WGMMA_TRANSPOSED register layout), with and without input scales."""
-    from pallas_kernels.fp8_cast.tma import dact_cast_transpose_tma
+def test_fp8_tma_casts_lower_for_cuda(activation, gated, block, scaled):
+    """The TMA cast kernels (pallas_kernels/fp8_cast/tma.py: each tile stored row-major and, through a transposed
+    shared-memory view, from the WGMMA_TRANSPOSED register layout): dact and act with and without owed input scales,
+    the cast + transpose of bf16 and of fp32 (a weight's master copy) with and without the row-major copy."""
+    from pallas_kernels.fp8_cast.tma import act_cast_tma, cast_transpose_tma, dact_cast_transpose_tma
 
     M, F = 256, 384
     dh = jax.ShapeDtypeStruct((M, F), BF)
     gu = jax.ShapeDtypeStruct((M, 2, F) if gated else (M, F), BF)
     s = jax.ShapeDtypeStruct((), jnp.float32)
-    extra = dict(gu_scale=jnp.float32(0.5), dh_scale=jnp.float32(2.0)) if scaled else {}
-    f = lambda dh, gu, s: dact_cast_transpose_tma(dh, gu, s, activation=activation, gated=gated, block=block,
-                                                  out_dtype=jnp.float8_e5m2, round_to=BF, **extra)
-    assert _lower(f, dh, gu, s) > 0
+    act = dict(activation=activation, gated=gated, block=block, round_to=BF)
+    owed = dict(gu_scale=jnp.float32(0.5)) if scaled else {}
+    e5, e4 = jnp.float8_e5m2, jnp.float8_e4m3fn
+    assert _lower(lambda dh, gu, s: dact_cast_transpose_tma(dh, gu, s, out_dtype=e5, **act, **owed,
+                                                            **(dict(dh_scale=jnp.float32(2.0)) if scaled else {})),
+                  dh, gu, s) > 0
+    assert _lower(lambda gu, s: act_cast_tma(gu, s, out_dtype=e4, **act, **owed), gu, s) > 0
+    x = jax.ShapeDtypeStruct((M, F), BF if scaled else jnp.float32)
+    assert _lower(lambda x, s: cast_transpose_tma(x, s, out_dtype=e4, write_q=scaled, block=block, round_to=BF),
+                  x, s) > 0

@@ -1,15 +1,17 @@
-"""FP8 dActivation + cast + transpose on Hopper's TMA (Pallas Mosaic GPU): the SwiGLU backward's cast, written to
-reach copy bandwidth where the Triton-lowered kernel (kernels.dact_cast_transpose) is limited by its transposed
-stores.  Not yet run on a GPU: opt-in (te_jax: TE_JAX_FP8_DACT_KERNEL=tma), lowered for CUDA in CI.
+"""FP8 cast kernels on Hopper's TMA (Pallas Mosaic GPU), written to reach copy bandwidth where the Triton-lowered
+kernels (kernels.py) are limited by their transposed stores.  Not yet run on a GPU: opt-in (te_jax:
+TE_JAX_FP8_DACT_KERNEL=tma), lowered for CUDA in CI.  Each takes the call of its kernels.py twin and returns the same:
 
-    dact_cast_transpose_tma(dh, gu, scale, ...)   the same call and results as kernels.dact_cast_transpose:
-        dh [M, F], gu [M, 2, F] (gated) | [M, F] -> dgu_q [gu's shape], dgu_qT [n*F, M], amax (f32 scalar)
+    dact_cast_transpose_tma(dh, gu, scale, ...)  dh [M, F], gu [M, 2, F] | [M, F] -> dgu_q [gu's shape],
+                                                 dgu_qT [n*F, M], amax
+    act_cast_tma(gu, scale, ...)                 gu -> a_q [M, F], a_qT [F, M], amax
+    cast_transpose_tma(x, scale, ...)            x [M, N] -> x_q [M, N] (write_q), x_qT [N, M], amax
 
-One CTA (one warpgroup) per (block x block) tile of [M, F]: TMA brings the tile of dh and of each half of gu into
-shared memory; the warpgroup computes d(gate, up) in fp32 in the WGMMA register layout, casts it (common.saturate)
-and stores it twice, row-major and through a transposed view of a second tile (the register layout switched to its
-transpose first, one shuffle per pair of registers); TMA writes both tiles and the tile's row maxima of |dgu|.
-M and F must be multiples of the block (64 or 128).
+One CTA (one warpgroup) per (block x block) tile of the output's [M, F]: TMA brings the input tiles into shared
+memory; the warpgroup computes in fp32 in the WGMMA register layout, casts (common.saturate) and stores each result
+twice, row-major and through a transposed view of a second tile (the register layout switched to its transpose
+first: one shuffle per pair of registers); TMA writes both tiles and the tile's row maxima of |value| (the amax is
+their max).  M and every F must be multiples of the block (64 or 128); the inputs share one dtype.
 """
 from __future__ import annotations
 
@@ -28,74 +30,137 @@ def _swizzled(plgpu, dtype, cols: int):
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _tile_cast(where, loads, compute, scales, *, m: int, f: int, n_out: int, out_dtype, write_q: bool, block: int,
+               interpret, name: str):
+    """The shared kernel.  loads: [(array [M, W], column offset)] read per tile at rows [i*block, +block) and
+    columns offset + [j*block, +block); compute(tiles f32, scale_ref) -> n_out f32 tiles (cast with scale_ref[0]).
+    Returns (q [M, n_out*F] or None, qT [n_out*F, M], amax f32 scalar)."""
+    if interpret:
+        raise ValueError(f"{where}: no interpret mode (the TMA kernel runs on an sm90 GPU only); use its kernels.py "
+                         f"twin, which interprets on the CPU.")
+    if block not in (64, 128) or m % block or f % block:
+        raise ValueError(f"{where}: M={m} and F={f} must be multiples of block={block} (64 or 128); use its "
+                         f"kernels.py twin for other shapes.")
+    in_dtype = loads[0][0].dtype
+    if any(a.dtype != in_dtype for a, _ in loads):
+        raise ValueError(f"{where}: the inputs must share one dtype; got {[str(a.dtype) for a, _ in loads]}; use "
+                         f"its kernels.py twin.")
+    plgpu = mosaic_gpu()
+    gm, gf = m // block, f // block
+    n_in = len(loads)
+
+    def body(*refs):
+        in_refs, scale_ref, refs = refs[:n_in], refs[n_in], refs[n_in + 1:]
+        q_ref, refs = (refs[0], refs[1:]) if write_q else (None, refs)
+        qt_ref, amax_ref, in_s, q_s, qt_s, amax_s, bar = refs
+        i, j = jax.lax.axis_index("m"), jax.lax.axis_index("f")
+        rows = pl.ds(i * block, block)
+        for t, ((_, off), ref) in enumerate(zip(loads, in_refs)):
+            plgpu.copy_gmem_to_smem(ref.at[rows, pl.ds(off + j * block, block)], in_s.at[t], bar)
+        plgpu.barrier_wait(bar)
+        tiles = [plgpu.load(in_s.at[t], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32) for t in range(n_in)]
+        outs = compute(tiles, scale_ref)
+        amax = C.abs_for_amax(outs[0])
+        for v in outs[1:]:
+            amax = jnp.maximum(amax, C.abs_for_amax(v))
+        amax_s[...] = amax.max(axis=1)
+        s = scale_ref[0]
+        for h, v in enumerate(outs):
+            if write_q:
+                q_s.at[h][...] = C.saturate(v, s, out_dtype)
+            vt = plgpu.layout_cast(v, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.transpose_ref(qt_s.at[h], (1, 0))[...] = C.saturate(vt, s, out_dtype)
+        plgpu.commit_smem()
+        for h in range(n_out):
+            cols = pl.ds(h * f + j * block, block)
+            if write_q:
+                plgpu.copy_smem_to_gmem(q_s.at[h], q_ref.at[rows, cols])
+            plgpu.copy_smem_to_gmem(qt_s.at[h], qt_ref.at[cols, rows])
+        plgpu.copy_smem_to_gmem(amax_s, amax_ref.at[i * gf + j])
+        plgpu.wait_smem_to_gmem(0)
+
+    tr_out = _swizzled(plgpu, out_dtype, block)
+    body.__name__ = name  # the GPU kernel's name in profiles
+    out_type = (([jax.ShapeDtypeStruct((m, n_out * f), out_dtype)] if write_q else [])
+                + [jax.ShapeDtypeStruct((n_out * f, m), out_dtype), jax.ShapeDtypeStruct((gm * gf, block), jnp.float32)])
+    outs = plgpu.kernel(
+        body, out_type=tuple(out_type), grid=(gm, gf), grid_names=("m", "f"),
+        scratch_types=[plgpu.SMEM((n_in, block, block), in_dtype, transforms=_swizzled(plgpu, in_dtype, block)),
+                       plgpu.SMEM((n_out if write_q else 1, block, block), out_dtype, transforms=tr_out),
+                       plgpu.SMEM((n_out, block, block), out_dtype, transforms=tr_out),
+                       plgpu.SMEM((block,), jnp.float32),
+                       plgpu.Barrier(num_arrivals=n_in)],
+    )(*(a for a, _ in loads), scales)
+    q, (qt, parts) = (outs[0], outs[1:]) if write_q else (None, outs)
+    return q, qt, jnp.max(parts)
+
+
+def _in_scales(scale_ref, in_scaled):
+    """The owed input scales, read from scale_ref[1:] in order (None where an input owes none)."""
+    k = iter(range(1, 1 + sum(in_scaled)))
+    return [scale_ref[next(k)] if on else None for on in in_scaled]
+
+
 @lower_once(static_argnames=("activation", "gated", "out_dtype", "round_to", "block", "interpret"))
 def dact_cast_transpose_tma(dh, gu, scale, *, activation, gated, out_dtype, round_to=None, gu_scale=None,
                             dh_scale=None, block: int = 64, interpret=None):
     """As kernels.dact_cast_transpose (dh [M, F] the cotangent of a = act(gate) * up or act(gu); scale, gu_scale,
-    dh_scale fp32 scalars), on the GPU's TMA.  Returns (dgu_q [gu's shape], dgu_qT [n*F, M], amax f32 scalar)."""
+    dh_scale fp32 scalars).  Returns (dgu_q [gu's shape], dgu_qT [n*F, M], amax f32 scalar)."""
     where = "dact_cast_transpose_tma"
     C.check_common(where, activation=activation, gated=gated, out_dtype=out_dtype, round_to=round_to,
                    arrays=[("dh", dh), ("gu", gu)])
     gu2, m, f, n = C.split_gated(gu, gated, where)
     if tuple(dh.shape) != (m, f):
         raise ValueError(f"{where}: dh has shape {tuple(dh.shape)}; expected {(m, f)} for gu {tuple(gu.shape)}.")
-    if interpret:
-        raise ValueError(f"{where}: no interpret mode (the TMA kernel runs on an sm90 GPU only); use "
-                         f"kernels.dact_cast_transpose, which interprets on the CPU.")
-    if block not in (64, 128) or m % block or f % block:
-        raise ValueError(f"{where}: M={m} and F={f} must be multiples of block={block} (64 or 128); use "
-                         f"kernels.dact_cast_transpose for other shapes.")
-    plgpu = mosaic_gpu()
-    scales = C.scale_array(scale, gu_scale, dh_scale)
     in_scaled = (gu_scale is not None, dh_scale is not None)
-    gm, gf = m // block, f // block
-    in_dt = (dh.dtype, gu.dtype)
 
-    def body(dh_ref, gu_ref, scale_ref, q_ref, qt_ref, amax_ref, dh_s, gu_s, q_s, qt_s, amax_s, bar):
-        i, j = jax.lax.axis_index("m"), jax.lax.axis_index("f")
-        rows, cols = pl.ds(i * block, block), pl.ds(j * block, block)
-        plgpu.copy_gmem_to_smem(dh_ref.at[rows, cols], dh_s, bar)
-        for h in range(n):
-            plgpu.copy_gmem_to_smem(gu_ref.at[rows, pl.ds(h * f + j * block, block)], gu_s.at[h], bar)
-        k = iter(range(1, 3))
-        s_gu, s_dh = (scale_ref[next(k)] if on else None for on in in_scaled)
-        plgpu.barrier_wait(bar)
-        load = lambda ref: plgpu.load(ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-        d_h = C.prescale(load(dh_s), s_dh, in_dt[0])
-        g = C.prescale(load(gu_s.at[0]), s_gu, in_dt[1])
-        u = C.prescale(load(gu_s.at[1]), s_gu, in_dt[1]) if gated else None
-        grads = [C.maybe_round(d, round_to) for d in C.dact_traced(activation, gated, d_h, g, u)]
-        t = C.abs_for_amax(grads[0])
-        for d in grads[1:]:
-            t = jnp.maximum(t, C.abs_for_amax(d))
-        amax_s[...] = t.max(axis=1)
-        s = scale_ref[0]
-        for h, d in enumerate(grads):
-            q_s.at[h][...] = C.saturate(d, s, out_dtype)
-            dt = plgpu.layout_cast(d, plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.transpose_ref(qt_s.at[h], (1, 0))[...] = C.saturate(dt, s, out_dtype)
-        plgpu.commit_smem()
-        for h in range(n):
-            plgpu.copy_smem_to_gmem(q_s.at[h], q_ref.at[rows, pl.ds(h * f + j * block, block)])
-            plgpu.copy_smem_to_gmem(qt_s.at[h], qt_ref.at[pl.ds(h * f + j * block, block), rows])
-        plgpu.copy_smem_to_gmem(amax_s, amax_ref.at[i * gf + j])
-        plgpu.wait_smem_to_gmem(0)
+    def compute(tiles, scale_ref):
+        s_gu, s_dh = _in_scales(scale_ref, in_scaled)
+        d_h = C.prescale(tiles[0], s_dh, dh.dtype)
+        g = C.prescale(tiles[1], s_gu, gu.dtype)
+        u = C.prescale(tiles[2], s_gu, gu.dtype) if gated else None
+        return [C.maybe_round(d, round_to) for d in C.dact_traced(activation, gated, d_h, g, u)]
 
-    tr_in, tr_out = _swizzled(plgpu, dh.dtype, block), _swizzled(plgpu, out_dtype, block)
-    body.__name__ = f"te_fp8_dact_{activation}{'_glu' if gated else ''}_tma"  # the GPU kernel's name in profiles
-    q, qt, parts = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((m, n * f), out_dtype), jax.ShapeDtypeStruct((n * f, m), out_dtype),
-                  jax.ShapeDtypeStruct((gm * gf, block), jnp.float32)),
-        grid=(gm, gf), grid_names=("m", "f"),
-        scratch_types=[plgpu.SMEM((block, block), dh.dtype, transforms=tr_in),
-                       plgpu.SMEM((n, block, block), gu.dtype, transforms=_swizzled(plgpu, gu.dtype, block)),
-                       plgpu.SMEM((n, block, block), out_dtype, transforms=tr_out),
-                       plgpu.SMEM((n, block, block), out_dtype, transforms=tr_out),
-                       plgpu.SMEM((block,), jnp.float32),
-                       plgpu.Barrier(num_arrivals=1 + n)],
-    )(dh, gu2, scales)
-    return q.reshape(gu.shape), qt, jnp.max(parts)
+    loads = [(dh, 0)] + [(gu2, h * f) for h in range(n)]
+    q, qt, amax = _tile_cast(where, loads, compute, C.scale_array(scale, gu_scale, dh_scale), m=m, f=f, n_out=n,
+                             out_dtype=out_dtype, write_q=True, block=block, interpret=interpret,
+                             name=f"te_fp8_dact_{activation}{'_glu' if gated else ''}_tma")
+    return q.reshape(gu.shape), qt, amax
 
 
-__all__ = ["dact_cast_transpose_tma"]
+@lower_once(static_argnames=("activation", "gated", "out_dtype", "round_to", "block", "interpret"))
+def act_cast_tma(gu, scale, *, activation, gated, out_dtype, round_to=None, gu_scale=None, block: int = 64,
+                 interpret=None):
+    """As kernels.act_cast(..., transpose=True) (a = act(gate) * up or act(gu); scale, gu_scale fp32 scalars).
+    Returns (a_q [M, F], a_qT [F, M], amax f32 scalar)."""
+    where = "act_cast_tma"
+    C.check_common(where, activation=activation, gated=gated, out_dtype=out_dtype, round_to=round_to,
+                   arrays=[("gu", gu)])
+    gu2, m, f, n = C.split_gated(gu, gated, where)
+    act = C.act_fn(activation, gated)
+
+    def compute(tiles, scale_ref):
+        (s_gu,) = _in_scales(scale_ref, (gu_scale is not None,))
+        args = [C.prescale(t, s_gu, gu.dtype) for t in tiles]
+        return [C.maybe_round(act(*args), round_to)]
+
+    return _tile_cast(where, [(gu2, h * f) for h in range(n)], compute, C.scale_array(scale, gu_scale), m=m, f=f,
+                      n_out=1, out_dtype=out_dtype, write_q=True, block=block, interpret=interpret,
+                      name=f"te_fp8_act_{activation}{'_glu' if gated else ''}_tma")
+
+
+@lower_once(static_argnames=("out_dtype", "round_to", "write_q", "block", "interpret"))
+def cast_transpose_tma(x, scale, *, out_dtype, round_to=None, write_q: bool = True, block: int = 64, interpret=None):
+    """As kernels.cast_transpose (write_q) or kernels.cast_transposed (not write_q): x [M, N] -> (x_q [M, N] or None,
+    x_qT [N, M], amax f32 scalar)."""
+    where = "cast_transpose_tma"
+    C.check_common(where, out_dtype=out_dtype, round_to=round_to, arrays=[("x", x)])
+    if x.ndim != 2:
+        raise ValueError(f"{where}: x must be 2-D [M, N]; got shape {tuple(x.shape)}.")
+    m, n = x.shape
+    return _tile_cast(where, [(x, 0)], lambda tiles, _: [C.maybe_round(tiles[0], round_to)], C.scale_array(scale),
+                      m=m, f=n, n_out=1, out_dtype=out_dtype, write_q=write_q, block=block, interpret=interpret,
+                      name="te_fp8_cast_transpose_tma" if write_q else "te_fp8_cast_transposed_tma")
+
+
+__all__ = ["act_cast_tma", "cast_transpose_tma", "dact_cast_transpose_tma"]
