@@ -82,7 +82,8 @@ def _tile_cast(where, loads, compute, scales, *, m: int, f: int, n_out: int, out
     tr_out = _swizzled(plgpu, out_dtype, block)
     body.__name__ = name  # the GPU kernel's name in profiles
     out_type = (([jax.ShapeDtypeStruct((m, n_out * f), out_dtype)] if write_q else [])
-                + [jax.ShapeDtypeStruct((n_out * f, m), out_dtype), jax.ShapeDtypeStruct((gm * gf, block), jnp.float32)])
+                + [jax.ShapeDtypeStruct((n_out * f, m), out_dtype),
+                   jax.ShapeDtypeStruct((gm * gf, block), jnp.float32)])
     outs = plgpu.kernel(
         body, out_type=tuple(out_type), grid=(gm, gf), grid_names=("m", "f"),
         scratch_types=[plgpu.SMEM((n_in, block, block), in_dtype, transforms=_swizzled(plgpu, in_dtype, block)),
