@@ -137,20 +137,24 @@ def test_dact_traced_equals_dact():
                 np.testing.assert_array_equal(a, b)
 
 
-def test_dact_kernel_switch(monkeypatch):
-    """TE_JAX_FP8_DACT_KERNEL picks the dact cast kernel: "triton" by default; "tma" only compiled (not in interpret
-    mode) and where M and F are multiples of its tile; anything else a clear error."""
-    from te_jax.fp8.fused import TMA_DACT_BLOCK, dact_kernel
+def test_tma_casts_switch(monkeypatch):
+    """TE_JAX_FP8_TMA_CASTS picks which casts run on the TMA kernels: none by default; a listed kind only compiled
+    (not in interpret mode), on arrays whose dims are multiples of the tile and whose dtypes agree; unknown kinds a
+    clear error."""
+    from te_jax.fp8.fused import TMA_BLOCK, tma_cast
 
-    b = TMA_DACT_BLOCK
-    monkeypatch.delenv("TE_JAX_FP8_DACT_KERNEL", raising=False)
-    assert dact_kernel(8 * b, 4 * b, False) == "triton"
-    monkeypatch.setenv("TE_JAX_FP8_DACT_KERNEL", "tma")
-    assert dact_kernel(8 * b, 4 * b, False) == "tma"
-    assert dact_kernel(8 * b, 4 * b, True) == "triton" and dact_kernel(8 * b + 8, 4 * b, False) == "triton"
-    monkeypatch.setenv("TE_JAX_FP8_DACT_KERNEL", "cuda")
-    with pytest.raises(ValueError, match="TE_JAX_FP8_DACT_KERNEL"):
-        dact_kernel(8 * b, 4 * b, False)
+    b = TMA_BLOCK
+    x, y = jnp.zeros((8 * b, 4 * b), BF), jnp.zeros((8 * b, 2 * b), BF)
+    monkeypatch.delenv("TE_JAX_FP8_TMA_CASTS", raising=False)
+    assert not tma_cast("dact", False, x, y)
+    monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", "dact, act")
+    assert tma_cast("dact", False, x, y) and tma_cast("act", False, x) and not tma_cast("weight", False, x)
+    assert not tma_cast("dact", True, x, y)  # interpret mode
+    assert not tma_cast("dact", False, x, jnp.zeros((8 * b, 2 * b + 8), BF))  # not whole tiles
+    assert not tma_cast("dact", False, x, y.astype(jnp.float32))  # dtypes differ
+    monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", "dact,cuda")
+    with pytest.raises(ValueError, match="TE_JAX_FP8_TMA_CASTS"):
+        tma_cast("dact", False, x, y)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the TMA kernel runs on an sm90 GPU only")
@@ -737,9 +741,10 @@ def test_gpu_fused_mlp_compiles_to_six_fp8_gemms(recipe):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the TMA kernel runs on an sm90 GPU only")
-def test_gpu_fused_mlp_with_the_tma_dact_kernel(monkeypatch):
-    """TE_JAX_FP8_DACT_KERNEL=tma: the fused MLP's steps (delayed scaling, the state carried) equal the default's,
-    the activation gradient's cast being the only kernel that differs."""
+@pytest.mark.parametrize("kinds", ["dact", "act,dact,weight,cast"])
+def test_gpu_fused_mlp_with_the_tma_casts(kinds, monkeypatch):
+    """TE_JAX_FP8_TMA_CASTS: the fused MLP's steps (delayed scaling, the state carried) equal the default's with the
+    listed casts on their TMA kernels."""
     from te_jax._compat import gpu_compute_capability
 
     if (gpu_compute_capability() or (0, 0)) != (9, 0):
@@ -751,9 +756,9 @@ def test_gpu_fused_mlp_with_the_tma_dact_kernel(monkeypatch):
     w2 = (jax.random.normal(ks[2], (512, 256)) * 512 ** -0.5).astype(BF)
     g = jax.random.normal(ks[3], x.shape).astype(BF)
     recipe = DelayedScaling(amax_history_len=16)
-    monkeypatch.delenv("TE_JAX_FP8_DACT_KERNEL", raising=False)
+    monkeypatch.delenv("TE_JAX_FP8_TMA_CASTS", raising=False)
     want = _steps(_fused, recipe, acts, x, w1, w2, g)
-    monkeypatch.setenv("TE_JAX_FP8_DACT_KERNEL", "tma")
+    monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", kinds)
     got = _steps(_fused, recipe, acts, x, w1, w2, g)
     for step_g, step_w in zip(got, want):
         for name, a, b in zip(("y", "dx", "dw1", "dw2"), step_g, step_w):

@@ -1,6 +1,6 @@
 """FP8 cast kernels on Hopper's TMA (Pallas Mosaic GPU), written to reach copy bandwidth where the Triton-lowered
 kernels (kernels.py) are limited by their transposed stores.  Not yet run on a GPU: opt-in (te_jax:
-TE_JAX_FP8_DACT_KERNEL=tma), lowered for CUDA in CI.  Each takes the call of its kernels.py twin and returns the same:
+TE_JAX_FP8_TMA_CASTS), lowered for CUDA in CI.  Each takes the call of its kernels.py twin and returns the same:
 
     dact_cast_transpose_tma(dh, gu, scale, ...)  dh [M, F], gu [M, 2, F] | [M, F] -> dgu_q [gu's shape],
                                                  dgu_qT [n*F, M], amax

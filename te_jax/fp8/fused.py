@@ -10,6 +10,8 @@ array), and LayerNormMLP runs te_jax/fp8/mlp.py (activation + cast, dActivation 
 """
 from __future__ import annotations
 
+import os
+
 import jax
 
 from te_jax.backends import policy
@@ -82,25 +84,31 @@ def merged_casts() -> bool:
     return policy.env_choice(MERGED_CASTS_ENV, ("1", "0"), "1") == "1"
 
 
-DACT_KERNEL_ENV = "TE_JAX_FP8_DACT_KERNEL"
+TMA_CASTS_ENV = "TE_JAX_FP8_TMA_CASTS"
+TMA_CAST_KINDS = ("act", "dact", "weight", "cast")
 
 
-def dact_kernel(m: int, f: int, interpret) -> str:
-    """Which kernel casts the fused MLP's activation gradient (dact + cast + transpose): "triton" (the default,
-    pallas_kernels/fp8_cast/kernels.py) or "tma" (pallas_kernels/fp8_cast/tma.py: Hopper's TMA, written to reach copy
-    bandwidth; NOT YET RUN ON A GPU, so opt-in), from TE_JAX_FP8_DACT_KERNEL ("triton" or "tma", read at trace
-    time).  "tma" falls back to "triton" where it cannot run: M or F not a multiple of TMA_DACT_BLOCK, or the
-    kernels in interpret mode (no GPU)."""
-    setting = policy.env_choice(DACT_KERNEL_ENV, ("triton", "tma"), "triton")
+def tma_cast(kind: str, interpret, *arrays) -> bool:
+    """Whether the fused FP8 path runs the `kind` cast ("act": the activation's cast, "dact": the activation
+    gradient's, "weight": a weight's cast + transpose, "cast": an activation's or gradient's cast + transpose) on
+    its TMA kernel (pallas_kernels/fp8_cast/tma.py, written to reach copy bandwidth; NOT YET RUN ON A GPU, so
+    opt-in) instead of the Triton-lowered one: TE_JAX_FP8_TMA_CASTS, read at trace time, is a comma-separated
+    subset of TMA_CAST_KINDS (unset or empty: none).  Even then the Triton kernel runs in interpret mode (no GPU),
+    where an array's last two dims are not multiples of TMA_BLOCK, or where the arrays' dtypes differ."""
+    raw = os.environ.get(TMA_CASTS_ENV, "")
+    kinds = [k.strip() for k in raw.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in TMA_CAST_KINDS]
+    if bad:
+        raise ValueError(f"{TMA_CASTS_ENV}={raw!r}: {bad} not among {TMA_CAST_KINDS} (a comma-separated subset; "
+                         f"unset: none).")
     interpreted = jax.default_backend() != "gpu" if interpret is None else interpret
-    if setting == "tma" and not interpreted and m % TMA_DACT_BLOCK == 0 and f % TMA_DACT_BLOCK == 0:
-        return "tma"
-    return "triton"
+    return (kind in kinds and not interpreted and len({a.dtype for a in arrays}) == 1
+            and all(d % TMA_BLOCK == 0 for a in arrays for d in (a.shape[0], a.shape[-1])))
 
 
-#: The TMA dact kernel's tile (64: 40 KiB of shared memory per CTA for SwiGLU, so several CTAs share an SM and
-#: overlap one another's loads and stores; a 128 tile would take 160 KiB, one CTA per SM).
-TMA_DACT_BLOCK = 64
+#: The TMA cast kernels' tile (64: 40 KiB of shared memory per CTA for the SwiGLU backward, so several CTAs share an
+#: SM and overlap one another's loads and stores; a 128 tile would take 160 KiB, one CTA per SM).
+TMA_BLOCK = 64
 
 
 def fused_cast_unavailable(recipe) -> str | None:

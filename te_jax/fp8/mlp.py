@@ -45,9 +45,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
 from te_jax.fp8 import norm_cast as _nc
-from pallas_kernels.fp8_cast.tma import dact_cast_transpose_tma
-from te_jax.fp8.fused import (TMA_DACT_BLOCK, dact_kernel, fused_cast_unavailable, keep_weight_copies,
-                             launch_options)
+from pallas_kernels.fp8_cast import tma as _tma
+from te_jax.fp8.fused import TMA_BLOCK, fused_cast_unavailable, keep_weight_copies, launch_options, tma_cast
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -107,6 +106,16 @@ def _mlp(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
     return _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg)[0]
 
 
+def _cast_transpose(kind, cfg, x, scale, out_dtype, *, write_q=True, round_to=None, **launch):
+    """(x_q or None, x_qT, amax) of x [M, N]: the Triton cast kernel, or its TMA twin where tma_cast(kind) says so."""
+    if tma_cast(kind, cfg.interpret, x):  # TE_JAX_FP8_TMA_CASTS (opt-in)
+        return _tma.cast_transpose_tma(x, scale, out_dtype=out_dtype, round_to=round_to, write_q=write_q,
+                                       block=TMA_BLOCK)
+    if write_q:
+        return _k.cast_transpose(x, scale, out_dtype=out_dtype, round_to=round_to, **launch)
+    return (None,) + tuple(_k.cast_transposed(x, scale, out_dtype=out_dtype, round_to=round_to, **launch))
+
+
 def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
     """x [M, D] dt (the norm's input when cfg.norm, with gamma / beta [D]), w1 [D, n, F], w2 [F, Dout] -> y [M, Dout]
     dt."""
@@ -127,26 +136,29 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
         xin = x if cfg.norm is None else _nc.output(x, gamma, beta, st, cfg.norm)
         sx, sw1, sw2 = (compute_scale(amax(t), 1.0, fmax) for t in (xin, w1f.astype(dt), w2.astype(dt)))
     if cfg.norm is None:
-        xq, xqT, ax = _k.cast_transpose(x, sx, out_dtype=fdt, **kw)
+        xq, xqT, ax = _cast_transpose("cast", cfg, x, sx, fdt, **kw)
     elif fused_stats:  # the norm's statistics inside the cast kernel (one read of x)
         xq, xqT, ax, st = _nc.stats_and_cast(x, gamma, beta, sx, cfg.norm, fdt, cfg.interpret)
     else:
         xq, xqT, ax = _nc.cast(x, gamma, beta, st, sx, cfg.norm, fdt, **kw)
     if cfg.keep_weights:  # both layouts from one read; the backward's dgrads take w_q as it is
-        w1q, w1qT, aw1 = _k.cast_transpose(w1f, sw1, out_dtype=fdt, round_to=dt, **kw_w)
-        w2q, w2qT, aw2 = _k.cast_transpose(w2, sw2, out_dtype=fdt, round_to=dt, **kw_w)
+        w1q, w1qT, aw1 = _cast_transpose("weight", cfg, w1f, sw1, fdt, round_to=dt, **kw_w)
+        w2q, w2qT, aw2 = _cast_transpose("weight", cfg, w2, sw2, fdt, round_to=dt, **kw_w)
         kept = (w1q, w2q)
     else:  # the backward re-casts w1, w2
-        w1qT, aw1 = _k.cast_transposed(w1f, sw1, out_dtype=fdt, round_to=dt, **kw_w)
-        w2qT, aw2 = _k.cast_transposed(w2, sw2, out_dtype=fdt, round_to=dt, **kw_w)
+        _, w1qT, aw1 = _cast_transpose("weight", cfg, w1f, sw1, fdt, write_q=False, round_to=dt, **kw_w)
+        _, w2qT, aw2 = _cast_transpose("weight", cfg, w2, sw2, fdt, write_q=False, round_to=dt, **kw_w)
         kept = None
     gu, s_gu = _gemm_owing_scale(cfg, dt, 1.0 / sx, 1.0 / sw1, xq, w1qT)  # [M, n*F]  wi fprop
     gu = gu.reshape(-1, n, f) if cfg.gated else gu
     if not delayed:
         sa = compute_scale(_k.act_amax(gu, gu_scale=s_gu, **act, **launch_options("act_amax", cfg.interpret)),
                            1.0, fmax)
-    aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, gu_scale=s_gu, **act,
-                              **launch_options("act", cfg.interpret))
+    if tma_cast("act", cfg.interpret, gu.reshape(gu.shape[0], -1)):  # TE_JAX_FP8_TMA_CASTS (opt-in)
+        aq, aqT, aa = _tma.act_cast_tma(gu, sa, out_dtype=fdt, gu_scale=s_gu, **act, block=TMA_BLOCK)
+    else:
+        aq, aqT, aa = _k.act_cast(gu, sa, out_dtype=fdt, transpose=True, gu_scale=s_gu, **act,
+                                  **launch_options("act", cfg.interpret))
     y = _gemm(cfg, dt, 1.0 / sa, 1.0 / sw2, aq, w2qT)                     # [M, Dout] wo fprop
     new_fwd = None
     if delayed:  # the forward halves of the two states' updates (input_*, kernel_*), handed out by the backward
@@ -185,16 +197,15 @@ def _mlp_bwd(cfg, res, dy):
         sdgu, sdy = _read_scale(wi_gs), _read_scale(wo_gs)
     else:
         sdy = compute_scale(amax(dy), 1.0, bmax)
-    dyq, dyqT, ady = _k.cast_transpose(dy, sdy, out_dtype=bdt, **kw)
+    dyq, dyqT, ady = _cast_transpose("cast", cfg, dy, sdy, bdt, **kw)
     dh, s_dh = _gemm_owing_scale(cfg, dt, 1.0 / sdy, sw2i, dyq, w2q)     # [M, F]     wo dgrad
     dw2 = _wgrad(cfg, dt, sai, 1.0 / sdy, aqT, dyqT)                       # [F, Dout]  wo wgrad
     owed = dict(gu_scale=s_gu, dh_scale=s_dh)
     if not delayed:
         sdgu = compute_scale(_k.dact_amax(dh, gu, **owed, **act, **launch_options("dact_amax", cfg.interpret)),
                              1.0, bmax)
-    if dact_kernel(dh.shape[0], dh.shape[1], cfg.interpret) == "tma":  # TE_JAX_FP8_DACT_KERNEL=tma (opt-in)
-        dguq, dguqT, adgu = dact_cast_transpose_tma(dh, gu, sdgu, out_dtype=bdt, **owed, **act,
-                                                    block=TMA_DACT_BLOCK)
+    if tma_cast("dact", cfg.interpret, dh, gu.reshape(gu.shape[0], -1)):  # TE_JAX_FP8_TMA_CASTS (opt-in)
+        dguq, dguqT, adgu = _tma.dact_cast_transpose_tma(dh, gu, sdgu, out_dtype=bdt, **owed, **act, block=TMA_BLOCK)
     else:
         dguq, dguqT, adgu = _k.dact_cast_transpose(dh, gu, sdgu, out_dtype=bdt, **owed, **act,
                                                    **launch_options("dact", cfg.interpret))
