@@ -14,8 +14,8 @@ Shapes: the Llama MLP of benchmarks/fp8_layer_gpu.py (tokens M = 4 x 2048, hidde
 the unfused path's passes. Reported: ms (median of interleaved rounds) and TB/s of the fused kernel's minimal
 traffic (each input read once, each output written once), so both variants are rated on the same bytes.
 Correctness: kernel vs xla outputs at most one FP8 step apart, amax within fp32 rounding. JSON to $OUT.
-dact_cast_transpose also runs the TMA kernel (pallas_kernels/fp8_cast/tma.py, tiles of 64 and 128; GPU only, not
-with --cpu-smoke), checked and timed beside the Triton-lowered one.
+act_cast, dact_cast_transpose and the two cast + transposes also run their TMA twins (pallas_kernels/fp8_cast/tma.py,
+tiles of 64 and 128; GPU only, not with --cpu-smoke), checked and timed beside the Triton-lowered kernels.
 """
 from __future__ import annotations
 
@@ -47,6 +47,12 @@ def _ulps(a, b):
     return np.abs(ordinal(a) - ordinal(b))
 
 
+def _tma_variants(fn):
+    """{"tma block=64": jit(fn(..., b=64)), "tma block=128": ...}: a TMA twin (pallas_kernels/fp8_cast/tma.py; GPU
+    only) at both tiles, run beside the case's Triton-lowered kernel."""
+    return {f"tma block={b}": jax.jit(functools.partial(fn, b=b)) for b in (64, 128)}
+
+
 def cases(M, D, F):
     k = jax.random.split(jax.random.key(0), 4)
     w1 = (jax.random.normal(k[3], (D, 2 * F), jnp.float32) * 0.02).astype(BF)
@@ -59,14 +65,14 @@ def cases(M, D, F):
         "act_cast": dict(
             args=(gu, s), nbytes=M * 2 * F * 2 + 2 * M * F,
             kernel=lambda cfg: jax.jit(lambda gu, s: K.act_cast(gu, s, out_dtype=E4, transpose=True, **act, **cfg)),
-            xla=jax.jit(lambda gu, s: R.act_cast(gu, s, out_dtype=E4, transpose=True, **act))),
+            xla=jax.jit(lambda gu, s: R.act_cast(gu, s, out_dtype=E4, transpose=True, **act)),
+            extra=_tma_variants(lambda gu, s, b: T.act_cast_tma(gu, s, out_dtype=E4, block=b, **act))),
         "dact_cast_transpose": dict(
             args=(dh, gu, s), nbytes=M * F * 2 + M * 2 * F * 2 + 2 * M * 2 * F,
             kernel=lambda cfg: jax.jit(lambda dh, gu, s: K.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act, **cfg)),
             xla=jax.jit(lambda dh, gu, s: R.dact_cast_transpose(dh, gu, s, out_dtype=E5, **act)),
-            extra={f"tma block={b}": jax.jit(functools.partial(  # pallas_kernels/fp8_cast/tma.py (GPU only)
-                lambda dh, gu, s, b: T.dact_cast_transpose_tma(dh, gu, s, out_dtype=E5, block=b, **act), b=b))
-                for b in (64, 128)}),
+            extra=_tma_variants(lambda dh, gu, s, b: T.dact_cast_transpose_tma(dh, gu, s, out_dtype=E5, block=b,
+                                                                                **act))),
         "act_amax": dict(
             args=(gu,), nbytes=M * 2 * F * 2,
             kernel=lambda cfg: jax.jit(lambda gu: (K.act_amax(gu, **act, **cfg),)),
@@ -78,11 +84,14 @@ def cases(M, D, F):
         "cast_transposed (weight wi [D, 2F])": dict(
             args=(w1, s), nbytes=D * 2 * F * 2 + D * 2 * F,
             kernel=lambda cfg: jax.jit(lambda w, s: K.cast_transposed(w, s, out_dtype=E4, round_to=BF, **cfg)),
-            xla=jax.jit(lambda w, s: R.cast_transpose(w, s, out_dtype=E4, round_to=BF)[1:])),
+            xla=jax.jit(lambda w, s: R.cast_transpose(w, s, out_dtype=E4, round_to=BF)[1:]),
+            extra=_tma_variants(lambda w, s, b: T.cast_transpose_tma(w, s, out_dtype=E4, round_to=BF, write_q=False,
+                                                                     block=b)[1:])),
         "cast_transpose": dict(
             args=(x, s), nbytes=M * D * 2 + 2 * M * D,
             kernel=lambda cfg: jax.jit(lambda x, s: K.cast_transpose(x, s, out_dtype=E4, **cfg)),
-            xla=jax.jit(lambda x, s: R.cast_transpose(x, s, out_dtype=E4))),
+            xla=jax.jit(lambda x, s: R.cast_transpose(x, s, out_dtype=E4)),
+            extra=_tma_variants(lambda x, s, b: T.cast_transpose_tma(x, s, out_dtype=E4, block=b))),
     }
 
 
