@@ -141,7 +141,7 @@ def split_ab(rounds: int):
         print(f"{'':18s} partial groups (positions, segments, both): {groups}", flush=True)
 
 
-def band_ab(rounds: int):
+def band_ab(rounds: int, device: bool = False):
     """One-segment masks whose positions are token indices (windows, bottom-right, causal given as data): the
     backward on the data-mask tables (positions read, dQ kernel) against the band backward (MaskRule.offset: no
     tables, the element mask from iotas) with the atomic dQ (auto) and with the dQ kernel; on prebuilt tables, so
@@ -186,6 +186,12 @@ def band_ab(rounds: int):
             print(f"  {vname:18s} bwd {b1 * 1e6:7.1f} us ({2.5 * fl / b1 / 1e12:4.0f} TFLOP/s, x{b0 / b1:.3f}) | "
                   f"fwd+bwd {3.5 * fl / (tf + b1) / 1e12:4.0f} TFLOP/s (x{(tf + b0) / (tf + b1):.3f}) | max |diff| "
                   f"dq, dk, dv {', '.join(f'{d:.1e}' for d in diffs)}", flush=True)
+            if device:  # the device clock: each kernel of the backward (dK/dV, dQ, the dQ buffer's passes)
+                from benchmarks import device_time
+                prof = device_time.profiled(*fns[vname], calls=5)
+                top = ", ".join(f"{n} {t * 1e6:.0f}" for n, t in prof["durations"].items())
+                print(f"    device: {prof['kernel_s'] * 1e6:.1f} us/call in {prof['kernels_per_call']:.0f} kernels "
+                      f"(us: {top})", flush=True)
 
 
 def band_fwd_ab(rounds: int):
@@ -305,13 +311,13 @@ if __name__ == "__main__":
                     "pre-pass against the band forward")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--device-time", action="store_true", help="--aligned-ab: the device clock's kernels too "
+    ap.add_argument("--device-time", action="store_true", help="--aligned-ab, --band-ab: the device clock's kernels too "
                     "(run with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each kernel is seen)")
     a = ap.parse_args()
     if a.prepass:
         prepass(a.rounds)
     elif a.band_ab:
-        band_ab(a.rounds)
+        band_ab(a.rounds, a.device_time)
     elif a.band_fwd_ab:
         band_fwd_ab(a.rounds)
     else:
