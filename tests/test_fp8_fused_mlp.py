@@ -709,6 +709,15 @@ def test_layernorm_mlp_under_a_partitioned_mesh_is_not_fused(monkeypatch):
     assert all("unfused FP8 MLP" in i.reason and "XLA partitions" in i.reason for i in info), info
 
 
+def _gpu_mlp_inputs(seed: int):
+    """(x [2, 128, 256], w1 [256, 2, 512], w2 [512, 256], the output cotangent) bf16 for the GPU MLP tests."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(ks[0], (2, 128, 256)).astype(BF)
+    w1 = (jax.random.normal(ks[1], (256, 2, 512)) * 256 ** -0.5).astype(BF)
+    w2 = (jax.random.normal(ks[2], (512, 256)) * 512 ** -0.5).astype(BF)
+    return x, w1, w2, jax.random.normal(ks[3], x.shape).astype(BF)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="cuBLASLt FP8 GEMMs and compiled Triton kernels need a GPU")
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), Float8CurrentScaling()],
                          ids=["delayed", "current"])
@@ -721,11 +730,7 @@ def test_gpu_fused_mlp_compiles_to_six_fp8_gemms(recipe):
     if (gpu_compute_capability() or (0, 0)) < (8, 9):
         pytest.skip("GPU without FP8 tensor cores")
     acts = ("silu", "linear")
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    x = jax.random.normal(ks[0], (2, 128, 256)).astype(BF)
-    w1 = (jax.random.normal(ks[1], (256, 2, 512)) * 256 ** -0.5).astype(BF)
-    w2 = (jax.random.normal(ks[2], (512, 256)) * 512 ** -0.5).astype(BF)
-    g = jax.random.normal(ks[3], x.shape).astype(BF)
+    x, w1, w2, g = _gpu_mlp_inputs(0)
     s = Q.init_state(16) if isinstance(recipe, DelayedScaling) else None
     f = jax.jit(lambda x, w1, w2, s1, s2, g: (lambda y, vjp: (y, *vjp(g)))(
         *jax.vjp(lambda *a: _fused(*a, recipe, acts), x, w1, w2, s1, s2)))
@@ -750,11 +755,7 @@ def test_gpu_fused_mlp_with_the_tma_casts(kinds, monkeypatch):
     if (gpu_compute_capability() or (0, 0)) != (9, 0):
         pytest.skip("not sm90")
     acts = ("silu", "linear")
-    ks = jax.random.split(jax.random.PRNGKey(1), 4)
-    x = jax.random.normal(ks[0], (2, 128, 256)).astype(BF)
-    w1 = (jax.random.normal(ks[1], (256, 2, 512)) * 256 ** -0.5).astype(BF)
-    w2 = (jax.random.normal(ks[2], (512, 256)) * 512 ** -0.5).astype(BF)
-    g = jax.random.normal(ks[3], x.shape).astype(BF)
+    x, w1, w2, g = _gpu_mlp_inputs(1)
     recipe = DelayedScaling(amax_history_len=16)
     monkeypatch.delenv("TE_JAX_FP8_TMA_CASTS", raising=False)
     want = _steps(_fused, recipe, acts, x, w1, w2, g)
