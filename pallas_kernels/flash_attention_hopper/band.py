@@ -56,9 +56,10 @@ def band_is_wide(band) -> bool:
 
 
 def band_big(band, *lengths) -> int:
-    """band_walk's `big` for a band over these lengths (every bound it is given stays above -big * 64)."""
+    """band_walk's `big` for a band over these lengths: every bound it is given stays above -big * block for any
+    block of 16 rows or more (and big * block stays far inside int32 for any length the kernels take)."""
     off, lo, hi = band
-    return (sum(lengths) + abs(off) + abs(lo or 0) + abs(hi or 0)) // 64 + 4
+    return (sum(lengths) + abs(off) + abs(lo or 0) + abs(hi or 0)) // 16 + 4
 
 
 #: Whether a band's forward runs the band grid kernel (no pre-pass, no tables; forward.flash_fwd(band=)) rather than
