@@ -7,7 +7,7 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --split-ab [--rounds 5]
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --aligned-ab [--rounds 5]
     XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --prepass
-    PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --band-ab [--rounds 5]
+    PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --band-ab [--rounds 5] [--device-time] [--configs ...]
 
 --band-ab: windows, bottom-right and causal given as data (one segment, positions = token indices): the backward
 on the data-mask tables against the band backward (MaskRule.offset: no tables), with the atomic dQ and the dQ
@@ -141,13 +141,28 @@ def split_ab(rounds: int):
         print(f"{'':18s} partial groups (positions, segments, both): {groups}", flush=True)
 
 
-def band_ab(rounds: int, device: bool = False):
+def _config_overrides(spec: str) -> dict:
+    """"name:k=v,k=v;name2:k=v" -> {name: {k: v}} (values Python literals): HopperConfig variants to time."""
+    import ast
+
+    out = {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        name, _, kvs = entry.partition(":")
+        out[name.strip()] = {k.strip(): ast.literal_eval(v.strip()) for k, v in
+                             (kv.split("=", 1) for kv in kvs.split(",") if kv.strip())}
+    return out
+
+
+def band_ab(rounds: int, device: bool = False, configs: str = ""):
     """One-segment masks whose positions are token indices (windows, bottom-right, causal given as data): the
     backward on the data-mask tables (positions read, dQ kernel) against the band backward (MaskRule.offset: no
     tables, the element mask from iotas) with the atomic dQ (auto) and with the dQ kernel; on prebuilt tables, so
     the pre-pass is not timed; the forward (the same kernel) once for scale; interleaved rounds."""
     cases = band_cases()
-    variants = {"tables, dQ kernel": (False, None), "band, atomic dQ": (True, None), "band, dQ kernel": (True, False)}
+    variants = {"tables, dQ kernel": (False, {"bwd_dq_atomic": None}),
+                "band, atomic dQ": (True, {"bwd_dq_atomic": None}),
+                "band, dQ kernel": (True, {"bwd_dq_atomic": False})}
+    variants.update({f"band, {name}": (True, kw) for name, kw in _config_overrides(configs).items()})
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; kernels on prebuilt tables; "
           f"{rounds} interleaved rounds, medians")
     for name, (m, offset) in cases.items():
@@ -157,8 +172,8 @@ def band_ab(rounds: int, device: bool = False):
         fl = 4 * H * D * int(jnp.sum(m.dense()))
         base = default_config(D, m.kv_len, False, m.q_len)
         fns, outs, fwd_fn = {}, {}, None
-        for vname, (band, atomic) in variants.items():
-            cfg = dataclasses.replace(base, bwd_dq_atomic=atomic)
+        for vname, (band, overrides) in variants.items():
+            cfg = dataclasses.replace(base, **overrides)
             rule = mask_rule(m, False, offset=offset if band else None)
             t = jax.jit(lambda m: mask_tables(m, cfg, segments=False, backward=not band))(m)
             fkw = dict(scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=rule._replace(offset=None))
@@ -307,17 +322,19 @@ if __name__ == "__main__":
     ap.add_argument("--aligned-ab", action="store_true")
     ap.add_argument("--band-ab", action="store_true", help="one-segment masks: the backward on tables against "
                     "the band backward (MaskRule.offset)")
+    ap.add_argument("--configs", default="", help="--band-ab: more band variants, 'name:k=v,k=v;name2:k=v' "
+                    "(HopperConfig fields, e.g. 'stages3:bwd_stages=3')")
     ap.add_argument("--band-fwd-ab", action="store_true", help="one-segment masks: the data-mask forward with its "
                     "pre-pass against the band forward")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--device-time", action="store_true", help="--aligned-ab, --band-ab: the device clock's kernels too "
-                    "(run with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each kernel is seen)")
+    ap.add_argument("--device-time", action="store_true", help="--aligned-ab, --band-ab: the device clock's "
+                    "kernels too (run with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each kernel is seen)")
     a = ap.parse_args()
     if a.prepass:
         prepass(a.rounds)
     elif a.band_ab:
-        band_ab(a.rounds, a.device_time)
+        band_ab(a.rounds, a.device_time, a.configs)
     elif a.band_fwd_ab:
         band_fwd_ab(a.rounds)
     else:
