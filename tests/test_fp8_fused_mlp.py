@@ -137,6 +137,30 @@ def test_dact_traced_equals_dact():
                 np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("activation, gated", [("silu", True), ("gelu", False), ("quick_gelu", True)])
+def test_tma_tile_math_equals_the_reference(activation, gated):
+    """The TMA kernels' tile math (tma.dact_tile / act_tile: the owed input scales read from the scales array in
+    its order, the prescale, dact_traced, the rounding), run on whole arrays on the CPU, gives the reference's
+    values before the cast: the same bits."""
+    from pallas_kernels.fp8_cast import common as C
+    from pallas_kernels.fp8_cast.tma import act_tile, dact_tile
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(5))
+    gu = _rand(k1, (M, 2, F) if gated else (M, F), BF)
+    dh = _rand(k2, (M, F), BF, scale=1.0)
+    s_gu, s_dh = jnp.float32(0.75), jnp.float32(3.0)
+    parts = [gu[:, 0], gu[:, 1]] if gated else [gu]
+    f32 = lambda a: a.astype(jnp.float32)
+    got = dact_tile(activation, gated, BF, (True, True), (BF, BF))(
+        [f32(dh)] + [f32(p) for p in parts], C.scale_array(1.0, s_gu, s_dh))
+    want = R.dact(dh, gu, activation=activation, gated=gated, round_to=BF, gu_scale=s_gu, dh_scale=s_dh)
+    want = [want[:, 0], want[:, 1]] if gated else [want]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    (a,) = act_tile(activation, gated, BF, True, BF)([f32(p) for p in parts], C.scale_array(1.0, s_gu))
+    np.testing.assert_array_equal(a, R.act(gu, activation=activation, gated=gated, round_to=BF, gu_scale=s_gu))
+
+
 def test_tma_casts_switch(monkeypatch):
     """TE_JAX_FP8_TMA_CASTS picks which casts run on the TMA kernels: none by default; a listed kind only compiled
     (not in interpret mode), on arrays whose dims are multiples of the tile and whose dtypes agree; unknown kinds a

@@ -102,6 +102,31 @@ def _in_scales(scale_ref, in_scaled):
     return [scale_ref[next(k)] if on else None for on in in_scaled]
 
 
+def dact_tile(activation, gated, round_to, in_scaled, dtypes):
+    """The dact kernel's tile math: compute(tiles [dh, gate(, up)] fp32, scales) -> [dgate(, dup)] fp32, scales
+    [scale, *owed input scales] (C.scale_array's order: gu's, then dh's); dtypes (dh's, gu's).  Plain jnp: it
+    runs in the kernel and, on whole arrays, on the CPU (tests)."""
+    def compute(tiles, scale_ref):
+        s_gu, s_dh = _in_scales(scale_ref, in_scaled)
+        d_h = C.prescale(tiles[0], s_dh, dtypes[0])
+        g = C.prescale(tiles[1], s_gu, dtypes[1])
+        u = C.prescale(tiles[2], s_gu, dtypes[1]) if gated else None
+        return [C.maybe_round(d, round_to) for d in C.dact_traced(activation, gated, d_h, g, u)]
+
+    return compute
+
+
+def act_tile(activation, gated, round_to, gu_scaled: bool, dtype):
+    """The act kernel's tile math: compute(tiles [gate(, up)] fp32, scales) -> [a] fp32 (as dact_tile)."""
+    act = C.act_fn(activation, gated)
+
+    def compute(tiles, scale_ref):
+        (s_gu,) = _in_scales(scale_ref, (gu_scaled,))
+        return [C.maybe_round(act(*[C.prescale(t, s_gu, dtype) for t in tiles]), round_to)]
+
+    return compute
+
+
 @lower_once(static_argnames=("activation", "gated", "out_dtype", "round_to", "block", "interpret"))
 def dact_cast_transpose_tma(dh, gu, scale, *, activation, gated, out_dtype, round_to=None, gu_scale=None,
                             dh_scale=None, block: int = 64, interpret=None):
@@ -113,15 +138,8 @@ def dact_cast_transpose_tma(dh, gu, scale, *, activation, gated, out_dtype, roun
     gu2, m, f, n = C.split_gated(gu, gated, where)
     if tuple(dh.shape) != (m, f):
         raise ValueError(f"{where}: dh has shape {tuple(dh.shape)}; expected {(m, f)} for gu {tuple(gu.shape)}.")
-    in_scaled = (gu_scale is not None, dh_scale is not None)
-
-    def compute(tiles, scale_ref):
-        s_gu, s_dh = _in_scales(scale_ref, in_scaled)
-        d_h = C.prescale(tiles[0], s_dh, dh.dtype)
-        g = C.prescale(tiles[1], s_gu, gu.dtype)
-        u = C.prescale(tiles[2], s_gu, gu.dtype) if gated else None
-        return [C.maybe_round(d, round_to) for d in C.dact_traced(activation, gated, d_h, g, u)]
-
+    compute = dact_tile(activation, gated, round_to, (gu_scale is not None, dh_scale is not None),
+                        (dh.dtype, gu.dtype))
     loads = [(dh, 0)] + [(gu2, h * f) for h in range(n)]
     q, qt, amax = _tile_cast(where, loads, compute, C.scale_array(scale, gu_scale, dh_scale), m=m, f=f, n_out=n,
                              out_dtype=out_dtype, write_q=True, block=block, interpret=interpret,
@@ -138,13 +156,7 @@ def act_cast_tma(gu, scale, *, activation, gated, out_dtype, round_to=None, gu_s
     C.check_common(where, activation=activation, gated=gated, out_dtype=out_dtype, round_to=round_to,
                    arrays=[("gu", gu)])
     gu2, m, f, n = C.split_gated(gu, gated, where)
-    act = C.act_fn(activation, gated)
-
-    def compute(tiles, scale_ref):
-        (s_gu,) = _in_scales(scale_ref, (gu_scale is not None,))
-        args = [C.prescale(t, s_gu, gu.dtype) for t in tiles]
-        return [C.maybe_round(act(*args), round_to)]
-
+    compute = act_tile(activation, gated, round_to, gu_scale is not None, gu.dtype)
     return _tile_cast(where, [(gu2, h * f) for h in range(n)], compute, C.scale_array(scale, gu_scale), m=m, f=f,
                       n_out=1, out_dtype=out_dtype, write_q=True, block=block, interpret=interpret,
                       name=f"te_fp8_act_{activation}{'_glu' if gated else ''}_tma")
