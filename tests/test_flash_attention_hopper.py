@@ -722,11 +722,11 @@ def _band_cases():
 
 
 def test_band_walks_cover_exactly_the_visible_pairs():
-    """MaskRule.band with backward.band_walk / band_mask, as the dK/dV kernel (per key tile, walking query blocks)
-    and the dQ kernel (per query tile, walking key blocks) use them, against the dense mask of AttentionMask.full:
-    the walked blocks hold every visible pair, the full ones only visible pairs, and band_mask on the masked ones
-    keeps exactly the visible pairs; blocks outside the walk hold none."""
-    from pallas_kernels.flash_attention_hopper.band import band_big, band_mask, band_walk
+    """MaskRule.band with band.query_blocks / key_blocks / band_mask, as the dK/dV kernel (per key tile, walking
+    query blocks) and the forward and dQ kernel (per query tile, walking key blocks) call them, against the dense
+    mask of AttentionMask.full: the walked blocks hold every visible pair, the full ones only visible pairs, and
+    band_mask on the masked ones keeps exactly the visible pairs; blocks outside the walk hold none."""
+    from pallas_kernels.flash_attention_hopper.band import band_big, band_mask, key_blocks, query_blocks
     from pallas_kernels.flash_attention_hopper.data_mask import mask_rule
     from pallas_kernels.mask import AttentionMask
 
@@ -734,19 +734,15 @@ def test_band_walks_cover_exactly_the_visible_pairs():
         m = AttentionMask.full(1, sq, skv, causal=causal, window=window, bottom_right=br)
         dense = np.asarray(m.dense()[0])  # [sq, skv]
         band = mask_rule(m, False, offset=skv - sq if br else 0).band()
-        off, lo, hi = band
+        off = band[0]
         big = band_big(band, sq, skv)
         for keys_fixed, tile, block in ((True, 128, 64), (False, 128, 128), (True, 128, 128), (False, 64, 64)):
             fixed, walked = (skv, sq) if keys_fixed else (sq, skv)
             for t0 in range(0, fixed, tile):
                 t1 = t0 + tile
-                if keys_fixed:  # the dK/dV kernel: keys [t0, t1) walk query blocks
-                    args = (None if hi is None else t0 - off - hi, None if lo is None else t1 - 1 - off - lo,
-                            None if hi is None else t1 - 1 - off - hi, None if lo is None else t0 - block + 1 - off - lo)
-                else:  # the dQ kernel: queries [t0, t1) walk key blocks
-                    args = (None if lo is None else t0 + off + lo, None if hi is None else t1 - 1 + off + hi,
-                            None if lo is None else t1 - 1 + off + lo, None if hi is None else t0 + off + hi - block + 1)
-                first, steps, flo, fhi = (int(x) for x in band_walk(*args, block, walked // block, big))
+                # the dK/dV kernel's walk (keys [t0, t1) over query blocks), or the forward's and the dQ kernel's
+                walk = query_blocks if keys_fixed else key_blocks
+                first, steps, flo, fhi = (int(x) for x in walk(band, t0, t1, block, walked // block, big))
                 walked_blocks = set(range(first, first + steps))
                 for blk in range(walked // block):
                     w0 = blk * block

@@ -30,7 +30,7 @@ from .._lower_once import lower_once
 
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
-from .band import band_big, band_is_wide, band_mask, band_walk
+from .band import band_big, band_is_wide, band_mask, key_blocks, query_blocks
 from .data_mask import DataMask, backward_rule, backward_tables
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
                      dq_split, logit_units, piece_split_chosen, ring_choices)
@@ -140,12 +140,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             dm_ends = [counts_ref[b, kt, j] for j in range(len(dm.rule.partial_rules()) + 1)]
             n_steps_h = dm_ends[-1]
         elif band is not None:  # the query blocks of this key tile's band: masked, full, masked
-            off, lo_r, hi_r = band
-            k1 = kv_cta0 + wgs * bkv
-            q_first, n_steps_h, band_flo, band_fhi = band_walk(
-                None if hi_r is None else kv_cta0 - off - hi_r, None if lo_r is None else k1 - 1 - off - lo_r,
-                None if hi_r is None else k1 - 1 - off - hi_r, None if lo_r is None else kv_cta0 - bq + 1 - off - lo_r,
-                bq, nq, band_big(band, S, Skv))
+            q_first, n_steps_h, band_flo, band_fhi = query_blocks(band, kv_cta0, kv_cta0 + wgs * bkv, bq, nq,
+                                                                  band_big(band, S, Skv))
         else:
             n_steps_h = nq - q_lo  # query blocks per query head
         # query blocks [q_lo, q_lo + n_mask) cross the diagonal of this CTA's keys
@@ -530,12 +526,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             dm_ends = [counts_ref[b, qt, j] for j in range(len(dm.rule.partial_rules()) + 1)]
             total = dm_ends[-1]
         elif band is not None:  # the K/V blocks of this query tile's band: masked, full, masked
-            off, lo_r, hi_r = band
-            q1 = q_cta0 + wgs * bq
-            k_first, total, band_flo, band_fhi = band_walk(
-                None if lo_r is None else q_cta0 + off + lo_r, None if hi_r is None else q1 - 1 + off + hi_r,
-                None if lo_r is None else q1 - 1 + off + lo_r, None if hi_r is None else q_cta0 + off + hi_r - bkv + 1,
-                bkv, n_kv, band_big(band, S, Skv))
+            k_first, total, band_flo, band_fhi = key_blocks(band, q_cta0, q_cta0 + wgs * bq, bkv, n_kv,
+                                                            band_big(band, S, Skv))
         elif causal:
             total = cdiv(q_cta0 + wgs * bq, bkv)
             n_full = lax.div(q_cta0, jnp.int32(bkv)) if split else jnp.int32(0)

@@ -5,6 +5,7 @@ and its full middle; band_mask hides the pairs outside the band from iotas.  Pur
 scalars and tiles: it runs inside the Mosaic GPU kernels and on the CPU alike.
 
     band_walk(w_min, w_max, full_min, full_max, block, n_blocks, big) -> (first, steps, full_lo, full_hi)
+    key_blocks(band, q0, q1, ...) / query_blocks(band, k0, k1, ...)   band_walk for a query tile / a key tile
     band_mask(x, key_minus_query, c, band, fill)                       -> x outside the band set to fill
 """
 from __future__ import annotations
@@ -28,6 +29,24 @@ def band_walk(w_min, w_max, full_min, full_max, block: int, n_blocks: int, big: 
     f_lo = first if full_min is None else jnp.clip(-_floor_div(-full_min, block, big), first, end)
     f_hi = end if full_max is None else jnp.clip(_floor_div(full_max, block, big) + 1, f_lo, end)
     return first, end - first, f_lo - first, f_hi - first
+
+
+def key_blocks(band, q0, q1, block: int, n_blocks: int, big: int):
+    """band_walk over the key blocks of `block` keys for the queries [q0, q1) (the forward's and the dQ kernel's
+    walk): keys in [q0 + off + lo, q1 - 1 + off + hi], full where every query of the tile sees every key."""
+    off, lo, hi = band
+    return band_walk(None if lo is None else q0 + off + lo, None if hi is None else q1 - 1 + off + hi,
+                     None if lo is None else q1 - 1 + off + lo, None if hi is None else q0 + off + hi - block + 1,
+                     block, n_blocks, big)
+
+
+def query_blocks(band, k0, k1, block: int, n_blocks: int, big: int):
+    """band_walk over the query blocks of `block` queries for the keys [k0, k1) (the dK/dV kernel's walk):
+    queries in [k0 - off - hi, k1 - 1 - off - lo], full where every key of the tile is seen by every query."""
+    off, lo, hi = band
+    return band_walk(None if hi is None else k0 - off - hi, None if lo is None else k1 - 1 - off - lo,
+                     None if hi is None else k1 - 1 - off - hi, None if lo is None else k0 - block + 1 - off - lo,
+                     block, n_blocks, big)
 
 
 def band_mask(x, key_minus_query, c, band, fill=0.0):

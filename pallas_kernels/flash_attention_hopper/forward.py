@@ -28,7 +28,7 @@ from .._compat import mosaic_gpu, pl
 from .._lower_once import lower_once
 
 from .aligned_tiles import gather_rows
-from .band import band_big, band_mask, band_walk
+from .band import band_big, band_mask, key_blocks
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
 from .forward_masked import _flash_fwd_masked
@@ -90,7 +90,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     mask_tables / mask_rule (data_mask.MaskTables / MaskRule; causal False, kv_valid None): a data mask; rows
     that see no key give out 0 and lse -inf.  band ((offset, lo, hi): data_mask.MaskRule.band; causal False, no
     kv_valid or tables): key j is visible to query i iff lo <= j - i - offset <= hi; each query tile walks the K/V
-    blocks of its band (band.band_walk), masking the edges from iotas; rows that see no key as a data mask's."""
+    blocks of its band (band.key_blocks), masking the edges from iotas; rows that see no key as a data mask's."""
     plgpu = mosaic_gpu()
     interpret = resolve_interpret(interpret)
     Dv = v.shape[-1]
@@ -148,12 +148,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         if causal:
             cta_steps = cdiv((qt + 1) * (2 * bq), bkv)
         elif band is not None:  # the K/V blocks of this query tile's band: masked, full, masked (both warpgroups)
-            off, lo_r, hi_r = band
-            q_cta0, q1 = qt * (2 * bq), (qt + 1) * (2 * bq)
-            k_first, cta_steps, band_flo, band_fhi = band_walk(
-                None if lo_r is None else q_cta0 + off + lo_r, None if hi_r is None else q1 - 1 + off + hi_r,
-                None if lo_r is None else q1 - 1 + off + lo_r, None if hi_r is None else q_cta0 + off + hi_r - bkv + 1,
-                bkv, n_kv, band_big(band, S, Skv))
+            k_first, cta_steps, band_flo, band_fhi = key_blocks(band, qt * (2 * bq), (qt + 1) * (2 * bq), bkv, n_kv,
+                                                                band_big(band, S, Skv))
         else:
             cta_steps = n_kv
 
