@@ -725,12 +725,20 @@ def test_band_walks_cover_exactly_the_visible_pairs():
     """MaskRule.band with band.query_blocks / key_blocks / band_mask, as the dK/dV kernel (per key tile, walking
     query blocks) and the forward and dQ kernel (per query tile, walking key blocks) call them, against the dense
     mask of AttentionMask.full: the walked blocks hold every visible pair, the full ones only visible pairs, and
-    band_mask on the masked ones keeps exactly the visible pairs; blocks outside the walk hold none."""
+    band_mask on the masked ones keeps exactly the visible pairs and none is fully visible; blocks outside the walk
+    hold none, and the walk starts and ends on blocks with a visible pair (no wasted steps); on the cases of
+    _band_cases and random bands."""
     from pallas_kernels.flash_attention_hopper.band import band_big, band_mask, key_blocks, query_blocks
     from pallas_kernels.flash_attention_hopper.data_mask import mask_rule
     from pallas_kernels.mask import AttentionMask
 
-    for causal, window, sq, skv, br in _band_cases():
+    rng = np.random.default_rng(0)  # and random bands, edges on and off the block boundaries
+    rand = [(bool(rng.integers(2)), tuple(int(x) for x in rng.choice([-1, 0, 1, 62, 63, 64, 65, 127, 200], 2)),
+             int(rng.choice([128, 256, 384])), int(rng.choice([128, 256, 384])), bool(rng.integers(2)))
+            for _ in range(24)]
+    for causal, window, sq, skv, br in _band_cases() + rand:
+        if not causal and window == (-1, -1):
+            continue  # no mask: not a band
         m = AttentionMask.full(1, sq, skv, causal=causal, window=window, bottom_right=br)
         dense = np.asarray(m.dense()[0])  # [sq, skv]
         band = mask_rule(m, False, offset=skv - sq if br else 0).band()
@@ -744,9 +752,13 @@ def test_band_walks_cover_exactly_the_visible_pairs():
                 walk = query_blocks if keys_fixed else key_blocks
                 first, steps, flo, fhi = (int(x) for x in walk(band, t0, t1, block, walked // block, big))
                 walked_blocks = set(range(first, first + steps))
+                tile_of = lambda blk: (dense[blk * block:(blk + 1) * block, t0:t1].T if keys_fixed
+                                       else dense[t0:t1, blk * block:(blk + 1) * block])
+                if steps:  # tight: the walk starts and ends on blocks that hold a visible pair
+                    assert tile_of(first).any() and tile_of(first + steps - 1).any(), (band, t0, first, steps)
                 for blk in range(walked // block):
                     w0 = blk * block
-                    sub = dense[w0:w0 + block, t0:t1].T if keys_fixed else dense[t0:t1, w0:w0 + block]
+                    sub = tile_of(blk)
                     if blk not in walked_blocks:
                         assert not sub.any(), (band, t0, blk)
                         continue
@@ -754,6 +766,7 @@ def test_band_walks_cover_exactly_the_visible_pairs():
                     if flo <= j < fhi:
                         assert sub.all(), (band, t0, blk, "full")
                     else:  # rows: the fixed axis, columns the walked one
+                        assert not sub.all(), (band, t0, blk, "a full block walked with the mask")
                         kmq = (np.arange(block)[None, :] - np.arange(tile)[:, None] if not keys_fixed else
                                np.arange(tile)[:, None] - np.arange(block)[None, :])
                         c = (t0 + off - w0) if not keys_fixed else (w0 + off - t0)
