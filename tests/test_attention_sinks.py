@@ -238,6 +238,37 @@ def test_hopper_kernel_with_sinks(causal, g, padded):
            what="hopper")
 
 
+@pytest.mark.parametrize("name", ["window", "bottom_right"])
+def test_sinks_with_a_window_and_bottom_right(name):
+    """A sliding window and bottom-right causal with q shorter than kv, with learnable sinks and GQA, on the pallas
+    backend: out and the gradients of q, k, v and softmax_offset against the fp32 reference with the dense mask
+    written out.  On an sm90 GPU these run as bands on the Hopper kernels (no tables; the sink merges into their
+    (out, lse) and its lse cotangent reaches their backward; the explanation says "as a band"); elsewhere on the
+    portable kernel."""
+    from pallas_kernels.mask import AttentionMask
+
+    hopper = _hopper_reason() is None
+    h, d, skv = 4, 64, 512 if hopper else 128
+    sq = skv // 2 if name == "bottom_right" else skv
+    q, k, v = _qkv(90, sq=sq, skv=skv, h=h, g=2, d=d)
+    if hopper:
+        q, k, v = (t.astype(jnp.bfloat16) for t in (q, k, v))
+    if name == "window":
+        window = (96, 0) if hopper else (24, 0)
+        kw = dict(attn_mask_type="causal", window_size=window)
+        dense = AttentionMask.full(q.shape[0], sq, skv, causal=True, window=window).dense()
+    else:
+        kw = dict(attn_mask_type="causal_bottom_right")
+        dense = AttentionMask.full(q.shape[0], sq, skv, causal=True, bottom_right=True).dense()
+    choice = te_jax.explain_attention_backend(q, k, v, softmax_offset=OFFSET, softmax_type="learnable",
+                                              backend="pallas", **kw)
+    assert ("as a band" in choice.detail) == hopper, choice.detail
+    fn = lambda q, k, v, off: te_jax.dot_product_attention(q, k, v, softmax_offset=off, softmax_type="learnable",
+                                                           backend="pallas", **kw)
+    _check(fn, lambda q, k, v, off: sink_reference(q, k, v, off, mask=~dense[:, None]), (q, k, v, OFFSET),
+           tol=2e-2 if hopper else TOL, what=f"{'hopper band' if hopper else 'portable'} {name}")
+
+
 # ----------------------------------------------------------------------------- selection and validation
 
 
