@@ -200,8 +200,8 @@ class PallasBackend:
     @classmethod
     def hopper_mask_offset(cls, call) -> int | None:
         """For a one-segment call (no padding, no documents): the offset of the query positions against the keys'
-        when both are token indices (masks.build_token_mask: kv_len - q_len bottom-right, else 0), which the Hopper
-        data-mask kernels then compute from iotas (hopper_attention(mask_offset=...)); None otherwise."""
+        when both are token indices (masks.build_token_mask: kv_len - q_len bottom-right, else 0), so the Hopper
+        kernels walk the call as a band (hopper_attention(mask_offset=...)); None otherwise."""
         if cls.hopper_mask_segments(call):
             return None
         d = call.dims
@@ -389,7 +389,7 @@ class PallasBackend:
         if offset is None or fh.compares_segments(False, d.q_len, d.kv_len):
             return None
         window = tuple(call.window) if call.window is not None else (-1, -1)
-        band = MaskRule(call.mask.causal, window, False, True, offset).band()
+        band = MaskRule(call.mask.causal, window, segments=False, offset=offset).band()
         atomic = (d.head_dim_qk == d.head_dim_v and band_is_wide(band)
                   and atomic_dq_chosen(d.head_dim_qk, kv_padded, hcfg, False))
         return (" (positions only: one segment; token indices, offset " + str(offset) + "): each query tile (forward, "

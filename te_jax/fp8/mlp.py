@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import fp8_cast as _k
-from te_jax.fp8 import norm_cast as _nc
 from pallas_kernels.fp8_cast import tma as _tma
+from te_jax.fp8 import norm_cast as _nc
 from te_jax.fp8.fused import TMA_BLOCK, fused_cast_unavailable, keep_weight_copies, launch_options, tma_cast
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
                                  gemm_style, quantize, wgrad_style)

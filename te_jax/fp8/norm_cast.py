@@ -86,14 +86,18 @@ def stats_block(n: int) -> int | None:
 def stats_in_kernel(x, spec, delayed: bool) -> bool:
     """Whether the norm `spec` (None: no norm) in front of x [M, D] runs `stats_and_cast` (delayed scaling,
     fused.norm_stats_in_kernel, and a stats_block for D) rather than `stats` then `cast`."""
-    return spec is not None and delayed and norm_stats_in_kernel() and stats_block(x.shape[-1]) is not None
+    return spec is not None and _stats_inside(x.shape[-1], delayed)
+
+
+def _stats_inside(d: int, delayed: bool) -> bool:
+    return delayed and norm_stats_in_kernel() and stats_block(d) is not None
 
 
 def describe_stats(recipe, d: int) -> str:
     """For te_jax.fp8.explain: where a norm in front of an FP8 GEMM over D = d features gets its row statistics."""
     from te_jax.fp8.recipe import DelayedScaling
 
-    inside = isinstance(recipe, DelayedScaling) and norm_stats_in_kernel() and stats_block(d) is not None
+    inside = _stats_inside(d, isinstance(recipe, DelayedScaling))
     return ("its row statistics computed in the same kernel (TE_JAX_FP8_NORM_STATS)" if inside else
             "its row statistics from an XLA reduction first")
 
