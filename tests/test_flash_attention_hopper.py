@@ -811,6 +811,17 @@ def test_mask_offset_arguments_are_checked():
             hopper_attention(q, q, q, scale=0.1, **kw)
     with pytest.raises(ValueError, match="segments=False"):
         mask_rule(m, True, offset=0)
+    from pallas_kernels.flash_attention_hopper.backward import flash_bwd
+    from pallas_kernels.flash_attention_hopper.data_mask import mask_tables
+    from pallas_kernels.flash_attention_hopper.forward import flash_fwd
+
+    band = (0, None, 0)
+    with pytest.raises(ValueError, match="band"):
+        flash_fwd(q, q, q, scale=0.1, causal=True, band=band, interpret=False)
+    lse = jnp.zeros((1, 2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="band or mask tables"):
+        flash_bwd(q, q, q, q, lse, q, scale=0.1, causal=False, band=band, interpret=False,
+                  mask_tables=mask_tables(m, fah.default_config(64, 128, False, 128)), mask_rule=mask_rule(m))
 
 
 @pytest.mark.slow

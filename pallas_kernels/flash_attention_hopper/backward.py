@@ -45,7 +45,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     """data_mask (a DataMask): the key tile's query-block walk is [lo, hi) of its bounds row (mask.loop_bounds on the
     transposed block classes), computed without the element mask on [flo, fhi); no PieceSplit, no reversal.
     band (MaskRule.band(): (offset, lo, hi)): key j sees query i iff lo <= j - i - offset <= hi; the key tile walks
-    the query blocks of its band (band_walk), masking the two edges."""
+    the query blocks of its band (band.query_blocks), masking the two edges."""
     plgpu = mosaic_gpu()
     B, S, H, D = q.shape
     Dv = v.shape[-1]  # v's head_dim (may differ from q/k's D: no atomic dQ, no PieceSplit then)
@@ -79,8 +79,6 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         raise ValueError(f"atomic dQ needs equal q/k and v head_dims (got {D} and {Dv})")
 
     steps = rep * nq  # a non-causal key tile's walk
-    if band is not None and (causal or dm is not None or kv_valid is not None):
-        raise ValueError("a band carries causal and windows itself (causal=False, no data mask, no kv_valid)")
     plain_walk = not causal and dm is None and band is None and Dv == D
     plan = piece_split_chosen(cfg, G * n_kt * B, steps, cfg.bwd_ctas or num_sms(), Skv) if plain_walk else None
     n_grads = int(want_dk) + int(want_dv)
@@ -482,7 +480,7 @@ def _sum_pieces(grad, part, *, plan: PieceSplit, B: int, n_kt: int, rows: int):
 def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                   interpret: bool, softcap=None, kv_valid=None, data_mask=None, band=None):
     """data_mask (a DataMask): the query tile's K/V walk is [lo, hi) of its bounds row, unmasked on [flo, fhi).
-    band (MaskRule.band()): the query tile walks the K/V blocks of its band (band_walk), masking the two edges."""
+    band (MaskRule.band()): the query tile walks the K/V blocks of its band (band.key_blocks), masking the two edges."""
     plgpu = mosaic_gpu()
     dm = data_mask
     B, S, H, D = q.shape
@@ -685,11 +683,11 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     if causal and kv_valid is not None:
         raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
     kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret, softcap=softcap, kv_valid=kv_valid)
-    if band is not None and (causal or kv_valid is not None or mask_tables is not None):
-        raise ValueError("a band carries causal and windows itself (causal=False, no kv_valid, no mask tables)")
+    if band is not None and mask_tables is not None:
+        raise ValueError("flash_bwd: pass a band or mask tables, not both")
     if mask_tables is not None or band is not None:
         if causal or kv_valid is not None:
-            raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
+            raise ValueError("a data mask or band carries causal and padding itself (causal=False, kv_valid=None)")
         # rows without a visible key (lse -inf): 0, so that exp2(s - 0) is finite before the mask zeroes it
         lse2 = jnp.where(lse == -jnp.inf, 0.0, lse2)
         if band is not None:  # positions are token indices: walk the band, no tables (MaskRule.offset)

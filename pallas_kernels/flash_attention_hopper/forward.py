@@ -103,7 +103,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     if causal and kv_valid is not None:
         raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
     if band is not None and (causal or kv_valid is not None or mask_tables is not None):
-        raise ValueError("a band carries causal and windows itself (causal=False, no kv_valid, no mask tables)")
+        raise ValueError("flash_fwd: a band carries causal and windows itself (causal=False, no kv_valid, no mask "
+                         "tables)")
     if mask_tables is not None:
         if causal or kv_valid is not None:
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
