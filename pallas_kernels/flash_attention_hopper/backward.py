@@ -31,7 +31,7 @@ from .._lower_once import lower_once
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
 from .band import band_big, band_is_wide, band_mask, key_blocks, query_blocks
-from .data_mask import DataMask, backward_rule, backward_tables
+from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
                      dq_split, logit_units, piece_split_chosen, ring_choices)
 
@@ -325,19 +325,16 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     base = i * n_steps_h
                     hh = g * rep + i
 
-                    def walk(lo, hi, carry, masked, dm_rule=None):
+                    def walk(lo, hi, carry, masked):
                         def body(j, carry):
-                            return step_body(base + j, query_block(j), carry, masked=masked, hh=hh, bb=b, kv0=kv0,
-                                             dm_rule=dm_rule)
+                            return step_body(base + j, query_block(j), carry, masked=masked, hh=hh, bb=b, kv0=kv0)
 
                         return lax.fori_loop(lo, hi, body, carry)
 
-                    if dm is not None:  # group by group (forward_masked.walk_groups), the full blocks last
-                        lo = 0
-                        for hi, rule in zip(dm_ends, dm.rule.partial_rules() + (None,)):
-                            carry = walk(lo, hi, carry, masked=False, dm_rule=rule)
-                            lo = hi
-                        return carry
+                    if dm is not None:  # group by group, the full blocks last
+                        return walk_groups(lambda j, carry, group_rule: step_body(
+                            base + j, query_block(j), carry, masked=False, hh=hh, bb=b, kv0=kv0, dm_rule=group_rule),
+                            dm_ends, dm.rule, carry)
                     if band is not None:
                         carry = walk(0, band_flo, carry, masked=True)
                         carry = walk(band_flo, band_fhi, carry, masked=False)
@@ -603,11 +600,9 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 k_cons.release(slot)
                 return dq_acc
 
-            if dm is not None:  # group by group (forward_masked.walk_groups), the full blocks last
-                lo = 0
-                for hi, rule in zip(dm_ends, dm.rule.partial_rules() + (None,)):
-                    dq_acc = lax.fori_loop(lo, hi, functools.partial(step_body, masked=False, dm_rule=rule), dq_acc)
-                    lo = hi
+            if dm is not None:  # group by group, the full blocks last
+                dq_acc = walk_groups(lambda t, acc, group_rule: step_body(t, acc, masked=False, dm_rule=group_rule),
+                                     dm_ends, dm.rule, dq_acc)
             elif band is not None:
                 dq_acc = lax.fori_loop(0, band_flo, functools.partial(step_body, masked=True), dq_acc)
                 dq_acc = lax.fori_loop(band_flo, band_fhi, functools.partial(step_body, masked=False), dq_acc)

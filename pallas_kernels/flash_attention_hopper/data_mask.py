@@ -26,6 +26,7 @@ walk one group: BACKWARD_SPLIT).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -96,6 +97,17 @@ class MaskRule(NamedTuple):
         if not (self.split and self.segments and self.compares_positions):
             return (self,)
         return (self._replace(segments=False), MaskRule(False, (-1, -1), True), self)
+
+
+def walk_groups(body, ends, rule, carry):
+    """Run a tile's steps group by group: ends (traced ints, block_lists' counts for the tile) close the partial
+    groups of rule.partial_rules() and then the full blocks; body(step, carry, group_rule) with the group's rule
+    (None: full blocks).  Every data-mask kernel walks its list this way."""
+    start = 0
+    for end, group_rule in zip(ends, rule.partial_rules() + (None,)):
+        carry = lax.fori_loop(start, end, functools.partial(body, group_rule=group_rule), carry)
+        start = end
+    return carry
 
 
 class MaskTables(NamedTuple):

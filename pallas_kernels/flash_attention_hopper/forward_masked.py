@@ -3,8 +3,6 @@ token, per-tile block lists).  One CTA per (head, query tile of 2 x block_q rows
 Mosaic GPU is imported lazily: this module imports on any machine."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -13,6 +11,7 @@ from .._compat import mosaic_gpu, pl
 from .aligned_tiles import ROW_ALIGN
 from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
 from .config import HopperConfig, logit_units, ring_choices
+from .data_mask import walk_groups
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
 
 def step_mask(plgpu, rule, q_marks, key_marks, slot):
@@ -35,17 +34,6 @@ def step_mask(plgpu, rule, q_marks, key_marks, slot):
         return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
 
     return apply_mask
-
-
-def walk_groups(kv_body, ends, rule, carry):
-    """Run a tile's K/V steps group by group: ends (traced ints, data_mask.block_lists' counts for the tile) close
-    the partial groups of rule.partial_rules() and then the full blocks; kv_body(step, carry, group_rule) with the
-    group's rule (None: full blocks)."""
-    start = 0
-    for end, group_rule in zip(ends, rule.partial_rules() + (None,)):
-        carry = lax.fori_loop(start, end, functools.partial(kv_body, group_rule=group_rule), carry)
-        start = end
-    return carry
 
 
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,

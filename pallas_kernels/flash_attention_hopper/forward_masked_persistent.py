@@ -12,7 +12,8 @@ from jax import lax
 from .._compat import mosaic_gpu, pl
 from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel, when
 from .config import LN2, HopperConfig, logit_units, ring_choices
-from .forward_masked import step_mask, walk_groups
+from .data_mask import walk_groups
+from .forward_masked import step_mask
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
 
 
