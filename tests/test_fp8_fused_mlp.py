@@ -161,6 +161,24 @@ def test_tma_tile_math_equals_the_reference(activation, gated):
     np.testing.assert_array_equal(a, R.act(gu, activation=activation, gated=gated, round_to=BF, gu_scale=s_gu))
 
 
+def test_tma_casts_bad_inputs_are_clear_errors():
+    """The TMA casts refuse what they cannot run, naming the argument and the fix: shapes off the tile, a tile
+    other than 64 / 128, interpret mode, inputs of two dtypes, dh of the wrong shape, x not 2-D."""
+    from pallas_kernels.fp8_cast.tma import act_cast_tma, cast_transpose_tma, dact_cast_transpose_tma
+
+    gu, dh = jnp.zeros((128, 2, 192), BF), jnp.zeros((128, 192), BF)
+    act = dict(activation="silu", gated=True, out_dtype=E5)
+    for call, match in (
+            (lambda: dact_cast_transpose_tma(dh, gu, 1.0, block=128, **act), "F=192 must be multiples of block=128"),
+            (lambda: act_cast_tma(gu, 1.0, block=32, **act), "block=32"),
+            (lambda: act_cast_tma(gu, 1.0, interpret=True, **act), "no interpret mode"),
+            (lambda: dact_cast_transpose_tma(dh.astype(jnp.float32), gu, 1.0, **act), "share one dtype"),
+            (lambda: dact_cast_transpose_tma(dh[:64], gu, 1.0, **act), r"dh has shape \(64, 192\); expected"),
+            (lambda: cast_transpose_tma(gu, 1.0, out_dtype=E4), "x must be 2-D")):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
 def test_tma_casts_switch(monkeypatch):
     """TE_JAX_FP8_TMA_CASTS picks which casts run on the TMA kernels: none by default; a listed kind only compiled
     (not in interpret mode), on arrays whose dims are multiples of the tile and whose dtypes agree; unknown kinds a
