@@ -180,20 +180,27 @@ def test_tma_casts_bad_inputs_are_clear_errors():
 
 
 def test_tma_casts_switch(monkeypatch):
-    """TE_JAX_FP8_TMA_CASTS picks which casts run on the TMA kernels: none by default; a listed kind only compiled
-    (not in interpret mode), on arrays whose dims are multiples of the tile and whose dtypes agree; unknown kinds a
-    clear error."""
-    from te_jax.fp8.fused import TMA_BLOCK, tma_cast
+    """TE_JAX_FP8_TMA_CASTS picks which casts run on the TMA kernels: DEFAULT_TMA_CASTS when unset, kinds separated by
+    ',' or '+', 'none' for none; a listed kind only compiled (not in interpret mode) on an sm90 GPU, on arrays whose
+    dims are multiples of the tile and whose dtypes agree; unknown kinds a clear error."""
+    from te_jax.fp8 import fused
+    from te_jax.fp8.fused import DEFAULT_TMA_CASTS, TMA_BLOCK, tma_cast, tma_cast_kinds
 
     b = TMA_BLOCK
     x, y = jnp.zeros((8 * b, 4 * b), BF), jnp.zeros((8 * b, 2 * b), BF)
     monkeypatch.delenv("TE_JAX_FP8_TMA_CASTS", raising=False)
-    assert not tma_cast("dact", False, x, y)
+    assert set(tma_cast_kinds()) == {k.strip() for k in DEFAULT_TMA_CASTS.split(",") if k.strip()}
+    monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", "none")
+    assert tma_cast_kinds() == () and not tma_cast("dact", False, x, y)
+    monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", "dact+ act")
+    assert tma_cast_kinds() == ("dact", "act")
     monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", "dact, act")
     assert tma_cast("dact", False, x, y) and tma_cast("act", False, x) and not tma_cast("weight", False, x)
     assert not tma_cast("dact", True, x, y)  # interpret mode
     assert not tma_cast("dact", False, x, jnp.zeros((8 * b, 2 * b + 8), BF))  # not whole tiles
     assert not tma_cast("dact", False, x, y.astype(jnp.float32))  # dtypes differ
+    monkeypatch.setattr(fused, "gpu_compute_capability", lambda: (8, 0))
+    assert not tma_cast("dact", False, x, y)  # not sm90: no TMA
     monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", "dact,cuda")
     with pytest.raises(ValueError, match="TE_JAX_FP8_TMA_CASTS"):
         tma_cast("dact", False, x, y)

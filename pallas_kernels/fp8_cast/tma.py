@@ -58,7 +58,7 @@ def _tile_cast(where, loads, compute, scales, *, m: int, f: int, n_out: int, out
         for t, ((_, off), ref) in enumerate(zip(loads, in_refs)):
             plgpu.copy_gmem_to_smem(ref.at[rows, pl.ds(off + j * block, block)], in_s.at[t], bar)
         plgpu.barrier_wait(bar)
-        tiles = [plgpu.load(in_s.at[t], (), layout=plgpu.Layout.WGMMA).astype(jnp.float32) for t in range(n_in)]
+        tiles = [plgpu.load(in_s.at[t], layout=plgpu.Layout.WGMMA).astype(jnp.float32) for t in range(n_in)]
         outs = compute(tiles, scale_ref)
         amax = C.abs_for_amax(outs[0])
         for v in outs[1:]:

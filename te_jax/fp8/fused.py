@@ -14,6 +14,7 @@ import os
 
 import jax
 
+from te_jax._compat import gpu_compute_capability
 from te_jax.backends import policy
 from te_jax.backends.tuning import FP8_CAST_LAUNCH
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -86,23 +87,37 @@ def merged_casts() -> bool:
 
 TMA_CASTS_ENV = "TE_JAX_FP8_TMA_CASTS"
 TMA_CAST_KINDS = ("act", "dact", "weight", "cast")
+#: The casts that run on the TMA kernels when TE_JAX_FP8_TMA_CASTS is unset: none. On the H100 the SwiGLU casts beat
+#: their Triton twins alone, but the layer step did not move (benchmarks/results/fp8_layer_h100.md, twelfth
+#: session), so the longer-proven kernels stay the default.
+DEFAULT_TMA_CASTS = ""
+
+
+def tma_cast_kinds() -> tuple[str, ...]:
+    """The kinds TE_JAX_FP8_TMA_CASTS lists (read at trace time): kinds of TMA_CAST_KINDS separated by "," or "+"
+    ("+" fits benchmark switches that split on commas); "none" or "" for none; unset: DEFAULT_TMA_CASTS."""
+    raw = os.environ.get(TMA_CASTS_ENV, DEFAULT_TMA_CASTS)
+    kinds = tuple(k.strip() for k in raw.replace("+", ",").split(",") if k.strip() and k.strip() != "none")
+    bad = [k for k in kinds if k not in TMA_CAST_KINDS]
+    if bad:
+        raise ValueError(f"{TMA_CASTS_ENV}={raw!r}: {bad} not among {TMA_CAST_KINDS} (a subset separated by ',' or "
+                         f"'+'; 'none' for none; unset: {DEFAULT_TMA_CASTS!r}).")
+    return kinds
 
 
 def tma_cast(kind: str, interpret, *arrays) -> bool:
     """Whether the fused FP8 path runs the `kind` cast ("act": the activation's cast, "dact": the activation
     gradient's, "weight": a weight's cast + transpose, "cast": an activation's or gradient's cast + transpose) on
-    its TMA kernel (pallas_kernels/fp8_cast/tma.py, written to reach copy bandwidth; NOT YET RUN ON A GPU, so
-    opt-in) instead of the Triton-lowered one: TE_JAX_FP8_TMA_CASTS, read at trace time, is a comma-separated
-    subset of TMA_CAST_KINDS (unset or empty: none).  Even then the Triton kernel runs in interpret mode (no GPU),
-    where an array's last two dims are not multiples of TMA_BLOCK, or where the arrays' dtypes differ."""
-    raw = os.environ.get(TMA_CASTS_ENV, "")
-    kinds = [k.strip() for k in raw.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in TMA_CAST_KINDS]
-    if bad:
-        raise ValueError(f"{TMA_CASTS_ENV}={raw!r}: {bad} not among {TMA_CAST_KINDS} (a comma-separated subset; "
-                         f"unset: none).")
+    its TMA kernel (pallas_kernels/fp8_cast/tma.py: TMA loads and stores, sm90 only) instead of the Triton-lowered
+    one: where tma_cast_kinds() lists it, on an sm90 GPU (not in interpret mode), with both of each array's outer
+    dims multiples of TMA_BLOCK and one dtype among the arrays. Otherwise the Triton kernel runs."""
+    kinds = tma_cast_kinds()
+    if kind not in kinds:
+        return False
     interpreted = jax.default_backend() != "gpu" if interpret is None else interpret
-    return (kind in kinds and not interpreted and len({a.dtype for a in arrays}) == 1
+    if interpreted or (gpu_compute_capability() or (9, 0)) != (9, 0):
+        return False
+    return (len({a.dtype for a in arrays}) == 1
             and all(d % TMA_BLOCK == 0 for a in arrays for d in (a.shape[0], a.shape[-1])))
 
 
