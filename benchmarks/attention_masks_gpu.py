@@ -11,6 +11,8 @@ supports the row:
   te_jax_portable backend="pallas" with the portable kernel's BlockSizes (what served these rows before)
   te_jax_persistent / te_jax_grid (--persistent, data-mask rows) the Hopper data-mask forward on the persistent
                   grid / one CTA per query tile (HopperConfig.fwd_persistent_masked True / False)
+  te_jax_xla_delta (--delta-ab) the Hopper backward with XLA's delta = rowsum(O * dO) instead of the dQ kernel's
+                  (HopperConfig.bwd_delta_in_dq=False: the A/B of that choice)
   cudnn           jax.nn.dot_product_attention(implementation="cudnn") (seq lengths, windows; no segments)
   tokamax         tokamax.dot_product_attention(implementation="mosaic")
   fa3             flash_attn3_jax.flash_mha / flash_mha_varlen (causal is bottom-right when lengths differ)
@@ -147,7 +149,7 @@ def _te_kwargs(row: Row):
     return kw
 
 
-def makers(row: Row, scale, tk, fa3, persistent=False):
+def makers(row: Row, scale, tk, fa3, persistent=False, delta_ab=False):
     from pallas_kernels.flash_attention import BlockSizes
     from pallas_kernels.flash_attention_hopper.config import default_config
 
@@ -159,6 +161,10 @@ def makers(row: Row, scale, tk, fa3, persistent=False):
         hopper = default_config(D, -(-row.kv // 128) * 128, row.causal, -(-row.Sq // 128) * 128)
         variants += [(f"te_jax_{n}", dict(backend="pallas", config=dataclasses.replace(
             hopper, fwd_persistent_masked=on))) for n, on in (("persistent", True), ("grid", False))]
+    if delta_ab:  # the backward with XLA's delta = rowsum(O * dO) instead of the dQ kernel's (bwd_delta_in_dq)
+        hopper = default_config(D, -(-row.kv // 128) * 128, row.causal, -(-row.Sq // 128) * 128)
+        variants.append(("te_jax_xla_delta", dict(backend="pallas", config=dataclasses.replace(
+            hopper, bwd_delta_in_dq=False))))
     for name, extra in variants:
         out[name] = (lambda extra: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
             q, k, v, scale=scale, **kw, **extra)))(extra)
@@ -253,6 +259,8 @@ def main():
     ap.add_argument("--persistent", action="store_true",
                     help="add te_jax_persistent and te_jax_grid (the data-mask forward's two schedules) on "
                          "data-mask rows")
+    ap.add_argument("--delta-ab", action="store_true",
+                    help="add te_jax_xla_delta: the Hopper backward with XLA's delta instead of the dQ kernel's")
     ap.add_argument("--device-time", action="store_true",
                     help="per implementation: the device clock's kernel time, kernel count and costliest kernels")
     args = ap.parse_args()
@@ -271,7 +279,8 @@ def main():
         print(f"\n== {name}: {row}\nte_jax auto: {choice.selected}; {choice.detail}", flush=True)
         data_mask = "data-mask schedule" in choice.detail
         impls = ready_impls({n: m for n, m in makers(row, scale, tk, fa3,
-                                                     persistent=args.persistent and data_mask).items()
+                                                     persistent=args.persistent and data_mask,
+                                                     delta_ab=args.delta_ab).items()
                              if not (n == "te_jax_pallas" and choice.selected == "pallas")}, q, k, v, do)
         ref, s0 = reference_rows(row, q, k, v, scale)
         for iname in impls:
@@ -281,7 +290,7 @@ def main():
                   flush=True)
         if "te_jax_portable" in impls:
             gp = impls["te_jax_portable"][1](q, k, v, do)
-            for iname in ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid"):
+            for iname in ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid", "te_jax_xla_delta"):
                 if iname in impls:
                     g = impls[iname][1](q, k, v, do)
                     print(f"  {iname} grads vs portable kernel: rel " +

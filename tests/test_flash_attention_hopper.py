@@ -185,6 +185,37 @@ def test_split_head_dims_forward_and_grads(S, H, G, D, Dv, causal, softcap, dtyp
 
 @pytest.mark.slow
 @needs_kernel
+@pytest.mark.parametrize("D,Dv,causal,softcap,with_dlse", [(128, 128, True, None, True), (128, 128, False, 2.0, False),
+                                                           (64, 64, True, None, False), (192, 128, True, None, True)])
+def test_delta_in_the_dq_kernel_equals_the_xla_delta(D, Dv, causal, softcap, with_dlse):
+    """HopperConfig.bwd_delta_in_dq: the dQ kernel computes delta = rowsum(O * dO) - dlse from its own tiles and the
+    dK/dV kernel reads it. The gradients equal those with XLA's delta (bwd_delta_in_dq=False) up to the fp32 sum's
+    order, with and without a cotangent on lse, and match the fp32 reference."""
+    S, H, G = 384, 4, 2
+    ks = jax.random.split(jax.random.key(D + causal), 5)
+    q = jax.random.normal(ks[0], (1, S, H, D), BF)
+    k = jax.random.normal(ks[1], (1, S, G, D), BF)
+    v = jax.random.normal(ks[2], (1, S, G, Dv), BF)
+    do = jax.random.normal(ks[3], (1, S, H, Dv), BF)
+    dl = jax.random.normal(ks[4], (1, H, S), jnp.float32) if with_dlse else None
+    scale = D ** -0.5
+    base = dataclasses.replace(fah.default_config(D, S, causal, S, head_dim_v=Dv), bwd_dq_atomic=False)
+    kw = dict(scale=scale, causal=causal, softcap=softcap, interpret=_mode())
+    out, lse = fah.hopper_attention_fwd(q, k, v, config=base, **kw)
+    grads = {on: fah.hopper_attention_bwd(q, k, v, out, lse, do, dlse=dl, **kw,
+                                          config=dataclasses.replace(base, bwd_delta_in_dq=on)) for on in (True, False)}
+    for a, b in zip(grads[True], grads[False]):
+        assert _rel(a, b) < 2e-3
+    f32 = lambda x: x.astype(jnp.float32)
+    _, rvjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, scale=scale, causal=causal, softcap=softcap),
+                      f32(q), f32(k), f32(v))
+    ref = rvjp((f32(do), jnp.zeros((1, H, S), jnp.float32) if dl is None else dl))
+    for g, rg in zip(grads[True], ref):
+        assert _rel(g, rg) < 2e-2
+
+
+@pytest.mark.slow
+@needs_kernel
 @pytest.mark.parametrize("split,reverse", [(True, False), (False, True)])
 def test_causal_backward_walk_directions(split, reverse):
     """The dK/dV kernel's two causal walks (the default, from the last query block down to the diagonal,
@@ -553,6 +584,7 @@ def test_hd64_default_tiles_follow_the_key_length():
 
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
+                                dict(bwd_delta_in_dq=1),
                                 dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto"),
                                 dict(fwd_named_release=1), dict(fwd_producer_warp="on"),
                                 dict(bwd_named_release="x"), dict(bwd_producer_warp=2), dict(fwd_split_tail="auto"),
@@ -596,7 +628,12 @@ def test_describe_plan_names_each_choice(monkeypatch):
     assert "not the default for head_dim 64" in d(64, 4096, True, jnp.bfloat16)
     forced = fah.HopperConfig(bwd_dq_atomic=False, fwd_persistent=False)
     assert d(128, 4096, False, jnp.bfloat16, forced) == (
-        "forward one CTA per query tile; backward with a separate dQ kernel (bwd_dq_atomic=False)")
+        "forward one CTA per query tile; backward with a separate dQ kernel (bwd_dq_atomic=False); the dQ kernel "
+        "runs first and computes delta = rowsum(O * dO) for the dK/dV kernel")
+    xla_delta = dataclasses.replace(forced, bwd_delta_in_dq=False)
+    assert "from an XLA reduction (bwd_delta_in_dq=False)" in d(128, 4096, False, jnp.bfloat16, xla_delta)
+    assert "head_dim 256: no shared memory for O's tiles" in d(256, 4096, True, jnp.bfloat16)
+    assert "delta" not in d(128, 4096, False, jnp.bfloat16)  # the atomic dQ: delta from XLA, beside the zeroed dQ
 
 
 @pytest.mark.parametrize("kw,field", [(dict(block_kv=256), "kv_len=384 is not a multiple of block_kv = 256"),

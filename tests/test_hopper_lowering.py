@@ -74,6 +74,7 @@ CASES = {  # name: keyword arguments of _attention_fwd_bwd
     "160 softcap ragged": dict(S=300, D=160, Dv=160, causal=True, softcap=2.0),
     "ragged kv (padded keys masked)": dict(S=129, D=128, Dv=128, Skv=1000),
     "atomic dQ": dict(S=512, D=128, Dv=128, bwd_dq_atomic=True),
+    "delta from XLA (bwd_delta_in_dq=False)": dict(S=512, D=128, Dv=128, causal=True, bwd_delta_in_dq=False),
     "grid forward": dict(S=512, D=128, Dv=128, causal=True, fwd_persistent=False, fwd_persistent_causal=False),
     "stream-K tails (fwd and bwd)": dict(S=512, D=128, Dv=128, fwd_ctas=3, fwd_split_tail=True, bwd_ctas=3,
                                          bwd_split_tail=True),

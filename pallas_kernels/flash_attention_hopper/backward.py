@@ -33,7 +33,7 @@ from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, 
 from .band import band_big, band_is_wide, band_mask, key_blocks, query_blocks
 from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
-                     dq_split, logit_units, piece_split_chosen, ring_choices)
+                     delta_in_dq, dq_split, logit_units, piece_split_chosen, ring_choices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,9 +475,16 @@ def _sum_pieces(grad, part, *, plan: PieceSplit, B: int, n_kt: int, rows: int):
 # Backward: dQ
 # --------------------------------------------------------------------------------------------
 def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
-                  interpret: bool, softcap=None, kv_valid=None, data_mask=None, band=None):
-    """data_mask (a DataMask): the query tile's K/V walk is [lo, hi) of its bounds row, unmasked on [flo, fhi).
-    band (MaskRule.band()): the query tile walks the K/V blocks of its band (band.key_blocks), masking the two edges."""
+                  interpret: bool, softcap=None, kv_valid=None, data_mask=None, band=None, out=None, dlse=None):
+    """dq [B, S, H, D].  data_mask (a DataMask): the query tile's K/V walk is [lo, hi) of its bounds row, unmasked on
+    [flo, fhi).  band (MaskRule.band()): the query tile walks the K/V blocks of its band (band.key_blocks), masking
+    the two edges.  out (the forward's O [B, S, H, Dv], with delta None): the kernel computes delta = rowsum(O * dO)
+    - dlse [B, H, S] (dlse: the cotangent on the natural-log lse, or None) from its tiles in fp32 and returns
+    (dq, delta) (HopperConfig.bwd_delta_in_dq)."""
+    if (out is None) == (delta is None) or (dlse is not None and out is None):
+        raise ValueError("_flash_bwd_dq: pass delta, or out (and dlse) to compute it in the kernel")
+    fuse_delta = out is not None
+    has_dlse = dlse is not None
     plgpu = mosaic_gpu()
     dm = data_mask
     B, S, H, D = q.shape
@@ -495,12 +502,21 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     regs, producer_regs = bwd_registers(cfg)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        # fuse_delta: delta_ref is O [B, S, H, Dv] (then dlse [B, H, S] if has_dlse), delta [B, H, S] an output
+        if has_dlse:
+            dlse_ref, rest = rest[0], rest[1:]
         if dm is not None:
-            qm_ref, km_ref, counts_ref, blocks_ref, dq_ref, smem, bars = rest
-            (qm_smem2, km_smem), smem = smem[-2:], smem[:-2]
-            (km_bar, km_cons), bars = bars[-2:], bars[:-2]
+            (qm_ref, km_ref, counts_ref, blocks_ref), rest = rest[:4], rest[4:]
+        if fuse_delta:
+            dq_ref, delta_out_ref, smem, bars = rest
+            o_smem2, smem = smem[-1], smem[:-1]
+            if has_dlse:
+                (dlse_smem2, dlse_bar), smem, bars = (smem[-1], bars[-1]), smem[:-1], bars[:-1]
         else:
             dq_ref, smem, bars = rest
+        if dm is not None:
+            (qm_smem2, km_smem), smem = smem[-2:], smem[:-2]
+            (km_bar, km_cons), bars = bars[-2:], bars[:-2]
         q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
         in_bar, k_bar, v_bar, k_cons, v_cons = bars
         rings = ring_slots(plgpu, (k_cons, v_cons) + ((km_cons,) if dm is not None else ()), stages,
@@ -540,7 +556,12 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem, in_bar.at[4 * wg])
             plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem, in_bar.at[4 * wg + 1])
             plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem, in_bar.at[4 * wg + 2])
-            plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem, in_bar.at[4 * wg + 3])
+            if fuse_delta:  # O's tile, for delta
+                plgpu.copy_gmem_to_smem(delta_ref.at[qsl], o_smem2.at[wg], in_bar.at[4 * wg + 3])
+                if has_dlse:
+                    plgpu.copy_gmem_to_smem(dlse_ref.at[rsl], dlse_smem2.at[wg], dlse_bar.at[wg])
+            else:
+                plgpu.copy_gmem_to_smem(delta_ref.at[rsl], delta_smem, in_bar.at[4 * wg + 3])
             if dm is not None:
                 plgpu.copy_gmem_to_smem(qm_ref.at[b, :, pl.ds(q0, bq)], qm_smem2.at[wg], in_bar.at[4 * wgs + wg])
                 km_cons.prime()
@@ -552,7 +573,18 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 plgpu.barrier_wait(in_bar.at[4 * wgs + wg])
                 q_marks = [plgpu.load(qm_smem2.at[wg, i], layout=plgpu.Layout.WGMMA.reduce(1)) for i in range(2)]
             lse = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-            delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+            if fuse_delta:  # delta = rowsum(O * dO) in fp32, written for the dK/dV kernel
+                o_rows = plgpu.load(o_smem2.at[wg], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                do_rows = plgpu.load(do_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+                delta = jnp.sum(o_rows * do_rows, axis=1)
+                if has_dlse:  # d lse / d s = p: a cotangent on lse adds p * dlse to dS
+                    plgpu.barrier_wait(dlse_bar.at[wg])
+                    delta = delta - plgpu.load(dlse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                delta_smem[...] = delta
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[rsl])
+            else:
+                delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             dq_acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
             def step_body(t, dq_acc, masked: bool, dm_rule=None):
@@ -650,12 +682,20 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         scratch[0] = scratch[0] + (plgpu.SMEM((wgs, 2, bq), jnp.int32), plgpu.SMEM((stages, 2, bkv), jnp.int32))
         scratch[1] = scratch[1] + (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_arrivals=wgs,
                                                                                      num_barriers=stages))
-    dq = warp_specialized_kernel(plgpu, body, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch=scratch,
-                                 grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
-                                 interpret=interpret, name="te_jax_attn_bwd_dq",
-                                 no_auto_barriers=producer_warp)(
-        q, k, v, do, lse2, delta, *(dm.kernel_args("dq") if dm is not None else ()))
-    return dq
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    if has_dlse:  # popped first in the body: the last scratch and barrier
+        scratch[0] = scratch[0] + (plgpu.SMEM((wgs, bq), jnp.float32),)
+        scratch[1] = scratch[1] + (plgpu.Barrier(num_barriers=wgs),)
+    if fuse_delta:
+        scratch[0] = scratch[0] + (plgpu.SMEM((wgs, bq, Dv), out.dtype, transforms=smem_transforms(
+            plgpu, out.dtype, Dv)),)
+        out_type = (out_type, jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch,
+                                   grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
+                                   interpret=interpret, name="te_jax_attn_bwd_dq",
+                                   no_auto_barriers=producer_warp)(
+        q, k, v, do, lse2, out if fuse_delta else delta, *((dlse.astype(jnp.float32),) if has_dlse else ()),
+        *(dm.kernel_args("dq") if dm is not None else ()))
 
 
 @lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule", "band"))
@@ -670,10 +710,13 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     Dv = v.shape[-1]
     cfg = config or default_config(D, k.shape[1], causal, q.shape[1], head_dim_v=Dv)
     check_lengths(cfg, q.shape[1], k.shape[1], forward=False)
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
-    if dlse is not None:
-        # d lse / d s = p, so a cotangent on lse adds p * dlse to dS: fold it into delta.
-        delta = delta - dlse.astype(jnp.float32)
+    def xla_delta():
+        delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+        if dlse is not None:
+            # d lse / d s = p, so a cotangent on lse adds p * dlse to dS: fold it into delta.
+            delta = delta - dlse.astype(jnp.float32)
+        return delta
+
     lse2 = lse.astype(jnp.float32) * LOG2E
     if causal and kv_valid is not None:
         raise ValueError("kv_valid is for non-causal calls (causal padding is masked by the diagonal)")
@@ -696,14 +739,18 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
             (mask_tables is None and band is None) or cfg.bwd_dq_atomic is True
             or (band is not None and band_is_wide(band))):
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
-        dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True,
+        dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, xla_delta(), want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)
         dq = (dq_acc[...] * scale).astype(q.dtype)
         return dq, dk, dv
+    if delta_in_dq(cfg, interpret, D, Dv):  # the dQ kernel first: it writes delta for the dK/dV kernel
+        dq, delta = _flash_bwd_dq(q, k, v, do, lse2, None, out=out, dlse=dlse, **kw)
+    else:
+        delta = xla_delta()
+        dq = _flash_bwd_dq(q, k, v, do, lse2, delta, **kw)
     if max(D, Dv) > 128:  # dK and dV accumulators of 64 rows do not fit one warpgroup's registers together
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
     else:
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True, **kw)
-    dq = _flash_bwd_dq(q, k, v, do, lse2, delta, **kw)
     return dq, dk, dv

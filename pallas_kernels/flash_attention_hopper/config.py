@@ -107,6 +107,11 @@ class HopperConfig:
     # left of the CTA's 168 x 384.  None: 232 with two compute warpgroups (producer 40), 240 with one.  The hd64
     # and hd128 default configs: 240 (producer 24, as FA3).
     bwd_compute_registers: int | None = None
+    # Where the dQ kernel runs (not the atomic dQ), it computes delta = rowsum(O * dO) itself from its query tile's
+    # O and dO, and writes it for the dK/dV kernel, which then runs after it: no separate XLA pass over O and dO.
+    # A cotangent on lse is loaded and subtracted there too.  None (auto): on the GPU; False: XLA's reduction first.
+    bwd_delta_in_dq: bool | None = None
+
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
             if getattr(self, name) % 64:
@@ -125,7 +130,7 @@ class HopperConfig:
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
                      "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
-                     "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp"):
+                     "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.bwd_compute_registers is not None:
@@ -498,6 +503,20 @@ def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
             and dq_split(head_dim, cfg) is not None)
 
 
+#: The widest v head_dim whose O tiles fit the dQ kernel's shared memory beside its Q, dO and K/V ring
+#: (HopperConfig.bwd_delta_in_dq; 256 needs 234,600 bytes of the 232,448).
+DELTA_IN_DQ_MAX_HEAD_DIM_V = 192
+
+
+def delta_in_dq(cfg: HopperConfig, interpret: bool, head_dim: int, head_dim_v: int) -> bool:
+    """Whether a backward that runs the dQ kernel has it compute delta (HopperConfig.bwd_delta_in_dq): where the O
+    tiles fit its shared memory (max(head_dim, head_dim_v) <= DELTA_IN_DQ_MAX_HEAD_DIM_V), on the GPU unless the
+    config says otherwise."""
+    if max(head_dim, head_dim_v) > DELTA_IN_DQ_MAX_HEAD_DIM_V:
+        return False
+    return (not interpret) if cfg.bwd_delta_in_dq is None else cfg.bwd_delta_in_dq
+
+
 def atomic_dq_chosen(head_dim: int, kv_len: int, cfg: HopperConfig, interpret: bool) -> bool:
     """Whether flash_bwd accumulates dQ inside the dK/dV kernel for this call (forced by the config, or auto)."""
     if not atomic_dq_served(head_dim, cfg, interpret):
@@ -561,4 +580,12 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
         bwd = f"backward with a separate dQ kernel (the in-kernel dQ is not the default for head_dim {head_dim})"
     else:
         bwd = f"backward with a separate dQ kernel (keys {kv_len} < {min_kv}: faster there)"
+    if not atomic_dq_chosen(head_dim, kv_len, cfg, interpret=False):
+        if delta_in_dq(cfg, False, head_dim, head_dim_v or head_dim):
+            bwd += "; the dQ kernel runs first and computes delta = rowsum(O * dO) for the dK/dV kernel"
+        elif cfg.bwd_delta_in_dq is False:
+            bwd += "; delta = rowsum(O * dO) from an XLA reduction (bwd_delta_in_dq=False)"
+        else:
+            bwd += (f"; delta = rowsum(O * dO) from an XLA reduction (head_dim {max(head_dim, head_dim_v or 0)}: no "
+                    f"shared memory for O's tiles in the dQ kernel)")
     return f"{fwd}; {bwd}"
