@@ -132,7 +132,7 @@ MLP_FIRST_GEMM = Tuned("xla", "the fused LN-prologue Pallas GEMM was 1.24-1.39x 
 
 # ----------------------------------------------------------------------------- FP8 cast kernels (te_jax/fp8)
 
-FP8_CAST_RESULTS = "benchmarks/results/fp8_cast_h100_log.txt"
+FP8_CAST_RESULTS = "benchmarks/results/fp8_cast_h100_sweep_log.txt"
 
 #: Launch options (block_m, block_n, num_warps) of the Triton-lowered FP8 cast kernels
 #: (pallas_kernels/fp8_cast), per kind; {} = the kernel's defaults (128 x 64).
