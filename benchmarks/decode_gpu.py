@@ -5,7 +5,8 @@
 
 Rows (bf16, head_dim 128, 32 query heads): q 1 and 8 tokens x caches of 8k, 32k, 128k x GQA 32/8 and MHA 32/32 x
 batch 1 and 16, the whole cache visible (attn_mask_type "no_mask"), plus a partly filled cache (batch 16, 32k slots,
-per-row lengths from 1k to 32k; te_jax and cuDNN take them as kv_seqlens / key_value_seq_lengths), and a paged cache
+per-row lengths from 1k to 32k; te_jax and cuDNN take them as kv_seqlens / key_value_seq_lengths), the same cache with
+every row filled (given as kv_seqlens too, as the Flax decode path gives it), and a paged cache
 (te_jax.paged_decode_attention, 64-key pages shuffled in a pool) against the same cache contiguous.
 Implementations:
   te_jax   te_jax.dot_product_attention(backend="auto") (the kernel it takes is printed)
@@ -52,6 +53,8 @@ def rows():
     out.sort(key=lambda r: (r[2] != 1, r[1] != 16, r[3] != 8))  # the row (q1 b16 GQA) first
     lens = jnp.linspace(1024, 32768, 16).astype(jnp.int32)
     out.insert(3, ("q1 b16 GQA 32/8 cache 32k, rows filled 1k..32k", 16, 1, 8, 32768, lens))
+    out.insert(4, ("q1 b16 GQA 32/8 cache 32k, every row filled (kv_seqlens)", 16, 1, 8, 32768,
+                   jnp.full((16,), 32768, jnp.int32)))
     return out
 
 
@@ -173,6 +176,10 @@ def main():
                          "(benchmarks/decode_splits_gpu.py), on the batch-16 GQA and the batch-1 rows")
     ap.add_argument("--device-time", action="store_true",
                     help="also a table of TB/s by the device clock (the GPU time of each call's kernels, summed)")
+    ap.add_argument("--uneven-factors", default="",
+                    help="comma-separated factors: on the rows given by kv_seqlens, te_jax with "
+                         "DecodeConfig(uneven_split_factor=N) for each (1, the default: no extra shares), and "
+                         "DecodeConfig(min_programs=512, uneven_split_factor=1) (4 shares on every row)")
     ap.add_argument("--rows", default="", help="comma-separated substrings: only the rows whose name holds one "
                                                "(the paged row: 'paged')")
     ap.add_argument("--cpu-smoke", action="store_true", help="two tiny rows on the CPU (checks the script runs)")
@@ -210,6 +217,10 @@ def main():
         part = min(s, 8192)
         k, v = (jnp.tile(jax.random.normal(kk, (b, part, g, D), jnp.bfloat16), (1, s // part, 1, 1)) for kk in ks[1:])
         row_configs = configs if (b == 16 and g == 8 and lens is None) else b1_configs if b == 1 else {}
+        if lens is not None and args.uneven_factors:
+            row_configs = {f"te_jax uneven factor {n}": DecodeConfig(uneven_split_factor=int(n))
+                           for n in args.uneven_factors.split(",")}
+            row_configs["te_jax 4 shares every row"] = DecodeConfig(min_programs=512, uneven_split_factor=1)
         ab_rows = bool(row_configs) or (args.configs and lens is not None)
         impls, kw = makers(sq, g, lens, fa3, row_configs, mask_rows=ab_rows)
         choice = te_jax.explain_attention_backend(q, k, v, **kw)

@@ -307,6 +307,41 @@ def test_split_count_targets_one_wave_contiguous_and_two_waves_paged():
     assert _geometry(DecodeConfig(num_splits=5), 1, 1, 32, 32768, 8, 128, 128, page_size=64).n_splits == 5
 
 
+def test_shares_are_even_across_rows_and_finer_where_the_rows_are_uneven():
+    """Every share is the same number of KV blocks on every row: the longest visible range over the split count
+    where the rows are even, over uneven_split_factor times it where they are not (the grid holds that many
+    shares wherever rows may differ: per-row lengths or a mask, batch > 1, no num_splits given). Against the
+    fp32 reference on very uneven rows (full, 17 keys, 300, empty) and on even ones."""
+    from pallas_kernels.flash_decode import flash_decode_cache
+    from pallas_kernels.flash_decode.kernel import _geometry, share_blocks
+
+    uneven = jnp.array([[0, 0, 32, 32], [0, 0, 1, 2], [3, 4, 10, 19], [0, 0, 0, 0]], jnp.int32)
+    assert share_blocks(uneven, 2, 8).tolist() == [4] * 4  # ceil(32 / 8): uneven rows, the fine split
+    even = jnp.array([[0, 0, 32, 32], [0, 0, 30, 30], [2, 2, 31, 31]], jnp.int32)  # longest 32 <= 9/8 of 30.3
+    assert share_blocks(even, 2, 8).tolist() == [16] * 3  # ceil(32 / 2): the coarse split, the rest exit at once
+    assert share_blocks(uneven, 64, 64).tolist() == [1] * 4  # at least one block
+    assert share_blocks(jnp.zeros((2, 4), jnp.int32), 3, 12).tolist() == [1, 1]
+    assert DecodeConfig().uneven_split_factor == 1  # opt-in until a GPU run
+    cfg = DecodeConfig(block_kv=16, min_programs=16, uneven_split_factor=4)
+    geo = lambda **kw: _geometry(cfg, 4, 1, 8, 512, 2, 32, 32, **kw)
+    assert (geo().n_splits, geo().grid_splits) == (2, 2)  # 16 programs / (4 rows x 2 KV heads); whole caches
+    assert geo(uneven=True).grid_splits == 8  # x uneven_split_factor 4
+    assert _geometry(cfg, 1, 1, 8, 512, 2, 32, 32, uneven=True).grid_splits == 8  # one row: nothing uneven
+    assert _geometry(DecodeConfig(num_splits=3, uneven_split_factor=4), 4, 1, 8, 512, 2, 32, 32,
+                     uneven=True).grid_splits == 3
+    for lens in (np.array([512, 17, 300, 0]), np.array([512, 500, 480, 512])):
+        q, k, v = qkv(3, 4, 1, 512, 8, 2, 32)
+        out, lse = jax.jit(lambda q, k, v: flash_decode_cache(q, k, v, jnp.asarray(lens), scale=0.2,
+                                                              config=cfg))(q, k, v)
+        rout, rlse = reference(q, k, v, cache_mask(lens, 1, 512), 0.2)
+        assert _rel(out, rout) < 1e-5, lens
+        fin = np.isfinite(np.asarray(rlse))
+        np.testing.assert_array_equal(np.isfinite(lse), fin)
+        np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rlse)[fin], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="uneven_split_factor=0"):
+        DecodeConfig(uneven_split_factor=0)
+
+
 def test_cache_loop_bounds_are_sound_and_as_tight_as_the_block_classes():
     """The paged kernel's loop bounds from the cache lengths alone (no [B, Skv] key rows): on random lengths,
     speculative queries with padding, causal or not, windows and block sizes, no visible key lies outside [lo, hi),

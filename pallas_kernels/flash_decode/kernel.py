@@ -10,11 +10,14 @@ Work split:
   read once per KV head, never once per query head. Rows are padded to a power of two >= 16 (Triton's
   smallest dot); more than `block_rows` rows take several tiles.
 - **The KV length split across programs** (flash-decoding): program (s, b, tile) takes the s-th of
-  `num_splits` equal shares of row b's *visible* KV blocks, writes a partial output and its logsumexp,
-  and the shares are merged by logsumexp after the kernel (`_combine`, a few MB in XLA). The split count
-  is chosen statically from the grid size (`DecodeConfig.min_programs`); the shares are computed per row
-  from that row's visible range, so a partly filled cache is read only up to its filled part and every
-  program of a row gets an equal part of it.
+  shares of row b's *visible* KV blocks, writes a partial output and its logsumexp, and the shares are
+  merged by logsumexp after the kernel (`_combine`, a few MB in XLA). The split count is chosen statically
+  from the grid size (`DecodeConfig.min_programs`). Every share is the same number of blocks on every row
+  (`share_blocks`, from the rows' visible ranges at run time), so a partly filled cache is read only up to
+  its filled part and a shorter row uses fewer of its programs (the rest exit at once). With several rows
+  the grid can hold `DecodeConfig.uneven_split_factor` times the shares (opt-in): rows of even length use
+  the first of them (the longest row over the split count: one program per SM), rows of uneven length all
+  of them (shares that many times shorter, so the GPU spreads the short and long rows over its SMs).
 - **Masks.** The kernel takes the `AttentionMask` (segment ids and positions per token, causal and window
   static): before the launch XLA reduces its block classes (`AttentionMask.block_classes`, one q tile of
   all Sq tokens) to per-row loop bounds (lo, flo, fhi, hi) as the portable kernel does: blocks outside
@@ -72,6 +75,14 @@ class DecodeConfig:
       benchmarks/results/decode_h100.md). paged_min_programs: the same for a paged cache, whose blocks are a page
       long (64 keys) and looked up through the block table: there two waves read faster (2.71 TB/s at 264 programs
       against 2.31 at 128, batch 16 GQA 32/8 32k on the H100).
+    uneven_split_factor: with more than one row and per-row lengths or a mask (rows that may differ in
+      length), the grid holds this many times the shares. At run time `share_blocks` sizes every share as the
+      longest row's visible range over the split count when the rows are even (longest <= 9/8 of the mean:
+      the extra programs exit at once), and that many times shorter when they are not. 1 (the default): no
+      extra shares. On the H100, batch 16 GQA 32/8 with rows filled 1k..32k read 2.14 TB/s with one share per
+      row and 2.60 with 4 on every row; with every row filled, 2.91 with one and 2.73 with 4
+      (benchmarks/results/decode_h100.md). A factor of 4 would take the better of the two on each; it has not
+      yet run on a GPU, so it is opt-in.
     merge: how the KV shares are combined. "xla": after the kernel (`_combine`, a few small XLA fusions);
       "kernel": by the last program of each (row, KV head, row tile) to finish its share. Every program writes its
       partial output and logsumexp, then counts itself in (an atomic add on a zeroed counter per tile); the one
@@ -87,10 +98,14 @@ class DecodeConfig:
     num_splits: int | None = None
     min_programs: int = 120
     paged_min_programs: int = 264
+    uneven_split_factor: int = 1
     merge: str = "xla"
 
     def __post_init__(self):
         _check_blocks("DecodeConfig", block_kv=self.block_kv or AUTO_BLOCK_KV[1], block_rows=self.block_rows)
+        if not isinstance(self.uneven_split_factor, int) or self.uneven_split_factor < 1:
+            raise ValueError(f"DecodeConfig.uneven_split_factor={self.uneven_split_factor!r} must be an int >= 1 "
+                             f"(1: no extra shares for uneven rows)")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits={self.num_splits} must be >= 1 (or None: automatic)")
         if self.merge not in MERGES:
@@ -122,12 +137,14 @@ class _Geom:
     n_tiles: int  # row tiles per KV head
     bk: int  # keys per step
     skv_pad: int
-    n_splits: int
+    n_splits: int  # shares per row for even rows
+    grid_splits: int  # shares per row in the grid (n_splits x uneven_split_factor where rows may be uneven)
     dqk_pad: int
     dv_pad: int
 
 
-def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv, page_size=None) -> _Geom:
+def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv, page_size=None, uneven: bool = False) -> _Geom:
+    """uneven: rows that may differ in length (per-row lengths or a mask; DecodeConfig.uneven_split_factor)."""
     rep = h // g
     rows = sq * rep
     bm = min(max(16, _next_pow2(rows)), cfg.block_rows)
@@ -146,7 +163,11 @@ def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv, page_size=None) -> _
     programs = cfg.min_programs if page_size is None else cfg.paged_min_programs
     n_splits = cfg.num_splits or -(-programs // (B * g * n_tiles))
     n_splits = max(1, min(n_splits, nk))
-    return _Geom(rep, rows, bm, n_tiles, bk, skv_pad, n_splits, max(16, _next_pow2(dqk)), max(16, _next_pow2(dv)))
+    grid_splits = n_splits  # a set num_splits is taken as it is
+    if uneven and B > 1 and cfg.num_splits is None:
+        grid_splits = min(n_splits * cfg.uneven_split_factor, nk)
+    return _Geom(rep, rows, bm, n_tiles, bk, skv_pad, n_splits, grid_splits, max(16, _next_pow2(dqk)),
+                 max(16, _next_pow2(dv)))
 
 
 def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, mode: str = "mask_rows") -> str:
@@ -155,7 +176,7 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, mode
     (flash_decode with a mask)."""
     B, sq, h, dqk = q_shape
     skv, g, dv = k_shape[1], k_shape[2], v_shape[3]
-    geo = _geometry(config or DecodeConfig(), B, sq, h, skv, g, dqk, dv)
+    geo = _geometry(config or DecodeConfig(), B, sq, h, skv, g, dqk, dv, uneven=mode != "no_mask")
     how = {"no_mask": "no mask: the key rows are made in the kernel from the cache length, and no mask rows or block "
                       "classes are built around it",
            "cache_lengths": "a cache filled to each row's length (kv_seqlens): the key rows are made in the kernel "
@@ -166,7 +187,10 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, mode
                         "window)"}[mode]
     line = (f"{sq} query token(s) x {geo.rep} query heads per KV head in {geo.n_tiles} tile(s) of {geo.bm} rows "
             f"(K/V read once per KV head); {geo.bk}-key steps; the KV length split into {geo.n_splits} share(s) per "
-            f"(row, KV head), merged by logsumexp; {how}; backward: the portable kernel's")
+            f"(row, KV head), of the same length on every row (a shorter row uses fewer)"
+            + (f", {geo.grid_splits} shorter ones where the rows' lengths are uneven" if geo.grid_splits > geo.n_splits
+               else "")
+            + f", merged by logsumexp; {how}; backward: the portable kernel's")
     copies = []
     if geo.skv_pad != skv:
         copies.append(f"kv_len {skv} padded to {geo.skv_pad}")
@@ -185,9 +209,10 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
                    cache_keys: bool = False):
     """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks.
 
-    refs: meta [4], q, k, v, the query and key (segment, position) rows, then the outputs. cache_keys (a cache
-    filled to its length): meta is [8] with the row's key count at 4, and there are no key rows: key j has
-    segment 1 below that count (else 0) and position j.
+    refs: meta [5] (lo, flo, fhi, hi: the row's loop bounds; the blocks per share), q, k, v, the query and key
+    (segment, position) rows, then the outputs. cache_keys (a cache filled to its length): meta is [8] with the
+    row's key count at 4 and the blocks per share at 5, and there are no key rows: key j has segment 1 below that
+    count (else 0) and position j. Share s of a row is blocks [lo + s * per, lo + (s + 1) * per) cut at hi.
 
     Paged (page_size given): k_ref / v_ref are the whole page pool of this KV head [P, page_size, D] and the
     extra table_ref [max_pages] maps the row's logical pages to pool pages; a block never crosses a page.
@@ -213,7 +238,7 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
             return ref[table_ref[start // page_size], pl.ds(pl.multiple_of(start % page_size, bk), bk), :]
     share = pl.program_id(0)
     lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
-    per = (hi - lo + n_splits - 1) // n_splits
+    per = meta_ref[5] if cache_keys else meta_ref[4]
     a = jnp.minimum(lo + share * per, hi)
     e = jnp.minimum(a + per, hi)
     q = q_ref[...]
@@ -303,6 +328,19 @@ def _merge_last(o_ref, lse_ref, count_ref, out_ref, out_lse_ref, *, b, g, i, row
         out_lse_ref[...] = jnp.where(seen, jnp.where(jnp.isfinite(mx), mx, 0.0) + jnp.log(tot_safe), -jnp.inf)
 
 
+def share_blocks(bounds, n_splits: int, grid_splits: int):
+    """int32 [B]: the KV blocks of each share, the same on every row (at least 1). From the [B, 4] loop bounds'
+    visible ranges hi - lo: the longest over n_splits where the rows are even (the longest at most 9/8 of the
+    mean), the longest over grid_splits where they are not. A row's share s is [lo + s * per, lo + (s + 1) *
+    per) cut at its hi, so a shorter row leaves its last programs empty."""
+    span = bounds[:, 3] - bounds[:, 0]
+    longest = jnp.max(span)
+    even = longest * 8 * span.shape[0] <= jnp.sum(span) * 9
+    parts = jnp.where(even, n_splits, grid_splits)
+    per = jnp.maximum((longest + parts - 1) // parts, 1)
+    return jnp.full((bounds.shape[0],), per, jnp.int32)
+
+
 def _combine(o, lse):
     """Merge the shares by logsumexp: o [..., n_splits, M, D], lse [..., n_splits, M] -> [..., M, D], [..., M]."""
     mx = jnp.max(lse, axis=-2)
@@ -352,7 +390,7 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
     g, dv = k.shape[2], v.shape[3]
     page_size = None if block_table is None else k.shape[1]
     skv = k.shape[1] if block_table is None else block_table.shape[1] * page_size
-    geo = _geometry(config, B, sq, h, skv, g, dqk, dv, page_size)
+    geo = _geometry(config, B, sq, h, skv, g, dqk, dv, page_size, uneven=mask is not None or kv_lens is not None)
     R, M = geo.rep, geo.n_tiles * geo.bm
     if mask is None:  # the whole cache, seen by every query: its rows are never built (see kv_lens)
         kv_lens = jnp.full((B,), skv, jnp.int32)
@@ -363,20 +401,22 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
     if block_table is None:
         k, v = _pad_axis(k, 1, geo.skv_pad), _pad_axis(v, 1, geo.skv_pad)
     k, v = _pad_axis(k, 3, geo.dqk_pad), _pad_axis(v, 3, geo.dv_pad)
-    nt, bm, S = geo.n_tiles, geo.bm, geo.n_splits
+    nt, bm, S = geo.n_tiles, geo.bm, geo.grid_splits
     qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
     qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
     mask_specs = [pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
                   pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt))]
     mask_args = [qseg, qpos]
-    if kv_lens is not None:  # [lo, flo, fhi, hi, kv_len, 0, 0, 0] per row; no key rows
+    if kv_lens is not None:  # [lo, flo, fhi, hi, kv_len, blocks per share, 0, 0] per row; no key rows
         lens = jnp.asarray(kv_lens, jnp.int32)
         bounds = cache_loop_bounds(lens, mask.q_positions, mask.q_segment_ids, causal=mask.causal,
                                    window=mask.window, block=geo.bk, n_blocks=geo.skv_pad // geo.bk)
-        meta = jnp.concatenate([bounds, lens[:, None], jnp.zeros((B, 3), jnp.int32)], axis=1)
+        meta = jnp.concatenate([bounds, lens[:, None], share_blocks(bounds, geo.n_splits, S)[:, None],
+                                jnp.zeros((B, 2), jnp.int32)], axis=1)
     else:
         # Loop bounds of the single q tile (all Sq tokens) per row; padded keys get segment 0 (hidden).
-        meta = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
+        bounds = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
+        meta = jnp.concatenate([bounds, share_blocks(bounds, geo.n_splits, S)[:, None]], axis=1).astype(jnp.int32)
         kmask = mask.pad(sq, geo.skv_pad)
         mask_specs += [pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
                        pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0))]
