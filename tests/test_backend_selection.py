@@ -360,10 +360,18 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
         # windows (one segment, token-index positions) as bands; documents and padding on tables
         assert ("as a band" in choice.detail) == ("window" in name), (name, choice.detail)
         assert ("one CTA per query tile" in choice.detail) == ("window" not in name), (name, choice.detail)
+        # the dQ kernel computes delta (HopperConfig.bwd_delta_in_dq) on every one of these (narrow bands, tables)
+        assert "which computes delta = rowsum(O * dO)" in choice.detail, (name, choice.detail)
     br = te_jax.explain_attention_backend(*_qkv(b=2, sq=256, skv=1024, d=128), attn_mask_type="causal_bottom_right",
                                           backend="pallas")
     assert "data-mask schedule" in br.detail and "causal_bottom_right" in br.detail, br.detail
     assert "as a band" in br.detail and "offset 768" in br.detail and "no pre-pass" in br.detail, br.detail
+    from pallas_kernels.flash_attention_hopper import HopperConfig
+
+    off = te_jax.explain_attention_backend(
+        q, k, v, backend="pallas", attn_mask_type="padding_causal", q_segment_ids=seg, kv_segment_ids=seg,
+        config=HopperConfig(bwd_delta_in_dq=False))
+    assert "from an XLA reduction first" in off.detail, off.detail
     tq, tk, tv = _qkv(b=1, sq=1024, skv=1024, d=128, fmt="thd")
     docs = jnp.array([300, 1, 723], jnp.int32)
     thd = te_jax.explain_attention_backend(tq, tk, tv, attn_input_format="thd", attn_mask_type="padding_causal",

@@ -110,6 +110,15 @@ _HOPPER_MASK_KINDS = ("no_mask", "causal", "causal_bottom_right", "padding", "pa
                       "padding_causal_bottom_right")
 
 
+def _delta_words(hcfg, d) -> str:
+    """Where a Hopper backward that runs the dQ kernel gets delta = rowsum(O * dO), in words."""
+    from pallas_kernels.flash_attention_hopper.config import delta_in_dq
+
+    if delta_in_dq(hcfg, False, d.head_dim_qk, d.head_dim_v):
+        return ", which computes delta = rowsum(O * dO) and runs before the dK/dV kernel"
+    return ", delta = rowsum(O * dO) from an XLA reduction first"
+
+
 class PallasBackend:
     name = "pallas"
     capabilities = Capabilities(split_backward=True, ring_blocks=True, packed_inputs=True, dense_mask=True,
@@ -362,7 +371,9 @@ class PallasBackend:
                         "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
                         "Q and K/V load during the current one)" if persistent else
                         "one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid "
-                        "serves sliding windows, or fwd_persistent_masked=True)"))
+                        "serves sliding windows, or fwd_persistent_masked=True)")
+                    + ("; backward dQ accumulated in the dK/dV kernel (bwd_dq_atomic=True)" if hcfg.bwd_dq_atomic
+                       else "; backward dQ from its own kernel" + _delta_words(hcfg, d)))
         else:
             plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config,
                                     head_dim_v=d.head_dim_v)
@@ -395,7 +406,8 @@ class PallasBackend:
         return (" (positions only: one segment; token indices, offset " + str(offset) + "): each query tile (forward, "
                 "dQ) and key tile (dK/dV) walks only the blocks of its band of visible pairs, the edge blocks masked "
                 "from iotas; no pre-pass, no tables; backward dQ " + (
-                    "accumulated in the dK/dV kernel (a wide band)" if atomic else "from its own kernel") + (
+                    "accumulated in the dK/dV kernel (a wide band)" if atomic else
+                    "from its own kernel" + _delta_words(hcfg, d)) + (
                     "" if band_forward_chosen(band, d.q_len, d.kv_len) else
                     "; forward on the data-mask tables (some queries see no key)"))
 
