@@ -584,7 +584,7 @@ def test_hd64_default_tiles_follow_the_key_length():
 
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
-                                dict(bwd_delta_in_dq=1),
+                                dict(bwd_delta_in_dq=1), dict(bwd_persistent_band="on"),
                                 dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto"),
                                 dict(fwd_named_release=1), dict(fwd_producer_warp="on"),
                                 dict(bwd_named_release="x"), dict(bwd_producer_warp=2), dict(fwd_split_tail="auto"),
@@ -883,6 +883,28 @@ def test_band_backward_forward_and_grads(name, atomic):
 def test_band_backward_on_awkward_bands(case):
     """The band backward on every band of _band_cases (empty walks, q longer than kv bottom-right with rows that see
     nothing, one-sided windows, the diagonal alone) against the fp32 reference: out, lse, dq, dk, dv."""
+    _check_band(case)
+
+
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("case", [1, 2, 4, 5, 7])
+@pytest.mark.parametrize("ctas", [3, None])
+def test_persistent_band_backward(case, ctas):
+    """HopperConfig.bwd_persistent_band: the band's dK/dV kernel on a persistent grid (3 CTAs: several key tiles
+    each, with their K/V double-buffered and the Q/dO ring running across tiles; None: one per SM) on bands of
+    _band_cases (a window, a two-sided window, bottom-right with a left window, one-sided with q longer than kv, the
+    diagonal alone) against the fp32 reference."""
+    from pallas_kernels.flash_attention_hopper.config import default_config
+
+    causal, window, sq, skv, br = _band_cases()[case]
+    cfg = dataclasses.replace(default_config(128, skv, False, sq), bwd_persistent_band=True, bwd_dq_atomic=False,
+                              bwd_ctas=ctas)
+    _check_band(case, config=cfg)
+
+
+def _check_band(case, config=None):
+    """hopper_attention on band case `case` of _band_cases (GQA 2/1, hd128) against the fp32 reference."""
     from pallas_kernels.flash_attention.reference import reference_attention
     from pallas_kernels.mask import AttentionMask
 
@@ -892,7 +914,7 @@ def test_band_backward_on_awkward_bands(case):
     q, do = (jax.random.normal(kk, (1, sq, 2, 128), BF) for kk in ks[:2])
     k, v = (jax.random.normal(kk, (1, skv, 1, 128), BF) for kk in ks[2:])
     f = lambda q, k, v: hopper_attention(q, k, v, scale=0.1, mask=m, mask_segments=False,
-                                         mask_offset=skv - sq if br else 0, interpret=_mode())[0]
+                                         mask_offset=skv - sq if br else 0, interpret=_mode(), config=config)[0]
     out, vjp = jax.vjp(f, q, k, v)
     f32 = lambda x: x.astype(jnp.float32)
     rout, rvjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, m, scale=0.1)[0], f32(q), f32(k), f32(v))

@@ -30,6 +30,7 @@ from .._lower_once import lower_once
 
 from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
                      smem_transforms, stream_ring, warp_specialized_kernel)
+from .backward_band_persistent import _flash_bwd_dkv_band_persistent
 from .band import band_big, band_is_wide, band_mask, key_blocks, query_blocks
 from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
@@ -751,6 +752,9 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     if max(D, Dv) > 128:  # dK and dV accumulators of 64 rows do not fit one warpgroup's registers together
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
+    elif band is not None and Dv == D and cfg.bwd_persistent_band:  # opt-in: one CTA per SM walking key tiles
+        dk, dv = _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, scale=scale, cfg=cfg, interpret=interpret,
+                                                softcap=softcap, band=band, big=band_big(band, q.shape[1], k.shape[1]))
     else:
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=True, **kw)
     return dq, dk, dv

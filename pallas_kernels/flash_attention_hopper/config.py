@@ -111,6 +111,11 @@ class HopperConfig:
     # O and dO, and writes it for the dK/dV kernel, which then runs after it: no separate XLA pass over O and dO.
     # A cotangent on lse is loaded and subtracted there too.  None (auto): on the GPU; False: XLA's reduction first.
     bwd_delta_in_dq: bool | None = None
+    # A band's dK/dV kernel (backward_band_persistent) on a persistent grid: one CTA per SM walking key tiles, the
+    # next tile's K/V loading while this one walks, one Q/dO ring across tiles, dK/dV stores not waited for.  For
+    # narrow bands (windows), whose short walks leave the grid kernel's per-tile prologue and epilogue exposed.
+    # Where the dQ kernel runs and D == Dv <= 128.  None (auto): off (written without a GPU run; opt-in).
+    bwd_persistent_band: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -130,7 +135,8 @@ class HopperConfig:
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
                      "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
-                     "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq"):
+                     "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
+                     "bwd_persistent_band"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.bwd_compute_registers is not None:

@@ -407,7 +407,9 @@ class PallasBackend:
                 "dQ) and key tile (dK/dV) walks only the blocks of its band of visible pairs, the edge blocks masked "
                 "from iotas; no pre-pass, no tables; backward dQ " + (
                     "accumulated in the dK/dV kernel (a wide band)" if atomic else
-                    "from its own kernel" + _delta_words(hcfg, d)) + (
+                    "from its own kernel" + _delta_words(hcfg, d) + (
+                        "; dK/dV on a persistent grid (bwd_persistent_band)"
+                        if hcfg.bwd_persistent_band and d.head_dim_qk == d.head_dim_v <= 128 else "")) + (
                     "" if band_forward_chosen(band, d.q_len, d.kv_len) else
                     "; forward on the data-mask tables (some queries see no key)"))
 
