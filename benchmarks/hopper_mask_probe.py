@@ -11,8 +11,10 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
 
 --band-ab: windows, bottom-right and causal given as data (one segment, positions = token indices): the backward
 on the data-mask tables against the band backward (MaskRule.offset: no tables), with the atomic dQ and the dQ
-kernel; kernels on prebuilt tables.  --band-fwd-ab: their forward as a call runs it, the data-mask forward with its
-pre-pass against the band forward (no pre-pass).
+kernel; kernels on prebuilt tables (--configs adds variants, e.g. the persistent dK/dV kernel:
+"persistent:bwd_persistent_band=True,bwd_dq_atomic=False").  --band-fwd-ab: their forward as a call runs it, the
+data-mask forward with its pre-pass against the band forward (no pre-pass), on its grid and on the persistent grid
+(HopperConfig.fwd_persistent_band).
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -229,16 +231,25 @@ def band_fwd_ab(rounds: int):
                 mask_tables=mask_tables(m, cfg, backward=False, segments=False))[0]),
             "band": jax.jit(lambda q, k, v, m: flash_fwd(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
                                                          band=rule.band())[0]),
+            # the band forward on the persistent grid (HopperConfig.fwd_persistent_band)
+            "band, persistent": jax.jit(lambda q, k, v, m: flash_fwd(
+                q, k, v, scale=D ** -0.5, causal=False, config=dataclasses.replace(cfg, fwd_persistent_band=True),
+                band=rule.band())[0]),
         }
         outs = {key: f(q, k, v, m) for key, f in fns.items()}
-        diff = float(jnp.max(jnp.abs(outs["band"].astype(jnp.float32) - outs["tables"].astype(jnp.float32))))
         secs = {key: [] for key in fns}
         for _ in range(rounds):
             for key, f in fns.items():
                 secs[key].append(timing.measure(f, (q, k, v, m), samples=20)[0])
-        t0, t1 = (statistics.median(secs[key]) for key in ("tables", "band"))
-        print(f"{name:26s} tables {t0 * 1e6:7.1f} us ({fl / t0 / 1e12:4.0f} TFLOP/s) | band {t1 * 1e6:7.1f} us "
-              f"({fl / t1 / 1e12:4.0f} TFLOP/s, x{t0 / t1:.3f}) | max |out diff| {diff:.1e}", flush=True)
+        t0 = statistics.median(secs["tables"])
+        cells = []
+        for key in ("band", "band, persistent"):
+            t1 = statistics.median(secs[key])
+            diff = float(jnp.max(jnp.abs(outs[key].astype(jnp.float32) - outs["tables"].astype(jnp.float32))))
+            cells.append(f"{key} {t1 * 1e6:7.1f} us ({fl / t1 / 1e12:4.0f} TFLOP/s, x{t0 / t1:.3f}; max |out diff| "
+                         f"{diff:.1e})")
+        print(f"{name:26s} tables {t0 * 1e6:7.1f} us ({fl / t0 / 1e12:4.0f} TFLOP/s) | " + " | ".join(cells),
+              flush=True)
 
 
 def band_cases():
@@ -325,7 +336,7 @@ if __name__ == "__main__":
     ap.add_argument("--configs", default="", help="--band-ab: more band variants, 'name:k=v,k=v;name2:k=v' "
                     "(HopperConfig fields, e.g. 'stages3:bwd_stages=3')")
     ap.add_argument("--band-fwd-ab", action="store_true", help="one-segment masks: the data-mask forward with its "
-                    "pre-pass against the band forward")
+                    "pre-pass against the band forward (grid and persistent)")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab, --band-ab: the device clock's "

@@ -584,7 +584,7 @@ def test_hd64_default_tiles_follow_the_key_length():
 
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
-                                dict(bwd_delta_in_dq=1), dict(bwd_persistent_band="on"),
+                                dict(bwd_delta_in_dq=1), dict(bwd_persistent_band="on"), dict(fwd_persistent_band=1),
                                 dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto"),
                                 dict(fwd_named_release=1), dict(fwd_producer_warp="on"),
                                 dict(bwd_named_release="x"), dict(bwd_producer_warp=2), dict(fwd_split_tail="auto"),
@@ -890,16 +890,17 @@ def test_band_backward_on_awkward_bands(case):
 @needs_kernel
 @pytest.mark.parametrize("case", [1, 2, 4, 5, 7])
 @pytest.mark.parametrize("ctas", [3, None])
-def test_persistent_band_backward(case, ctas):
-    """HopperConfig.bwd_persistent_band: the band's dK/dV kernel on a persistent grid (3 CTAs: several key tiles
-    each, with their K/V double-buffered and the Q/dO ring running across tiles; None: one per SM) on bands of
-    _band_cases (a window, a two-sided window, bottom-right with a left window, one-sided with q longer than kv, the
-    diagonal alone) against the fp32 reference."""
+def test_persistent_band_kernels(case, ctas):
+    """HopperConfig.fwd_persistent_band and bwd_persistent_band: the band's forward and dK/dV kernels on persistent
+    grids (3 CTAs: several tiles each, the next tile's Q or K/V loading during this one and one ring running across
+    tiles; None: one CTA per SM) on bands of _band_cases (a window, a two-sided window, bottom-right with a left
+    window, one-sided with q longer than kv, the diagonal alone) against the fp32 reference: out from the forward,
+    dk and dv from the dK/dV kernel."""
     from pallas_kernels.flash_attention_hopper.config import default_config
 
     causal, window, sq, skv, br = _band_cases()[case]
     cfg = dataclasses.replace(default_config(128, skv, False, sq), bwd_persistent_band=True, bwd_dq_atomic=False,
-                              bwd_ctas=ctas)
+                              bwd_ctas=ctas, fwd_persistent_band=True, fwd_ctas=ctas)
     _check_band(case, config=cfg)
 
 

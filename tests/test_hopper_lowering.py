@@ -116,12 +116,14 @@ def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, ptx):
                                          ("rows that see no key", {}),
                                          ("window", dict(bwd_persistent_band=True, bwd_ctas=3)),
                                          ("window", dict(bwd_persistent_band=True, D=64, Dv=64, softcap=2.0)),
-                                         ("bottom right", dict(bwd_persistent_band=True, bwd_dq_atomic=False))])
+                                         ("bottom right", dict(bwd_persistent_band=True, bwd_dq_atomic=False)),
+                                         ("window", dict(fwd_persistent_band=True, fwd_ctas=3, softcap=2.0)),
+                                         ("bottom right", dict(fwd_persistent_band=True, D=64, Dv=64))])
 def test_hopper_band_kernels_lower_for_cuda(name, cfg_kw, ptx):
     """One-segment masks with positions as token indices (mask_offset): the band forward and the band backward, with
     the dQ kernel and with the atomic dQ in the dK/dV kernel (jax >= 0.11), at several head dims; a band that leaves
     queries without a key takes the data-mask forward with the band backward; the persistent band dK/dV kernel
-    (bwd_persistent_band, on 3 CTAs: several tiles per CTA)."""
+    (bwd_persistent_band) and forward (fwd_persistent_band), on 3 CTAs: several tiles per CTA."""
     cfg_kw = dict(cfg_kw)
     D, Dv = cfg_kw.pop("D", 128), cfg_kw.pop("Dv", 128)
     softcap = cfg_kw.pop("softcap", None)

@@ -116,6 +116,10 @@ class HopperConfig:
     # narrow bands (windows), whose short walks leave the grid kernel's per-tile prologue and epilogue exposed.
     # Where the dQ kernel runs and D == Dv <= 128.  None (auto): off (written without a GPU run; opt-in).
     bwd_persistent_band: bool | None = None
+    # A band's forward (where every query sees a key, D == Dv) on a persistent grid (forward_band_persistent: the
+    # persistent data-mask forward's schedule with the band's walk, no pre-pass, no marks) instead of the grid band
+    # kernel.  None (auto): off (written without a GPU run; opt-in).
+    fwd_persistent_band: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -136,7 +140,7 @@ class HopperConfig:
                      "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
-                     "bwd_persistent_band"):
+                     "bwd_persistent_band", "fwd_persistent_band"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.bwd_compute_registers is not None:

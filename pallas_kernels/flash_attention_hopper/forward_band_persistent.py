@@ -1,0 +1,189 @@
+"""Hopper (sm90) flash-attention forward for a band mask on a persistent grid: one CTA per SM walking query tiles.
+Same arguments and outputs as forward.flash_fwd(band=...)'s grid kernel, for bands where every query sees a key
+(band.every_query_sees_a_key) and D == Dv.  Mosaic GPU is imported lazily: this module imports on any machine.
+
+It is forward_masked_persistent's schedule (tiles dealt by snake_tile, one K/V ring across tiles, Q double-buffered
+and prefetched during the tile's second step, O stores not waited for) with the band's walk in place of the
+tables: each tile's K/V blocks come from band.key_blocks, the edge blocks masked from iotas; no pre-pass, no marks.
+HopperConfig.fwd_persistent_band (opt-in) chooses it; written without a GPU run (lowered for CUDA in CI).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._compat import mosaic_gpu, pl
+from .band import band_mask, key_blocks
+from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
+from .config import LN2, HopperConfig, logit_units, ring_choices
+from .forward_masked_persistent import snake_tile, tiles_of_cta
+from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
+
+
+def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool,
+                               softcap: float | None, band, big: int):
+    """(out [B, S, H, D], lse [B, H, S]) under the band (key j sees query i iff lo <= j - i - offset <= hi), on
+    n_ctas CTAs (cfg.fwd_ctas or the SM count). Every query tile must see a key (its walk is not empty)."""
+    plgpu = mosaic_gpu()
+    B, S, H, D, Skv, G, rep, dtype, bq, bkv, n_kv, stages, n_qt = fwd_geometry(q, k, cfg)
+    if v.shape[-1] != D:
+        raise ValueError(f"the persistent band forward needs v's head_dim {v.shape[-1]} == q/k's {D}")
+    c, pre = logit_units(scale, softcap)
+    named = cfg.fwd_named_barrier is not False and not interpret
+    named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
+    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
+    n_tiles = B * H * n_qt
+    n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
+
+    def tile_coords(cta, i):  # -> batch, head, query tile of the CTA's i-th tile
+        t = snake_tile(cta, i, n_ctas)
+        bh = div(t, n_qt)
+        return div(bh, H), rem(bh, H), rem(t, n_qt)
+
+    def walk_of(qt):  # (first K/V block, steps, masked lead, full end) of query tile qt: band.key_blocks
+        return key_blocks(band, qt * (2 * bq), (qt + 1) * (2 * bq), bkv, n_kv, big)
+
+    def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
+        qo_smem4, k_smem, v_smem, lse_smem2 = smem
+        k_bar, v_bar, q_bar, k_cons, v_cons, sched = bars
+        k_slots, v_slots = ring_slots(plgpu, (k_cons, v_cons), stages, named=named_release,
+                                      producer_warp=producer_warp, compute_wgs=2)
+        wg = lax.axis_index("wg")
+        cta = lax.axis_index("cta")
+        my_tiles = tiles_of_cta(cta, n_tiles, n_ctas)
+        sched = _Sched(plgpu, sched, named)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            lse_smem = lse_smem2.at[wg]
+
+            def load_q(i, buf):
+                b, h, qt = tile_coords(cta, i)
+                q0 = qt * (2 * bq) + wg * bq
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem4.at[wg, buf],
+                                        q_bar.at[2 * wg + buf])
+
+            load_q(0, 0)
+            k_slots.prime()
+            v_slots.prime()
+            pl.when(wg == 1)(sched.start)
+
+            def tile_body(i, g0):
+                b, h, qt = tile_coords(cta, i)
+                k_first, n_steps, flo, fhi = walk_of(qt)
+                buf = rem(i, 2)
+                qo_smem = qo_smem4.at[wg, buf]
+                q0 = qt * (2 * bq) + wg * bq
+                plgpu.barrier_wait(q_bar.at[2 * wg + buf])
+                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
+                l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
+                acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+                plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
+                early_q = i + 1 < my_tiles
+                early_step = jnp.minimum(1, n_steps - 1)
+
+                def kv_body(step, carry, masked: bool):
+                    g = g0 + step
+                    slot = rem(g, stages)
+
+                    def wait_next_k():
+                        @pl.when(step + 1 < n_steps)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
+
+                        @pl.when(early_q & (step == early_step))
+                        def _():
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the other buffer's O store read out
+                            load_q(i + 1, 1 - buf)
+
+                    def apply_band(x):  # rows are queries, columns keys
+                        rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+                        cols = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
+                        return band_mask(x, cols - rows, q0 + band[0] - (k_first + step) * bkv, band, -jnp.inf)
+
+                    return _fwd_kv_step(
+                        plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
+                        k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
+                        v_release=lambda: v_slots.release(slot),
+                        sched=sched, c=c, dtype=dtype, interpret=interpret, wait_next_k=wait_next_k, pre=pre,
+                        apply_mask=apply_band if masked else None, may_be_empty=masked)
+
+                carry = (acc, m_i, l_i)
+                carry = lax.fori_loop(0, flo, lambda s, cr: kv_body(s, cr, True), carry)
+                carry = lax.fori_loop(flo, fhi, lambda s, cr: kv_body(s, cr, False), carry)
+                acc, m_i, l_i = lax.fori_loop(fhi, n_steps, lambda s, cr: kv_body(s, cr, True), carry)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's lse store read out
+                empty = l_i == 0.0
+                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
+                qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+                return g0 + n_steps
+
+            lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+            pl.when(wg == 0)(sched.finish)
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def produce():
+                # the CTA's steps in order: tile i's K/V blocks k_first .. k_first + steps - 1, tile after tile
+                def tile_loads(i, g0):
+                    b, h, qt = tile_coords(cta, i)
+                    k_first, n_steps, _, _ = walk_of(qt)
+                    kvh = lax.div(h, jnp.int32(rep))
+
+                    def load(j, _):
+                        g = g0 + j
+                        slot = rem(g, stages)
+                        rows = (b, pl.ds((k_first + j) * bkv, bkv), kvh)
+                        for slots, src, ring, loaded in ((k_slots, k_ref, k_smem, k_bar), (v_slots, v_ref, v_smem,
+                                                                                             v_bar)):
+                            if slots.primed:
+                                slots.wait(slot)
+                            else:
+                                pl.when(g >= stages)(lambda slots=slots: slots.wait(slot))
+                            plgpu.copy_gmem_to_smem(src.at[rows], ring.at[slot], loaded.at[slot])
+                        return None
+
+                    lax.fori_loop(0, n_steps, load, None)
+                    return g0 + n_steps
+
+                total = lax.fori_loop(0, my_tiles, tile_loads, jnp.int32(0))
+                if not all(slots.primed for slots in (k_slots, v_slots)):  # observe the last consumed phases
+                    def drain(g, _):
+                        for slots in (k_slots, v_slots):
+                            if not slots.primed:
+                                slots.wait(rem(g, stages))
+
+                    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+            run_producer(plgpu, produce, single_warp=producer_warp)
+
+    tr = smem_transforms(plgpu, dtype, D)
+    scratch = [
+        (
+            plgpu.SMEM((2, 2, bq, D), dtype, transforms=tr),  # [warpgroup, buffer]: Q, then the tile's O
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((stages, bkv, D), dtype, transforms=tr),
+            plgpu.SMEM((2, bq), jnp.float32),
+        ),
+        (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=4),  # Q loaded, per (warpgroup, buffer)
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+        ),
+    ]
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((B, H, S), jnp.float32))
+    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(n_ctas,),
+                                   grid_names=("cta",), compute_wgs=2, interpret=interpret,
+                                   name="te_jax_attn_fwd_band_persistent", no_auto_barriers=producer_warp)(q, k, v)
