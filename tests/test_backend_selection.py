@@ -373,8 +373,10 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
         config=HopperConfig(bwd_delta_in_dq=False))
     assert "from an XLA reduction first" in off.detail, off.detail
     persistent = te_jax.explain_attention_backend(q, k, v, backend="pallas", window_size=(64, 64),
-                                                  config=HopperConfig(bwd_persistent_band=True))
+                                                  config=HopperConfig(bwd_persistent_band=True,
+                                                                      fwd_persistent_band=True))
     assert "dK/dV on a persistent grid (bwd_persistent_band)" in persistent.detail, persistent.detail
+    assert "forward on a persistent grid (fwd_persistent_band)" in persistent.detail, persistent.detail
     tq, tk, tv = _qkv(b=1, sq=1024, skv=1024, d=128, fmt="thd")
     docs = jnp.array([300, 1, 723], jnp.int32)
     thd = te_jax.explain_attention_backend(tq, tk, tv, attn_input_format="thd", attn_mask_type="padding_causal",

@@ -392,7 +392,7 @@ class PallasBackend:
         for calls that are not bands (padding, documents, or lengths padded to whole tiles)."""
         from pallas_kernels import flash_attention_hopper as fh
         from pallas_kernels.flash_attention_hopper.band import band_forward_chosen, band_is_wide
-        from pallas_kernels.flash_attention_hopper.config import atomic_dq_chosen
+        from pallas_kernels.flash_attention_hopper.config import atomic_dq_chosen, persistent_fits
         from pallas_kernels.flash_attention_hopper.data_mask import MaskRule
 
         d = call.dims
@@ -410,7 +410,10 @@ class PallasBackend:
                     "from its own kernel" + _delta_words(hcfg, d) + (
                         "; dK/dV on a persistent grid (bwd_persistent_band)"
                         if hcfg.bwd_persistent_band and d.head_dim_qk == d.head_dim_v <= 128 else "")) + (
-                    "" if band_forward_chosen(band, d.q_len, d.kv_len) else
+                    ("; forward on a persistent grid (fwd_persistent_band)"
+                     if hcfg.fwd_persistent_band and d.head_dim_qk == d.head_dim_v
+                     and persistent_fits(hcfg, d.head_dim_qk, call.dtype) else "")
+                    if band_forward_chosen(band, d.q_len, d.kv_len) else
                     "; forward on the data-mask tables (some queries see no key)"))
 
     def data_mask_tiles(self, call, tm, window) -> str | None:
