@@ -79,10 +79,9 @@ class DecodeConfig:
       length), the grid holds this many times the shares. At run time `share_blocks` sizes every share as the
       longest row's visible range over the split count when the rows are even (longest <= 9/8 of the mean:
       the extra programs exit at once), and that many times shorter when they are not. 1 (the default): no
-      extra shares. On the H100, batch 16 GQA 32/8 with rows filled 1k..32k read 2.14 TB/s with one share per
-      row and 2.60 with 4 on every row; with every row filled, 2.91 with one and 2.73 with 4
-      (benchmarks/results/decode_h100.md). A factor of 4 would take the better of the two on each; it has not
-      yet run on a GPU, so it is opt-in.
+      extra shares. On the H100, uneven rows read faster with 4 shares on every row and even rows slower
+      (benchmarks/results/decode_h100.md, twelfth session); a factor of 4 would take the better on each, but
+      it has not yet run on a GPU, so it is opt-in.
     merge: how the KV shares are combined. "xla": after the kernel (`_combine`, a few small XLA fusions);
       "kernel": by the last program of each (row, KV head, row tile) to finish its share. Every program writes its
       partial output and logsumexp, then counts itself in (an atomic add on a zeroed counter per tile); the one
