@@ -1047,7 +1047,7 @@ def test_persistent_masked_forward_auto_takes_sliding_windows():
 def test_snake_deal_gives_every_tile_once():
     """snake_tile / tiles_of_cta (the persistent data-mask forward's deal, pure int arithmetic): every query tile
     goes to exactly one CTA, whatever the tile and CTA counts."""
-    from pallas_kernels.flash_attention_hopper.forward_masked_persistent import snake_tile, tiles_of_cta
+    from pallas_kernels.flash_attention_hopper.persistent_steps import snake_tile, tiles_of_cta
 
     for n_tiles, n_ctas in [(10, 3), (12, 3), (7, 7), (5, 132), (2048, 132), (265, 132)]:
         n_ctas = min(n_ctas, n_tiles)

@@ -28,8 +28,8 @@ from .._compat import mosaic_gpu, pl
 
 from .._lower_once import lower_once
 
-from .common import (cdiv, div, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots, run_producer,
-                     smem_transforms, stream_ring, warp_specialized_kernel)
+from .common import (backward_pT, cdiv, div, dv_and_dpT, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots,
+                     run_producer, smem_transforms, stream_ring, warp_specialized_kernel)
 from .backward_band_persistent import _flash_bwd_dkv_band_persistent
 from .band import band_big, band_is_wide, band_mask, key_blocks, query_blocks
 from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
@@ -201,14 +201,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 dk_acc, dv_acc = carry
                 slot = rem(t, stages)
                 plgpu.barrier_wait(q_bar.at[slot])
-                sT = mma(plgpu, (bkv, bq), k_smem, q_smem.at[slot].transpose((1, 0)))
-                if pre is not None:  # softcap: tanh in the score path, 1 - tanh^2 on dS
-                    tT = jnp.tanh(sT * pre)
-                    sT = tT
-                plgpu.barrier_wait(lse_bar.at[slot])
-                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                lse_cons.release(slot)
-                pT = jnp.exp2(sT * c - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
+                pT, tT = backward_pT(plgpu, k_tile=k_smem, q_tile=q_smem.at[slot], lse_ready=lse_bar.at[slot],
+                                     lse_tile=lse_smem.at[slot], lse_release=lambda: lse_cons.release(slot), c=c,
+                                     pre=pre)  # softcap: tT, the tanh, for dS's 1 - tT^2
                 if masked:
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
@@ -228,19 +223,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     if dm_masked:
                         pT = dm_rule.apply(pT, (q_seg, q_pos), key_marks, 0.0, q_axis=1)
                 plgpu.barrier_wait(do_bar.at[slot])
-                if want_dv and want_dk and not interpret:
-                    # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
-                    zT = plgpu.layout_cast(jnp.full((bkv, bq), 0.0, jnp.float32),
-                                           plgpu.Layout.WGMMA)
-                    pT16 = pT.astype(dtype)
-
-                    def _dv_dp(refs):
-                        dv_ref, dp_ref = refs
-                        plgpu.wgmma(dv_ref, pT16, do_smem.at[slot])
-                        plgpu.wgmma(dp_ref, v_smem, do_smem.at[slot].transpose((1, 0)))
-
-                    dv_acc, dpT = pl.run_state(_dv_dp)((plgpu.ACC.init(dv_acc),
-                                                        plgpu.ACC.init(zT)))
+                if want_dv and want_dk and not interpret:  # one wgmma group, a single wait
+                    dv_acc, dpT = dv_and_dpT(plgpu, dv_acc, pT.astype(dtype), do_smem.at[slot], v_smem)
                 else:
                     if want_dv:
                         dv_acc = mma_into(plgpu, dv_acc, pT.astype(dtype), do_smem.at[slot],

@@ -15,18 +15,16 @@ HopperConfig.bwd_persistent_band (opt-in) chooses it; written without a GPU run 
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
 from .band import band_mask, query_blocks
-from .common import div, mma, mma_into, num_sms, rem, ring_slots, run_producer, smem_transforms, \
-    warp_specialized_kernel, when
+from .common import (backward_pT, div, dv_and_dpT, mma, mma_into, num_sms, rem, ring_slots, run_producer,
+                     smem_transforms, warp_specialized_kernel, when)
 from .config import HopperConfig, bwd_registers, logit_units, ring_choices
-from .forward_masked_persistent import snake_tile, tiles_of_cta
+from .persistent_steps import drain_rings, snake_tile, tiles_of_cta, wait_to_refill
 
 
 def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: HopperConfig, interpret: bool,
@@ -91,14 +89,9 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
                 dk_acc, dv_acc = carry
                 slot = rem(t, stages)
                 plgpu.barrier_wait(q_bar.at[slot])
-                sT = mma(plgpu, (bkv, bq), k_smem, q_smem.at[slot].transpose((1, 0)))
-                if pre is not None:  # softcap: tanh in the score path, 1 - tanh^2 on dS
-                    tT = jnp.tanh(sT * pre)
-                    sT = tT
-                plgpu.barrier_wait(lse_bar.at[slot])
-                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                lse_slots.release(slot)
-                pT = jnp.exp2(sT * c - lax.broadcast_in_dim(lse, (bkv, bq), [1]))
+                pT, tT = backward_pT(plgpu, k_tile=k_smem, q_tile=q_smem.at[slot], lse_ready=lse_bar.at[slot],
+                                     lse_tile=lse_smem.at[slot], lse_release=lambda: lse_slots.release(slot), c=c,
+                                     pre=pre)  # softcap: tT, the tanh, for dS's 1 - tT^2
                 if masked:  # rows are keys, columns queries
                     rows = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (bkv, bq), 1, layout=plgpu.Layout.WGMMA)
@@ -107,16 +100,8 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
                 if interpret:
                     dv_acc = mma_into(plgpu, dv_acc, pT.astype(dtype), do_smem.at[slot], interpret=True)
                     dpT = mma(plgpu, (bkv, bq), v_smem, do_smem.at[slot].transpose((1, 0)))
-                else:  # one wgmma group for dV += P^T dO and dP^T = V dO^T: a single wait
-                    zT = plgpu.layout_cast(jnp.full((bkv, bq), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-                    pT16 = pT.astype(dtype)
-
-                    def _dv_dp(refs):
-                        dv_r, dp_r = refs
-                        plgpu.wgmma(dv_r, pT16, do_smem.at[slot])
-                        plgpu.wgmma(dp_r, v_smem, do_smem.at[slot].transpose((1, 0)))
-
-                    dv_acc, dpT = pl.run_state(_dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zT)))
+                else:  # one wgmma group, a single wait
+                    dv_acc, dpT = dv_and_dpT(plgpu, dv_acc, pT.astype(dtype), do_smem.at[slot], v_smem)
                 do_slots.release(slot)
                 plgpu.barrier_wait(delta_bar.at[slot])
                 dl = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -185,10 +170,7 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
                                                          (lse_ref.at[vec], lse_smem, lse_bar, lse_slots),
                                                          (do_ref.at[rows], do_smem, do_bar, do_slots),
                                                          (delta_ref.at[vec], delta_smem, delta_bar, delta_slots)):
-                            if slots.primed:
-                                slots.wait(slot)
-                            else:
-                                when(step >= stages, functools.partial(slots.wait, slot))
+                            wait_to_refill(slots, slot, step, stages)
                             plgpu.copy_gmem_to_smem(src, ring.at[slot], loaded.at[slot])
                         return None
 
@@ -196,13 +178,7 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
                     return g0 + rep * n_h
 
                 total = lax.fori_loop(0, my_tiles, tile_loads, jnp.int32(0))
-                if not all(slots.primed for slots in all_slots):  # observe the last consumed phases (mbarriers)
-                    def drain(step, _):
-                        for slots in all_slots:
-                            if not slots.primed:
-                                slots.wait(rem(step, stages))
-
-                    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+                drain_rings(all_slots, total, stages)
 
             run_producer(plgpu, produce, single_warp=producer_warp)
 

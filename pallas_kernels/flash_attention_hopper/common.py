@@ -67,6 +67,36 @@ def mma(plgpu, shape, a, b, *, after=None):
     return pl.run_scoped(f, plgpu.ACC(shape, jnp.float32))
 
 
+def backward_pT(plgpu, *, k_tile, q_tile, lse_ready, lse_tile, lse_release, c: float, pre):
+    """The dK/dV kernels' step start: (pT, tT) with pT [bkv, bq] = exp2(S^T c - lse) for S^T = K Q^T of the K tile
+    [bkv, D] and the Q tile [bq, D] (softcap, pre not None: tanh(S^T pre) in its place, tT = that tanh, kept for dS's
+    1 - tT^2; else tT None); lse [bq] (base 2) read from lse_tile once lse_ready, its slot then handed back."""
+    bkv, bq = k_tile.shape[0], q_tile.shape[0]
+    sT = mma(plgpu, (bkv, bq), k_tile, q_tile.transpose((1, 0)))
+    tT = None
+    if pre is not None:
+        tT = jnp.tanh(sT * pre)
+        sT = tT
+    plgpu.barrier_wait(lse_ready)
+    lse = plgpu.load(lse_tile, layout=plgpu.Layout.WGMMA.reduce(0))
+    lse_release()
+    return jnp.exp2(sT * c - lax.broadcast_in_dim(lse, (bkv, bq), [1])), tT
+
+
+def dv_and_dpT(plgpu, dv_acc, pT16, do_tile, v_tile):
+    """The backward's dV += P^T dO and dP^T = V dO^T as one wgmma group (a single wait): (dv_acc [bkv, Dv], dpT
+    [bkv, bq]) from pT16 [bkv, bq] in registers, the dO tile [bq, Dv] and the V tile [bkv, Dv] in shared memory.
+    GPU only (the interpreter takes mma_into / mma one at a time)."""
+    zT = plgpu.layout_cast(jnp.full(pT16.shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def _dv_dp(refs):
+        dv_ref, dp_ref = refs
+        plgpu.wgmma(dv_ref, pT16, do_tile)
+        plgpu.wgmma(dp_ref, v_tile, do_tile.transpose((1, 0)))
+
+    return pl.run_state(_dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zT)))
+
+
 def swizzle_for(minor: int, dtype) -> int:
     """The widest shared-memory swizzle (128, 64 or 32 bytes) whose rows divide a tile row of `minor` elements:
     128 for head dims 64/128/192/256, 64 for 96 or 160, 32 for 80 or 112 (wgmma takes each; both operands of one

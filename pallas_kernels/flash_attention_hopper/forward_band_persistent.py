@@ -16,9 +16,10 @@ from jax import lax
 from .._compat import mosaic_gpu, pl
 from .band import band_mask, key_blocks
 from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
-from .config import LN2, HopperConfig, logit_units, ring_choices
-from .forward_masked_persistent import snake_tile, tiles_of_cta
+from .config import HopperConfig, logit_units, ring_choices
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
+from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_tile, store_forward_tile,
+                               tiles_of_cta, wait_to_refill)
 
 
 def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret: bool,
@@ -32,7 +33,6 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
     c, pre = logit_units(scale, softcap)
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
-    wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
     n_tiles = B * H * n_qt
     n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
 
@@ -77,9 +77,6 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
                 qo_smem = qo_smem4.at[wg, buf]
                 q0 = qt * (2 * bq) + wg * bq
                 plgpu.barrier_wait(q_bar.at[2 * wg + buf])
-                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
-                l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
-                acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
                 early_q = i + 1 < my_tiles
                 early_step = jnp.minimum(1, n_steps - 1)
@@ -87,16 +84,9 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
                 def kv_body(step, carry, masked: bool):
                     g = g0 + step
                     slot = rem(g, stages)
-
-                    def wait_next_k():
-                        @pl.when(step + 1 < n_steps)
-                        def _():
-                            plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
-
-                        @pl.when(early_q & (step == early_step))
-                        def _():
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the other buffer's O store read out
-                            load_q(i + 1, 1 - buf)
+                    wait_next_k = next_k_and_prefetch(plgpu, step=step, n_steps=n_steps, g=g, stages=stages,
+                                                      k_bar=k_bar, early=early_q & (step == early_step),
+                                                      prefetch=lambda: load_q(i + 1, 1 - buf))
 
                     def apply_band(x):  # rows are queries, columns keys
                         rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -110,18 +100,12 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
                         sched=sched, c=c, dtype=dtype, interpret=interpret, wait_next_k=wait_next_k, pre=pre,
                         apply_mask=apply_band if masked else None, may_be_empty=masked)
 
-                carry = (acc, m_i, l_i)
+                carry = fresh_forward_tile(plgpu, bq, D)
                 carry = lax.fori_loop(0, flo, lambda s, cr: kv_body(s, cr, True), carry)
                 carry = lax.fori_loop(flo, fhi, lambda s, cr: kv_body(s, cr, False), carry)
-                acc, m_i, l_i = lax.fori_loop(fhi, n_steps, lambda s, cr: kv_body(s, cr, True), carry)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's lse store read out
-                empty = l_i == 0.0
-                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
-                qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-                lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+                carry = lax.fori_loop(fhi, n_steps, lambda s, cr: kv_body(s, cr, True), carry)
+                store_forward_tile(plgpu, carry, qo_smem=qo_smem, lse_smem=lse_smem, dtype=dtype,
+                                   o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)])
                 return g0 + n_steps
 
             lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
@@ -145,10 +129,7 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
                         rows = (b, pl.ds((k_first + j) * bkv, bkv), kvh)
                         for slots, src, ring, loaded in ((k_slots, k_ref, k_smem, k_bar), (v_slots, v_ref, v_smem,
                                                                                              v_bar)):
-                            if slots.primed:
-                                slots.wait(slot)
-                            else:
-                                pl.when(g >= stages)(lambda slots=slots: slots.wait(slot))
+                            wait_to_refill(slots, slot, g, stages)
                             plgpu.copy_gmem_to_smem(src.at[rows], ring.at[slot], loaded.at[slot])
                         return None
 
@@ -156,13 +137,7 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
                     return g0 + n_steps
 
                 total = lax.fori_loop(0, my_tiles, tile_loads, jnp.int32(0))
-                if not all(slots.primed for slots in (k_slots, v_slots)):  # observe the last consumed phases
-                    def drain(g, _):
-                        for slots in (k_slots, v_slots):
-                            if not slots.primed:
-                                slots.wait(rem(g, stages))
-
-                    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+                drain_rings((k_slots, v_slots), total, stages)
 
             run_producer(plgpu, produce, single_warp=producer_warp)
 

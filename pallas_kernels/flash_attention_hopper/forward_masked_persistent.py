@@ -3,34 +3,18 @@ Same arguments and outputs as forward_masked._flash_fwd_masked (one CTA per quer
 Mosaic GPU is imported lazily: this module imports on any machine."""
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
-from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel, when
-from .config import LN2, HopperConfig, logit_units, ring_choices
+from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
+from .config import HopperConfig, logit_units, ring_choices
 from .data_mask import walk_groups
 from .forward_masked import step_mask
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
-
-
-def snake_tile(cta, i, n_ctas: int):
-    """The query tile (index in (batch, head, tile) order) CTA `cta` takes in its round i: position cta of the
-    round's n_ctas consecutive tiles in even rounds, position n_ctas - 1 - cta in odd ones, so a CTA that took a
-    long tile (late in a causal or padded row) takes a short one next.  Works on Python or traced ints."""
-    pos = jnp.where(rem(i, 2) == 0, cta, (n_ctas - 1) - cta)
-    return i * n_ctas + pos
-
-
-def tiles_of_cta(cta, n_tiles: int, n_ctas: int):
-    """How many tiles CTA `cta` takes under snake_tile: every whole round, and the last partial round if its
-    position there is among the round's first n_tiles % n_ctas."""
-    rounds, rest = divmod(n_tiles, n_ctas)
-    last_pos = cta if rounds % 2 == 0 else (n_ctas - 1) - cta
-    return rounds + jnp.where(last_pos < rest, 1, 0).astype(jnp.int32)
+from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_tile,
+                               store_forward_tile, tiles_of_cta, wait_to_refill)
 
 
 def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig,
@@ -115,9 +99,6 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                 plgpu.barrier_wait(q_bar.at[2 * wg + buf])
                 plgpu.barrier_wait(qm_bar.at[2 * wg + buf])
                 q_marks = [plgpu.load(qm_smem4.at[wg, buf, j], layout=wgmma_rows) for j in range(2)]
-                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), wgmma_rows)
-                l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_rows)
-                acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
                 plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
                 early_q = i + 1 < my_tiles
                 early_step = jnp.minimum(1, n_steps - 1)
@@ -126,17 +107,9 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                     g = g0 + step
                     slot = rem(g, stages)
                     apply_mask = step_mask(plgpu, group_rule, q_marks, (km_bar, km_smem, km_slots), slot)
-
-                    def wait_next_k():
-                        @pl.when(step + 1 < n_steps)
-                        def _():
-                            plgpu.barrier_wait(k_bar.at[rem(g + 1, stages)])
-
-                        @pl.when(early_q & (step == early_step))
-                        def _():
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the other buffer's O store read out
-                            load_q(i + 1, 1 - buf)
-
+                    wait_next_k = next_k_and_prefetch(plgpu, step=step, n_steps=n_steps, g=g, stages=stages,
+                                                      k_bar=k_bar, early=early_q & (step == early_step),
+                                                      prefetch=lambda: load_q(i + 1, 1 - buf))
                     return _fwd_kv_step(
                         plgpu, carry, q_smem=qo_smem, k_tile=k_smem.at[slot], v_tile=v_smem.at[slot],
                         k_release=lambda: k_slots.release(slot), v_ready=v_bar.at[slot],
@@ -144,15 +117,9 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                         sched=sched, c=c, dtype=dtype, interpret=interpret,
                         apply_mask=apply_mask, wait_next_k=wait_next_k, pre=pre, may_be_empty=group_rule is not None)
 
-                acc, m_i, l_i = walk_groups(kv_body, ends, rule, (acc, m_i, l_i))
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's lse store read out
-                empty = l_i == 0.0  # a row without a visible key: out 0, lse -inf
-                inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l_i))
-                qo_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-                lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(jnp.where(empty, 1.0, l_i))) * LN2)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(q0, bq), h])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, bq)])
+                carry = walk_groups(kv_body, ends, rule, fresh_forward_tile(plgpu, bq, D))
+                store_forward_tile(plgpu, carry, qo_smem=qo_smem, lse_smem=lse_smem, dtype=dtype,
+                                   o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)])
                 return (g0 + n_steps,) + nxt
 
             lax.fori_loop(0, my_tiles, tile_body, (jnp.int32(0),) + steps_of(counts_ref, cta, 0, my_tiles))
@@ -176,10 +143,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                         slot = rem(g, stages)
                         rows = pl.ds(blocks_ref[b, qt, j] * bkv, bkv)
                         for slots in slots_of:
-                            if slots.primed:
-                                slots.wait(slot)
-                            else:
-                                when(g >= stages, functools.partial(slots.wait, slot))
+                            wait_to_refill(slots, slot, g, stages)
                         plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kvh], k_smem.at[slot], k_bar.at[slot])
                         plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kvh], v_smem.at[slot], v_bar.at[slot])
                         plgpu.copy_gmem_to_smem(km_ref.at[b, :, rows], km_smem.at[slot], km_bar.at[slot])
@@ -189,13 +153,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                     return g0 + n_steps
 
                 total = lax.fori_loop(0, my_tiles, tile_loads, jnp.int32(0))
-                if not all(slots.primed for slots in slots_of):  # observe the last consumed phases (mbarriers)
-                    def drain(g, _):
-                        for slots in slots_of:
-                            if not slots.primed:
-                                slots.wait(rem(g, stages))
-
-                    lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+                drain_rings(slots_of, total, stages)
 
             run_producer(plgpu, produce, single_warp=producer_warp)
 
