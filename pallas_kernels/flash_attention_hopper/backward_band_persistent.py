@@ -84,8 +84,9 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
             for slots in all_slots:
                 slots.prime()
 
-            def step_body(t, qb, carry, masked: bool, *, k_smem, v_smem, hh, bb, kv0):
-                """One query block qb of query head hh against this warpgroup's keys; t: the global ring step."""
+            def step_body(t, qb, carry, masked: bool, *, k_smem, v_smem, kv0):
+                """One query block qb (of the head the producer loaded at step t) against this warpgroup's keys
+                [kv0, kv0 + bkv); t: the global ring step."""
                 dk_acc, dv_acc = carry
                 slot = rem(t, stages)
                 plgpu.barrier_wait(q_bar.at[slot])
@@ -128,7 +129,7 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
 
                 def head_body(h, carry):
                     base = g0 + h * n_h
-                    kw = dict(k_smem=k_smem, v_smem=v_smem, hh=g * rep + h, bb=b, kv0=kv0)
+                    kw = dict(k_smem=k_smem, v_smem=v_smem, kv0=kv0)
 
                     def walk(lo, hi, carry, masked):
                         return lax.fori_loop(lo, hi, lambda j, cr: step_body(base + j, q_first + j, cr, masked,
