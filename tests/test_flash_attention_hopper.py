@@ -325,6 +325,39 @@ def test_atomic_dq_policy():
     assert not atomic_dq_chosen(64, 4096, hd64, interpret=True)
 
 
+def test_masked_backward_and_persistent_band_choices():
+    """The choices flash_bwd / flash_fwd make under a data mask or a band, which the backend explanation reads too:
+    the atomic dQ under a data mask only when forced, under a band for wide bands (band_is_wide) or when forced,
+    never with split head dims; the persistent band kernels only where asked and their head dims fit; delta in the
+    dQ kernel on the GPU up to head_dim 192."""
+    from pallas_kernels.flash_attention_hopper.band import ATOMIC_DQ_MIN_BAND
+    from pallas_kernels.flash_attention_hopper.config import (
+        HopperConfig, default_config, delta_in_dq, masked_atomic_dq_chosen, persistent_band_bwd_chosen,
+        persistent_band_fwd_chosen)
+
+    cfg = default_config(128, 4096, False, 4096)  # auto takes the atomic dQ from 2048 keys on plain calls
+    narrow, wide, open_ = (0, -255, 0), (0, -ATOMIC_DQ_MIN_BAND + 1, 0), (0, None, 0)
+    assert not masked_atomic_dq_chosen(128, 128, 4096, cfg, False)  # a data mask: the dQ kernel
+    assert masked_atomic_dq_chosen(128, 128, 4096, dataclasses.replace(cfg, bwd_dq_atomic=True), False)
+    assert not masked_atomic_dq_chosen(128, 128, 4096, cfg, False, band=narrow)
+    assert masked_atomic_dq_chosen(128, 128, 4096, cfg, False, band=wide)
+    assert masked_atomic_dq_chosen(128, 128, 4096, cfg, False, band=open_)
+    assert not masked_atomic_dq_chosen(128, 128, 1024, cfg, False, band=open_)  # short keys: auto says no
+    assert not masked_atomic_dq_chosen(128, 64, 4096, dataclasses.replace(cfg, bwd_dq_atomic=True), False)
+    assert not masked_atomic_dq_chosen(128, 128, 4096, cfg, True, band=open_)  # the interpreter: no TMA reduce
+    assert not persistent_band_bwd_chosen(cfg, 128, 128)  # opt-in
+    on = dataclasses.replace(cfg, bwd_persistent_band=True, fwd_persistent_band=True)
+    assert persistent_band_bwd_chosen(on, 128, 128) and persistent_band_bwd_chosen(on, 64, 64)
+    assert not persistent_band_bwd_chosen(on, 192, 128) and not persistent_band_bwd_chosen(on, 256, 256)
+    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16)
+    assert persistent_band_fwd_chosen(on, 128, 128, jnp.bfloat16)
+    assert not persistent_band_fwd_chosen(on, 192, 128, jnp.bfloat16)
+    assert delta_in_dq(HopperConfig(), False, 128, 128) and delta_in_dq(HopperConfig(), False, 192, 128)
+    assert not delta_in_dq(HopperConfig(), True, 128, 128)  # auto: the GPU only
+    assert not delta_in_dq(HopperConfig(), False, 256, 256)  # O's tiles do not fit
+    assert not delta_in_dq(HopperConfig(bwd_delta_in_dq=False), False, 128, 128)
+
+
 def _random_qkv_do(seed, B, S, H, G, D):
     """Fresh bf16 q [B,S,H,D], k / v [B,S,G,D] and an output cotangent do [B,S,H,D]."""
     ks = jax.random.split(jax.random.key(seed), 4)
@@ -756,6 +789,25 @@ def _band_cases():
     return [(True, (-1, -1), 512, 512, False), (True, (128, 0), 768, 768, False), (False, (100, 50), 384, 384, False),
             (True, (-1, -1), 256, 640, True), (True, (200, -1), 256, 1024, True), (False, (-1, 70), 512, 256, False),
             (True, (-1, -1), 640, 256, True), (False, (0, 0), 256, 256, False), (True, (64, -1), 384, 512, False)]
+
+
+def test_walk_band_runs_masked_full_masked_steps_once_each():
+    """band.walk_band (every band kernel's loops): each step of [0, steps) once, masked outside [full_lo, full_hi),
+    in order, with traced bounds; an empty walk runs nothing."""
+    from pallas_kernels.flash_attention_hopper.band import walk_band
+
+    def run(flo, fhi, steps):
+        def body(step, carry, masked):
+            seen, order = carry
+            return seen.at[step].add(jnp.where(masked, 1, 10)), order.at[step].set(jnp.max(order) + 1)
+
+        return jax.jit(lambda a, b, c: walk_band(body, a, b, c, (jnp.zeros(8, jnp.int32), jnp.zeros(8, jnp.int32))))(
+            jnp.int32(flo), jnp.int32(fhi), jnp.int32(steps))
+
+    seen, order = run(2, 5, 7)
+    assert seen.tolist() == [1, 1, 10, 10, 10, 1, 1, 0] and order.tolist() == [1, 2, 3, 4, 5, 6, 7, 0]
+    assert run(0, 0, 0)[0].tolist() == [0] * 8
+    assert run(0, 3, 3)[0].tolist() == [10, 10, 10, 0, 0, 0, 0, 0]
 
 
 def test_band_walks_cover_exactly_the_visible_pairs():

@@ -31,10 +31,11 @@ from .._lower_once import lower_once
 from .common import (backward_pT, cdiv, div, dv_and_dpT, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots,
                      run_producer, smem_transforms, stream_ring, warp_specialized_kernel)
 from .backward_band_persistent import _flash_bwd_dkv_band_persistent
-from .band import band_big, band_is_wide, band_mask, key_blocks, query_blocks
+from .band import band_big, band_mask, key_blocks, query_blocks, walk_band
 from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
-                     delta_in_dq, dq_split, logit_units, piece_split_chosen, ring_choices)
+                     delta_in_dq, dq_split, logit_units, masked_atomic_dq_chosen, persistent_band_bwd_chosen,
+                     piece_split_chosen, ring_choices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,9 +322,9 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                             base + j, query_block(j), carry, masked=False, hh=hh, bb=b, kv0=kv0, dm_rule=group_rule),
                             dm_ends, dm.rule, carry)
                     if band is not None:
-                        carry = walk(0, band_flo, carry, masked=True)
-                        carry = walk(band_flo, band_fhi, carry, masked=False)
-                        return walk(band_fhi, n_steps_h, carry, masked=True)
+                        return walk_band(lambda j, carry, masked: step_body(
+                            base + j, query_block(j), carry, masked=masked, hh=hh, bb=b, kv0=kv0),
+                            band_flo, band_fhi, n_steps_h, carry)
                     if reverse:  # from the last query block down: the diagonal blocks come last
                         carry = walk(0, n_steps_h - n_mask, carry, masked=False)
                         return walk(n_steps_h - n_mask, n_steps_h, carry, masked=True)
@@ -621,9 +622,8 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 dq_acc = walk_groups(lambda t, acc, group_rule: step_body(t, acc, masked=False, dm_rule=group_rule),
                                      dm_ends, dm.rule, dq_acc)
             elif band is not None:
-                dq_acc = lax.fori_loop(0, band_flo, functools.partial(step_body, masked=True), dq_acc)
-                dq_acc = lax.fori_loop(band_flo, band_fhi, functools.partial(step_body, masked=False), dq_acc)
-                dq_acc = lax.fori_loop(band_fhi, total, functools.partial(step_body, masked=True), dq_acc)
+                dq_acc = walk_band(lambda t, acc, masked: step_body(t, acc, masked=masked), band_flo, band_fhi,
+                                   total, dq_acc)
             elif causal:
                 dq_acc = lax.fori_loop(0, n_full, functools.partial(step_body, masked=False), dq_acc)
                 dq_acc = lax.fori_loop(n_full, total, functools.partial(step_body, masked=True), dq_acc)
@@ -695,6 +695,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     Dv = v.shape[-1]
     cfg = config or default_config(D, k.shape[1], causal, q.shape[1], head_dim_v=Dv)
     check_lengths(cfg, q.shape[1], k.shape[1], forward=False)
+
     def xla_delta():
         delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
         if dlse is not None:
@@ -708,7 +709,8 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     kw = dict(scale=scale, causal=causal, cfg=cfg, interpret=interpret, softcap=softcap, kv_valid=kv_valid)
     if band is not None and mask_tables is not None:
         raise ValueError("flash_bwd: pass a band or mask tables, not both")
-    if mask_tables is not None or band is not None:
+    masked = mask_tables is not None or band is not None
+    if masked:
         if causal or kv_valid is not None:
             raise ValueError("a data mask or band carries causal and padding itself (causal=False, kv_valid=None)")
         # rows without a visible key (lse -inf): 0, so that exp2(s - 0) is finite before the mask zeroes it
@@ -717,12 +719,9 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
             kw["band"] = band
         else:
             kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), backward_rule(mask_rule))
-    # Under a data mask that reads positions dQ comes from its own kernel: the dK/dV kernel with the atomic dQ and
-    # the element mask spills registers, and the H100 measured the dQ kernel 5-11% faster there
-    # (benchmarks/hopper_mask_probe.py).  A band has no tables and no spill: wide bands take the atomic dQ.
-    if Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret) and (
-            (mask_tables is None and band is None) or cfg.bwd_dq_atomic is True
-            or (band is not None and band_is_wide(band))):
+    atomic = (masked_atomic_dq_chosen(D, Dv, k.shape[1], cfg, interpret, band=band) if masked
+              else Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret))
+    if atomic:
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = _flash_bwd_dkv(q, k, v, do, lse2, xla_delta(), want_dk=True, want_dv=True,
                                 dq_acc_ref=dq_acc, **kw)
@@ -736,7 +735,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     if max(D, Dv) > 128:  # dK and dV accumulators of 64 rows do not fit one warpgroup's registers together
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
-    elif band is not None and Dv == D and cfg.bwd_persistent_band:  # opt-in: one CTA per SM walking key tiles
+    elif band is not None and persistent_band_bwd_chosen(cfg, D, Dv):  # opt-in: one CTA per SM walking key tiles
         dk, dv = _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, scale=scale, cfg=cfg, interpret=interpret,
                                                 softcap=softcap, band=band, big=band_big(band, q.shape[1], k.shape[1]))
     else:

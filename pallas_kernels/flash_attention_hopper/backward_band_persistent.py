@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
-from .band import band_mask, query_blocks
+from .band import band_mask, query_blocks, walk_band
 from .common import (backward_pT, div, dv_and_dpT, mma, mma_into, num_sms, rem, ring_slots, run_producer,
                      smem_transforms, warp_specialized_kernel, when)
 from .config import HopperConfig, bwd_registers, logit_units, ring_choices
@@ -129,15 +129,8 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
 
                 def head_body(h, carry):
                     base = g0 + h * n_h
-                    kw = dict(k_smem=k_smem, v_smem=v_smem, kv0=kv0)
-
-                    def walk(lo, hi, carry, masked):
-                        return lax.fori_loop(lo, hi, lambda j, cr: step_body(base + j, q_first + j, cr, masked,
-                                                                              **kw), carry)
-
-                    carry = walk(0, flo, carry, True)
-                    carry = walk(flo, fhi, carry, False)
-                    return walk(fhi, n_h, carry, True)
+                    return walk_band(lambda j, cr, masked: step_body(base + j, q_first + j, cr, masked, k_smem=k_smem,
+                                                                     v_smem=v_smem, kv0=kv0), flo, fhi, n_h, carry)
 
                 dk_acc, dv_acc = lax.fori_loop(0, rep, head_body, (zero, zero))
                 k_smem[...] = (dk_acc * scale).astype(dtype)

@@ -6,6 +6,7 @@ scalars and tiles: it runs inside the Mosaic GPU kernels and on the CPU alike.
 
     band_walk(w_min, w_max, full_min, full_max, block, n_blocks, big) -> (first, steps, full_lo, full_hi)
     key_blocks(band, q0, q1, ...) / query_blocks(band, k0, k1, ...)   band_walk for a query tile / a key tile
+    walk_band(body, full_lo, full_hi, steps, carry)                    a tile's masked, full, masked loops
     band_mask(x, key_minus_query, c, band, fill)                       -> x outside the band set to fill
 """
 from __future__ import annotations
@@ -47,6 +48,14 @@ def query_blocks(band, k0, k1, block: int, n_blocks: int, big: int):
     return band_walk(None if hi is None else k0 - off - hi, None if lo is None else k1 - 1 - off - lo,
                      None if hi is None else k1 - 1 - off - hi, None if lo is None else k0 - block + 1 - off - lo,
                      block, n_blocks, big)
+
+
+def walk_band(body, full_lo, full_hi, steps, carry):
+    """Run a tile's band walk (band_walk's counts): body(step, carry, masked) over [0, full_lo) masked, [full_lo,
+    full_hi) full and [full_hi, steps) masked.  Every band kernel walks its tile this way."""
+    carry = lax.fori_loop(0, full_lo, lambda s, c: body(s, c, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, lambda s, c: body(s, c, False), carry)
+    return lax.fori_loop(full_hi, steps, lambda s, c: body(s, c, True), carry)
 
 
 def band_mask(x, key_minus_query, c, band, fill=0.0):

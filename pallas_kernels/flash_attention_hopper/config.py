@@ -527,6 +527,32 @@ def delta_in_dq(cfg: HopperConfig, interpret: bool, head_dim: int, head_dim_v: i
     return (not interpret) if cfg.bwd_delta_in_dq is None else cfg.bwd_delta_in_dq
 
 
+def masked_atomic_dq_chosen(head_dim: int, head_dim_v: int, kv_len: int, cfg: HopperConfig, interpret: bool, *,
+                            band=None) -> bool:
+    """Whether flash_bwd under a data mask (band None) or a band accumulates dQ in the dK/dV kernel: where
+    atomic_dq_chosen says so, and then under a data mask only when the config forces it (with the element mask the
+    dK/dV kernel spills registers: the H100 measured the dQ kernel 5-11% faster, benchmarks/hopper_mask_probe.py),
+    under a band for wide bands (band.band_is_wide) or when forced."""
+    from .band import band_is_wide
+
+    if head_dim_v != head_dim or not atomic_dq_chosen(head_dim, kv_len, cfg, interpret):
+        return False
+    return cfg.bwd_dq_atomic is True or (band is not None and band_is_wide(band))
+
+
+def persistent_band_bwd_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int) -> bool:
+    """Whether a band's dK/dV runs on the persistent kernel (HopperConfig.bwd_persistent_band, opt-in): where the
+    dQ kernel runs and D == Dv <= 128 (dK and dV accumulated together)."""
+    return bool(cfg.bwd_persistent_band) and head_dim == head_dim_v <= 128
+
+
+def persistent_band_fwd_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int, dtype) -> bool:
+    """Whether a band's forward runs on the persistent kernel (HopperConfig.fwd_persistent_band, opt-in): D == Dv and
+    two Q/O buffers per warpgroup fit beside the K/V ring (persistent_fits).  The caller also needs every query to
+    see a key (band.every_query_sees_a_key)."""
+    return bool(cfg.fwd_persistent_band) and head_dim == head_dim_v and persistent_fits(cfg, head_dim, dtype)
+
+
 def atomic_dq_chosen(head_dim: int, kv_len: int, cfg: HopperConfig, interpret: bool) -> bool:
     """Whether flash_bwd accumulates dQ inside the dK/dV kernel for this call (forced by the config, or auto)."""
     if not atomic_dq_served(head_dim, cfg, interpret):

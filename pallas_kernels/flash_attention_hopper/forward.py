@@ -28,15 +28,15 @@ from .._compat import mosaic_gpu, pl
 from .._lower_once import lower_once
 
 from .aligned_tiles import gather_rows
-from .band import band_big, band_mask, every_query_sees_a_key, key_blocks
+from .band import band_big, band_mask, every_query_sees_a_key, key_blocks, walk_band
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
 from .forward_masked import _flash_fwd_masked
 from .forward_band_persistent import _flash_fwd_band_persistent
 from .forward_masked_persistent import _flash_fwd_masked_persistent
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
-from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config,
-                     logit_units, persistent_causal_chosen, persistent_chosen, persistent_fits, persistent_masked_chosen,
+from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config, logit_units,
+                     persistent_band_fwd_chosen, persistent_causal_chosen, persistent_chosen, persistent_masked_chosen,
                      ring_choices, split_tail_chosen)
 
 
@@ -119,7 +119,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                   if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
         return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
                       interpret=interpret, softcap=softcap, rule=mask_rule)
-    if (band is not None and cfg.fwd_persistent_band and not split_dims and persistent_fits(cfg, D, dtype)
+    if (band is not None and persistent_band_fwd_chosen(cfg, D, Dv, dtype)
             and every_query_sees_a_key(band, S, Skv)):  # opt-in: one CTA per SM walking query tiles
         return _flash_fwd_band_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
                                           band=band, big=band_big(band, S, Skv))
@@ -217,9 +217,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
             carry = (acc, m_i, l_i)
             if band is not None:
-                carry = lax.fori_loop(0, band_flo, functools.partial(kv_body, masked=True), carry)
-                carry = lax.fori_loop(band_flo, band_fhi, functools.partial(kv_body, masked=False), carry)
-                carry = lax.fori_loop(band_fhi, cta_steps, functools.partial(kv_body, masked=True), carry)
+                carry = walk_band(lambda s, cr, masked: kv_body(s, cr, masked=masked), band_flo, band_fhi, cta_steps,
+                                  carry)
             elif not causal:
                 carry = lax.fori_loop(0, n_kv, functools.partial(kv_body, masked=kv_valid is not None), carry)
             else:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
-from .band import band_mask, key_blocks
+from .band import band_mask, key_blocks, walk_band
 from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
 from .config import HopperConfig, logit_units, ring_choices
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
@@ -100,10 +100,7 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
                         sched=sched, c=c, dtype=dtype, interpret=interpret, wait_next_k=wait_next_k, pre=pre,
                         apply_mask=apply_band if masked else None, may_be_empty=masked)
 
-                carry = fresh_forward_tile(plgpu, bq, D)
-                carry = lax.fori_loop(0, flo, lambda s, cr: kv_body(s, cr, True), carry)
-                carry = lax.fori_loop(flo, fhi, lambda s, cr: kv_body(s, cr, False), carry)
-                carry = lax.fori_loop(fhi, n_steps, lambda s, cr: kv_body(s, cr, True), carry)
+                carry = walk_band(kv_body, flo, fhi, n_steps, fresh_forward_tile(plgpu, bq, D))
                 store_forward_tile(plgpu, carry, qo_smem=qo_smem, lse_smem=lse_smem, dtype=dtype,
                                    o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)])
                 return g0 + n_steps

@@ -1,7 +1,7 @@
 """FP8 cast kernels: activation + cast (+ transpose), dActivation + cast + transpose, cast + transpose, each
 with the amax of what it cast (TransformerEngine's fused quantization kernels), a norm + its statistics + cast +
-transpose, several arrays cast with their transposes stacked, TMA twins of the casts (tma.py, Hopper; opt-in, not yet
-run on a GPU), and a plain-jnp reference."""
+transpose, several arrays cast with their transposes stacked, TMA twins of the casts (tma.py, Hopper only), and a
+plain-jnp reference."""
 from pallas_kernels.fp8_cast.kernels import (  # noqa: F401
     act_amax,
     act_cast,

@@ -1,6 +1,7 @@
 """FP8 cast kernels on Hopper's TMA (Pallas Mosaic GPU), written to reach copy bandwidth where the Triton-lowered
-kernels (kernels.py) are limited by their transposed stores.  Not yet run on a GPU: opt-in (te_jax:
-TE_JAX_FP8_TMA_CASTS), lowered for CUDA in CI.  Each takes the call of its kernels.py twin and returns the same:
+kernels (kernels.py) are limited by their transposed stores.  Checked on an H100 (tests/test_fp8_fused_mlp.py's GPU
+tests; speed: benchmarks/results/fp8_layer_h100.md); opt-in in te_jax (TE_JAX_FP8_TMA_CASTS).  Each takes the call
+of its kernels.py twin and returns the same:
 
     dact_cast_transpose_tma(dh, gu, scale, ...)  dh [M, F], gu [M, 2, F] | [M, F] -> dgu_q [gu's shape],
                                                  dgu_qT [n*F, M], amax
@@ -20,14 +21,8 @@ import jax.numpy as jnp
 
 from .._compat import mosaic_gpu, pl
 from .._lower_once import lower_once
+from ..flash_attention_hopper.common import smem_transforms
 from . import common as C
-
-
-def _swizzled(plgpu, dtype, cols: int):
-    """Shared-memory transforms for a [rows, cols] tile of `dtype` (the widest swizzle its rows fill)."""
-    row_bytes = cols * jnp.dtype(dtype).itemsize
-    swizzle = 128 if row_bytes % 128 == 0 else 64 if row_bytes % 64 == 0 else 32
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
 def _tile_cast(where, loads, compute, scales, *, m: int, f: int, n_out: int, out_dtype, write_q: bool, block: int,
@@ -79,14 +74,14 @@ def _tile_cast(where, loads, compute, scales, *, m: int, f: int, n_out: int, out
         plgpu.copy_smem_to_gmem(amax_s, amax_ref.at[i * gf + j])
         plgpu.wait_smem_to_gmem(0)
 
-    tr_out = _swizzled(plgpu, out_dtype, block)
+    tr_out = smem_transforms(plgpu, out_dtype, block)
     body.__name__ = name  # the GPU kernel's name in profiles
     out_type = (([jax.ShapeDtypeStruct((m, n_out * f), out_dtype)] if write_q else [])
                 + [jax.ShapeDtypeStruct((n_out * f, m), out_dtype),
                    jax.ShapeDtypeStruct((gm * gf, block), jnp.float32)])
     outs = plgpu.kernel(
         body, out_type=tuple(out_type), grid=(gm, gf), grid_names=("m", "f"),
-        scratch_types=[plgpu.SMEM((n_in, block, block), in_dtype, transforms=_swizzled(plgpu, in_dtype, block)),
+        scratch_types=[plgpu.SMEM((n_in, block, block), in_dtype, transforms=smem_transforms(plgpu, in_dtype, block)),
                        plgpu.SMEM((n_out if write_q else 1, block, block), out_dtype, transforms=tr_out),
                        plgpu.SMEM((n_out, block, block), out_dtype, transforms=tr_out),
                        plgpu.SMEM((block,), jnp.float32),

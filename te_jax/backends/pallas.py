@@ -354,7 +354,7 @@ class PallasBackend:
             what = [x for x, on in ((f"attn_mask_type={call.mask.mask_type!r}", call.mask.mask_type != "no_mask"),
                                     (f"padding from {call.padding_source}", call.padding_source != "none"),
                                     (f"window_size={call.window}", call.window != (-1, -1))) if on]
-            from pallas_kernels.flash_attention_hopper.config import persistent_masked_chosen
+            from pallas_kernels.flash_attention_hopper.config import masked_atomic_dq_chosen, persistent_masked_chosen
 
             q_padded = -(-d.q_len // fh.BLOCK) * fh.BLOCK
             hcfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, kv_padded, False,
@@ -372,8 +372,9 @@ class PallasBackend:
                         "Q and K/V load during the current one)" if persistent else
                         "one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid "
                         "serves sliding windows, or fwd_persistent_masked=True)")
-                    + ("; backward dQ accumulated in the dK/dV kernel (bwd_dq_atomic=True)" if hcfg.bwd_dq_atomic
-                       else "; backward dQ from its own kernel" + _delta_words(hcfg, d)))
+                    + ("; backward dQ accumulated in the dK/dV kernel (bwd_dq_atomic=True)"
+                       if masked_atomic_dq_chosen(d.head_dim_qk, d.head_dim_v, kv_padded, hcfg, False) else
+                       "; backward dQ from its own kernel" + _delta_words(hcfg, d)))
         else:
             plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config,
                                     head_dim_v=d.head_dim_v)
@@ -391,8 +392,9 @@ class PallasBackend:
         """How the Hopper kernels walk a one-segment call as a band (hopper_attention(mask_offset=)), in words; None
         for calls that are not bands (padding, documents, or lengths padded to whole tiles)."""
         from pallas_kernels import flash_attention_hopper as fh
-        from pallas_kernels.flash_attention_hopper.band import band_forward_chosen, band_is_wide
-        from pallas_kernels.flash_attention_hopper.config import atomic_dq_chosen, persistent_fits
+        from pallas_kernels.flash_attention_hopper.band import band_forward_chosen
+        from pallas_kernels.flash_attention_hopper.config import (masked_atomic_dq_chosen, persistent_band_bwd_chosen,
+                                                                  persistent_band_fwd_chosen)
         from pallas_kernels.flash_attention_hopper.data_mask import MaskRule
 
         d = call.dims
@@ -401,18 +403,16 @@ class PallasBackend:
             return None
         window = tuple(call.window) if call.window is not None else (-1, -1)
         band = MaskRule(call.mask.causal, window, segments=False, offset=offset).band()
-        atomic = (d.head_dim_qk == d.head_dim_v and band_is_wide(band)
-                  and atomic_dq_chosen(d.head_dim_qk, kv_padded, hcfg, False))
+        atomic = masked_atomic_dq_chosen(d.head_dim_qk, d.head_dim_v, kv_padded, hcfg, False, band=band)
         return (" (positions only: one segment; token indices, offset " + str(offset) + "): each query tile (forward, "
                 "dQ) and key tile (dK/dV) walks only the blocks of its band of visible pairs, the edge blocks masked "
                 "from iotas; no pre-pass, no tables; backward dQ " + (
                     "accumulated in the dK/dV kernel (a wide band)" if atomic else
                     "from its own kernel" + _delta_words(hcfg, d) + (
                         "; dK/dV on a persistent grid (bwd_persistent_band)"
-                        if hcfg.bwd_persistent_band and d.head_dim_qk == d.head_dim_v <= 128 else "")) + (
+                        if persistent_band_bwd_chosen(hcfg, d.head_dim_qk, d.head_dim_v) else "")) + (
                     ("; forward on a persistent grid (fwd_persistent_band)"
-                     if hcfg.fwd_persistent_band and d.head_dim_qk == d.head_dim_v
-                     and persistent_fits(hcfg, d.head_dim_qk, call.dtype) else "")
+                     if persistent_band_fwd_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype) else "")
                     if band_forward_chosen(band, d.q_len, d.kv_len) else
                     "; forward on the data-mask tables (some queries see no key)"))
 

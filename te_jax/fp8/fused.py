@@ -91,6 +91,9 @@ TMA_CAST_KINDS = ("act", "dact", "weight", "cast")
 #: their Triton twins alone, but the layer step did not move (benchmarks/results/fp8_layer_h100.md, twelfth
 #: session), so the longer-proven kernels stay the default.
 DEFAULT_TMA_CASTS = ""
+#: The TMA cast kernels' tile (64: 40 KiB of shared memory per CTA for the SwiGLU backward, so several CTAs share an
+#: SM and overlap one another's loads and stores; a 128 tile would take 160 KiB, one CTA per SM).
+TMA_BLOCK = 64
 
 
 def tma_cast_kinds() -> tuple[str, ...]:
@@ -119,11 +122,6 @@ def tma_cast(kind: str, interpret, *arrays) -> bool:
         return False
     return (len({a.dtype for a in arrays}) == 1
             and all(d % TMA_BLOCK == 0 for a in arrays for d in (a.shape[0], a.shape[-1])))
-
-
-#: The TMA cast kernels' tile (64: 40 KiB of shared memory per CTA for the SwiGLU backward, so several CTAs share an
-#: SM and overlap one another's loads and stores; a 128 tile would take 160 KiB, one CTA per SM).
-TMA_BLOCK = 64
 
 
 def fused_cast_unavailable(recipe) -> str | None:
