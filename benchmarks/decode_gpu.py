@@ -180,6 +180,9 @@ def main():
                     help="comma-separated factors: on the rows given by kv_seqlens, te_jax with "
                          "DecodeConfig(uneven_split_factor=N) for each (1, the default: no extra shares), and "
                          "DecodeConfig(min_programs=512, uneven_split_factor=1) (4 shares on every row)")
+    ap.add_argument("--shares-first", action="store_true",
+                    help="on every row, te_jax with DecodeConfig(shares_last=False) (the grid's share axis fastest, "
+                         "the order before 2026-11-27), and with --uneven-factors each factor in that order too")
     ap.add_argument("--rows", default="", help="comma-separated substrings: only the rows whose name holds one "
                                                "(the paged row: 'paged')")
     ap.add_argument("--cpu-smoke", action="store_true", help="two tiny rows on the CPU (checks the script runs)")
@@ -221,6 +224,12 @@ def main():
             row_configs = {f"te_jax uneven factor {n}": DecodeConfig(uneven_split_factor=int(n))
                            for n in args.uneven_factors.split(",")}
             row_configs["te_jax 4 shares every row"] = DecodeConfig(min_programs=512, uneven_split_factor=1)
+            if args.shares_first:
+                row_configs.update({f"te_jax uneven factor {n} shares first":
+                                    DecodeConfig(uneven_split_factor=int(n), shares_last=False)
+                                    for n in args.uneven_factors.split(",")})
+        if args.shares_first:
+            row_configs = {**row_configs, "te_jax shares first": DecodeConfig(shares_last=False)}
         ab_rows = bool(row_configs) or (args.configs and lens is not None)
         impls, kw = makers(sq, g, lens, fa3, row_configs, mask_rows=ab_rows)
         choice = te_jax.explain_attention_backend(q, k, v, **kw)

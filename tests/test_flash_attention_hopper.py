@@ -863,6 +863,36 @@ def test_band_walks_cover_exactly_the_visible_pairs():
                         np.testing.assert_array_equal(kept, sub, err_msg=f"{band} tile {t0} block {blk}")
 
 
+#: Scalar primitives with a Mosaic GPU lowering in warp-level code (a single producer warp, jax 0.10-0.11; the
+#: GPU run of 2026-11-27 found lax.neg missing there on jax 0.11.2, which the CPU lowering on 0.10.2 does not see).
+_WARP_LOWERABLE = {"add", "sub", "mul", "div", "rem", "max", "min", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
+                   "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical", "convert_element_type"}
+
+
+def _primitives(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("jit", "pjit"):
+            yield from _primitives(eqn.params["jaxpr"].jaxpr)
+        else:
+            yield eqn.primitive.name
+
+
+def test_producer_index_arithmetic_lowers_in_warp_level_code():
+    """What the persistent kernels' single producer warp computes (band.key_blocks / query_blocks, the tile deal)
+    traces to primitives that Mosaic GPU lowers at warp level: no lax.neg, clamp or select (test_hopper_lowering
+    checks whole kernels against jax's own table)."""
+    from pallas_kernels.flash_attention_hopper.band import key_blocks, query_blocks
+    from pallas_kernels.flash_attention_hopper.persistent_steps import snake_tile, tiles_of_cta
+
+    fns = [lambda t: snake_tile(t, t + 1, 132), lambda t: tiles_of_cta(t, 1000, 132)]
+    for band in ((0, -1024, 0), (0, -256, 256), (2048, None, 0), (0, None, 70), (0, 64, None)):
+        fns += [lambda t, b=band: key_blocks(b, t * 256, t * 256 + 256, 128, 32, 64),
+                lambda t, b=band: query_blocks(b, t * 128, t * 128 + 128, 64, 64, 64)]
+    for fn in fns:
+        used = set(_primitives(jax.make_jaxpr(fn)(jnp.int32(3)).jaxpr))
+        assert used <= _WARP_LOWERABLE, sorted(used - _WARP_LOWERABLE)
+
+
 def test_band_forward_only_where_every_query_sees_a_key():
     """band.every_query_sees_a_key against the dense mask on every band of _band_cases, and the dispatch it drives:
     hopper_attention(mask_offset=...) runs the band forward (kernel te_jax_attn_fwd) where every query has a key,

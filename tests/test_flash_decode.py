@@ -61,7 +61,13 @@ def _rel(a, b):
          cfg=DecodeConfig(block_kv=32, num_splits=5, merge="kernel")),
     pytest.param(dict(b=1, sq=4, h=32, g=2, d=32, skv=200, lens=[200], cfg=DecodeConfig(block_rows=32, merge="kernel"),
                       dtype=jnp.bfloat16), marks=pytest.mark.slow),
-], ids=["gqa-lengths", "spec-window-softcap", "mqa-two-tiles", "merge-in-kernel", "merge-in-kernel-two-tiles"])
+    # the grid with the share axis fastest (DecodeConfig.shares_last=False), XLA and in-kernel merges
+    dict(b=3, sq=1, h=8, g=2, d=64, skv=256, lens=[256, 37, 0],
+         cfg=DecodeConfig(block_kv=32, num_splits=4, shares_last=False)),
+    dict(b=3, sq=1, h=8, g=2, d=64, skv=256, lens=[256, 37, 0],
+         cfg=DecodeConfig(block_kv=32, num_splits=5, merge="kernel", shares_last=False)),
+], ids=["gqa-lengths", "spec-window-softcap", "mqa-two-tiles", "merge-in-kernel", "merge-in-kernel-two-tiles",
+        "shares-first", "shares-first-merge-in-kernel"])
 def test_matches_reference(case):
     dtype = case.get("dtype", jnp.float32)
     b, sq, h, g, d, skv = (case[n] for n in ("b", "sq", "h", "g", "d", "skv"))

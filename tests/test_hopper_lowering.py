@@ -247,3 +247,67 @@ def test_fp8_tma_casts_lower_for_cuda(activation, gated, block, scaled):
     x = jax.ShapeDtypeStruct((M, F), BF if scaled else jnp.float32)
     assert _lower(lambda x, s: cast_transpose_tma(x, s, out_dtype=e4, write_q=scaled, block=block, round_to=BF),
                   x, s) > 0
+
+
+#: Primitives that Mosaic GPU lowers inside plgpu.warp_map (the single producer warp) under both of its lowering
+#: semantics on jax 0.10.2 (lane and warpgroup), plus jit and select_n, which the GPU machine's jax 0.11.2 lowers
+#: there too (the dense kernels' producers use them and pass there). The GPU run of 2026-11-27 failed on jax 0.11.2
+#: with "Unimplemented primitive ... neg ... PrimitiveSemantics.Warp", which the lane lowering above (jax 0.10.2)
+#: does not see.
+def _warp_lowerable() -> set[str]:
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    from jax._src.pallas.mosaic_gpu import lowering as gpu_lowering
+
+    rules = gpu_lowering.mosaic_lowering_rules
+    return ({p.name for p in rules[gpu_core.LANExWARP_SEMANTICS]} & {p.name for p in rules[gpu_core.WGxWARP_SEMANTICS]}
+            | {"jit", "pjit", "select_n"})
+
+
+def _warp_primitives(jaxpr, in_warp=False):
+    """Names of the primitives traced inside a warp_map (a core_map over a WarpMesh), through every nested jaxpr."""
+    for eqn in jaxpr.eqns:
+        warp_mesh = type(eqn.params.get("mesh")).__name__ == "WarpMesh"
+        inner_warp = in_warp or (eqn.primitive.name == "core_map" and warp_mesh)
+        if in_warp and eqn.primitive.name != "core_map":
+            yield eqn.primitive.name
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _warp_primitives(sub, inner_warp)
+
+
+@pytest.mark.parametrize("name,mask_kw,cfg_kw", [
+    ("dense causal", dict(causal=True), {}),
+    ("window band, persistent fwd and bwd", dict(band="window"), dict(fwd_persistent_band=True, fwd_ctas=3,
+                                                                      bwd_persistent_band=True, bwd_ctas=3)),
+    ("bottom right band, persistent fwd and bwd", dict(band="bottom right"),
+     dict(fwd_persistent_band=True, bwd_persistent_band=True, bwd_dq_atomic=False)),
+    ("window band, grid", dict(band="window"), dict(bwd_dq_atomic=False)),
+    ("documents, persistent fwd", dict(documents=True), dict(fwd_persistent_masked=True, fwd_ctas=3)),
+    ("documents", dict(documents=True), {})])
+def test_single_producer_warp_uses_warp_lowerable_primitives(name, mask_kw, cfg_kw):
+    """Every kernel with the single-warp producer (the default on the GPU) traces only warp-lowerable primitives
+    inside its warp_map: index arithmetic there must avoid lax.neg (unary minus), not and clamp."""
+    S, D, mask, offset, seg = 512, 128, None, None, True
+    if mask_kw.get("band") == "window":
+        mask, offset, seg = AttentionMask.full(1, 512, 512, causal=True, window=(128, 0)), 0, False
+    elif mask_kw.get("band") == "bottom right":
+        mask, offset, seg = AttentionMask.full(1, 256, 640, causal=True, bottom_right=True), 384, False
+    elif mask_kw.get("documents"):
+        mask = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=768), causal=True)
+    Sq, Skv = (mask.q_len, mask.kv_len) if mask is not None else (S, S)
+    cfg = dataclasses.replace(default_config(D, Skv, mask_kw.get("causal", False), Sq, head_dim_v=D),
+                              fwd_producer_warp=True, bwd_producer_warp=True, **cfg_kw)
+    q = jax.ShapeDtypeStruct((1, Sq, 2, D), BF)
+    kv = jax.ShapeDtypeStruct((1, Skv, 2, D), BF)
+
+    def f(q, k, v):
+        (o, lse), vjp = jax.vjp(lambda q, k, v: hopper_attention(
+            q, k, v, scale=0.1, causal=mask_kw.get("causal", False), mask=mask, interpret=False, config=cfg,
+            mask_segments=seg, mask_offset=offset), q, k, v)
+        return vjp((o, jnp.zeros_like(lse)))
+
+    used = set(_warp_primitives(jax.make_jaxpr(f)(q, kv, kv).jaxpr))
+    assert used, "no warp_map found: the producer warp is off"
+    assert used <= _warp_lowerable(), sorted(used - _warp_lowerable())

@@ -20,6 +20,12 @@ def _floor_div(x, d: int, big: int):
     return lax.div(x + big * d, jnp.int32(d)) - big
 
 
+def _ceil_div(x, d: int, big: int):
+    """ceil(x / d) for a traced int32 x >= -big * d, without negation: lax.neg has no lowering in the Mosaic GPU
+    warp-level code (a single producer warp) of jax 0.11."""
+    return _floor_div(x + (d - 1), d, big)
+
+
 def band_walk(w_min, w_max, full_min, full_max, block: int, n_blocks: int, big: int):
     """A CTA's walk over the blocks of one axis under a band mask (MaskRule.band): the blocks holding an index in
     [w_min, w_max] (None: unbounded), of which those whose first index lies in [full_min, full_max] are full.
@@ -27,7 +33,7 @@ def band_walk(w_min, w_max, full_min, full_max, block: int, n_blocks: int, big: 
     [full_lo, full_hi) full (traced int32; big: |every bound| <= big * block)."""
     first = jnp.int32(0) if w_min is None else jnp.clip(_floor_div(w_min, block, big), 0, n_blocks)
     end = jnp.int32(n_blocks) if w_max is None else jnp.clip(_floor_div(w_max, block, big) + 1, first, n_blocks)
-    f_lo = first if full_min is None else jnp.clip(-_floor_div(-full_min, block, big), first, end)
+    f_lo = first if full_min is None else jnp.clip(_ceil_div(full_min, block, big), first, end)
     f_hi = end if full_max is None else jnp.clip(_floor_div(full_max, block, big) + 1, f_lo, end)
     return first, end - first, f_lo - first, f_hi - first
 

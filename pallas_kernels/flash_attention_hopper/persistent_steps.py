@@ -15,9 +15,9 @@ from .config import LN2
 def snake_tile(cta, i, n_ctas: int):
     """The query tile (index in (batch, head, tile) order) CTA `cta` takes in its round i: position cta of the
     round's n_ctas consecutive tiles in even rounds, position n_ctas - 1 - cta in odd ones, so a CTA that took a
-    long tile (late in a causal or padded row) takes a short one next.  Works on Python or traced ints."""
-    pos = jnp.where(rem(i, 2) == 0, cta, (n_ctas - 1) - cta)
-    return i * n_ctas + pos
+    long tile (late in a causal or padded row) takes a short one next.  Works on Python or traced ints; plain
+    arithmetic (no select), so a single producer warp can compute it."""
+    return i * n_ctas + cta + rem(i, 2) * ((n_ctas - 1) - 2 * cta)
 
 
 def tiles_of_cta(cta, n_tiles: int, n_ctas: int):
@@ -25,7 +25,7 @@ def tiles_of_cta(cta, n_tiles: int, n_ctas: int):
     position there is among the round's first n_tiles % n_ctas."""
     rounds, rest = divmod(n_tiles, n_ctas)
     last_pos = cta if rounds % 2 == 0 else (n_ctas - 1) - cta
-    return rounds + jnp.where(last_pos < rest, 1, 0).astype(jnp.int32)
+    return rounds + jnp.asarray(last_pos < rest).astype(jnp.int32)
 
 
 def wait_to_refill(slots, slot, g, stages: int):

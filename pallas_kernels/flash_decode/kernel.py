@@ -82,6 +82,11 @@ class DecodeConfig:
       extra shares. On the H100, uneven rows read faster with 4 shares on every row and even rows slower
       (benchmarks/results/decode_h100.md, twelfth session); a factor of 4 would take the better on each, but
       it has not yet run on a GPU, so it is opt-in.
+    shares_last: the grid's share axis is its slowest (launched last): the GPU starts share 0 of every (row, KV
+      head, row tile) first, spread over its SMs, and the empty shares (a shorter row's, or every extra share of
+      uneven_split_factor on even rows) come last. False: the share axis fastest, as before 2026-11-27 (a row's
+      shares side by side in launch order, so its active and empty programs interleave; on the H100 uneven factor
+      4 then read 7% slower than no extra shares on even rows).
     merge: how the KV shares are combined. "xla": after the kernel (`_combine`, a few small XLA fusions);
       "kernel": by the last program of each (row, KV head, row tile) to finish its share. Every program writes its
       partial output and logsumexp, then counts itself in (an atomic add on a zeroed counter per tile); the one
@@ -98,6 +103,7 @@ class DecodeConfig:
     min_programs: int = 120
     paged_min_programs: int = 264
     uneven_split_factor: int = 1
+    shares_last: bool = True
     merge: str = "xla"
 
     def __post_init__(self):
@@ -205,8 +211,9 @@ def describe(q_shape, k_shape, v_shape, config: DecodeConfig | None = None, mode
 # --------------------------------------------------------------------------------------
 def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, window, bk: int, n_splits: int,
                    page_size: int | None, merge_in_kernel: bool = False, tiles: int = 1, interpret: bool = False,
-                   cache_keys: bool = False):
-    """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks.
+                   cache_keys: bool = False, shares_last: bool = False):
+    """One (KV share, batch row, row tile): online softmax over the share's visible KV blocks. The grid is
+    (row, tile, share) with shares_last (DecodeConfig.shares_last), else (share, row, tile).
 
     refs: meta [5] (lo, flo, fhi, hi: the row's loop bounds; the blocks per share), q, k, v, the query and key
     (segment, position) rows, then the outputs. cache_keys (a cache filled to its length): meta is [8] with the
@@ -235,7 +242,8 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
         def load(ref, j):
             start = j * bk
             return ref[table_ref[start // page_size], pl.ds(pl.multiple_of(start % page_size, bk), bk), :]
-    share = pl.program_id(0)
+    b, i, share = (pl.program_id(0), pl.program_id(1), pl.program_id(2)) if shares_last else \
+        (pl.program_id(1), pl.program_id(2), pl.program_id(0))
     lo, flo, fhi, hi = meta_ref[0], meta_ref[1], meta_ref[2], meta_ref[3]
     per = meta_ref[5] if cache_keys else meta_ref[4]
     a = jnp.minimum(lo + share * per, hi)
@@ -284,7 +292,6 @@ def _decode_kernel(*refs, scale: float, softcap: float | None, causal: bool, win
         o_ref[...] = o_part
         lse_ref[...] = lse_part
         return
-    b, i = pl.program_id(1), pl.program_id(2)
     g, t = i // tiles, i % tiles
     rows = pl.ds(pl.multiple_of(t * bm, bm), bm)
     o_ref[b, g, share, rows, :] = o_part
@@ -377,6 +384,14 @@ def cache_loop_bounds(kv_lens, q_positions, q_segment_ids, *, causal: bool, wind
     return jnp.stack([lo, flo, fhi, hi], axis=1).astype(jnp.int32)
 
 
+def _block_spec(shape, index_map, *, shares_last: bool):
+    """pl.BlockSpec with index_map(share, row, tile) on the grid (row, tile, share) (shares_last) or (share, row,
+    tile)."""
+    if shares_last:
+        return pl.BlockSpec(shape, lambda b, i, s: index_map(s, b, i))
+    return pl.BlockSpec(shape, index_map)
+
+
 @lower_once(static_argnames=("scale", "softcap", "config", "interpret"))
 def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale, softcap, config: DecodeConfig,
                  interpret: bool, kv_lens=None):
@@ -391,6 +406,7 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
     skv = k.shape[1] if block_table is None else block_table.shape[1] * page_size
     geo = _geometry(config, B, sq, h, skv, g, dqk, dv, page_size, uneven=mask is not None or kv_lens is not None)
     R, M = geo.rep, geo.n_tiles * geo.bm
+    spec = functools.partial(_block_spec, shares_last=config.shares_last)
     if mask is None:  # the whole cache, seen by every query: its rows are never built (see kv_lens)
         kv_lens = jnp.full((B,), skv, jnp.int32)
         mask = paged_cache_mask(kv_lens, sq, skv, causal=False)
@@ -403,8 +419,8 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
     nt, bm, S = geo.n_tiles, geo.bm, geo.grid_splits
     qseg = _pad_axis(jnp.repeat(mask.q_segment_ids.astype(jnp.int32), R, axis=1), 1, M)  # 0: hidden rows
     qpos = _pad_axis(jnp.repeat(mask.q_positions.astype(jnp.int32), R, axis=1), 1, M)
-    mask_specs = [pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt)),
-                  pl.BlockSpec((None, bm), lambda s, b, i: (b, i % nt))]
+    mask_specs = [spec((None, bm), lambda s, b, i: (b, i % nt)),
+                  spec((None, bm), lambda s, b, i: (b, i % nt))]
     mask_args = [qseg, qpos]
     if kv_lens is not None:  # [lo, flo, fhi, hi, kv_len, blocks per share, 0, 0] per row; no key rows
         lens = jnp.asarray(kv_lens, jnp.int32)
@@ -417,27 +433,27 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
         bounds = loop_bounds(mask.block_classes(sq, geo.bk))[:, 0, :]  # [B, 4]
         meta = jnp.concatenate([bounds, share_blocks(bounds, geo.n_splits, S)[:, None]], axis=1).astype(jnp.int32)
         kmask = mask.pad(sq, geo.skv_pad)
-        mask_specs += [pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
-                       pl.BlockSpec((None, geo.skv_pad), lambda s, b, i: (b, 0))]
+        mask_specs += [spec((None, geo.skv_pad), lambda s, b, i: (b, 0)),
+                       spec((None, geo.skv_pad), lambda s, b, i: (b, 0))]
         mask_args += [kmask.kv_segment_ids, kmask.kv_positions]
     in_kernel = config.merge == "kernel"
     if block_table is None:
-        kv_spec = lambda d: pl.BlockSpec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
+        kv_spec = lambda d: spec((None, geo.skv_pad, None, d), lambda s, b, i: (b, 0, i // nt, 0))
         paged_specs, paged_args = [], []
     else:
-        kv_spec = lambda d: pl.BlockSpec((k.shape[0], page_size, None, d), lambda s, b, i: (0, 0, i // nt, 0))
-        paged_specs = [pl.BlockSpec((None, block_table.shape[1]), lambda s, b, i: (b, 0))]
+        kv_spec = lambda d: spec((k.shape[0], page_size, None, d), lambda s, b, i: (0, 0, i // nt, 0))
+        paged_specs = [spec((None, block_table.shape[1]), lambda s, b, i: (b, 0))]
         paged_args = [block_table.astype(jnp.int32)]
     part_shapes = [jax.ShapeDtypeStruct((B, g, S, M, geo.dv_pad), jnp.float32),
                    jax.ShapeDtypeStruct((B, g, S, M), jnp.float32)]
     if in_kernel:  # whole partial arrays and counters, then the merged output (see _merge_last)
-        whole = lambda shape: pl.BlockSpec(shape, lambda s, b, i: (0,) * len(shape))
+        whole = lambda shape: spec(shape, lambda s, b, i: (0,) * len(shape))
         count_shape = (B, g * nt)
         merge_specs = [whole(count_shape)]
         merge_args = [jnp.zeros(count_shape, jnp.int32)]
         out_specs = [whole(part_shapes[0].shape), whole(part_shapes[1].shape), whole(count_shape),
-                     pl.BlockSpec((None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
-                     pl.BlockSpec((None, None, bm), lambda s, b, i: (b, i // nt, i % nt))]
+                     spec((None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
+                     spec((None, None, bm), lambda s, b, i: (b, i // nt, i % nt))]
         out_shape = part_shapes + [jax.ShapeDtypeStruct(count_shape, jnp.int32),
                                    jax.ShapeDtypeStruct((B, g, M, geo.dv_pad), jnp.float32),
                                    jax.ShapeDtypeStruct((B, g, M), jnp.float32)]
@@ -446,18 +462,19 @@ def _decode_impl(q, k, v, mask: AttentionMask | None, block_table=None, *, scale
     else:
         merge_specs, merge_args, aliases = [], [], {}
         out_specs = [
-            pl.BlockSpec((None, None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, s, i % nt, 0)),
-            pl.BlockSpec((None, None, None, bm), lambda s, b, i: (b, i // nt, s, i % nt)),
+            spec((None, None, None, bm, geo.dv_pad), lambda s, b, i: (b, i // nt, s, i % nt, 0)),
+            spec((None, None, None, bm), lambda s, b, i: (b, i // nt, s, i % nt)),
         ]
         out_shape = part_shapes
-    qkv_specs = [pl.BlockSpec((None, None, bm, geo.dqk_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
+    qkv_specs = [spec((None, None, bm, geo.dqk_pad), lambda s, b, i: (b, i // nt, i % nt, 0)),
                  kv_spec(geo.dqk_pad), kv_spec(geo.dv_pad)]
-    meta_spec = pl.BlockSpec((None, meta.shape[1]), lambda s, b, i: (b, 0))
+    meta_spec = spec((None, meta.shape[1]), lambda s, b, i: (b, 0))
     outs = pl.pallas_call(
         functools.partial(_decode_kernel, scale=scale, softcap=softcap, causal=mask.causal, window=mask.window,
                           bk=geo.bk, n_splits=S, page_size=page_size, merge_in_kernel=in_kernel, tiles=nt,
+                          shares_last=config.shares_last,
                           interpret=bool(interpret), cache_keys=kv_lens is not None),
-        grid=(S, B, g * nt),
+        grid=(B, g * nt, S) if config.shares_last else (S, B, g * nt),
         in_specs=[meta_spec] + qkv_specs + mask_specs + paged_specs + merge_specs,
         out_specs=out_specs,
         out_shape=out_shape,
