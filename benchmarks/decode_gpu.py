@@ -178,7 +178,7 @@ def main():
                     help="also a table of TB/s by the device clock (the GPU time of each call's kernels, summed)")
     ap.add_argument("--uneven-factors", default="",
                     help="comma-separated factors: on the rows given by kv_seqlens, te_jax with "
-                         "DecodeConfig(uneven_split_factor=N) for each (1, the default: no extra shares), and "
+                         "DecodeConfig(uneven_split_factor=N) for each (4 is the default, 1: no extra shares), and "
                          "DecodeConfig(min_programs=512, uneven_split_factor=1) (4 shares on every row)")
     ap.add_argument("--shares-first", action="store_true",
                     help="on every row, te_jax with DecodeConfig(shares_last=False) (the grid's share axis fastest, "

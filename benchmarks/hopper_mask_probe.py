@@ -229,8 +229,9 @@ def band_fwd_ab(rounds: int):
             "tables": jax.jit(lambda q, k, v, m: flash_fwd(
                 q, k, v, scale=D ** -0.5, causal=False, config=cfg, mask_rule=rule._replace(offset=None),
                 mask_tables=mask_tables(m, cfg, backward=False, segments=False))[0]),
-            "band": jax.jit(lambda q, k, v, m: flash_fwd(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
-                                                         band=rule.band())[0]),
+            "band": jax.jit(lambda q, k, v, m: flash_fwd(
+                q, k, v, scale=D ** -0.5, causal=False, config=dataclasses.replace(cfg, fwd_persistent_band=False),
+                band=rule.band())[0]),
             # the band forward on the persistent grid (HopperConfig.fwd_persistent_band)
             "band, persistent": jax.jit(lambda q, k, v, m: flash_fwd(
                 q, k, v, scale=D ** -0.5, causal=False, config=dataclasses.replace(cfg, fwd_persistent_band=True),

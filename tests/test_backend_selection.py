@@ -377,6 +377,12 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
                                                                       fwd_persistent_band=True))
     assert "dK/dV on a persistent grid (bwd_persistent_band)" in persistent.detail, persistent.detail
     assert "forward on a persistent grid (fwd_persistent_band)" in persistent.detail, persistent.detail
+    # auto: a band of 1024 keys or more runs its forward on the persistent grid, a narrower one on the grid kernel
+    wide = te_jax.explain_attention_backend(q, k, v, backend="pallas", attn_mask_type="causal", window_size=(1023, 0))
+    narrow = te_jax.explain_attention_backend(q, k, v, backend="pallas", attn_mask_type="causal",
+                                              window_size=(255, 0))
+    assert "forward on a persistent grid" in wide.detail and "forward on a persistent grid" not in narrow.detail, (
+        wide.detail, narrow.detail)
     tq, tk, tv = _qkv(b=1, sq=1024, skv=1024, d=128, fmt="thd")
     docs = jnp.array([300, 1, 723], jnp.int32)
     thd = te_jax.explain_attention_backend(tq, tk, tv, attn_input_format="thd", attn_mask_type="padding_causal",

@@ -349,9 +349,19 @@ def test_masked_backward_and_persistent_band_choices():
     on = dataclasses.replace(cfg, bwd_persistent_band=True, fwd_persistent_band=True)
     assert persistent_band_bwd_chosen(on, 128, 128) and persistent_band_bwd_chosen(on, 64, 64)
     assert not persistent_band_bwd_chosen(on, 192, 128) and not persistent_band_bwd_chosen(on, 256, 256)
-    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16)
+    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16)  # no band given
     assert persistent_band_fwd_chosen(on, 128, 128, jnp.bfloat16)
     assert not persistent_band_fwd_chosen(on, 192, 128, jnp.bfloat16)
+    # auto: bands of PERSISTENT_FWD_MIN_BAND keys or more (or unbounded), head_dim <= 128
+    from pallas_kernels.flash_attention_hopper.band import PERSISTENT_FWD_MIN_BAND
+    w1024, w256 = (0, -PERSISTENT_FWD_MIN_BAND + 1, 0), (0, -256, 256)
+    assert persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, w1024)
+    assert persistent_band_fwd_chosen(cfg, 64, 64, jnp.bfloat16, open_)
+    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, w256)
+    assert not persistent_band_fwd_chosen(cfg, 256, 256, jnp.bfloat16, open_)
+    assert not persistent_band_fwd_chosen(dataclasses.replace(cfg, fwd_persistent_band=False), 128, 128,
+                                          jnp.bfloat16, open_)
+    assert persistent_band_fwd_chosen(on, 128, 128, jnp.bfloat16, w256)  # forced
     assert delta_in_dq(HopperConfig(), False, 128, 128) and delta_in_dq(HopperConfig(), False, 192, 128)
     assert not delta_in_dq(HopperConfig(), True, 128, 128)  # auto: the GPU only
     assert not delta_in_dq(HopperConfig(), False, 256, 256)  # O's tiles do not fit

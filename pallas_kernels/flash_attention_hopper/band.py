@@ -83,10 +83,26 @@ def band_mask(x, key_minus_query, c, band, fill=0.0):
 ATOMIC_DQ_MIN_BAND = 2048
 
 
-def band_is_wide(band) -> bool:
-    """Whether the band's backward takes the atomic dQ (ATOMIC_DQ_MIN_BAND)."""
+#: The narrowest band (keys per query) whose forward runs on the persistent band kernel where the config leaves it
+#: to auto (HopperConfig.fwd_persistent_band None).  H100, hd128, B4 x 4k x 16 heads, forward with its pre-pass
+#: (hopper_mask_probe --band-fwd-ab, attention_masks_h100.md, 2026-11-27): the persistent kernel against the grid
+#: band kernel read 1.11x on window (1024, 0), 1.14x on causal given as data, 1.04x on causal bottom-right q 2k x
+#: kv 8k, and 0.86x on window (256, 256), whose walks of about five key blocks per tile leave the persistent
+#: schedule's per-tile costs exposed.
+PERSISTENT_FWD_MIN_BAND = 1024
+
+
+def band_keys(band) -> int | None:
+    """Keys each query sees at most under the band (hi - lo + 1), None when unbounded on a side."""
     _, lo, hi = band
-    return lo is None or hi is None or hi - lo + 1 >= ATOMIC_DQ_MIN_BAND
+    return None if lo is None or hi is None else hi - lo + 1
+
+
+def band_is_wide(band, min_keys: int = ATOMIC_DQ_MIN_BAND) -> bool:
+    """Whether the band spans at least min_keys keys per query (unbounded counts as wide); by default whether its
+    backward takes the atomic dQ (ATOMIC_DQ_MIN_BAND)."""
+    keys = band_keys(band)
+    return keys is None or keys >= min_keys
 
 
 def band_big(band, *lengths) -> int:

@@ -119,8 +119,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                   if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
         return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
                       interpret=interpret, softcap=softcap, rule=mask_rule)
-    if (band is not None and persistent_band_fwd_chosen(cfg, D, Dv, dtype)
-            and every_query_sees_a_key(band, S, Skv)):  # opt-in: one CTA per SM walking query tiles
+    if (band is not None and persistent_band_fwd_chosen(cfg, D, Dv, dtype, band)
+            and every_query_sees_a_key(band, S, Skv)):  # one CTA per SM walking query tiles
         return _flash_fwd_band_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
                                           band=band, big=band_big(band, S, Skv))
     if band is None and not causal and not split_dims and persistent_chosen(cfg, Skv, D, dtype):

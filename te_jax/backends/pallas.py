@@ -412,7 +412,7 @@ class PallasBackend:
                         "; dK/dV on a persistent grid (bwd_persistent_band)"
                         if persistent_band_bwd_chosen(hcfg, d.head_dim_qk, d.head_dim_v) else "")) + (
                     ("; forward on a persistent grid (fwd_persistent_band)"
-                     if persistent_band_fwd_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype) else "")
+                     if persistent_band_fwd_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype, band) else "")
                     if band_forward_chosen(band, d.q_len, d.kv_len) else
                     "; forward on the data-mask tables (some queries see no key)"))
 
