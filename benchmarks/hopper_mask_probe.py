@@ -211,7 +211,7 @@ def band_ab(rounds: int, device: bool = False, configs: str = ""):
                       f"(us: {top})", flush=True)
 
 
-def band_fwd_ab(rounds: int):
+def band_fwd_ab(rounds: int, configs: str = ""):
     """The forward of one-segment masks with token-index positions as a user's call runs it: the data-mask forward
     with its pre-pass (the forward's tables built in the call; windows on the persistent grid) against the band
     kernel (flash_fwd(band=): no pre-pass, no tables); interleaved rounds."""
@@ -237,6 +237,9 @@ def band_fwd_ab(rounds: int):
                 q, k, v, scale=D ** -0.5, causal=False, config=dataclasses.replace(cfg, fwd_persistent_band=True),
                 band=rule.band())[0]),
         }
+        for cname, kw in _config_overrides(configs).items():  # --configs: more band forward variants
+            fns[f"band, {cname}"] = jax.jit(lambda q, k, v, m, c=dataclasses.replace(cfg, **kw): flash_fwd(
+                q, k, v, scale=D ** -0.5, causal=False, config=c, band=rule.band())[0])
         outs = {key: f(q, k, v, m) for key, f in fns.items()}
         secs = {key: [] for key in fns}
         for _ in range(rounds):
@@ -244,7 +247,7 @@ def band_fwd_ab(rounds: int):
                 secs[key].append(timing.measure(f, (q, k, v, m), samples=20)[0])
         t0 = statistics.median(secs["tables"])
         cells = []
-        for key in ("band", "band, persistent"):
+        for key in [key for key in fns if key != "tables"]:
             t1 = statistics.median(secs[key])
             diff = float(jnp.max(jnp.abs(outs[key].astype(jnp.float32) - outs["tables"].astype(jnp.float32))))
             cells.append(f"{key} {t1 * 1e6:7.1f} us ({fl / t1 / 1e12:4.0f} TFLOP/s, x{t0 / t1:.3f}; max |out diff| "
@@ -334,7 +337,7 @@ if __name__ == "__main__":
     ap.add_argument("--aligned-ab", action="store_true")
     ap.add_argument("--band-ab", action="store_true", help="one-segment masks: the backward on tables against "
                     "the band backward (MaskRule.offset)")
-    ap.add_argument("--configs", default="", help="--band-ab: more band variants, 'name:k=v,k=v;name2:k=v' "
+    ap.add_argument("--configs", default="", help="--band-ab, --band-fwd-ab: more band variants, 'name:k=v,k=v;name2:k=v' "
                     "(HopperConfig fields, e.g. 'stages3:bwd_stages=3')")
     ap.add_argument("--band-fwd-ab", action="store_true", help="one-segment masks: the data-mask forward with its "
                     "pre-pass against the band forward (grid and persistent)")
@@ -348,6 +351,6 @@ if __name__ == "__main__":
     elif a.band_ab:
         band_ab(a.rounds, a.device_time, a.configs)
     elif a.band_fwd_ab:
-        band_fwd_ab(a.rounds)
+        band_fwd_ab(a.rounds, a.configs)
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()
