@@ -86,10 +86,10 @@ ATOMIC_DQ_MIN_BAND = 1024
 
 #: The narrowest band (keys per query) whose forward runs on the persistent band kernel where the config leaves it
 #: to auto (HopperConfig.fwd_persistent_band None).  H100, hd128, B4 x 4k x 16 heads, forward with its pre-pass
-#: (hopper_mask_probe --band-fwd-ab, attention_masks_h100.md, 2026-11-27): the persistent kernel against the grid
-#: band kernel read 1.11x on window (1024, 0), 1.14x on causal given as data, 1.04x on causal bottom-right q 2k x
-#: kv 8k, and 0.86x on window (256, 256), whose walks of about five key blocks per tile leave the persistent
-#: schedule's per-tile costs exposed.
+#: (hopper_mask_probe --band-fwd-ab, attention_masks_h100.md, two runs of 2026-11-27): the persistent kernel against
+#: the grid band kernel read 1.10-1.11x on window (1024, 0), 1.12-1.14x on causal given as data, 1.02-1.05x on causal
+#: bottom-right q 2k x kv 8k, and 0.86x on window (256, 256), whose walks of about five key blocks per tile leave the
+#: persistent schedule's per-tile costs exposed.
 PERSISTENT_FWD_MIN_BAND = 1024
 
 

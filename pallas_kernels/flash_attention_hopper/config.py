@@ -119,7 +119,7 @@ class HopperConfig:
     # A band's forward (where every query sees a key, D == Dv) on a persistent grid (forward_band_persistent: the
     # persistent data-mask forward's schedule with the band's walk, no pre-pass, no marks) instead of the grid band
     # kernel.  None (auto): for bands of at least band.PERSISTENT_FWD_MIN_BAND keys per query (or unbounded) with
-    # head_dim <= 128, where it ran 1.04-1.14x the grid kernel on the H100; narrower windows stay on the grid.
+    # head_dim <= 128, where it ran 1.02-1.14x the grid kernel on the H100; narrower windows stay on the grid.
     fwd_persistent_band: bool | None = None
 
     def __post_init__(self):
