@@ -77,11 +77,12 @@ def band_mask(x, key_minus_query, c, band, fill=0.0):
 
 #: The narrowest band (keys per query: hi - lo + 1; unbounded on one side counts as wide) whose backward takes the
 #: atomic dQ in the dK/dV kernel where the plain kernels would (atomic_dq_chosen).  H100, hd128, B4 x 4k x 16 heads
-#: (hopper_mask_probe --band-ab, attention_masks_h100.md), the backward with the atomic dQ against the dQ kernel
-#: (which computes delta itself since 2026-11-27), two runs of 2026-11-27: 1.02-1.03x on window (1024, 0), 1.05-1.07x
-#: on causal bottom-right q 2k x kv 8k (unbounded), 1.08x on causal given as data (one run), and 0.99x on window
-#: (256, 256): short key-tile walks do not amortize the dQ buffer's zeroing and conversion.
-ATOMIC_DQ_MIN_BAND = 1024
+#: (hopper_mask_probe --band-ab, attention_masks_h100.md): the backward with the atomic dQ against the dQ kernel was
+#: 1.06x on causal given as data and 1.11x on causal bottom-right q 2k x kv 8k (unbounded), 0.99x on window (1024, 0)
+#: and 0.94x on window (256, 256): short key-tile walks do not amortize the dQ buffer's zeroing and conversion.  With
+#: delta computed in the dQ kernel (2026-11-27) bottom-right still reads 1.05-1.07x for the atomic dQ; a threshold of
+#: 1024 made window (1024, 0)'s fwd+bwd read 331 TFLOP/s against 343 with the dQ kernel (attention_masks_h100.md).
+ATOMIC_DQ_MIN_BAND = 2048
 
 
 #: The narrowest band (keys per query) whose forward runs on the persistent band kernel where the config leaves it
