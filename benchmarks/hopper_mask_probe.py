@@ -158,11 +158,13 @@ def _config_overrides(spec: str) -> dict:
 def band_ab(rounds: int, device: bool = False, configs: str = ""):
     """One-segment masks whose positions are token indices (windows, bottom-right, causal given as data): the
     backward on the data-mask tables (positions read, dQ kernel) against the band backward (MaskRule.offset: no
-    tables, the element mask from iotas) with the atomic dQ (auto) and with the dQ kernel; on prebuilt tables, so
+    tables, the element mask from iotas) with the atomic dQ (forced) and with the dQ kernel; on prebuilt tables, so
     the pre-pass is not timed; the forward (the same kernel) once for scale; interleaved rounds."""
     cases = band_cases()
     variants = {"tables, dQ kernel": (False, {"bwd_dq_atomic": None}),
-                "band, atomic dQ": (True, {"bwd_dq_atomic": None}),
+                # forced: with None (auto) narrow bands run the dQ kernel, and this row timed the same kernels as the
+                # next one (the thirteenth session misread that as the atomic dQ)
+                "band, atomic dQ": (True, {"bwd_dq_atomic": True}),
                 "band, dQ kernel": (True, {"bwd_dq_atomic": False})}
     variants.update({f"band, {name}": (True, kw) for name, kw in _config_overrides(configs).items()})
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; kernels on prebuilt tables; "
