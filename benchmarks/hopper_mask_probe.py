@@ -8,13 +8,16 @@ bf16 hd128, B4 x 4k, 16 heads, causal.  GPU only.
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --aligned-ab [--rounds 5]
     XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --prepass
     PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe --band-ab [--rounds 5] [--device-time] [--configs ...]
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m benchmarks.hopper_mask_probe \
+        --band-fwd-scaling [--rounds 10]
 
 --band-ab: windows, bottom-right and causal given as data (one segment, positions = token indices): the backward
 on the data-mask tables against the band backward (MaskRule.offset: no tables), with the atomic dQ and the dQ
 kernel; kernels on prebuilt tables (--configs adds variants, e.g. the persistent dK/dV kernel:
 "persistent:bwd_persistent_band=True,bwd_dq_atomic=False").  --band-fwd-ab: their forward as a call runs it, the
 data-mask forward with its pre-pass against the band forward (no pre-pass), on its grid and on the persistent grid
-(HopperConfig.fwd_persistent_band).
+(HopperConfig.fwd_persistent_band).  --band-fwd-scaling: the band forward's cost per query tile and per key-block
+step, fitted from windows (W, W) of six widths, grid and persistent kernels (device clock).
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -258,6 +261,58 @@ def band_fwd_ab(rounds: int, configs: str = ""):
               flush=True)
 
 
+def band_walk_counts(band, q_len: int, kv_len: int, cfg) -> tuple[int, int]:
+    """(query tiles, key-block steps) of one (batch, head) under the band forward: its CTAs take 2 x block_q queries
+    and walk band.key_blocks of block_kv keys."""
+    from pallas_kernels.flash_attention_hopper.band import band_big, key_blocks
+
+    rows, n_kv = 2 * cfg.block_q, kv_len // cfg.block_kv
+    big = band_big(band, q_len, kv_len)
+    steps = sum(int(key_blocks(band, t * rows, (t + 1) * rows, cfg.block_kv, n_kv, big)[1])
+                for t in range(q_len // rows))
+    return q_len // rows, steps
+
+
+def band_fwd_scaling(calls: int, windows=(64, 128, 256, 512, 1024, 2048)):
+    """The band forward's kernel time by the device clock against its work: windows (W, W), non-causal, B x S x H,
+    on the grid band kernel and the persistent one.  A least-squares fit of time = (tiles * per_tile + steps *
+    per_step) / SMs gives each kernel's cost per query tile (prologue, Q load, epilogue, exposed pipeline fill) and
+    per key-block step, in SM-microseconds; per_step against the wgmma bound says how close the inner loop runs."""
+    from benchmarks import device_time
+
+    sms = getattr(jax.devices()[0], "core_count", None) or 132
+    cfg = default_config(D, S, False, S)
+    step_flops = 4 * (2 * cfg.block_q) * cfg.block_kv * D  # QK^T and PV of one key block for the CTA's rows
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  B{B} S{S} H{H} D{D} bf16, {sms} SMs; band forward "
+          f"kernel time (device clock, {calls} calls); one step = {step_flops / 1e6:.1f} MFLOP, "
+          f"{step_flops / (989e12 / sms) * 1e6:.2f} SM-us at 989 TFLOP/s dense peak")
+    rows = []
+    ks = jax.random.split(jax.random.key(7), 3)
+    q, k, v = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in ks)
+    for w in windows:
+        m = AttentionMask.full(B, S, S, window=(w, w))
+        band = mask_rule(m, False, offset=0).band()
+        tiles, steps = (n * B * H for n in band_walk_counts(band, S, S, cfg))
+        cells = {}
+        for kname, persistent in (("grid", False), ("persistent", True)):
+            c = dataclasses.replace(cfg, fwd_persistent_band=persistent)
+            f = jax.jit(lambda q, k, v, c=c: flash_fwd(q, k, v, scale=D ** -0.5, causal=False, config=c,
+                                                       band=band)[0])
+            prof = device_time.profiled(f, (q, k, v), calls=calls)
+            cells[kname] = sum(t for n, t in prof["durations"].items() if "attn_fwd" in n)
+        rows.append((w, tiles, steps, cells))
+        print(f"window ({w}, {w}): {tiles} tiles, {steps} steps ({steps / tiles:.1f} per tile) | "
+              + " | ".join(f"{kname} {t * 1e6:7.1f} us ({4 * D * int(jnp.sum(m.dense())) * H / t / 1e12:4.0f} "
+                           f"TFLOP/s)" for kname, t in cells.items()), flush=True)
+    x = np.array([[t / sms, s / sms] for _, t, s, _ in rows])
+    for kname in ("grid", "persistent"):
+        y = np.array([c[kname] * 1e6 for *_, c in rows])
+        (per_tile, per_step), *_ = np.linalg.lstsq(x, y, rcond=None)
+        worst = float(np.max(np.abs(x @ np.array([per_tile, per_step]) - y) / y))
+        print(f"{kname:10s} fit: {per_tile:6.2f} SM-us per tile + {per_step:5.2f} SM-us per step "
+              f"(worst row off by {worst:.1%})", flush=True)
+
+
 def band_cases():
     """One-segment masks with token-index positions: name -> (mask, offset of the query positions)."""
     return {
@@ -339,8 +394,10 @@ if __name__ == "__main__":
     ap.add_argument("--aligned-ab", action="store_true")
     ap.add_argument("--band-ab", action="store_true", help="one-segment masks: the backward on tables against "
                     "the band backward (MaskRule.offset)")
-    ap.add_argument("--configs", default="", help="--band-ab, --band-fwd-ab: more band variants, 'name:k=v,k=v;name2:k=v' "
-                    "(HopperConfig fields, e.g. 'stages3:bwd_stages=3')")
+    ap.add_argument("--configs", default="", help="--band-ab, --band-fwd-ab: more band variants, "
+                    "'name:k=v,k=v;name2:k=v' (HopperConfig fields, e.g. 'stages3:bwd_stages=3')")
+    ap.add_argument("--band-fwd-scaling", action="store_true", help="the band forward's kernel time against "
+                    "windows (W, W): a fit of its cost per query tile and per key-block step (device clock)")
     ap.add_argument("--band-fwd-ab", action="store_true", help="one-segment masks: the data-mask forward with its "
                     "pre-pass against the band forward (grid and persistent)")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
@@ -354,5 +411,7 @@ if __name__ == "__main__":
         band_ab(a.rounds, a.device_time, a.configs)
     elif a.band_fwd_ab:
         band_fwd_ab(a.rounds, a.configs)
+    elif a.band_fwd_scaling:
+        band_fwd_scaling(a.rounds)
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()
