@@ -243,6 +243,7 @@ def band_fwd_ab(rounds: int, configs: str = ""):
                 band=rule.band())[0]),
         }
         for cname, kw in _config_overrides(configs).items():  # --configs: more band forward variants
+            kw = {"fwd_persistent_band": False, **kw}  # the grid kernel unless the variant says
             fns[f"band, {cname}"] = jax.jit(lambda q, k, v, m, c=dataclasses.replace(cfg, **kw): flash_fwd(
                 q, k, v, scale=D ** -0.5, causal=False, config=c, band=rule.band())[0])
         outs = {key: f(q, k, v, m) for key, f in fns.items()}

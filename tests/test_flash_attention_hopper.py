@@ -903,6 +903,25 @@ def test_producer_index_arithmetic_lowers_in_warp_level_code():
         assert used <= _WARP_LOWERABLE, sorted(used - _WARP_LOWERABLE)
 
 
+def test_grid_band_forward_launches_growing_walks_heaviest_first():
+    """band.heavier_tiles_last (the grid band forward's launch order, HopperConfig.fwd_band_heavy_first): true where
+    the query tiles' key walks grow toward the end (windows (W, 0), causal given as data, bottom-right), false where
+    they are even or shrink (symmetric windows, windows open to the right); usable inside a jit trace."""
+    from pallas_kernels.flash_attention_hopper.band import heavier_tiles_last
+    from pallas_kernels.flash_attention_hopper.data_mask import mask_rule
+    from pallas_kernels.mask import AttentionMask
+
+    cases = [(AttentionMask.full(1, 1024, 1024, causal=True, window=(256, 0)), 0, True),
+             (AttentionMask.full(1, 1024, 1024, causal=True), 0, True),
+             (AttentionMask.full(1, 256, 1024, causal=True, bottom_right=True), 768, True),
+             (AttentionMask.full(1, 1024, 1024, window=(128, 128)), 0, False),
+             (AttentionMask.full(1, 1024, 1024, window=(0, -1)), 0, False)]
+    for m, offset, expected in cases:
+        band = mask_rule(m, False, offset=offset).band()
+        assert heavier_tiles_last(band, m.q_len, m.kv_len, 128, 128) is expected, (band, expected)
+    assert jax.jit(lambda x: x * heavier_tiles_last((0, None, 0), 1024, 1024, 128, 128))(3) == 3
+
+
 def test_band_forward_only_where_every_query_sees_a_key():
     """band.every_query_sees_a_key against the dense mask on every band of _band_cases, and the dispatch it drives:
     hopper_attention(mask_offset=...) runs the band forward (kernel te_jax_attn_fwd) where every query has a key,

@@ -118,7 +118,8 @@ def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, ptx):
                                          ("window", dict(bwd_persistent_band=True, D=64, Dv=64, softcap=2.0)),
                                          ("bottom right", dict(bwd_persistent_band=True, bwd_dq_atomic=False)),
                                          ("window", dict(fwd_persistent_band=True, fwd_ctas=3, softcap=2.0)),
-                                         ("bottom right", dict(fwd_persistent_band=True, D=64, Dv=64))])
+                                         ("bottom right", dict(fwd_persistent_band=True, D=64, Dv=64)),
+                                         ("window", dict(fwd_band_heavy_first=False))])
 def test_hopper_band_kernels_lower_for_cuda(name, cfg_kw, ptx):
     """One-segment masks with positions as token indices (mask_offset): the band forward and the band backward, with
     the dQ kernel and with the atomic dQ in the dK/dV kernel (jax >= 0.11), at several head dims; a band that leaves

@@ -6,12 +6,15 @@ scalars and tiles: it runs inside the Mosaic GPU kernels and on the CPU alike.
 
     band_walk(w_min, w_max, full_min, full_max, block, n_blocks, big) -> (first, steps, full_lo, full_hi)
     key_blocks(band, q0, q1, ...) / query_blocks(band, k0, k1, ...)   band_walk for a query tile / a key tile
+    heavier_tiles_last(band, q_len, kv_len, rows, block)              launch the grid forward's tiles in reverse?
     walk_band(body, full_lo, full_hi, steps, carry)                    a tile's masked, full, masked loops
     band_mask(x, key_minus_query, c, band, fill)                       -> x outside the band set to fill
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -54,6 +57,19 @@ def query_blocks(band, k0, k1, block: int, n_blocks: int, big: int):
     return band_walk(None if hi is None else k0 - off - hi, None if lo is None else k1 - 1 - off - lo,
                      None if hi is None else k1 - 1 - off - hi, None if lo is None else k0 - block + 1 - off - lo,
                      block, n_blocks, big)
+
+
+def heavier_tiles_last(band, q_len: int, kv_len: int, rows: int, block: int) -> bool:
+    """Whether the band's query tiles of `rows` queries walk more key blocks of `block` keys in the second half of
+    the queries than in the first (causal-like bands: bottom-right, windows (W, 0), causal given as data).  The grid
+    band forward then launches its tiles in reverse, heaviest first, as the causal kernel does, so that short tiles
+    fill the last wave (static: evaluated on the host at trace time)."""
+    n = q_len // rows
+    starts = np.arange(n, dtype=np.int32) * rows
+    with jax.ensure_compile_time_eval():  # constants: evaluated now, also inside a jit trace
+        steps = np.asarray(key_blocks(band, jnp.asarray(starts), jnp.asarray(starts + rows), block, kv_len // block,
+                                      band_big(band, q_len, kv_len))[1])
+    return int(steps[n // 2:].sum()) > int(steps[:n - n // 2].sum())
 
 
 def walk_band(body, full_lo, full_hi, steps, carry):

@@ -121,6 +121,10 @@ class HopperConfig:
     # kernel.  None (auto): for bands of at least band.PERSISTENT_FWD_MIN_BAND keys per query (or unbounded) with
     # head_dim <= 128, where it ran 1.02-1.14x the grid kernel on the H100; narrower windows stay on the grid.
     fwd_persistent_band: bool | None = None
+    # The grid band forward launches its query tiles heaviest first where the band's walks grow toward the end of
+    # the queries (band.heavier_tiles_last: bottom-right, windows (W, 0), causal given as data), as the causal kernel
+    # does, so that short tiles fill the last wave.  None (auto): on; False: tiles in order.
+    fwd_band_heavy_first: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -141,7 +145,7 @@ class HopperConfig:
                      "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
-                     "bwd_persistent_band", "fwd_persistent_band"):
+                     "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.bwd_compute_registers is not None:

@@ -28,7 +28,7 @@ from .._compat import mosaic_gpu, pl
 from .._lower_once import lower_once
 
 from .aligned_tiles import gather_rows
-from .band import band_big, band_mask, every_query_sees_a_key, key_blocks, walk_band
+from .band import band_big, band_mask, every_query_sees_a_key, heavier_tiles_last, key_blocks, walk_band
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
 from .forward_masked import _flash_fwd_masked
@@ -133,6 +133,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     split = cfg.split_causal
+    reverse_band = band is not None and cfg.fwd_band_heavy_first is not False and heavier_tiles_last(
+        band, S, Skv, 2 * bq, bkv)
 
     def body(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, bars):
         qo_smem2, o_tiles = qo_refs(smem[0], smem[4:], bq, D, Dv, dtype)
@@ -144,7 +146,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         h = lax.axis_index("heads")
         wg = lax.axis_index("wg")
         qt = lax.axis_index("q_seq")
-        if causal:
+        if causal or reverse_band:
             qt = (n_qt - 1) - qt  # heaviest tiles first
         kvh = lax.div(h, jnp.int32(rep))
 
