@@ -383,6 +383,7 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
                                               window_size=(255, 0))
     assert "forward on a persistent grid" in wide.detail and "forward on a persistent grid" not in narrow.detail, (
         wide.detail, narrow.detail)
+    assert "heaviest first" in narrow.detail and "heaviest first" in br.detail, (narrow.detail, br.detail)
     tq, tk, tv = _qkv(b=1, sq=1024, skv=1024, d=128, fmt="thd")
     docs = jnp.array([300, 1, 723], jnp.int32)
     thd = te_jax.explain_attention_backend(tq, tk, tv, attn_input_format="thd", attn_mask_type="padding_causal",

@@ -101,12 +101,13 @@ def band_mask(x, key_minus_query, c, band, fill=0.0):
 ATOMIC_DQ_MIN_BAND = 2048
 
 
-#: The narrowest band (keys per query) whose forward runs on the persistent band kernel where the config leaves it
-#: to auto (HopperConfig.fwd_persistent_band None).  H100, hd128, B4 x 4k x 16 heads, forward with its pre-pass
-#: (hopper_mask_probe --band-fwd-ab, attention_masks_h100.md, two runs of 2026-11-27): the persistent kernel against
-#: the grid band kernel read 1.10-1.11x on window (1024, 0), 1.12-1.14x on causal given as data, 1.02-1.05x on causal
-#: bottom-right q 2k x kv 8k, and 0.86x on window (256, 256), whose walks of about five key blocks per tile leave the
-#: persistent schedule's per-tile costs exposed.
+#: The narrowest causal sliding window (keys per query; the band's right edge at or left of the diagonal) whose
+#: forward runs on the persistent band kernel where the config leaves it to auto (HopperConfig.fwd_persistent_band
+#: None).  H100, hd128, B4 x 4k x 16 heads (hopper_mask_probe --band-fwd-ab / --band-fwd-scaling,
+#: attention_masks_h100.md, 2026-11-27): against the grid band kernel with its tiles heaviest first, the persistent
+#: kernel read 1.07x on window (1024, 0) (1.10-1.11x against the grid in order, three runs), a tie on causal given as
+#: data (0.99x) and on bottom-right (0.98x), and 0.86-0.89x on symmetric windows (W, W) of every width from 64 to
+#: 2048 (its cost per tile and per step fitted 6.6 and 1.6 SM-us against the grid kernel's 5.1 and 1.5).
 PERSISTENT_FWD_MIN_BAND = 1024
 
 
@@ -116,11 +117,17 @@ def band_keys(band) -> int | None:
     return None if lo is None or hi is None else hi - lo + 1
 
 
-def band_is_wide(band, min_keys: int = ATOMIC_DQ_MIN_BAND) -> bool:
-    """Whether the band spans at least min_keys keys per query (unbounded counts as wide); by default whether its
-    backward takes the atomic dQ (ATOMIC_DQ_MIN_BAND)."""
+def band_is_wide(band) -> bool:
+    """Whether the band's backward takes the atomic dQ: at least ATOMIC_DQ_MIN_BAND keys per query, or unbounded."""
     keys = band_keys(band)
-    return keys is None or keys >= min_keys
+    return keys is None or keys >= ATOMIC_DQ_MIN_BAND
+
+
+def persistent_forward_band(band) -> bool:
+    """Whether auto runs the band's forward on the persistent kernel: a causal sliding window (bounded, its right
+    edge at or left of the diagonal: hi <= 0) of at least PERSISTENT_FWD_MIN_BAND keys per query."""
+    keys = band_keys(band)
+    return keys is not None and band[2] <= 0 and keys >= PERSISTENT_FWD_MIN_BAND
 
 
 def band_big(band, *lengths) -> int:
