@@ -84,10 +84,10 @@ class DecodeConfig:
       given as lengths read 2.65 against 2.81 (cuDNN 2.72): the empty programs cost about 5% there. A call without
       lengths or mask (a whole cache) has no extra shares.
     shares_last: the grid's share axis is its slowest (launched last): the GPU starts share 0 of every (row, KV
-      head, row tile) first, spread over its SMs, and the empty shares (a shorter row's, or every extra share of
-      uneven_split_factor on even rows) come last. False: the share axis fastest, as before 2026-11-27 (a row's
-      shares side by side in launch order, so its active and empty programs interleave; on the H100 uneven factor
-      4 then read 7% slower than no extra shares on even rows).
+      head, row tile) first, and the empty shares (a shorter row's, or every extra share of uneven_split_factor on
+      even rows) come last. False: the share axis fastest, as before 2026-11-27 (a row's shares side by side in
+      launch order). On the H100 the two orders read within 1-4% of each other on every row measured
+      (benchmarks/results/decode_h100.md); the even rows' 5% cost of extra shares is there either way.
     merge: how the KV shares are combined. "xla": after the kernel (`_combine`, a few small XLA fusions);
       "kernel": by the last program of each (row, KV head, row tile) to finish its share. Every program writes its
       partial output and logsumexp, then counts itself in (an atomic add on a zeroed counter per tile); the one
