@@ -352,12 +352,13 @@ def test_masked_backward_and_persistent_band_choices():
     assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16)  # no band given
     assert persistent_band_fwd_chosen(on, 128, 128, jnp.bfloat16)
     assert not persistent_band_fwd_chosen(on, 192, 128, jnp.bfloat16)
-    # auto: causal sliding windows of PERSISTENT_FWD_MIN_BAND keys or more, head_dim <= 128; the grid kernel for
+    # auto: causal sliding windows of PERSISTENT_FWD_MIN_BAND keys or more, head_dim 128; the grid kernel for
     # symmetric windows, unbounded bands (causal as data, bottom-right) and narrow windows
     from pallas_kernels.flash_attention_hopper.band import PERSISTENT_FWD_MIN_BAND
     w1024, w256 = (0, -PERSISTENT_FWD_MIN_BAND + 1, 0), (0, -256, 256)
     assert persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, w1024)
-    assert persistent_band_fwd_chosen(cfg, 64, 64, jnp.bfloat16, (0, -2047, -5))
+    assert persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -2047, -5))
+    assert not persistent_band_fwd_chosen(cfg, 64, 64, jnp.bfloat16, w1024)  # measured at head_dim 128 only
     assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -1022, 0))  # 1023 keys
     assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -1024, 1024))  # symmetric
     assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, open_)  # unbounded

@@ -118,8 +118,8 @@ class HopperConfig:
     bwd_persistent_band: bool | None = None
     # A band's forward (where every query sees a key, D == Dv) on a persistent grid (forward_band_persistent: the
     # persistent data-mask forward's schedule with the band's walk, no pre-pass, no marks) instead of the grid band
-    # kernel.  None (auto): for causal sliding windows of at least band.PERSISTENT_FWD_MIN_BAND keys per query with
-    # head_dim <= 128 (1.07x the grid kernel on the H100); other bands stay on the grid, which ties or wins there.
+    # kernel.  None (auto): for causal sliding windows of at least band.PERSISTENT_FWD_MIN_BAND keys per query at
+    # head_dim 128 (1.07x the grid kernel on the H100; other head dims are unmeasured); other bands stay on the grid.
     fwd_persistent_band: bool | None = None
     # The grid band forward launches its query tiles heaviest first where the band's walks grow toward the end of
     # the queries (band.heavier_tiles_last: bottom-right, windows (W, 0), causal given as data), as the causal kernel
@@ -553,15 +553,15 @@ def persistent_band_bwd_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int
 
 def persistent_band_fwd_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int, dtype, band=None) -> bool:
     """Whether a band's forward runs on the persistent kernel (HopperConfig.fwd_persistent_band: forced, or auto for
-    causal sliding windows of at least band.PERSISTENT_FWD_MIN_BAND keys per query up to head_dim 128,
-    band.persistent_forward_band): D == Dv and two Q/O buffers
+    causal sliding windows of at least band.PERSISTENT_FWD_MIN_BAND keys per query at head_dim 128, the one
+    measured, band.persistent_forward_band): D == Dv and two Q/O buffers
     per warpgroup fit beside the K/V ring (persistent_fits).  The caller also needs every query to see a key
     (band.every_query_sees_a_key)."""
     from .band import persistent_forward_band
 
     if cfg.fwd_persistent_band is False or head_dim != head_dim_v or not persistent_fits(cfg, head_dim, dtype):
         return False
-    return bool(cfg.fwd_persistent_band) or (band is not None and head_dim <= 128 and persistent_forward_band(band))
+    return bool(cfg.fwd_persistent_band) or (band is not None and head_dim == 128 and persistent_forward_band(band))
 
 
 def atomic_dq_chosen(head_dim: int, kv_len: int, cfg: HopperConfig, interpret: bool) -> bool:
