@@ -327,7 +327,10 @@ def test_shares_are_even_across_rows_and_finer_where_the_rows_are_uneven():
     assert share_blocks(even, 2, 8).tolist() == [16] * 3  # ceil(32 / 2): the coarse split, the rest exit at once
     assert share_blocks(uneven, 64, 64).tolist() == [1] * 4  # at least one block
     assert share_blocks(jnp.zeros((2, 4), jnp.int32), 3, 12).tolist() == [1, 1]
-    assert DecodeConfig().uneven_split_factor == 4  # the default since the GPU run of 2026-11-27
+    # auto (None): 4 on a contiguous cache since the GPU run of 2026-11-27, 1 on a paged one (unmeasured)
+    auto = lambda **kw: _geometry(DecodeConfig(min_programs=16), 4, 1, 8, 512, 2, 32, 32, uneven=True, **kw)
+    assert DecodeConfig().uneven_split_factor is None and auto().grid_splits == 4 * auto().n_splits
+    assert auto(page_size=64).grid_splits == auto(page_size=64).n_splits
     cfg = DecodeConfig(block_kv=16, min_programs=16, uneven_split_factor=4)
     geo = lambda **kw: _geometry(cfg, 4, 1, 8, 512, 2, 32, 32, **kw)
     assert (geo().n_splits, geo().grid_splits) == (2, 2)  # 16 programs / (4 rows x 2 KV heads); whole caches

@@ -15,7 +15,7 @@ Work split:
   from the grid size (`DecodeConfig.min_programs`). Every share is the same number of blocks on every row
   (`share_blocks`, from the rows' visible ranges at run time), so a partly filled cache is read only up to
   its filled part and a shorter row uses fewer of its programs (the rest exit at once). With several rows
-  the grid holds `DecodeConfig.uneven_split_factor` (4) times the shares: rows of even length use
+  the grid holds `DecodeConfig.uneven_split_factor` (4 on a contiguous cache) times the shares: rows of even length use
   the first of them (the longest row over the split count: one program per SM), rows of uneven length all
   of them (shares that many times shorter, so the GPU spreads the short and long rows over its SMs).
 - **Masks.** The kernel takes the `AttentionMask` (segment ids and positions per token, causal and window
@@ -59,6 +59,10 @@ MERGES = ("xla", "kernel")
 AUTO_BLOCK_KV = (64, 128)
 
 
+#: DecodeConfig.uneven_split_factor's auto value on a contiguous cache (see there; decode_h100.md, 2026-11-27).
+UNEVEN_SPLIT_FACTOR = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Tiles and launch parameters of the decode kernel (powers of two >= 16 for the blocks).
@@ -79,10 +83,11 @@ class DecodeConfig:
       length), the grid holds this many times the shares. At run time `share_blocks` sizes every share as the
       longest row's visible range over the split count when the rows are even (longest <= 9/8 of the mean:
       the extra programs exit at once), and that many times shorter when they are not. 1: no
-      extra shares. Default 4: on the H100 (benchmarks/results/decode_h100.md, 2026-11-27; batch 16, GQA 32/8,
-      32k slots) rows filled 1k..32k read 2.45 TB/s against 2.10 with 1 (cuDNN 2.17); rows all filled to 32k and
-      given as lengths read 2.65 against 2.81 (cuDNN 2.72): the empty programs cost about 5% there. A call without
-      lengths or mask (a whole cache) has no extra shares.
+      extra shares. None (auto): UNEVEN_SPLIT_FACTOR (4) for a contiguous cache, 1 for a paged one (not measured
+      with extra shares). On the H100 (benchmarks/results/decode_h100.md, 2026-11-27; batch 16, GQA 32/8, 32k
+      slots) rows filled 1k..32k read 2.45 TB/s with 4 against 2.10 with 1 (cuDNN 2.17); rows all filled to 32k
+      and given as lengths read 2.65 against 2.81 (cuDNN 2.72): the extra programs cost about 5% there. A call
+      without lengths or mask (a whole cache) has no extra shares.
     shares_last: the grid's share axis is its slowest (launched last): the GPU starts share 0 of every (row, KV
       head, row tile) first, and the empty shares (a shorter row's, or every extra share of uneven_split_factor on
       even rows) come last. False: the share axis fastest, as before 2026-11-27 (a row's shares side by side in
@@ -103,14 +108,15 @@ class DecodeConfig:
     num_splits: int | None = None
     min_programs: int = 120
     paged_min_programs: int = 264
-    uneven_split_factor: int = 4
+    uneven_split_factor: int | None = None
     shares_last: bool = True
     merge: str = "xla"
 
     def __post_init__(self):
         _check_blocks("DecodeConfig", block_kv=self.block_kv or AUTO_BLOCK_KV[1], block_rows=self.block_rows)
-        if not isinstance(self.uneven_split_factor, int) or self.uneven_split_factor < 1:
-            raise ValueError(f"DecodeConfig.uneven_split_factor={self.uneven_split_factor!r} must be an int >= 1 "
+        factor = self.uneven_split_factor
+        if factor is not None and (not isinstance(factor, int) or factor < 1):
+            raise ValueError(f"DecodeConfig.uneven_split_factor={factor!r} must be None (auto) or an int >= 1 "
                              f"(1: no extra shares for uneven rows)")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits={self.num_splits} must be >= 1 (or None: automatic)")
@@ -171,7 +177,10 @@ def _geometry(cfg: DecodeConfig, B, sq, h, skv, g, dqk, dv, page_size=None, unev
     n_splits = max(1, min(n_splits, nk))
     grid_splits = n_splits  # a set num_splits is taken as it is
     if uneven and B > 1 and cfg.num_splits is None:
-        grid_splits = min(n_splits * cfg.uneven_split_factor, nk)
+        factor = cfg.uneven_split_factor
+        if factor is None:  # auto: the factor measured on contiguous caches; paged ones are unmeasured
+            factor = UNEVEN_SPLIT_FACTOR if page_size is None else 1
+        grid_splits = min(n_splits * factor, nk)
     return _Geom(rep, rows, bm, n_tiles, bk, skv_pad, n_splits, grid_splits, max(16, _next_pow2(dqk)),
                  max(16, _next_pow2(dv)))
 
