@@ -17,7 +17,8 @@ kernel; kernels on prebuilt tables (--configs adds variants, e.g. the persistent
 "persistent:bwd_persistent_band=True,bwd_dq_atomic=False").  --band-fwd-ab: their forward as a call runs it, the
 data-mask forward with its pre-pass against the band forward (no pre-pass), on its grid and on the persistent grid
 (HopperConfig.fwd_persistent_band).  --band-fwd-scaling: the band forward's cost per query tile and per key-block
-step, fitted from windows (W, W) of six widths, grid and persistent kernels (device clock).
+step, fitted from windows (W, W) of six widths, grid and persistent kernels (device clock).  --kernel-trace DIR:
+the same kernels' phases per tile (Q wait, first K wait, steps, epilogue) from Mosaic GPU's in-kernel profiler.
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -314,6 +315,77 @@ def band_fwd_scaling(calls: int, windows=(64, 128, 256, 512, 1024, 2048)):
               f"(worst row off by {worst:.1%})", flush=True)
 
 
+def summarize_kernel_trace(path: str) -> dict:
+    """One Mosaic GPU profiler trace (common.profiling; Chrome-trace JSON: pid = SM + 1, tid = one CTA's warpgroup,
+    B/E events in us) -> {"regions": {name: (count, mean us)}, "tiles_per_trace", "trace_span_us", "sm_gap_us"}:
+    each named region's mean time per entry, the mean span of one warpgroup's trace, and on each SM the mean idle time
+    between one trace's end and the next trace's start (the grid kernel's CTA turnover; 0 for one CTA per SM)."""
+    import collections
+    import json
+
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    open_at, spans = {}, collections.defaultdict(list)
+    bounds = {}  # tid -> (pid, first ts, last ts)
+    for e in events:
+        key = (e["tid"], e["name"])
+        if e["ph"] == "B":
+            open_at[key] = e["ts"]
+        elif key in open_at:
+            spans[e["name"]].append(e["ts"] - open_at.pop(key))
+        pid, lo, hi = bounds.get(e["tid"], (e["pid"], e["ts"], e["ts"]))
+        bounds[e["tid"]] = (pid, min(lo, e["ts"]), max(hi, e["ts"]))
+    by_sm = collections.defaultdict(list)
+    for pid, lo, hi in bounds.values():
+        by_sm[pid].append((lo, hi))
+    gaps = []
+    for runs in by_sm.values():
+        runs.sort()
+        gaps += [max(0.0, b[0] - a[1]) for a, b in zip(runs, runs[1:]) if b[0] >= a[1]]
+    regions = {name: (len(d), float(np.mean(d))) for name, d in spans.items()}
+    n_traces = max(len(bounds), 1)
+    return {"regions": regions, "traces": len(bounds),
+            "tiles_per_trace": regions.get("steps", (0, 0))[0] / n_traces,
+            "trace_span_us": float(np.mean([hi - lo for _, lo, hi in bounds.values()])) if bounds else 0.0,
+            "sm_gap_us": float(np.mean(gaps)) if gaps else 0.0}
+
+
+def kernel_trace(out_dir: str):
+    """The band forward's phases inside the kernel (Mosaic GPU's profiler; common.profiling): per query tile, how
+    long each compute warpgroup waits for its Q tile and first K block, walks its steps, and stores its output, on
+    the grid band kernel and the persistent one, for windows (256, 256) and (1024, 0) causal."""
+    import glob
+    import os
+
+    from pallas_kernels import _lower_once
+    from pallas_kernels.flash_attention_hopper import common
+
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  B{B} S{S} H{H} D{D} bf16; band forward phases "
+          f"per warpgroup and tile (Mosaic GPU profiler, one call after warm-up; us)")
+    ks = jax.random.split(jax.random.key(8), 3)
+    q, k, v = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in ks)
+    cfg = default_config(D, S, False, S)
+    for wname, m in (("window (256, 256)", AttentionMask.full(B, S, S, window=(256, 256))),
+                     ("window (1024, 0) causal", AttentionMask.full(B, S, S, causal=True, window=(1024, 0)))):
+        band = mask_rule(m, False, offset=0).band()
+        for kname, persistent in (("grid", False), ("persistent", True)):
+            d = os.path.join(out_dir, f"{wname.split()[1].strip('(),')}_{kname}")
+            os.makedirs(d, exist_ok=True)
+            c = dataclasses.replace(cfg, fwd_persistent_band=persistent)
+            with common.profiling(d), _lower_once.disabled():
+                f = jax.jit(lambda q, k, v, c=c: flash_fwd(q, k, v, scale=D ** -0.5, causal=False, config=c,
+                                                           band=band)[0])
+                for _ in range(3):
+                    jax.block_until_ready(f(q, k, v))
+            jax.effects_barrier()
+            last = sorted(glob.glob(os.path.join(d, "*-trace.json")))[-1]
+            t = summarize_kernel_trace(last)
+            regions = " | ".join(f"{n} {mean:6.2f} (x{cnt})" for n, (cnt, mean) in sorted(t["regions"].items()))
+            print(f"{wname:24s} {kname:10s} {t['traces']} warpgroup traces, {t['tiles_per_trace']:.1f} tiles each, "
+                  f"span {t['trace_span_us']:.1f}, SM gap between traces {t['sm_gap_us']:.2f} | {regions}",
+                  flush=True)
+
+
 def band_cases():
     """One-segment masks with token-index positions: name -> (mask, offset of the query positions)."""
     return {
@@ -397,6 +469,8 @@ if __name__ == "__main__":
                     "the band backward (MaskRule.offset)")
     ap.add_argument("--configs", default="", help="--band-ab, --band-fwd-ab: more band variants, "
                     "'name:k=v,k=v;name2:k=v' (HopperConfig fields, e.g. 'stages3:bwd_stages=3')")
+    ap.add_argument("--kernel-trace", default="", metavar="DIR", help="the band forward's phases per tile from "
+                    "Mosaic GPU's in-kernel profiler (traces written under DIR)")
     ap.add_argument("--band-fwd-scaling", action="store_true", help="the band forward's kernel time against "
                     "windows (W, W): a fit of its cost per query tile and per key-block step (device clock)")
     ap.add_argument("--band-fwd-ab", action="store_true", help="one-segment masks: the data-mask forward with its "
@@ -414,5 +488,7 @@ if __name__ == "__main__":
         band_fwd_ab(a.rounds, a.configs)
     elif a.band_fwd_scaling:
         band_fwd_scaling(a.rounds)
+    elif a.kernel_trace:
+        kernel_trace(a.kernel_trace)
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()

@@ -41,3 +41,14 @@ def walk_resolved(jaxpr, env=None):
                 sub_env = ({iv: origin(ov) for iv, ov in zip(sub.invars, eqn.invars)
                             if not isinstance(iv, jex_core.Literal)} if aligned else {})
                 yield from walk_resolved(sub, sub_env)
+
+
+def warp_map_primitives(jaxpr, in_warp: bool = False):
+    """Names of the primitives traced inside plgpu.warp_map (a core_map over a WarpMesh: a single warp's code),
+    recursively through every sub-jaxpr, kernel bodies included."""
+    for eqn in jaxpr.eqns:
+        warp_mesh = eqn.primitive.name == "core_map" and type(eqn.params.get("mesh")).__name__ == "WarpMesh"
+        if in_warp and eqn.primitive.name != "core_map":
+            yield eqn.primitive.name
+        for sub in _sub_jaxprs(eqn):
+            yield from warp_map_primitives(sub, in_warp or warp_mesh)

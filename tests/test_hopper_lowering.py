@@ -19,6 +19,8 @@ from pallas_kernels.flash_attention_hopper import hopper_attention
 from pallas_kernels.flash_attention_hopper.config import default_config
 from pallas_kernels.mask import AttentionMask
 
+from jaxpr_walk import warp_map_primitives
+
 BF = jnp.bfloat16
 NO_PTX = dict(fwd_named_barrier=False, fwd_named_release=False, fwd_producer_warp=False,
               bwd_named_release=False, bwd_producer_warp=False)
@@ -264,20 +266,6 @@ def _warp_lowerable() -> set[str]:
             | {"jit", "pjit", "select_n"})
 
 
-def _warp_primitives(jaxpr, in_warp=False):
-    """Names of the primitives traced inside a warp_map (a core_map over a WarpMesh), through every nested jaxpr."""
-    for eqn in jaxpr.eqns:
-        warp_mesh = type(eqn.params.get("mesh")).__name__ == "WarpMesh"
-        inner_warp = in_warp or (eqn.primitive.name == "core_map" and warp_mesh)
-        if in_warp and eqn.primitive.name != "core_map":
-            yield eqn.primitive.name
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                sub = getattr(sub, "jaxpr", sub)
-                if isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _warp_primitives(sub, inner_warp)
-
-
 @pytest.mark.parametrize("name,mask_kw,cfg_kw", [
     ("dense causal", dict(causal=True), {}),
     ("window band, persistent fwd and bwd", dict(band="window"), dict(fwd_persistent_band=True, fwd_ctas=3,
@@ -309,6 +297,6 @@ def test_single_producer_warp_uses_warp_lowerable_primitives(name, mask_kw, cfg_
             mask_segments=seg, mask_offset=offset), q, k, v)
         return vjp((o, jnp.zeros_like(lse)))
 
-    used = set(_warp_primitives(jax.make_jaxpr(f)(q, kv, kv).jaxpr))
+    used = set(warp_map_primitives(jax.make_jaxpr(f)(q, kv, kv).jaxpr))
     assert used, "no warp_map found: the producer warp is off"
     assert used <= _warp_lowerable(), sorted(used - _warp_lowerable())

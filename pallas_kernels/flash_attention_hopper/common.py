@@ -2,6 +2,7 @@
 int32 arithmetic on traced or Python ints, interpret-mode switches."""
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -268,6 +269,26 @@ def run_producer(plgpu, fn, *, single_warp: bool):
     plgpu.warp_map(per_warp)
 
 
+#: Mosaic GPU's intra-kernel profiler for the warp-specialized kernels: (profile_space, profile_dir) while
+#: `profiling(...)` is active, else None.  The kernels mark their phases with jax.named_scope (region names such as
+#: "q_wait", "k0_wait", "steps", "epilogue"); with the profiler on, each warpgroup records when it enters and leaves
+#: them, and every call writes a Chrome-trace JSON file (pid: SM, tid: CTA x warpgroup, ts in us) to profile_dir.
+_PROFILE: tuple[int, str] | None = None
+
+
+@contextlib.contextmanager
+def profiling(profile_dir: str, events: int = 256):
+    """Kernels traced inside this context record their named regions (up to `events` per warpgroup per CTA) and
+    write one trace per call to profile_dir (GPU only; for benchmarks.hopper_mask_probe --kernel-trace).  The
+    kernels must be traced here: call them through a fresh jax.jit, with _lower_once.disabled()."""
+    global _PROFILE
+    before, _PROFILE = _PROFILE, (events, profile_dir)
+    try:
+        yield
+    finally:
+        _PROFILE = before
+
+
 def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names, compute_wgs: int,
                             interpret: bool, name: str, no_auto_barriers: bool = False):
     """plgpu.kernel(body) with `compute_wgs` compute warpgroups and one memory warpgroup (thread axis
@@ -285,6 +306,7 @@ def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names,
         num_threads=compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, **(
-            {"unsafe_no_auto_barriers": True} if no_auto_barriers else {})),
+            {"unsafe_no_auto_barriers": True} if no_auto_barriers else {}), **(
+            {} if _PROFILE is None or interpret else {"profile_space": _PROFILE[0], "profile_dir": _PROFILE[1]})),
         interpret=interpret_arg(interpret),
     )

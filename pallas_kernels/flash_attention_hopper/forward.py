@@ -172,7 +172,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem, q_bar.at[wg])
             k_slots.prime()
             v_slots.prime()
-            plgpu.barrier_wait(q_bar.at[wg])
+            with jax.named_scope("q_wait"):  # regions: common.profiling
+                plgpu.barrier_wait(q_bar.at[wg])
 
             m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32),
                                     plgpu.Layout.WGMMA.reduce(1))
@@ -180,10 +181,11 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                                     plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.full((bq, Dv), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            if band is not None:  # a band's walk may be empty (rows that see no key)
-                when(cta_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[0]))
-            else:
-                plgpu.barrier_wait(k_bar.at[0])
+            with jax.named_scope("k0_wait"):
+                if band is not None:  # a band's walk may be empty (rows that see no key)
+                    when(cta_steps > 0, lambda: plgpu.barrier_wait(k_bar.at[0]))
+                else:
+                    plgpu.barrier_wait(k_bar.at[0])
             pl.when(wg == 1)(sched.start)
 
             def kv_body(step, carry, masked: bool):
@@ -219,8 +221,9 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
             carry = (acc, m_i, l_i)
             if band is not None:
-                carry = walk_band(lambda s, cr, masked: kv_body(s, cr, masked=masked), band_flo, band_fhi, cta_steps,
-                                  carry)
+                with jax.named_scope("steps"):
+                    carry = walk_band(lambda s, cr, masked: kv_body(s, cr, masked=masked), band_flo, band_fhi,
+                                      cta_steps, carry)
             elif not causal:
                 carry = lax.fori_loop(0, n_kv, functools.partial(kv_body, masked=kv_valid is not None), carry)
             else:
@@ -240,9 +243,10 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
 
                 lax.fori_loop(kv_steps, cta_steps, flush, None)
             pl.when(wg == 0)(sched.finish)
-            finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
-                        o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
-                        may_be_empty=band is not None)
+            with jax.named_scope("epilogue"):
+                finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
+                            o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
+                            may_be_empty=band is not None)
 
         @pl.when(wg == 2)
         def _memory():

@@ -76,8 +76,10 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
                 buf = rem(i, 2)
                 qo_smem = qo_smem4.at[wg, buf]
                 q0 = qt * (2 * bq) + wg * bq
-                plgpu.barrier_wait(q_bar.at[2 * wg + buf])
-                plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
+                with jax.named_scope("q_wait"):  # regions: common.profiling
+                    plgpu.barrier_wait(q_bar.at[2 * wg + buf])
+                with jax.named_scope("k0_wait"):
+                    plgpu.barrier_wait(k_bar.at[rem(g0, stages)])
                 early_q = i + 1 < my_tiles
                 early_step = jnp.minimum(1, n_steps - 1)
 
@@ -100,9 +102,11 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
                         sched=sched, c=c, dtype=dtype, interpret=interpret, wait_next_k=wait_next_k, pre=pre,
                         apply_mask=apply_band if masked else None, may_be_empty=masked)
 
-                carry = walk_band(kv_body, flo, fhi, n_steps, fresh_forward_tile(plgpu, bq, D))
-                store_forward_tile(plgpu, carry, qo_smem=qo_smem, lse_smem=lse_smem, dtype=dtype,
-                                   o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)])
+                with jax.named_scope("steps"):
+                    carry = walk_band(kv_body, flo, fhi, n_steps, fresh_forward_tile(plgpu, bq, D))
+                with jax.named_scope("epilogue"):
+                    store_forward_tile(plgpu, carry, qo_smem=qo_smem, lse_smem=lse_smem, dtype=dtype,
+                                       o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)])
                 return g0 + n_steps
 
             lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
