@@ -114,7 +114,8 @@ def main():
         table += peer_rows(name, impls, tf, [i for i in impls if i.startswith("te_jax")])
         print("\n".join(table[-2:]), flush=True)
     print_table(f"d_qk 192 / d_v 128: TFLOP/s ({args.rounds} interleaved rounds, medians), "
-                f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table)
+                f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table,
+                save_as="attention_head_dims")
 
 
 if __name__ == "__main__":

@@ -301,7 +301,8 @@ def main():
             print_device_time(impls, q, k, v, do)
         table += peer_rows(row.label, impls, tf, ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid"))
     print_table(f"Hopper masks: TFLOP/s on the visible area ({args.rounds} interleaved rounds, medians), "
-                f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table)
+                f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table,
+                save_as="attention_masks")
 
 
 if __name__ == "__main__":

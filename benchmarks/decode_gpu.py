@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg  # import_fa3, gpu_warmup, rel
 from benchmarks import device_time, timing
+from benchmarks.peer_rows import save_and_plot
 
 H, D = 32, 128
 T0 = time.perf_counter()
@@ -265,19 +266,15 @@ def main():
         print(table[-1], flush=True)
     elif picked("paged"):
         skipped.append("paged")
-    print(f"\n## Decode attention, TB/s of K/V read ({args.rounds} interleaved rounds, medians), "
-          f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; HBM copy {copy:.2f} TB/s\n")
-    print("| row | implementations (TB/s) | te_jax / best peer | te_jax / copy |")
-    print("|---|---|---|---|")
-    for line in table:
-        print(line)
+    head = ["| row | implementations (TB/s) | te_jax / best peer | te_jax / copy |", "|---|---|---|---|"]
+    text = "\n".join([f"## Decode attention, TB/s of K/V read ({args.rounds} interleaved rounds, medians), "
+                      f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}; HBM copy "
+                      f"{copy:.2f} TB/s", "", *head, *table])
     if dev_table:
-        print("\n## The same rows by the device clock: K/V bytes / (the GPU time of one call's kernels, summed over "
-              "20 profiled calls)\n")
-        print("| row | implementations (TB/s) | te_jax / best peer | te_jax / copy |")
-        print("|---|---|---|---|")
-        for line in dev_table:
-            print(line)
+        text += "\n\n" + "\n".join(["## The same rows by the device clock: K/V bytes / (the GPU time of one call's "
+                                     "kernels, summed over 20 profiled calls)", "", *head, *dev_table])
+    print("\n" + text)
+    save_and_plot(text, "decode")
     if skipped:
         print(f"\nnot run (time budget {args.budget:.0f} s): {', '.join(skipped)}")
 

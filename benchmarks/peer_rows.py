@@ -6,7 +6,7 @@ rounds in TFLOP/s, and the table rows "te_jax's best / best peer" (attention_mas
         forward+backward counts 3.5x the forward's FLOPs)
     peer_rows(label, impls, tf, ours) -> two table lines (fwd, fb): every implementation's TFLOP/s and the best of
         `ours` (names) over the best peer (the names not starting with "te_jax")
-    print_table(title, lines)
+    print_table(title, lines, save_as=None)   (save_as: also $OUT/<save_as>_table.md and <save_as>.png)
     import_peers() -> (tokamax or None, flash_attn3 or None), printing the date, the device and each peer's line
     ready_impls(makers, q, k, v, do) -> {name: (fwd, fb)} of the makers whose forward+backward ran once; the others
         are printed as errors (a peer that cannot serve a row is reported, not fatal)
@@ -72,9 +72,26 @@ def peer_rows(label, impls, tf, ours):
     return lines
 
 
-def print_table(title, lines):
-    print(f"\n## {title}\n")
-    print("| row | pass | implementations (TFLOP/s) | te_jax's best / best peer |")
-    print("|---|---|---|---|")
-    for line in lines:
-        print(line)
+def print_table(title, lines, save_as: str | None = None):
+    """Print the table; with save_as and $OUT set, also write it to $OUT/<save_as>_table.md and draw
+    $OUT/<save_as>.png (te_jax / best peer per row: benchmarks.plot_peer_table)."""
+    text = "\n".join([f"## {title}", "", "| row | pass | implementations (TFLOP/s) | te_jax's best / best peer |",
+                      "|---|---|---|---|", *lines])
+    print("\n" + text)
+    if save_as:
+        save_and_plot(text, save_as)
+
+
+def save_and_plot(text: str, name: str) -> None:
+    """With $OUT set: text to $OUT/<name>_table.md and its te_jax / best peer plot to $OUT/<name>.png."""
+    import os
+
+    from benchmarks import plot_peer_table
+
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    path = os.path.join(out, f"{name}_table.md")
+    with open(path, "w") as f:
+        f.write(text + "\n")
+    print(f"table: {path}; plot: {plot_peer_table.plot([path], os.path.join(out, name + '.png'))}", flush=True)
