@@ -101,7 +101,7 @@ def plot(paths, out: str, title: str = "") -> str:
         ax.tick_params(axis="y", labelsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95) if title else None)
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
