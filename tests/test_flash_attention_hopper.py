@@ -633,6 +633,7 @@ def test_hd64_default_tiles_follow_the_key_length():
 
 @pytest.mark.parametrize("kw", [dict(fwd_ctas=0), dict(fwd_ctas=-2), dict(fwd_ctas=1.5), dict(bwd_dq_atomic="yes"),
                                 dict(bwd_delta_in_dq=1), dict(bwd_persistent_band="on"), dict(fwd_persistent_band=1),
+                                dict(fwd_band_heavy_first="auto"),
                                 dict(bwd_causal_reverse=1), dict(fwd_persistent=1.0), dict(fwd_named_barrier="auto"),
                                 dict(fwd_named_release=1), dict(fwd_producer_warp="on"),
                                 dict(bwd_named_release="x"), dict(bwd_producer_warp=2), dict(fwd_split_tail="auto"),
@@ -1155,14 +1156,21 @@ def test_persistent_masked_forward_auto_takes_sliding_windows():
 
 def test_snake_deal_gives_every_tile_once():
     """snake_tile / tiles_of_cta (the persistent data-mask forward's deal, pure int arithmetic): every query tile
-    goes to exactly one CTA, whatever the tile and CTA counts."""
-    from pallas_kernels.flash_attention_hopper.persistent_steps import snake_tile, tiles_of_cta
+    goes to exactly one CTA, whatever the tile and CTA counts; snake_coords names each once as (batch, head, tile),
+    traced or not."""
+    from pallas_kernels.flash_attention_hopper.persistent_steps import snake_coords, snake_tile, tiles_of_cta
 
     for n_tiles, n_ctas in [(10, 3), (12, 3), (7, 7), (5, 132), (2048, 132), (265, 132)]:
         n_ctas = min(n_ctas, n_tiles)
         got = [int(snake_tile(c, i, n_ctas)) for c in range(n_ctas)
                for i in range(int(tiles_of_cta(c, n_tiles, n_ctas)))]
         assert sorted(got) == list(range(n_tiles)), (n_tiles, n_ctas)
+    batch, heads, per_head = 3, 4, 5
+    n, n_ctas = batch * heads * per_head, 7
+    coords = jax.jit(lambda c, i: snake_coords(c, i, n_ctas, heads, per_head))
+    got = sorted(tuple(int(x) for x in coords(jnp.int32(c), jnp.int32(i))) for c in range(n_ctas)
+                 for i in range(int(tiles_of_cta(c, n, n_ctas))))
+    assert got == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(per_head)]
 
 
 @pytest.mark.slow

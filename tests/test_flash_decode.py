@@ -349,6 +349,10 @@ def test_shares_are_even_across_rows_and_finer_where_the_rows_are_uneven():
         np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(rlse)[fin], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="uneven_split_factor=0"):
         DecodeConfig(uneven_split_factor=0)
+    with pytest.raises(ValueError, match="uneven_split_factor=2.5"):
+        DecodeConfig(uneven_split_factor=2.5)
+    with pytest.raises(ValueError, match="shares_last='yes'"):
+        DecodeConfig(shares_last="yes")
 
 
 def test_cache_loop_bounds_are_sound_and_as_tight_as_the_block_classes():

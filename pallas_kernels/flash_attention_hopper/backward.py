@@ -34,8 +34,8 @@ from .backward_band_persistent import _flash_bwd_dkv_band_persistent
 from .band import band_big, band_mask, key_blocks, query_blocks, walk_band
 from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
-                     delta_in_dq, dq_split, logit_units, masked_atomic_dq_chosen, persistent_band_bwd_chosen,
-                     piece_split_chosen, ring_choices)
+                     delta_in_dq, dkv_geometry, dq_split, logit_units, masked_atomic_dq_chosen,
+                     persistent_band_bwd_chosen, piece_split_chosen, ring_choices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,15 +49,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     band (MaskRule.band(): (offset, lo, hi)): key j sees query i iff lo <= j - i - offset <= hi; the key tile walks
     the query blocks of its band (band.query_blocks), masking the two edges."""
     plgpu = mosaic_gpu()
-    B, S, H, D = q.shape
+    B, S, H, D, Skv, G, rep, dtype, bq, bkv, wgs, nq, n_kt, stages = dkv_geometry(q, k, cfg)
     Dv = v.shape[-1]  # v's head_dim (may differ from q/k's D: no atomic dQ, no PieceSplit then)
-    Skv, G = k.shape[1], k.shape[2]
-    rep = H // G
-    dtype = q.dtype
-    bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
-    nq = S // bq
-    n_kt = Skv // (wgs * bkv)
-    stages = cfg.bwd_stages
     c, pre = logit_units(scale, softcap)
     split = cfg.split_causal
     reverse = causal and cfg.bwd_causal_reverse is not False  # None (auto) = reverse

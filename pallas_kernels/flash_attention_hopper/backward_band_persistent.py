@@ -23,8 +23,8 @@ from .._compat import mosaic_gpu, pl
 from .band import band_mask, query_blocks, walk_band
 from .common import (backward_pT, div, dv_and_dpT, mma, mma_into, num_sms, rem, ring_slots, run_producer,
                      smem_transforms, warp_specialized_kernel, when)
-from .config import HopperConfig, bwd_registers, logit_units, ring_choices
-from .persistent_steps import drain_rings, snake_tile, tiles_of_cta, wait_to_refill
+from .config import HopperConfig, bwd_registers, dkv_geometry, logit_units, ring_choices
+from .persistent_steps import drain_rings, snake_coords, tiles_of_cta, wait_to_refill
 
 
 def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: HopperConfig, interpret: bool,
@@ -32,16 +32,9 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
     """(dk [B, Skv, G, D], dv [B, Skv, G, D]) under the band (MaskRule.band(): key j sees query i iff lo <= j - i -
     offset <= hi), lse2 the base-2 lse [B, H, S] (rows without a key: 0), delta [B, H, S]; D == Dv <= 128."""
     plgpu = mosaic_gpu()
-    B, S, H, D = q.shape
-    Skv, G = k.shape[1], k.shape[2]
+    B, S, H, D, Skv, G, rep, dtype, bq, bkv, wgs, nq, n_kt, stages = dkv_geometry(q, k, cfg)
     if v.shape[-1] != D:
         raise ValueError(f"the persistent band dK/dV kernel needs v's head_dim {v.shape[-1]} == q/k's {D}")
-    rep = H // G
-    dtype = q.dtype
-    bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
-    nq = S // bq
-    n_kt = Skv // (wgs * bkv)
-    stages = cfg.bwd_stages
     c, pre = logit_units(scale, softcap)
     named_release, producer_warp = ring_choices(cfg, interpret, backward=True)
     regs, producer_regs = bwd_registers(cfg)
@@ -49,8 +42,7 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
     n_ctas = min(cfg.bwd_ctas or num_sms(), n_tiles)
 
     def tile_coords(cta, i):  # -> batch, KV head, key tile of the CTA's i-th tile
-        t = snake_tile(cta, i, n_ctas)
-        return div(t, G * n_kt), rem(div(t, n_kt), G), rem(t, n_kt)
+        return snake_coords(cta, i, n_ctas, G, n_kt)
 
     def walk_of(kt):  # (first query block, blocks per head, masked lead, full end): band.query_blocks
         kv0 = kt * (wgs * bkv)

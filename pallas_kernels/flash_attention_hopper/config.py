@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import typing
 
 import jax.numpy as jnp
 import numpy as np
@@ -114,7 +115,8 @@ class HopperConfig:
     # A band's dK/dV kernel (backward_band_persistent) on a persistent grid: one CTA per SM walking key tiles, the
     # next tile's K/V loading while this one walks, one Q/dO ring across tiles, dK/dV stores not waited for.  For
     # narrow bands (windows), whose short walks leave the grid kernel's per-tile prologue and epilogue exposed.
-    # Where the dQ kernel runs and D == Dv <= 128.  None (auto): off (written without a GPU run; opt-in).
+    # Where the dQ kernel runs and D == Dv <= 128.  None (auto): off; on the H100 it was within noise of the grid
+    # kernel on window (256, 256) and slower on wide bands (benchmarks/results/attention_masks_h100.md).
     bwd_persistent_band: bool | None = None
     # A band's forward (where every query sees a key, D == Dv) on a persistent grid (forward_band_persistent: the
     # persistent data-mask forward's schedule with the band's walk, no pre-pass, no marks) instead of the grid band
@@ -190,6 +192,32 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
         # K/V tiles fit shared memory, unlike hd256's)
         return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=2)
     return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
+
+
+class DkvGeometry(typing.NamedTuple):
+    """The dK/dV kernels' shapes: q [B, S, H, D], k [B, Skv, G, D]; a CTA takes wgs x bkv keys and walks query
+    blocks of bq rows."""
+    B: int
+    S: int
+    H: int
+    D: int
+    Skv: int
+    G: int
+    rep: int  # query heads per K/V head
+    dtype: object
+    bq: int
+    bkv: int
+    wgs: int
+    nq: int  # query blocks
+    n_kt: int  # key tiles of wgs x bkv keys
+    stages: int  # Q/dO ring depth
+
+
+def dkv_geometry(q, k, cfg: HopperConfig) -> DkvGeometry:
+    B, S, H, D = q.shape
+    Skv, G = k.shape[1], k.shape[2]
+    bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
+    return DkvGeometry(B, S, H, D, Skv, G, H // G, q.dtype, bq, bkv, wgs, S // bq, Skv // (wgs * bkv), cfg.bwd_stages)
 
 
 REGISTERS_PER_CTA = 168 * 384  # what ptxas allocates to a 3-warpgroup CTA (168 per thread)
@@ -554,9 +582,8 @@ def persistent_band_bwd_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int
 def persistent_band_fwd_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int, dtype, band=None) -> bool:
     """Whether a band's forward runs on the persistent kernel (HopperConfig.fwd_persistent_band: forced, or auto for
     causal sliding windows of at least band.PERSISTENT_FWD_MIN_BAND keys per query at head_dim 128, the one
-    measured, band.persistent_forward_band): D == Dv and two Q/O buffers
-    per warpgroup fit beside the K/V ring (persistent_fits).  The caller also needs every query to see a key
-    (band.every_query_sees_a_key)."""
+    measured, band.persistent_forward_band): D == Dv and two Q/O buffers per warpgroup fit beside the K/V ring
+    (persistent_fits).  The caller also needs every query to see a key (band.every_query_sees_a_key)."""
     from .band import persistent_forward_band
 
     if cfg.fwd_persistent_band is False or head_dim != head_dim_v or not persistent_fits(cfg, head_dim, dtype):

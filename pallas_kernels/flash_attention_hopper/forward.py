@@ -35,6 +35,7 @@ from .forward_masked import _flash_fwd_masked
 from .forward_band_persistent import _flash_fwd_band_persistent
 from .forward_masked_persistent import _flash_fwd_masked_persistent
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
+from .persistent_steps import tile_parts
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config, logit_units,
                      persistent_band_fwd_chosen, persistent_causal_chosen, persistent_chosen, persistent_masked_chosen,
                      ring_choices, split_tail_chosen)
@@ -294,9 +295,8 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     named = cfg.fwd_named_barrier is not False and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
 
-    def tile_coords(t):
-        bh = div(t, n_qt)
-        return div(bh, H), rem(bh, H), rem(t, n_qt)  # batch, head, query tile
+    def tile_coords(t):  # -> batch, head, query tile
+        return tile_parts(t, H, n_qt)
 
     def body(q_ref, k_ref, v_ref, *rest):
         if causal:

@@ -15,10 +15,10 @@ from jax import lax
 
 from .._compat import mosaic_gpu, pl
 from .band import band_mask, key_blocks, walk_band
-from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
+from .common import num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
 from .config import HopperConfig, logit_units, ring_choices
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
-from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_tile, store_forward_tile,
+from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_coords, store_forward_tile,
                                tiles_of_cta, wait_to_refill)
 
 
@@ -37,9 +37,7 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
     n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
 
     def tile_coords(cta, i):  # -> batch, head, query tile of the CTA's i-th tile
-        t = snake_tile(cta, i, n_ctas)
-        bh = div(t, n_qt)
-        return div(bh, H), rem(bh, H), rem(t, n_qt)
+        return snake_coords(cta, i, n_ctas, H, n_qt)
 
     def walk_of(qt):  # (first K/V block, steps, masked lead, full end) of query tile qt: band.key_blocks
         return key_blocks(band, qt * (2 * bq), (qt + 1) * (2 * bq), bkv, n_kv, big)

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
-from .common import div, num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
+from .common import num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
 from .config import HopperConfig, logit_units, ring_choices
 from .data_mask import walk_groups
 from .forward_masked import step_mask
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
-from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_tile,
+from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_coords,
                                store_forward_tile, tiles_of_cta, wait_to_refill)
 
 
@@ -47,9 +47,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
     n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
 
     def tile_coords(cta, i):  # -> batch, head, query tile of the CTA's i-th tile
-        t = snake_tile(cta, i, n_ctas)
-        bh = div(t, n_qt)
-        return div(bh, H), rem(bh, H), rem(t, n_qt)
+        return snake_coords(cta, i, n_ctas, H, n_qt)
 
     def steps_of(counts_ref, cta, i, my_tiles):
         """The step ends of the CTA's i-th tile (clamped to its last; forward_masked.walk_groups), an empty list as

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import pl
-from .common import rem, when
+from .common import div, rem, when
 from .config import LN2
 
 
@@ -18,6 +18,17 @@ def snake_tile(cta, i, n_ctas: int):
     long tile (late in a causal or padded row) takes a short one next.  Works on Python or traced ints; plain
     arithmetic (no select), so a single producer warp can compute it."""
     return i * n_ctas + cta + rem(i, 2) * ((n_ctas - 1) - 2 * cta)
+
+
+def tile_parts(t, heads: int, per_head: int):
+    """Tile index t in (batch, head, tile) order -> (batch, head, tile); per_head tiles per (batch, head)."""
+    bh = div(t, per_head)
+    return div(bh, heads), rem(bh, heads), rem(t, per_head)
+
+
+def snake_coords(cta, i, n_ctas: int, heads: int, per_head: int):
+    """(batch, head, tile) of the tile CTA `cta` takes in its round i (snake_tile)."""
+    return tile_parts(snake_tile(cta, i, n_ctas), heads, per_head)
 
 
 def tiles_of_cta(cta, n_tiles: int, n_ctas: int):

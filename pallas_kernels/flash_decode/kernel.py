@@ -118,6 +118,9 @@ class DecodeConfig:
         if factor is not None and (not isinstance(factor, int) or factor < 1):
             raise ValueError(f"DecodeConfig.uneven_split_factor={factor!r} must be None (auto) or an int >= 1 "
                              f"(1: no extra shares for uneven rows)")
+        if not isinstance(self.shares_last, bool):
+            raise ValueError(f"DecodeConfig.shares_last={self.shares_last!r} must be True (the share axis launched "
+                             f"last) or False (first)")
         if self.num_splits is not None and self.num_splits < 1:
             raise ValueError(f"DecodeConfig.num_splits={self.num_splits} must be >= 1 (or None: automatic)")
         if self.merge not in MERGES:
