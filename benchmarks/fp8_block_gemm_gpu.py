@@ -6,7 +6,10 @@ layer's GEMM shapes (tokens 8192, hidden 4096, SwiGLU 14336, GQA 32/8 x 128).
 
 Operands: x [M, K] in 1x128 tiles along K (one scale per row and K block), w^T [N, K] in 128x128 tiles, E4M3
 (forward rows); for the wgrad rows both operands are activations in 1x128 tiles along the token axis.
-Kernel variants (VARIANTS: block_n, stages, b_uniform, overlap) are timed side by side.
+Kernel variants (VARIANTS: block_n, stages, b_uniform, overlap, promotion) are timed side by side; the "unscaled"
+variants are the pipeline's ceiling (no scales: not checked, not counted as the best block GEMM). Peers: XLA's
+per-tensor FP8 GEMM as a dot then a scale pass, and as te_jax's per-tensor recipes run it (scale folded into
+cuBLASLt), and the bf16 GEMM.
 Timing: interleaved rounds, each the median of timing.measure's samples, after warm-up.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
+from te_jax.fp8.quantize import f8_dot
 from pallas_kernels.fp8_gemm import (block_scaled_gemm, block_scaled_gemm_persistent, block_scaled_gemm_reference,
                                      quantize_blocks, row_scales)
 
@@ -44,7 +48,20 @@ VARIANTS = {
     "stages 5": dict(block_n=128, stages=5, b_uniform=True, overlap=True),
     "persistent": dict(persistent=True, block_n=128, stages=4, b_uniform=True, cluster_m=False),
     "persistent cluster": dict(persistent=True, block_n=128, stages=4, b_uniform=True, cluster_m=True),
+    "persistent cluster stages 5": dict(persistent=True, block_n=128, stages=5, b_uniform=True, cluster_m=True),
+    "persistent cluster 256": dict(persistent=True, block_n=256, stages=3, b_uniform=True, cluster_m=True),
+    "persistent cluster rescale": dict(persistent=True, block_n=128, stages=4, b_uniform=True, cluster_m=True,
+                                       promotion="rescale"),
+    # what te_jax runs (te_jax/fp8/block.py, use_split_accumulator False)
+    "persistent cluster rescale 256": dict(persistent=True, block_n=256, stages=3, b_uniform=True, cluster_m=True,
+                                           promotion="rescale"),
+    # the pipeline's ceilings: no scales, no promotion (wrong numbers unless every scale is 1; timing only)
+    "persistent cluster unscaled": dict(persistent=True, block_n=128, stages=4, b_uniform=True, cluster_m=True,
+                                        promotion="unscaled"),
+    "persistent cluster unscaled 256": dict(persistent=True, block_n=256, stages=3, b_uniform=True, cluster_m=True,
+                                            promotion="unscaled"),
 }
+CEILING_VARIANTS = tuple(v for v in VARIANTS if "unscaled" in v)
 
 
 def operands(key, m, k, n, b_tiles=(128, 128)):
@@ -59,7 +76,9 @@ def operands(key, m, k, n, b_tiles=(128, 128)):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="persistent cluster,persistent cluster rescale 256,"
+                    "persistent cluster unscaled 256")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
     args = ap.parse_args()
     dev = jax.devices()[0]
     names = args.variants.split(",")
@@ -68,11 +87,15 @@ def main():
     def kern(variant, wgrad):
         kw = dict(VARIANTS[variant])
         kw["b_uniform"] = kw["b_uniform"] and not wgrad
+        if not kw.get("persistent"):
+            kw.pop("promotion", None)
         fn = block_scaled_gemm_persistent if kw.pop("persistent", False) else block_scaled_gemm
         return jax.jit(lambda a, b, sa, sb: fn(a, b, sa, sb, **kw))
 
     # correctness: a small shape and a slice of the largest, against the fp32 reference on the same FP8 operands
     for variant in names:
+        if variant in CEILING_VARIANTS:
+            continue
         for (m, k, n) in ((256, 512, 256), (1024, 4096, 2048)):
             for wgrad in (False, True):
                 _, _, xq, wq, sa, sb = operands(jax.random.key(m + n), m, k, n, (1, 128) if wgrad else (128, 128))
@@ -99,7 +122,8 @@ def main():
               f"{t * 1e6:.1f} us, {moved / t / 1e12:.2f} TB/s", flush=True)
 
     rows, results = [], {}
-    for name, (m, k, n) in SHAPES.items():
+    for name in args.shapes.split(","):
+        m, k, n = SHAPES[name]
         wgrad = "wgrad" in name
         x, w, xq, wq, sa, sb = operands(jax.random.key(1), m, k, n, (1, 128) if wgrad else (128, 128))
         wt8 = wq  # per-tensor peer: the same FP8 values, one scale each
@@ -108,6 +132,10 @@ def main():
             "per-tensor FP8 (XLA/cuBLASLt)": (jax.jit(lambda a, b, s: (jax.lax.dot_general(
                 a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16).astype(jnp.float32)
                 * s).astype(jnp.bfloat16)), (xq, wt8, jnp.float32(1.0))),
+            # what te_jax's per-tensor recipes run in the layer: the FP8 algorithm preset, the scale folded into
+            # the cuBLASLt call (te_jax.fp8.quantize._scaled_gemm, "direct" on FP8 tensor cores)
+            "per-tensor FP8, scale folded (te_jax's delayed/current)": (jax.jit(lambda a, b, s: f8_dot(
+                a, b, (((1,), (1,)), ((), ())), jnp.bfloat16) * s.astype(jnp.bfloat16)), (xq, wt8, jnp.float32(1.0))),
             "bf16 (XLA/cuBLAS)": (jax.jit(lambda a, b: a @ b), (x, w)),
         }
         times = {i: [] for i in impls}
@@ -117,15 +145,17 @@ def main():
         flops = 2 * m * k * n
         tf = {i: flops / statistics.median(t) / 1e12 for i, t in times.items()}
         results[name] = dict(shape=(m, k, n), tflops=tf)
-        best = max(tf[f"block {v}"] for v in names)
+        best = max(tf[f"block {v}"] for v in names if v not in CEILING_VARIANTS)
+        folded = tf["per-tensor FP8, scale folded (te_jax's delayed/current)"]
         rows.append(f"| {name} ({m}x{k}x{n}) | " + " | ".join(f"{tf[i]:.0f}" for i in impls)
-                    + f" | {best / tf['per-tensor FP8 (XLA/cuBLASLt)']:.2f} |")
+                    + f" | {best / tf['per-tensor FP8 (XLA/cuBLASLt)']:.2f} | {best / folded:.2f} |")
         print(rows[-1], flush=True)
     print(f"\n## Block-scaled FP8 GEMM, TFLOP/s ({args.rounds} interleaved rounds, medians), {dev.device_kind}, "
           f"jax {jax.__version__}, {datetime.date.today()}\n")
     print("| GEMM | " + " | ".join(f"block {v}" for v in names)
-          + " | per-tensor FP8 (XLA) | bf16 (XLA) | best block / per-tensor |")
-    print("|---" * (len(names) + 4) + "|")
+          + " | per-tensor FP8 (XLA) | per-tensor FP8, scale folded | bf16 (XLA) | best block / per-tensor"
+          " | best block / folded |")
+    print("|---" * (len(names) + 6) + "|")
     for r in rows:
         print(r)
     out = os.environ.get("OUT", "/tmp")

@@ -50,6 +50,8 @@ def test_other_recipe_validation():
         Float8CurrentScaling(fp8_format=1)
     with pytest.raises(ValueError, match="x_block"):
         Float8BlockScaling(x_block=0)
+    with pytest.raises(ValueError, match="use_split_accumulator='yes' must be a bool"):
+        Float8BlockScaling(use_split_accumulator="yes")
     with pytest.raises(ValueError, match="recipe"):
         with fp8.autocast(recipe="delayed"):
             pass

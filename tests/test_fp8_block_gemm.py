@@ -73,8 +73,54 @@ def test_bad_operands_are_named():
         block_scaled_gemm_persistent(xq, wq, sa, sb.T)
     with pytest.raises(ValueError, match="M=128 is not a multiple of 256"):  # two 128-row CTAs a cluster
         block_scaled_gemm_persistent(xq[:128], wq, sa[:, :128], sb)
+    with pytest.raises(ValueError, match=r"promotion='late'; expected one of \('serial', 'rescale', 'unscaled'\)"):
+        block_scaled_gemm_persistent(xq, wq, sa, sb, promotion="late")
+    with pytest.raises(ValueError, match="block_n=192; expected 128 or 256"):
+        block_scaled_gemm_persistent(xq, wq, sa, sb, block_n=192)
     with pytest.raises(ValueError, match="quantize_blocks: shape"):
         quantize_blocks(x[:, :100], (1, 128), E4)
+
+
+def _rescaled_sum(xq, wq, sa, sb, factors):
+    """The "rescale" promotion's recurrence (pallas_kernels/fp8_gemm/rescale.py) in fp32 jnp: the sum kept in the
+    current K block's units, each block's product accumulated unscaled."""
+    (ra, fa), (rb, fb) = factors(sa), factors(sb)
+    acc = jnp.zeros((xq.shape[0], wq.shape[0]), jnp.float32)
+    for kb in range(sa.shape[0]):
+        cols = slice(kb * 128, (kb + 1) * 128)
+        part = jnp.dot(xq[:, cols].astype(jnp.float32), wq[:, cols].astype(jnp.float32).T, precision="highest")
+        acc = acc * ra[kb][:, None] * rb[kb][None, :] + part
+    return acc * fa[0][:, None] * fb[0][None, :]
+
+
+def test_rescale_factors_reproduce_the_promoted_sum_and_bound_tiny_blocks():
+    """The rescale recurrence with rescale_factors equals the reference block GEMM (fp32, per-block promotion) on
+    random operands whose row scales span 2^-100..2^10 across K blocks (blocks of amax 1e-30 after blocks of amax
+    1), with no inf or NaN; without the floor the same recurrence overflows (the floor keeps it finite)."""
+    from pallas_kernels.fp8_gemm import rescale_factors
+
+    rng = np.random.default_rng(5)
+    m, k, n = 128, 128 * 6, 256
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32) * k ** -0.5
+    # rows whose later K blocks are 2^-100 of the first (amax 1e-30 after O(1)), and large blocks later
+    x[::3, 256:512] *= 2.0 ** -100
+    x[1::3, 640:] *= 2.0 ** -90
+    x[2::3, 128:256] *= 2.0 ** 10
+    w[128 * 3:128 * 4] *= 2.0 ** -100
+    xq, xs = quantize_blocks(jnp.asarray(x), (1, 128), E4)
+    wq, ws = quantize_blocks(jnp.asarray(w.T), (1, 128), E4)
+    sa, sb = xs.T, ws.T
+    ref = block_scaled_gemm_reference(xq, wq, sa, sb)
+    assert bool(jnp.all(jnp.isfinite(ref)))
+    got = _rescaled_sum(xq, wq, sa, sb, rescale_factors)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(ref))))
+
+    def unfloored(s):
+        return jnp.concatenate([jnp.ones_like(s[:1]), s[:-1] / s[1:]]), s[-1:]
+
+    assert not bool(jnp.all(jnp.isfinite(_rescaled_sum(xq, wq, sa, sb, unfloored))))
 
 
 def _on_sm90():
@@ -101,19 +147,40 @@ def test_kernel_matches_the_reference(m, k, n, block_n, w_rows, b_uniform, overl
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="the Mosaic GPU kernel needs an sm90 GPU (no interpreter on jax 0.10.2)")
-@pytest.mark.parametrize("m,k,n,w_rows,cluster_m,b_uniform,n_ctas", [
-    (512, 1024, 384, 128, True, True, None), (256, 384, 256, 1, True, False, None),
-    (384, 512, 256, 128, False, True, 4), (1024, 256, 640, 128, True, True, 6)])
-def test_persistent_kernel_matches_the_reference(m, k, n, w_rows, cluster_m, b_uniform, n_ctas):
+@pytest.mark.parametrize("m,k,n,w_rows,cluster_m,b_uniform,n_ctas,promotion,block_n", [
+    (512, 1024, 384, 128, True, True, None, "serial", 128), (256, 384, 256, 1, True, False, None, "serial", 128),
+    (384, 512, 256, 128, False, True, 4, "serial", 128), (1024, 256, 640, 128, True, True, 6, "serial", 128),
+    (512, 1024, 512, 128, True, True, None, "serial", 256),
+    (256, 640, 768, 1, True, False, 4, "serial", 256), (384, 384, 512, 128, False, True, 2, "serial", 256),
+    (512, 1024, 512, 128, True, True, None, "rescale", 256), (256, 1280, 768, 1, True, False, 4, "rescale", 256),
+    (384, 384, 256, 128, False, True, 2, "rescale", 128), (256, 640, 384, 1, False, False, None, "rescale", 128)])
+def test_persistent_kernel_matches_the_reference(m, k, n, w_rows, cluster_m, b_uniform, n_ctas, promotion,
+                                                 block_n):
     """block_scaled_gemm_persistent (clusters of two CTAs sharing b by TMA multicast, or one CTA; output tiles
-    looped over fewer CTAs than tiles) against the fp32 reference."""
+    looped over fewer CTAs than tiles; the promotion of each K block's product or the rescaled running sum;
+    128x128 and 1x128 b tiles; 128- and 256-wide tiles) against the fp32 reference."""
     from pallas_kernels.fp8_gemm import block_scaled_gemm_persistent
 
     _, _, xq, wq, sa, sb = _operands(m, k, n, seed=m + n + 1, w_tiles=(w_rows, 128))
     got = jax.jit(lambda *a: block_scaled_gemm_persistent(*a, cluster_m=cluster_m, b_uniform=b_uniform,
-                                                          n_ctas=n_ctas))(xq, wq, sa, sb)
+                                                          n_ctas=n_ctas, promotion=promotion, block_n=block_n))(
+        xq, wq, sa, sb)
     ref = block_scaled_gemm_reference(xq, wq, sa, sb)
     assert float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 1e-2
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="the Mosaic GPU kernel needs an sm90 GPU (no interpreter on jax 0.10.2)")
+def test_persistent_unscaled_ceiling_is_the_plain_fp8_product():
+    """promotion="unscaled" (the benchmark's ceiling, 128- and 256-wide tiles) ignores the scales: it is the plain
+    product of the FP8 operands, in fp32 accumulation."""
+    from pallas_kernels.fp8_gemm import block_scaled_gemm_persistent
+
+    _, _, xq, wq, sa, sb = _operands(512, 1024, 512, seed=3)
+    ref = block_scaled_gemm_reference(xq, wq, jnp.ones_like(sa), jnp.ones_like(sb))
+    for promotion, block_n in (("unscaled", 128), ("unscaled", 256)):
+        got = jax.jit(lambda *a: block_scaled_gemm_persistent(*a, b_uniform=True, promotion=promotion,
+                                                              block_n=block_n))(xq, wq, sa * 7.0, sb)
+        assert float(jnp.linalg.norm(got.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)) < 1e-2, promotion
 
 
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
@@ -164,6 +231,20 @@ def test_block_gemm_path_equals_the_reference_path(monkeypatch, fmt):
     with pytest.raises(ValueError, match="TE_JAX_FP8_BLOCK_GEMM='gpu' must be one of"):
         monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "gpu")
         Q.fp8_dot_general(x, w, dn, recipe)
+
+
+def test_block_promotion_follows_the_recipe_unless_the_environment_says(monkeypatch):
+    from te_jax.fp8 import block
+    from te_jax.fp8.recipe import Float8BlockScaling
+
+    monkeypatch.delenv(block.BLOCK_PROMOTION_ENV, raising=False)
+    assert block.block_promotion(Float8BlockScaling()) == "rescale"
+    assert block.block_promotion(Float8BlockScaling(use_split_accumulator=True)) == "serial"
+    monkeypatch.setenv(block.BLOCK_PROMOTION_ENV, "serial")
+    assert block.block_promotion(Float8BlockScaling()) == "serial"
+    monkeypatch.setenv(block.BLOCK_PROMOTION_ENV, "fast")
+    with pytest.raises(ValueError, match="TE_JAX_FP8_BLOCK_PROMOTION='fast' must be one of"):
+        block.block_promotion(Float8BlockScaling())
 
 
 def test_block_gemm_mode_auto_takes_the_kernel_only_where_hopper_runs(monkeypatch):
@@ -226,9 +307,11 @@ def test_block_cast_transpose_matches_quantize_blocks(tiles, dtype, in_dtype):
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="the Mosaic GPU kernel needs an sm90 GPU (no interpreter on jax 0.10.2)")
-def test_te_jax_block_gemm_path_on_the_gpu(monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_te_jax_block_gemm_path_on_the_gpu(monkeypatch, split):
     """TE_JAX_FP8_BLOCK_GEMM=pallas (the kernel, with the one-pass block casts) against =emulate (the same FP8
-    operands through the jnp reference GEMM): forward, dx and dw within bf16 rounding."""
+    operands through the jnp reference GEMM): forward, dx and dw within bf16 rounding, with either promotion
+    (use_split_accumulator False: "rescale", 256-wide tiles for dx's N 512 and 128-wide for N 384)."""
     from te_jax.fp8 import quantize as Q
     from te_jax.fp8.recipe import Float8BlockScaling
 
@@ -240,7 +323,7 @@ def test_te_jax_block_gemm_path_on_the_gpu(monkeypatch):
     outs = {}
     for mode in ("pallas", "emulate"):
         monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", mode)
-        f = lambda x, w: Q.fp8_dot_general(x, w, dn, Float8BlockScaling())
+        f = lambda x, w: Q.fp8_dot_general(x, w, dn, Float8BlockScaling(use_split_accumulator=split))
         outs[mode] = jax.jit(lambda x, w, g: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(f, x, w)))(x, w, g)
     for a, b in zip(outs["pallas"], outs["emulate"]):
         a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)

@@ -162,13 +162,17 @@ def _on_sm90():
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="the FP8 block GEMM kernel needs an sm90 GPU and jax >= 0.11")
-def test_fused_block_mlp_on_the_gpu(monkeypatch):
+@pytest.mark.parametrize("split", [True, False])
+def test_fused_block_mlp_on_the_gpu(monkeypatch, split):
     """On the GPU: the fused block MLP with the real kernels (GEMMs and cast kernels) against the same path with
-    the jnp reference GEMM (TE_JAX_FP8_BLOCK_GEMM=emulate): y, dx, dw1, dw2 within bf16 rounding."""
+    the jnp reference GEMM (TE_JAX_FP8_BLOCK_GEMM=emulate): y and dw2 within 1%. So are dx and dw1 with the
+    split accumulator; without it (the tensor cores' accumulation) they are within 2%: they come after dH is
+    re-quantized to E5M2 (2 mantissa bits), where the GEMM's last-bit differences move whole FP8 steps (1.04%
+    measured on the H100)."""
     from te_jax.fp8.block_mlp import fused_block_fp8_mlp
     from te_jax.fp8.recipe import Float8BlockScaling, Format
 
-    recipe = Float8BlockScaling(fp8_format=Format.HYBRID)
+    recipe = Float8BlockScaling(fp8_format=Format.HYBRID, use_split_accumulator=split)
     rng = np.random.default_rng(4)
     d, f, dout = 512, 768, 256
     x = jnp.asarray(rng.standard_normal((4, 128, d)), BF)
@@ -184,7 +188,7 @@ def test_fused_block_mlp_on_the_gpu(monkeypatch):
     rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
                              / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
     for name, a, b in zip(("y", "dx", "dw1", "dw2"), run("pallas"), run("emulate")):
-        assert rel(a, b) < 1e-2, (name, rel(a, b))
+        assert rel(a, b) < (2e-2 if name in ("dx", "dw1") and not split else 1e-2), (name, rel(a, b))
 
 
 def test_fused_block_mlp_under_scan_and_remat(monkeypatch):

@@ -168,14 +168,19 @@ def test_fp8_block_gemm_lowers_for_cuda(b_uniform, overlap, block_n):
     assert _lower(f, a, b, sa, sb) > 0
 
 
-@pytest.mark.parametrize("cluster_m,b_uniform", [(True, True), (True, False), (False, True)])
-def test_fp8_block_gemm_persistent_lowers_for_cuda(cluster_m, b_uniform):
+@pytest.mark.parametrize("cluster_m,b_uniform,promotion,block_n", [
+    (True, True, "serial", 128), (True, False, "serial", 128), (False, True, "serial", 128),
+    (False, True, "unscaled", 128), (True, True, "unscaled", 256), (True, True, "serial", 256),
+    (True, False, "serial", 256), (True, True, "rescale", 256), (True, False, "rescale", 256),
+    (False, True, "rescale", 128), (False, False, "rescale", 128)])
+def test_fp8_block_gemm_persistent_lowers_for_cuda(cluster_m, b_uniform, promotion, block_n):
     from pallas_kernels.fp8_gemm import block_scaled_gemm_persistent
 
     e4 = jnp.float8_e4m3fn
-    a, b = jax.ShapeDtypeStruct((512, 1024), e4), jax.ShapeDtypeStruct((384, 1024), e4)
-    sa, sb = jax.ShapeDtypeStruct((8, 512), jnp.float32), jax.ShapeDtypeStruct((8, 384), jnp.float32)
-    f = lambda *x: block_scaled_gemm_persistent(*x, cluster_m=cluster_m, b_uniform=b_uniform)
+    a, b = jax.ShapeDtypeStruct((512, 1024), e4), jax.ShapeDtypeStruct((512, 1024), e4)
+    sa, sb = jax.ShapeDtypeStruct((8, 512), jnp.float32), jax.ShapeDtypeStruct((8, 512), jnp.float32)
+    f = lambda *x: block_scaled_gemm_persistent(*x, cluster_m=cluster_m, b_uniform=b_uniform, promotion=promotion,
+                                                block_n=block_n)
     assert _lower(f, a, b, sa, sb) > 0
 
 

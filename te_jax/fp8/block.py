@@ -6,11 +6,15 @@
       "xla": quantize.py's reference (dequantize per block, GEMM in the compute dtype: FP8 numerics, not FP8
                 speed);
       "pallas": the Hopper kernel on a persistent grid (pallas_kernels.fp8_gemm.block_scaled_gemm_persistent:
-                pairs of CTAs share each weight tile by TMA multicast when M is a multiple of 256), sm90 only.
-                On the H100 the layer runs at 1.19x of bf16 with it, 0.80x with the reference
-                (benchmarks/results/fp8_layer_h100.md);
+                pairs of CTAs share each weight tile by TMA multicast when M is a multiple of 256), sm90 only
+                (speed: benchmarks/results/fp8_layer_h100.md, fp8_block_gemm_h100.md);
       "emulate": this module's layouts and scales with the kernel replaced by its jnp reference. The CPU tests
                  use it to check the plumbing against the "xla" path (same numerics).
+    block_promotion(recipe) -> "rescale" | "serial"   (env TE_JAX_FP8_BLOCK_PROMOTION overrides the recipe)
+      how the kernel sums the K blocks' products: "rescale" (recipe.use_split_accumulator False, the default): the
+      running sum stays in the tensor cores' accumulator, rescaled to each K block's scales, on 128 x 256 tiles
+      where N allows; "serial" (True): each block's product is promoted into fp32 registers (DeepSeek-V3's
+      promotion) on 128 x 128 tiles. pallas_kernels/fp8_gemm/persistent.py describes both.
     block_gemm_reason(x_shape, w_shape, n_contract) -> None or why the block GEMM path cannot take the operands.
     block_scaled_dot(x [..., K], w [K, N], recipe, out_dtype, mode) -> [..., N]   (custom VJP)
 
@@ -38,6 +42,8 @@ from te_jax.fp8.fused import fused_setting
 
 BLOCK_GEMM_ENV = "TE_JAX_FP8_BLOCK_GEMM"
 BLOCK_GEMM_MODES = ("auto", "xla", "pallas", "emulate")
+BLOCK_PROMOTION_ENV = "TE_JAX_FP8_BLOCK_PROMOTION"
+BLOCK_PROMOTIONS = ("recipe", "rescale", "serial")
 
 
 def block_gemm_mode() -> str:
@@ -48,6 +54,15 @@ def block_gemm_mode() -> str:
 
         mode = "pallas" if hopper_device_reason() is None else "xla"
     return mode
+
+
+def block_promotion(recipe) -> str:
+    """"rescale" or "serial" (module docstring): TE_JAX_FP8_BLOCK_PROMOTION when set to one of them, else from
+    recipe.use_split_accumulator."""
+    choice = policy.env_choice(BLOCK_PROMOTION_ENV, BLOCK_PROMOTIONS, "recipe")
+    if choice != "recipe":
+        return choice
+    return "serial" if recipe.use_split_accumulator else "rescale"
 
 
 def block_gemm_reason(x_shape, w_shape, n_contract: int) -> str | None:
@@ -64,13 +79,21 @@ def block_gemm_reason(x_shape, w_shape, n_contract: int) -> str | None:
     return policy.pallas_replicated_reason(axes) if axes else None
 
 
-def block_gemm(mode, out_dtype, b_is_weight: bool):
+def block_gemm(mode, out_dtype, b_is_weight: bool, promotion: str = "rescale"):
     """The block GEMM of `mode`, a function (a [M, K], b [N, K], a_scales [K/128, M], b_scales [K/128, N]) ->
-    [M, N] out_dtype; b_is_weight: b is in 128x128 tiles (one scale per K block and 128 rows)."""
+    [M, N] out_dtype; b_is_weight: b is in 128x128 tiles (one scale per K block and 128 rows); promotion: what
+    block_promotion returns ("rescale" tiles are 256 columns wide where N is a multiple of 256)."""
     if mode == "emulate":
         return lambda a, b, sa, sb: block_scaled_gemm_reference(a, b, sa, sb, out_dtype)
-    return lambda a, b, sa, sb: block_scaled_gemm_persistent(a, b, sa, sb, out_dtype=out_dtype, b_uniform=b_is_weight,
-                                                             cluster_m=a.shape[0] % (2 * BLOCK_K) == 0)
+
+    def gemm(a, b, sa, sb):
+        wide = promotion == "rescale" and b.shape[0] % (2 * BLOCK_K) == 0
+        return block_scaled_gemm_persistent(a, b, sa, sb, out_dtype=out_dtype, b_uniform=b_is_weight,
+                                            cluster_m=a.shape[0] % (2 * BLOCK_K) == 0, promotion=promotion,
+                                            block_n=2 * BLOCK_K if wide else BLOCK_K,
+                                            stages=3 if wide else 4)
+
+    return gemm
 
 
 def block_cast(a, dtype, tiles: str, fused: bool, write: str = "both"):
@@ -96,24 +119,24 @@ def block_casts_fused() -> bool:
     return setting == "1" or (setting == "auto" and jax.default_backend() == "gpu")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
-    return _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion):
+    return _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion)[0]
 
 
-def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused):
+def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion):
     xq, xs, xqt, xts = block_cast(x2, fwd_dtype, "rows", fused)
     _, _, wqt, wts = block_cast(w2, fwd_dtype, "square", fused, write="qt")
     # saved: x's transposed copy for the wgrad (FP8); the weight is re-cast in the backward
-    return block_gemm(mode, out_dtype, True)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
+    return block_gemm(mode, out_dtype, True, promotion)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
 
 
-def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, fused, res, g):
+def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion, res, g):
     xqt, xts, w2, x_dtype_carrier = res
     gq, gs, gqt, gts = block_cast(g, bwd_dtype, "rows", fused)
     wq, ws, _, _ = block_cast(w2, fwd_dtype, "square", fused, write="q")
-    dx = block_gemm(mode, x_dtype_carrier.dtype, True)(gq, wq, gs, ws)
-    dw = block_gemm(mode, w2.dtype, False)(xqt, gqt, xts, gts)
+    dx = block_gemm(mode, x_dtype_carrier.dtype, True, promotion)(gq, wq, gs, ws)
+    dw = block_gemm(mode, w2.dtype, False, promotion)(xqt, gqt, xts, gts)
     return dx, dw
 
 
@@ -126,9 +149,10 @@ def block_scaled_dot(x, w, n_contract: int, recipe, out_dtype, mode: str):
     fmt = recipe.fp8_format
     k = math.prod(x.shape[x.ndim - n_contract:])
     y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode,
-             block_casts_fused())
+             block_casts_fused(), block_promotion(recipe))
     return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:])
 
 
-__all__ = ["BLOCK_GEMM_ENV", "BLOCK_GEMM_MODES", "block_cast", "block_casts_fused", "block_gemm", "block_gemm_mode",
-           "block_gemm_reason", "block_scaled_dot"]
+__all__ = ["BLOCK_GEMM_ENV", "BLOCK_GEMM_MODES", "BLOCK_PROMOTION_ENV", "BLOCK_PROMOTIONS", "block_cast",
+           "block_casts_fused", "block_gemm", "block_gemm_mode", "block_gemm_reason", "block_promotion",
+           "block_scaled_dot"]

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8_cast.common import act_fn, dact
 from pallas_kernels.fp8_gemm import act_block_cast, dact_block_cast_transpose
-from te_jax.fp8.block import block_cast, block_casts_fused, block_gemm, block_gemm_mode, block_gemm_reason
+from te_jax.fp8.block import (block_cast, block_casts_fused, block_gemm, block_gemm_mode, block_gemm_reason,
+                              block_promotion)
 from te_jax.fp8.recipe import Float8BlockScaling
 
 
@@ -76,29 +77,31 @@ def _mlp(x, w1, w2, activation, gated, recipe, mode, fused):
 def _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused):
     """x [M, D] dt, w1 [D, n, F], w2 [F, Dout] -> y [M, Dout] dt."""
     dt, fdt = x.dtype, recipe.fp8_format.fwd_dtype
+    promotion = block_promotion(recipe)
     d, n, f = w1.shape
     w1f = w1.reshape(d, n * f).astype(dt)
     xq, xs, xqt, xts = block_cast(x, fdt, "rows", fused)
     _, _, w1qt, w1ts = block_cast(w1f, fdt, "square", fused, write="qt")
-    gu = block_gemm(mode, dt, True)(xq, w1qt, xs, w1ts)                     # [M, n*F]   wi fprop
+    gu = block_gemm(mode, dt, True, promotion)(xq, w1qt, xs, w1ts)               # [M, n*F]   wi fprop
     aq, a_s, aqt, ats = _act(gu.reshape(-1, n, f), dt, activation, gated, fdt, fused)
     _, _, w2qt, w2ts = block_cast(w2.astype(dt), fdt, "square", fused, write="qt")
-    y = block_gemm(mode, dt, True)(aq, w2qt, a_s, w2ts)                     # [M, Dout]  wo fprop
+    y = block_gemm(mode, dt, True, promotion)(aq, w2qt, a_s, w2ts)               # [M, Dout]  wo fprop
     return y, (xqt, xts, w1, w2, aqt, ats, gu)
 
 
 def _mlp_bwd(activation, gated, recipe, mode, fused, res, dy):
     xqt, xts, w1, w2, aqt, ats, gu = res
     dt, fdt, bdt = gu.dtype, recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
+    promotion = block_promotion(recipe)
     d, n, f = w1.shape
     gq, gs, gqt, gts = block_cast(dy.astype(dt), bdt, "rows", fused)
     w2q, w2s, _, _ = block_cast(w2.astype(dt), fdt, "square", fused, write="q")  # re-cast: no FP8 weight kept
-    dh = block_gemm(mode, dt, True)(gq, w2q, gs, w2s)                       # [M, F]     wo dgrad
-    dw2 = block_gemm(mode, dt, False)(aqt, gqt, ats, gts)                   # [F, Dout]  wo wgrad
+    dh = block_gemm(mode, dt, True, promotion)(gq, w2q, gs, w2s)                 # [M, F]     wo dgrad
+    dw2 = block_gemm(mode, dt, False, promotion)(aqt, gqt, ats, gts)             # [F, Dout]  wo wgrad
     dguq, dgus, dguqt, dguts = _dact(dh, gu.reshape(-1, n, f), dt, activation, gated, bdt, fused)
     w1q, w1s, _, _ = block_cast(w1.reshape(d, n * f).astype(dt), fdt, "square", fused, write="q")
-    dx = block_gemm(mode, dt, True)(dguq, w1q, dgus, w1s)                   # [M, D]     wi dgrad
-    dw1 = block_gemm(mode, dt, False)(xqt, dguqt, xts, dguts)               # [D, n*F]   wi wgrad
+    dx = block_gemm(mode, dt, True, promotion)(dguq, w1q, dgus, w1s)             # [M, D]     wi dgrad
+    dw1 = block_gemm(mode, dt, False, promotion)(xqt, dguqt, xts, dguts)         # [D, n*F]   wi wgrad
     return dx, dw1.reshape(w1.shape).astype(w1.dtype), dw2.astype(w2.dtype)
 
 
