@@ -68,14 +68,19 @@ def check_operands(where: str, a, b, a_scales, b_scales, block_n: int, rows_mult
     return m, n, nk
 
 
-def promoted(acc, part, s, uniform: bool):
-    """acc + this K block's product `part` [64, n] scaled: s = the row factors [64] (a's row scales times b's one
-    scalar: uniform b) or (a's row scales [64], b's column scales [n])."""
-    shape = part.shape
+def scaled(x, s, uniform: bool):
+    """x [64, n] times factors s: the row factors [64] (a's row factors times b's one scalar: uniform b) or
+    (a's row factors [64], b's column factors [n])."""
+    shape = x.shape
     if uniform:
-        return acc + part * lax.broadcast_in_dim(s, shape, [0])
+        return x * lax.broadcast_in_dim(s, shape, [0])
     sa, sb = s
-    return acc + (part * lax.broadcast_in_dim(sa, shape, [0])) * lax.broadcast_in_dim(sb, shape, [1])
+    return (x * lax.broadcast_in_dim(sa, shape, [0])) * lax.broadcast_in_dim(sb, shape, [1])
+
+
+def promoted(acc, part, s, uniform: bool):
+    """acc + this K block's product `part` [64, n] scaled by its scales s (as `scaled` takes them)."""
+    return acc + scaled(part, s, uniform)
 
 
 SMEM_BYTES = 227 * 1024 - 1024  # sm90's shared memory per CTA, less room for the barriers

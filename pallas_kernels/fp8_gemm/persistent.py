@@ -48,7 +48,7 @@ from jax import lax
 from .._compat import mosaic_gpu, pl
 from .._lower_once import lower_once
 from ..flash_attention_hopper.common import num_sms, smem_transforms
-from .kernel import BLOCK_M, check_operands, max_stages, promoted
+from .kernel import BLOCK_M, check_operands, max_stages, promoted, scaled
 from .reference import BLOCK_K
 from .rescale import rescale_factors
 
@@ -75,7 +75,7 @@ def block_scaled_gemm_persistent(a, b, a_scales, b_scales, *, out_dtype=jnp.bflo
     bn = block_n
     stages = max(1, min(stages, nk, max_stages(bn, out_dtype)))
     halves = bn // BLOCK_K
-    uniform = b_uniform  # one scalar per K block and 128 columns of b
+    rescale = promotion == "rescale"
     m_iters, n_iters = m // (BLOCK_M * cluster), n // bn
     grid_ctas = (n_ctas or num_sms()) // cluster
     rows, cols = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -107,8 +107,10 @@ def block_scaled_gemm_persistent(a, b, a_scales, b_scales, *, out_dtype=jnp.bflo
         @functools.partial(pl.run_scoped,
                            allocs=get_pipeline(ignore, ignore).get_allocations(a_ref, b_ref, sa_ref, sb_ref),
                            out_smem=plgpu.SMEM((2, 64, bn), out_dtype, transforms=tr_o),
-                           f_smem=(plgpu.SMEM((2, 64), jnp.float32), plgpu.SMEM((2, bn), jnp.float32)),
-                           f_bars=(plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)),
+                           # "rescale": each warpgroup's epilogue factors (a's 64 rows, b's bn columns)
+                           f_smem=(plgpu.SMEM((2, 64), jnp.float32), plgpu.SMEM((2, bn), jnp.float32)) if rescale
+                           else (),
+                           f_bars=(plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)) if rescale else (),
                            collective_axes="wg")
         def _scope(allocs, out_smem, f_smem, f_bars):
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
@@ -129,27 +131,21 @@ def block_scaled_gemm_persistent(a, b, a_scales, b_scales, *, out_dtype=jnp.bflo
                 def zeros(shape, layout):
                     return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), layout)
 
-                def scales(sa_blk, sb_blk, h=0):
-                    """This K block's scales for columns [128 h, 128 h + 128): the row factors [64] (uniform b) or
-                    (a rows [64], b columns [128])."""
-                    sa = plgpu.load(sa_blk.at[0, pl.ds(wg * 64, 64)], layout=rows)
-                    if uniform:
-                        return sa * sb_blk[0, h * BLOCK_K]
-                    return sa, plgpu.load(sb_blk.at[0, pl.ds(h * BLOCK_K, BLOCK_K)], layout=cols)
+                def factors(ra, rb, h):
+                    """The factors of columns [128 h, 128 h + 128), as kernel.scaled takes them: a's row factors
+                    ra [64] (loaded) and b's from the [1, bn] ref rb (a scalar per 128 columns when b_uniform)."""
+                    if b_uniform:
+                        return ra * rb[0, h * BLOCK_K]
+                    return ra, plgpu.load(rb.at[0, pl.ds(h * BLOCK_K, BLOCK_K)], layout=cols)
 
-                def times(acc, ra, rb, h):
-                    """acc [64, 128] (the columns [128 h, 128 h + 128)) times row factors ra [64] and b's factors
-                    rb: a [1, bn] ref (a scalar per 128 columns when uniform, else per column)."""
-                    if uniform:
-                        return acc * lax.broadcast_in_dim(ra * rb[0, h * BLOCK_K], acc.shape, [0])
-                    rbh = plgpu.load(rb.at[0, pl.ds(h * BLOCK_K, BLOCK_K)], layout=cols)
-                    return (acc * lax.broadcast_in_dim(ra, acc.shape, [0])) * lax.broadcast_in_dim(rbh, acc.shape, [1])
+                def row_factors(ref):
+                    return plgpu.load(ref.at[0, pl.ds(wg * 64, 64)], layout=rows)
 
                 def a_and_b(a_blk, b_blk, h=None):
                     b_cols = b_blk if h is None else b_blk.at[pl.ds(h * BLOCK_K, BLOCK_K)]
                     return a_blk.at[pl.ds(wg * 64, 64)], b_cols.transpose((1, 0))
 
-                if promotion == "rescale":
+                if rescale:
                     def context(run_pipeline):
                         # the epilogue's factors, fetched into this warpgroup's slots while the K loop runs (the
                         # previous tile's epilogue read them before its store's commit_smem)
@@ -161,17 +157,17 @@ def block_scaled_gemm_persistent(a, b, a_scales, b_scales, *, out_dtype=jnp.bflo
                             plgpu.barrier_wait(bar.at[wg])
                         fa = plgpu.load(f_smem[0].at[wg], layout=rows)
                         fb = f_smem[1].at[pl.ds(wg, 1)]
-                        store([times(acc, fa, fb, h) for h, acc in enumerate(accs)])
+                        store([scaled(acc, factors(fa, fb, h), b_uniform) for h, acc in enumerate(accs)])
 
                     def step(_, a_blk, b_blk, ra_blk, rb_blk, accs):
-                        ra = plgpu.load(ra_blk.at[0, pl.ds(wg * 64, 64)], layout=rows)
-                        scaled = tuple(times(acc, ra, rb_blk, h) for h, acc in enumerate(accs))
+                        ra = row_factors(ra_blk)
+                        accs = tuple(scaled(acc, factors(ra, rb_blk, h), b_uniform) for h, acc in enumerate(accs))
 
                         def mma(refs):
                             for h, ref in enumerate(refs):
                                 plgpu.wgmma(ref, *a_and_b(a_blk, b_blk, h if halves > 1 else None))
 
-                        return pl.run_state(mma)(tuple(plgpu.ACC.init(x) for x in scaled))
+                        return pl.run_state(mma)(tuple(plgpu.ACC.init(acc) for acc in accs))
                 elif promotion == "unscaled":
                     def context(run_pipeline):
                         def with_acc(acc_ref):
@@ -189,14 +185,14 @@ def block_scaled_gemm_persistent(a, b, a_scales, b_scales, *, out_dtype=jnp.bflo
                         store(run_pipeline(tuple(zeros((64, BLOCK_K), plgpu.Layout.WGMMA) for _ in range(halves))))
 
                     def step(_, a_blk, b_blk, sa_blk, sb_blk, accs):
-                        out = []
+                        sa, out = row_factors(sa_blk), []
                         for h, acc in enumerate(accs):
                             def mma(acc_ref, h=h):
                                 plgpu.wgmma(acc_ref, *a_and_b(a_blk, b_blk, h if halves > 1 else None))
                                 return acc_ref[...]
 
                             part = pl.run_scoped(mma, plgpu.ACC((64, BLOCK_K), jnp.float32))
-                            out.append(promoted(acc, part, scales(sa_blk, sb_blk, h), uniform))
+                            out.append(promoted(acc, part, factors(sa, sb_blk, h), b_uniform))
                         return tuple(out)
 
                 get_pipeline(step, context)(a_ref.at[m_rows, :], b_ref.at[n_cols, :], sa_ref.at[:, m_rows],
@@ -211,6 +207,6 @@ def block_scaled_gemm_persistent(a, b, a_scales, b_scales, *, out_dtype=jnp.bflo
         num_threads=3, thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
     sa, sb = a_scales.astype(jnp.float32), b_scales.astype(jnp.float32)
     fa, fb = sa[-1:], sb[-1:]  # unused but by "rescale"
-    if promotion == "rescale":
+    if rescale:
         (sa, fa), (sb, fb) = rescale_factors(sa), rescale_factors(sb)
     return kernel(a, b, sa, sb, fa, fb)

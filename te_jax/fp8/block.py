@@ -90,8 +90,7 @@ def block_gemm(mode, out_dtype, b_is_weight: bool, promotion: str = "rescale"):
         wide = promotion == "rescale" and b.shape[0] % (2 * BLOCK_K) == 0
         return block_scaled_gemm_persistent(a, b, sa, sb, out_dtype=out_dtype, b_uniform=b_is_weight,
                                             cluster_m=a.shape[0] % (2 * BLOCK_K) == 0, promotion=promotion,
-                                            block_n=2 * BLOCK_K if wide else BLOCK_K,
-                                            stages=3 if wide else 4)
+                                            block_n=2 * BLOCK_K if wide else BLOCK_K)  # stages: what fits
 
     return gemm
 
