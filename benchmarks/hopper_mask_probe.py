@@ -217,11 +217,13 @@ def band_ab(rounds: int, device: bool = False, configs: str = ""):
                       f"(us: {top})", flush=True)
 
 
-def band_fwd_ab(rounds: int, configs: str = ""):
+def band_fwd_ab(rounds: int, configs: str = "", only: str = ""):
     """The forward of one-segment masks with token-index positions as a user's call runs it: the data-mask forward
     with its pre-pass (the forward's tables built in the call; windows on the persistent grid) against the band
-    kernel (flash_fwd(band=): no pre-pass, no tables); interleaved rounds."""
-    masks = band_cases()
+    kernel (flash_fwd(band=): no pre-pass, no tables); interleaved rounds.  only: comma-separated prefixes of the
+    masks' names (band_cases) to run."""
+    masks = {n: c for n, c in (band_cases() | more_windows()).items()
+             if not only or any(n.startswith(o.strip()) for o in only.split(","))}
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; forward, pre-pass included; "
           f"{rounds} interleaved rounds, medians")
     for name, (m, offset) in masks.items():
@@ -396,6 +398,12 @@ def band_cases():
     }
 
 
+def more_windows():
+    """Further windows for --band-fwd-ab --masks (walks of 3 to 9 key blocks per query tile)."""
+    return {f"window ({w}, {w})": (AttentionMask.full(B, S, S, window=(w, w)), 0) for w in (128, 512)} | {
+        "window (512, 0) causal": (AttentionMask.full(B, S, S, causal=True, window=(512, 0)), 0)}
+
+
 def aligned_ab(rounds: int, device: bool = False):
     """hopper_attention(mask=..., mask_aligned=False / True) as a user calls it (pre-pass and output gather
     included): forward, and forward+backward (the backward is the same kernels), interleaved rounds."""
@@ -477,6 +485,7 @@ if __name__ == "__main__":
                     "pre-pass against the band forward (grid and persistent)")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--masks", default="", help="--band-fwd-ab: prefixes of the masks to run, e.g. \"window\"")
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab, --band-ab: the device clock's "
                     "kernels too (run with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each kernel is seen)")
     a = ap.parse_args()
@@ -485,7 +494,7 @@ if __name__ == "__main__":
     elif a.band_ab:
         band_ab(a.rounds, a.device_time, a.configs)
     elif a.band_fwd_ab:
-        band_fwd_ab(a.rounds, a.configs)
+        band_fwd_ab(a.rounds, a.configs, a.masks)
     elif a.band_fwd_scaling:
         band_fwd_scaling(a.rounds)
     elif a.kernel_trace:

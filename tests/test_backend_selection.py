@@ -377,12 +377,18 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
                                                                       fwd_persistent_band=True))
     assert "dK/dV on a persistent grid (bwd_persistent_band)" in persistent.detail, persistent.detail
     assert "forward on a persistent grid (fwd_persistent_band)" in persistent.detail, persistent.detail
-    # auto: a band of 1024 keys or more runs its forward on the persistent grid, a narrower one on the grid kernel
+    # auto: a causal band of 512 keys or more runs its forward on the persistent grid (its warpgroups on the named
+    # barrier from 1024 keys), a narrower one on the grid kernel; a two-sided window of at most 513 keys too
     wide = te_jax.explain_attention_backend(q, k, v, backend="pallas", attn_mask_type="causal", window_size=(1023, 0))
+    mid = te_jax.explain_attention_backend(q, k, v, backend="pallas", attn_mask_type="causal", window_size=(511, 0))
     narrow = te_jax.explain_attention_backend(q, k, v, backend="pallas", attn_mask_type="causal",
                                               window_size=(255, 0))
     assert "forward on a persistent grid" in wide.detail and "forward on a persistent grid" not in narrow.detail, (
         wide.detail, narrow.detail)
+    assert "through mbarriers" not in wide.detail and "through mbarriers (a narrow band)" in mid.detail, mid.detail
+    two_sided = te_jax.explain_attention_backend(q, k, v, backend="pallas", window_size=(256, 256))
+    assert "forward on a persistent grid (fwd_persistent_band), its warpgroups taking turns through mbarriers" in (
+        two_sided.detail), two_sided.detail
     assert "heaviest first" in narrow.detail and "heaviest first" in br.detail, (narrow.detail, br.detail)
     tq, tk, tv = _qkv(b=1, sq=1024, skv=1024, d=128, fmt="thd")
     docs = jnp.array([300, 1, 723], jnp.int32)

@@ -352,17 +352,25 @@ def test_masked_backward_and_persistent_band_choices():
     assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16)  # no band given
     assert persistent_band_fwd_chosen(on, 128, 128, jnp.bfloat16)
     assert not persistent_band_fwd_chosen(on, 192, 128, jnp.bfloat16)
-    # auto: causal sliding windows of PERSISTENT_FWD_MIN_BAND keys or more, head_dim 128; the grid kernel for
-    # symmetric windows, unbounded bands (causal as data, bottom-right) and narrow windows
-    from pallas_kernels.flash_attention_hopper.band import PERSISTENT_FWD_MIN_BAND
-    w1024, w256 = (0, -PERSISTENT_FWD_MIN_BAND + 1, 0), (0, -256, 256)
-    assert persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, w1024)
+    # auto: causal sliding windows of PERSISTENT_FWD_MIN_BAND keys or more and two-sided windows of at most
+    # PERSISTENT_FWD_MAX_TWO_SIDED, head_dim 128; the grid kernel for wide two-sided windows, unbounded bands (causal
+    # as data, bottom-right) and narrow causal windows
+    from pallas_kernels.flash_attention_hopper.band import (NAMED_RENDEZVOUS_MIN_BAND, PERSISTENT_FWD_MAX_TWO_SIDED,
+                                                            PERSISTENT_FWD_MIN_BAND, named_rendezvous)
+    w_causal, w256 = (0, -PERSISTENT_FWD_MIN_BAND + 1, 0), (0, -256, 256)
+    assert persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, w_causal)
     assert persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -2047, -5))
-    assert not persistent_band_fwd_chosen(cfg, 64, 64, jnp.bfloat16, w1024)  # measured at head_dim 128 only
-    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -1022, 0))  # 1023 keys
-    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -1024, 1024))  # symmetric
+    assert not persistent_band_fwd_chosen(cfg, 64, 64, jnp.bfloat16, w_causal)  # measured at head_dim 128 only
+    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -PERSISTENT_FWD_MIN_BAND + 2, 0))
+    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -1024, 1024))  # wide two-sided
     assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, open_)  # unbounded
-    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, w256)
+    assert PERSISTENT_FWD_MAX_TWO_SIDED == 513  # window (256, 256), the issue's row
+    assert persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, w256)
+    assert persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -64, 64))
+    assert not persistent_band_fwd_chosen(cfg, 128, 128, jnp.bfloat16, (0, -256, 257))
+    # the warpgroups' rendezvous: the named barrier over wide or unbounded bands, mbarriers over narrow ones
+    assert named_rendezvous((0, -NAMED_RENDEZVOUS_MIN_BAND + 1, 0)) and named_rendezvous(open_)
+    assert not named_rendezvous(w256) and not named_rendezvous((0, -NAMED_RENDEZVOUS_MIN_BAND + 2, 0))
     assert not persistent_band_fwd_chosen(cfg, 256, 256, jnp.bfloat16, (0, -2047, 0))
     assert not persistent_band_fwd_chosen(dataclasses.replace(cfg, fwd_persistent_band=False), 128, 128,
                                           jnp.bfloat16, open_)
@@ -999,18 +1007,19 @@ def test_band_backward_on_awkward_bands(case):
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("case", [1, 2, 4, 5, 7])
-@pytest.mark.parametrize("ctas", [3, None])
-def test_persistent_band_kernels(case, ctas):
+@pytest.mark.parametrize("ctas,named", [(3, None), (None, None), (3, True)])
+def test_persistent_band_kernels(case, ctas, named):
     """HopperConfig.fwd_persistent_band and bwd_persistent_band: the band's forward and dK/dV kernels on persistent
     grids (3 CTAs: several tiles each, the next tile's Q or K/V loading during this one and one ring running across
     tiles; None: one CTA per SM) on bands of _band_cases (a window, a two-sided window, bottom-right with a left
     window, one-sided with q longer than kv, the diagonal alone) against the fp32 reference: out from the forward,
-    dk and dv from the dK/dV kernel."""
+    dk and dv from the dK/dV kernel.  named: the forward's warpgroups take turns through the named barrier (True) or
+    as auto says (None: mbarriers on these narrow bands, band.named_rendezvous)."""
     from pallas_kernels.flash_attention_hopper.config import default_config
 
     causal, window, sq, skv, br = _band_cases()[case]
     cfg = dataclasses.replace(default_config(128, skv, False, sq), bwd_persistent_band=True, bwd_dq_atomic=False,
-                              bwd_ctas=ctas, fwd_persistent_band=True, fwd_ctas=ctas)
+                              bwd_ctas=ctas, fwd_persistent_band=True, fwd_ctas=ctas, fwd_named_barrier=named)
     _check_band(case, config=cfg)
 
 

@@ -101,14 +101,22 @@ def band_mask(x, key_minus_query, c, band, fill=0.0):
 ATOMIC_DQ_MIN_BAND = 2048
 
 
-#: The narrowest causal sliding window (keys per query; the band's right edge at or left of the diagonal) whose
-#: forward runs on the persistent band kernel where the config leaves it to auto (HopperConfig.fwd_persistent_band
-#: None).  H100, hd128, B4 x 4k x 16 heads (hopper_mask_probe --band-fwd-ab / --band-fwd-scaling,
-#: attention_masks_h100.md, 2026-11-27): against the grid band kernel with its tiles heaviest first, the persistent
-#: kernel read 1.07x on window (1024, 0) (1.10-1.11x against the grid in order, three runs), a tie on causal given as
-#: data (0.99x) and on bottom-right (0.98x), and 0.86-0.89x on symmetric windows (W, W) of every width from 64 to
-#: 2048 (its cost per tile and per step fitted 6.6 and 1.6 SM-us against the grid kernel's 5.1 and 1.5).
-PERSISTENT_FWD_MIN_BAND = 1024
+#: Which bands' forward runs on the persistent band kernel where the config leaves it to auto
+#: (HopperConfig.fwd_persistent_band None): causal sliding windows (the band's right edge at or left of the diagonal)
+#: of at least PERSISTENT_FWD_MIN_BAND keys per query, and two-sided windows of at most PERSISTENT_FWD_MAX_TWO_SIDED.
+#: Its two warpgroups meet on the hardware named barrier for bands of NAMED_RENDEZVOUS_MIN_BAND keys or more, on
+#: mbarriers below (HopperConfig.fwd_named_barrier None).  H100, hd128, B4 x 4k x 16 heads, the forward as a call
+#: runs it (hopper_mask_probe --band-fwd-ab, attention_masks_h100.md, fifteenth session), us per call, against the
+#: grid band kernel (tiles heaviest first):
+#:   window (1024, 0): persistent 273 (named) / 285 (mbarriers), grid 298;  (512, 0): 185 / 187, grid 207;
+#:   window (128, 128): persistent 187 (named) / 150 (mbarriers), grid 160;  (256, 256): 238 / 201, grid 206;
+#:   window (512, 512): 364 / 331, grid 314;  bottom-right 2k x 8k: 869 / 873, grid 867;  causal as data: 536 / 529,
+#:   grid 520.
+#: Over walks of a few key blocks the named-barrier rendezvous costs the persistent kernel 15-20% (its steps 24%
+#: slower than the grid kernel's in --kernel-trace); over long walks it gains 2-4%.
+PERSISTENT_FWD_MIN_BAND = 512
+PERSISTENT_FWD_MAX_TWO_SIDED = 513
+NAMED_RENDEZVOUS_MIN_BAND = 1024
 
 
 def band_keys(band) -> int | None:
@@ -125,9 +133,19 @@ def band_is_wide(band) -> bool:
 
 def persistent_forward_band(band) -> bool:
     """Whether auto runs the band's forward on the persistent kernel: a causal sliding window (bounded, its right
-    edge at or left of the diagonal: hi <= 0) of at least PERSISTENT_FWD_MIN_BAND keys per query."""
+    edge at or left of the diagonal: hi <= 0) of at least PERSISTENT_FWD_MIN_BAND keys per query, or a two-sided
+    window (hi > 0) of at most PERSISTENT_FWD_MAX_TWO_SIDED."""
     keys = band_keys(band)
-    return keys is not None and band[2] <= 0 and keys >= PERSISTENT_FWD_MIN_BAND
+    if keys is None:
+        return False
+    return keys >= PERSISTENT_FWD_MIN_BAND if band[2] <= 0 else keys <= PERSISTENT_FWD_MAX_TWO_SIDED
+
+
+def named_rendezvous(band) -> bool:
+    """Whether the persistent band forward's warpgroups meet on the hardware named barrier where the config leaves
+    it to auto: bands of at least NAMED_RENDEZVOUS_MIN_BAND keys per query, or unbounded; mbarriers below."""
+    keys = band_keys(band)
+    return keys is None or keys >= NAMED_RENDEZVOUS_MIN_BAND
 
 
 def band_big(band, *lengths) -> int:

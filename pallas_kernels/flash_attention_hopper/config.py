@@ -92,7 +92,8 @@ class HopperConfig:
     bwd_ctas: int | None = None  # the SM count PieceSplit plans for; None: the device's
     bwd_pieces: int | None = None  # pieces per cut key tile; None: PieceSplit's choice (1: the piece grid, no cuts)
     # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
-    # instead of an mbarrier arrive + wait.  None (auto): on the GPU; the interpreter always
+    # instead of an mbarrier arrive + wait.  None (auto): on the GPU, but for the persistent band forward over
+    # bands narrower than band.NAMED_RENDEZVOUS_MIN_BAND keys (band.named_rendezvous); the interpreter always
     # uses the mbarrier.
     fwd_named_barrier: bool | None = None
     # The forward's K/V ring slots handed back to the producer through hardware named barriers (consumers
@@ -120,8 +121,9 @@ class HopperConfig:
     bwd_persistent_band: bool | None = None
     # A band's forward (where every query sees a key, D == Dv) on a persistent grid (forward_band_persistent: the
     # persistent data-mask forward's schedule with the band's walk, no pre-pass, no marks) instead of the grid band
-    # kernel.  None (auto): for causal sliding windows of at least band.PERSISTENT_FWD_MIN_BAND keys per query at
-    # head_dim 128 (1.07x the grid kernel on the H100; other head dims are unmeasured); other bands stay on the grid.
+    # kernel.  None (auto): at head_dim 128 (other head dims are unmeasured) for causal sliding windows of at least
+    # band.PERSISTENT_FWD_MIN_BAND keys per query and two-sided windows of at most band.PERSISTENT_FWD_MAX_TWO_SIDED
+    # (1.03-1.11x the grid kernel on the H100); other bands stay on the grid.
     fwd_persistent_band: bool | None = None
     # The grid band forward launches its query tiles heaviest first where the band's walks grow toward the end of
     # the queries (band.heavier_tiles_last: bottom-right, windows (W, 0), causal given as data), as the causal kernel
@@ -581,8 +583,8 @@ def persistent_band_bwd_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int
 
 def persistent_band_fwd_chosen(cfg: HopperConfig, head_dim: int, head_dim_v: int, dtype, band=None) -> bool:
     """Whether a band's forward runs on the persistent kernel (HopperConfig.fwd_persistent_band: forced, or auto for
-    causal sliding windows of at least band.PERSISTENT_FWD_MIN_BAND keys per query at head_dim 128, the one
-    measured, band.persistent_forward_band): D == Dv and two Q/O buffers per warpgroup fit beside the K/V ring
+    wide causal sliding windows and narrow two-sided ones at head_dim 128, the one measured,
+    band.persistent_forward_band): D == Dv and two Q/O buffers per warpgroup fit beside the K/V ring
     (persistent_fits).  The caller also needs every query to see a key (band.every_query_sees_a_key)."""
     from .band import persistent_forward_band
 

@@ -5,7 +5,10 @@ Same arguments and outputs as forward.flash_fwd(band=...)'s grid kernel, for ban
 It is forward_masked_persistent's schedule (tiles dealt by snake_tile, one K/V ring across tiles, Q double-buffered
 and prefetched during the tile's second step, O stores not waited for) with the band's walk in place of the
 tables: each tile's K/V blocks come from band.key_blocks, the edge blocks masked from iotas; no pre-pass, no marks.
-HopperConfig.fwd_persistent_band (opt-in) chooses it; written without a GPU run (lowered for CUDA in CI).
+HopperConfig.fwd_persistent_band chooses it (auto: band.persistent_forward_band, wide causal windows and narrow
+two-sided ones); its two warpgroups take turns through the hardware named barrier over wide bands and through
+mbarriers over narrow ones (band.named_rendezvous).  Checked on an H100 (tests/test_flash_attention_hopper.py;
+speed: benchmarks/results/attention_masks_h100.md).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
-from .band import band_mask, key_blocks, walk_band
+from .band import band_mask, key_blocks, named_rendezvous, walk_band
 from .common import num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
 from .config import HopperConfig, logit_units, ring_choices
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
@@ -31,7 +34,7 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
     if v.shape[-1] != D:
         raise ValueError(f"the persistent band forward needs v's head_dim {v.shape[-1]} == q/k's {D}")
     c, pre = logit_units(scale, softcap)
-    named = cfg.fwd_named_barrier is not False and not interpret
+    named = not interpret and (named_rendezvous(band) if cfg.fwd_named_barrier is None else cfg.fwd_named_barrier)
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     n_tiles = B * H * n_qt
     n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
