@@ -19,6 +19,8 @@ data-mask forward with its pre-pass against the band forward (no pre-pass), on i
 (HopperConfig.fwd_persistent_band).  --band-fwd-scaling: the band forward's cost per query tile and per key-block
 step, fitted from windows (W, W) of six widths, grid and persistent kernels (device clock).  --kernel-trace DIR:
 the same kernels' phases per tile (Q wait, first K wait, steps, epilogue) from Mosaic GPU's in-kernel profiler.
+--rendezvous-ab: the data-mask forward's warpgroups meeting on the named barrier or on mbarriers, on documents and
+padding (prebuilt tables).
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -388,6 +390,34 @@ def kernel_trace(out_dir: str):
                   flush=True)
 
 
+def rendezvous_ab(rounds: int):
+    """The data-mask forward's warpgroups taking turns through the hardware named barrier or mbarriers
+    (HopperConfig.fwd_named_barrier), on its grid and on the persistent grid, for thd's 11 documents, 4 documents per
+    row and padding; kernels on prebuilt tables, interleaved rounds."""
+    variants = {"grid named": dict(fwd_named_barrier=True), "grid auto": {},
+                "persistent named": dict(fwd_persistent_masked=True, fwd_named_barrier=True),
+                "persistent mbarrier": dict(fwd_persistent_masked=True, fwd_named_barrier=False)}
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; the data-mask forward on prebuilt "
+          f"tables; {rounds} interleaved rounds, medians")
+    for name, m in probe_masks("thd", "documents", "padding").items():
+        (q, k, v), fl = _inputs(m, 3)
+        base, rule = default_config(D, m.kv_len, False, m.q_len), mask_rule(m)
+        fns = {}
+        for vname, kw in variants.items():
+            cfg = dataclasses.replace(base, **kw)
+            t = jax.jit(lambda m, cfg=cfg: mask_tables(m, cfg, backward=False))(m)
+            fns[vname] = jax.jit(lambda q, k, v, cfg=cfg, t=t: flash_fwd(
+                q, k, v, scale=D ** -0.5, causal=False, config=cfg, mask_tables=t, mask_rule=rule)[0])
+        outs = {n: f(q, k, v).astype(jnp.float32) for n, f in fns.items()}
+        secs = {n: [] for n in fns}
+        for _ in range(rounds):
+            for n, f in fns.items():
+                secs[n].append(timing.measure(f, (q, k, v), samples=20)[0])
+        print(f"{name:10s} " + " | ".join(
+            f"{n} {statistics.median(t) * 1e6:7.1f} us ({fl / statistics.median(t) / 1e12:4.0f} TFLOP/s; max |diff| "
+            f"{float(jnp.max(jnp.abs(outs[n] - outs['grid named']))):.1e})" for n, t in secs.items()), flush=True)
+
+
 def band_cases():
     """One-segment masks with token-index positions: name -> (mask, offset of the query positions)."""
     return {
@@ -483,6 +513,8 @@ if __name__ == "__main__":
                     "windows (W, W): a fit of its cost per query tile and per key-block step (device clock)")
     ap.add_argument("--band-fwd-ab", action="store_true", help="one-segment masks: the data-mask forward with its "
                     "pre-pass against the band forward (grid and persistent)")
+    ap.add_argument("--rendezvous-ab", action="store_true", help="the data-mask forward's warpgroup rendezvous: "
+                    "named barrier or mbarriers, grid and persistent, on documents and padding")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--masks", default="", help="--band-fwd-ab: prefixes of the masks to run, e.g. \"window\"")
@@ -499,5 +531,7 @@ if __name__ == "__main__":
         band_fwd_scaling(a.rounds)
     elif a.kernel_trace:
         kernel_trace(a.kernel_trace)
+    elif a.rendezvous_ab:
+        rendezvous_ab(a.rounds)
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()

@@ -1056,6 +1056,18 @@ def test_data_mask_forward_and_grads(name):
     _check_data_mask(name)
 
 
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("name", ["documents_causal", "empty_rows"])
+def test_data_mask_forward_with_the_named_barrier(name):
+    """The grid data-mask forward with its warpgroups' turns through the hardware named barrier
+    (HopperConfig.fwd_named_barrier=True; auto takes mbarriers there) against the fp32 reference."""
+    from pallas_kernels.flash_attention_hopper.config import default_config
+
+    B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
+    _check_data_mask(name, config=dataclasses.replace(default_config(D, Skv, False, Sq), fwd_named_barrier=True))
+
+
 ALIGNED_CASES = ["documents_causal", "padding", "empty_rows", "ragged_lengths", "window_causal_hd64"]
 
 

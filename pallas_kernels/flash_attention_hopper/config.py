@@ -93,8 +93,8 @@ class HopperConfig:
     bwd_pieces: int | None = None  # pieces per cut key tile; None: PieceSplit's choice (1: the piece grid, no cuts)
     # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
     # instead of an mbarrier arrive + wait.  None (auto): on the GPU, but for the persistent band forward over
-    # bands narrower than band.NAMED_RENDEZVOUS_MIN_BAND keys (band.named_rendezvous); the interpreter always
-    # uses the mbarrier.
+    # bands narrower than band.NAMED_RENDEZVOUS_MIN_BAND keys (band.named_rendezvous) and the grid data-mask
+    # forward (documents, padding), which take the mbarrier; the interpreter always uses the mbarrier.
     fwd_named_barrier: bool | None = None
     # The forward's K/V ring slots handed back to the producer through hardware named barriers (consumers
     # `bar.arrive`, the producer `bar.sync`) instead of "consumed" mbarriers that the producer polls.  GPU only.

@@ -63,7 +63,9 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
         raise ValueError(f"counts {counts.shape}: expected [..., {n_groups + 1}] for {rule} (data_mask.mask_tables)")
     Dv = v.shape[-1]  # v's head_dim (O tiles as forward_step.qo_scratch places them where Dv != D)
     c, pre = logit_units(scale, softcap)
-    named = cfg.fwd_named_barrier is not False and not interpret
+    # the warpgroups' turns through mbarriers unless the config asks for the named barrier: on the H100 the named
+    # barrier cost this kernel 2-7% on documents and padding (attention_masks_h100.md, fifteenth session)
+    named = bool(cfg.fwd_named_barrier) and not interpret
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
