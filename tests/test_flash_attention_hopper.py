@@ -371,6 +371,18 @@ def test_masked_backward_and_persistent_band_choices():
     # the warpgroups' rendezvous: the named barrier over wide or unbounded bands, mbarriers over narrow ones
     assert named_rendezvous((0, -NAMED_RENDEZVOUS_MIN_BAND + 1, 0)) and named_rendezvous(open_)
     assert not named_rendezvous(w256) and not named_rendezvous((0, -NAMED_RENDEZVOUS_MIN_BAND + 2, 0))
+    # ... as each forward kernel takes it: the config's choice first, the interpreter always on mbarriers
+    from pallas_kernels.flash_attention_hopper.config import rendezvous_named
+
+    named_cfg, mbar_cfg = (dataclasses.replace(cfg, fwd_named_barrier=v) for v in (True, False))
+    assert rendezvous_named(cfg, False) and not rendezvous_named(cfg, False, "data mask")
+    assert rendezvous_named(cfg, False, "persistent band", open_)
+    assert not rendezvous_named(cfg, False, "persistent band", w256)
+    assert rendezvous_named(named_cfg, False, "data mask")
+    assert rendezvous_named(named_cfg, False, "persistent band", w256)
+    assert not rendezvous_named(mbar_cfg, False) and not rendezvous_named(named_cfg, True)
+    with pytest.raises(ValueError, match=r"kernel='band'; expected one of \('grid', 'persistent band', 'data mask'\)"):
+        rendezvous_named(cfg, False, "band")
     assert not persistent_band_fwd_chosen(cfg, 256, 256, jnp.bfloat16, (0, -2047, 0))
     assert not persistent_band_fwd_chosen(dataclasses.replace(cfg, fwd_persistent_band=False), 128, 128,
                                           jnp.bfloat16, open_)

@@ -92,9 +92,9 @@ class HopperConfig:
     bwd_ctas: int | None = None  # the SM count PieceSplit plans for; None: the device's
     bwd_pieces: int | None = None  # pieces per cut key tile; None: PieceSplit's choice (1: the piece grid, no cuts)
     # The forward's ping-pong rendezvous on a hardware named barrier (`bar.sync`, inline PTX)
-    # instead of an mbarrier arrive + wait.  None (auto): on the GPU, but for the persistent band forward over
-    # bands narrower than band.NAMED_RENDEZVOUS_MIN_BAND keys (band.named_rendezvous) and the grid data-mask
-    # forward (documents, padding), which take the mbarrier; the interpreter always uses the mbarrier.
+    # instead of an mbarrier arrive + wait.  None (auto): per kernel, rendezvous_named (the named barrier on the
+    # GPU but for the persistent band forward over narrow bands and the grid data-mask forward); the interpreter
+    # always uses the mbarrier.
     fwd_named_barrier: bool | None = None
     # The forward's K/V ring slots handed back to the producer through hardware named barriers (consumers
     # `bar.arrive`, the producer `bar.sync`) instead of "consumed" mbarriers that the producer polls.  GPU only.
@@ -240,6 +240,29 @@ def ring_choices(cfg: HopperConfig, interpret: bool, *, backward: bool) -> tuple
     if backward:
         return cfg.bwd_named_release is not False, cfg.bwd_producer_warp is not False
     return cfg.fwd_named_release is not False, cfg.fwd_producer_warp is not False
+
+
+RENDEZVOUS_KERNELS = ("grid", "persistent band", "data mask")
+
+
+def rendezvous_named(cfg: HopperConfig, interpret: bool, kernel: str = "grid", band=None) -> bool:
+    """Whether a forward kernel's two warpgroups take turns through the hardware named barrier rather than mbarriers:
+    HopperConfig.fwd_named_barrier when set, else by kernel (one of RENDEZVOUS_KERNELS): "grid" (the dense, causal
+    and grid band forwards, and the persistent data-mask forward) the named barrier; "persistent band" the named
+    barrier over bands of band.NAMED_RENDEZVOUS_MIN_BAND keys or more (band.named_rendezvous), mbarriers below;
+    "data mask" (the grid data-mask forward: documents, padding) mbarriers, 2-7% faster there on the H100
+    (attention_masks_h100.md, fifteenth session).  The interpreter always takes mbarriers."""
+    if kernel not in RENDEZVOUS_KERNELS:
+        raise ValueError(f"rendezvous_named: kernel={kernel!r}; expected one of {RENDEZVOUS_KERNELS}")
+    if interpret:
+        return False
+    if cfg.fwd_named_barrier is not None:
+        return bool(cfg.fwd_named_barrier)
+    if kernel == "persistent band":
+        from .band import named_rendezvous
+
+        return named_rendezvous(band)
+    return kernel == "grid"
 
 
 def check_lengths(cfg: HopperConfig, q_len: int, kv_len: int, *, forward: bool = True,

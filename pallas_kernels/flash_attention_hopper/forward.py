@@ -38,7 +38,7 @@ from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_re
 from .persistent_steps import tile_parts
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config, logit_units,
                      persistent_band_fwd_chosen, persistent_causal_chosen, persistent_chosen, persistent_masked_chosen,
-                     ring_choices, split_tail_chosen)
+                     rendezvous_named, ring_choices, split_tail_chosen)
 
 
 def _fwd_call(plgpu, body, q, k, v, *, q_buffers: int, bq: int, bkv: int, stages: int, grid, grid_names,
@@ -131,7 +131,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
         return _flash_fwd_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, causal=True,
                                      softcap=softcap)
     c, pre = logit_units(scale, softcap)
-    named = cfg.fwd_named_barrier is not False and not interpret
+    named = rendezvous_named(cfg, interpret)
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     split = cfg.split_causal
     reverse_band = band is not None and cfg.fwd_band_heavy_first is not False and heavier_tiles_last(
@@ -292,7 +292,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
     plan = None if causal else split_tail_chosen(cfg, n_tiles, n_kv, n_ctas, Skv)
     deal = causal_deal(B * H, n_qt, n_ctas, lpt=lpt) if causal else None
     c, pre = logit_units(scale, softcap)
-    named = cfg.fwd_named_barrier is not False and not interpret
+    named = rendezvous_named(cfg, interpret)
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
 
     def tile_coords(t):  # -> batch, head, query tile

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import mosaic_gpu, pl
-from .band import band_mask, key_blocks, named_rendezvous, walk_band
+from .band import band_mask, key_blocks, walk_band
 from .common import num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
-from .config import HopperConfig, logit_units, ring_choices
+from .config import HopperConfig, logit_units, rendezvous_named, ring_choices
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
 from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_coords, store_forward_tile,
                                tiles_of_cta, wait_to_refill)
@@ -34,7 +34,7 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
     if v.shape[-1] != D:
         raise ValueError(f"the persistent band forward needs v's head_dim {v.shape[-1]} == q/k's {D}")
     c, pre = logit_units(scale, softcap)
-    named = not interpret and (named_rendezvous(band) if cfg.fwd_named_barrier is None else cfg.fwd_named_barrier)
+    named = rendezvous_named(cfg, interpret, "persistent band", band)
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     n_tiles = B * H * n_qt
     n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)

@@ -10,7 +10,7 @@ from jax import lax
 from .._compat import mosaic_gpu, pl
 from .aligned_tiles import ROW_ALIGN
 from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
-from .config import HopperConfig, logit_units, ring_choices
+from .config import HopperConfig, logit_units, rendezvous_named, ring_choices
 from .data_mask import walk_groups
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
 
@@ -63,9 +63,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
         raise ValueError(f"counts {counts.shape}: expected [..., {n_groups + 1}] for {rule} (data_mask.mask_tables)")
     Dv = v.shape[-1]  # v's head_dim (O tiles as forward_step.qo_scratch places them where Dv != D)
     c, pre = logit_units(scale, softcap)
-    # the warpgroups' turns through mbarriers unless the config asks for the named barrier: on the H100 the named
-    # barrier cost this kernel 2-7% on documents and padding (attention_masks_h100.md, fifteenth session)
-    named = bool(cfg.fwd_named_barrier) and not interpret
+    named = rendezvous_named(cfg, interpret, "data mask")
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 

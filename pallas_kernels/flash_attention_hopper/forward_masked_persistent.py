@@ -9,7 +9,7 @@ from jax import lax
 
 from .._compat import mosaic_gpu, pl
 from .common import num_sms, rem, ring_slots, run_producer, smem_transforms, warp_specialized_kernel
-from .config import HopperConfig, logit_units, ring_choices
+from .config import HopperConfig, logit_units, rendezvous_named, ring_choices
 from .data_mask import walk_groups
 from .forward_masked import step_mask
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
@@ -40,7 +40,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
     if v.shape[-1] != D:
         raise ValueError(f"the persistent data-mask forward needs v's head_dim {v.shape[-1]} == q/k's {D}")
     c, pre = logit_units(scale, softcap)
-    named = cfg.fwd_named_barrier is not False and not interpret
+    named = rendezvous_named(cfg, interpret)
     named_release, producer_warp = ring_choices(cfg, interpret, backward=False)
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
     n_tiles = B * H * n_qt

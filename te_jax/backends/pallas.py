@@ -392,9 +392,9 @@ class PallasBackend:
         """How the Hopper kernels walk a one-segment call as a band (hopper_attention(mask_offset=)), in words; None
         for calls that are not bands (padding, documents, or lengths padded to whole tiles)."""
         from pallas_kernels import flash_attention_hopper as fh
-        from pallas_kernels.flash_attention_hopper.band import band_forward_chosen, heavier_tiles_last, named_rendezvous
+        from pallas_kernels.flash_attention_hopper.band import band_forward_chosen, heavier_tiles_last
         from pallas_kernels.flash_attention_hopper.config import (masked_atomic_dq_chosen, persistent_band_bwd_chosen,
-                                                                  persistent_band_fwd_chosen)
+                                                                  persistent_band_fwd_chosen, rendezvous_named)
         from pallas_kernels.flash_attention_hopper.data_mask import MaskRule
 
         d = call.dims
@@ -412,7 +412,7 @@ class PallasBackend:
                         "; dK/dV on a persistent grid (bwd_persistent_band)"
                         if persistent_band_bwd_chosen(hcfg, d.head_dim_qk, d.head_dim_v) else "")) + (
                     ("; forward on a persistent grid (fwd_persistent_band)" + (
-                        "" if (named_rendezvous(band) if hcfg.fwd_named_barrier is None else hcfg.fwd_named_barrier)
+                        "" if rendezvous_named(hcfg, False, "persistent band", band)
                         else ", its warpgroups taking turns through mbarriers (a narrow band)")
                      if persistent_band_fwd_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype, band) else
                      "; forward tiles launched heaviest first (fwd_band_heavy_first)"
