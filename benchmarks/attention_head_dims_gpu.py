@@ -39,6 +39,8 @@ ROWS = {  # name: (B, S, causal)
 }
 CONFIGS = {
     "default": None,  # default_config(192, head_dim_v=128): 128-key forward blocks (O inside Q), two bwd warpgroups
+    # the default before the sixteenth session: dK and dV in two launches
+    "two_launches": HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2, bwd_dkv_together=False),
     "kv64": HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=2),  # 64-key forward blocks
     "bwd1": HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1),  # one backward warpgroup (hd256's)
 }

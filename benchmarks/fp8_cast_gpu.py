@@ -10,6 +10,8 @@ Shapes: the Llama MLP of benchmarks/fp8_layer_gpu.py (tokens M = 4 x 2048, hidde
   act_cast             gu [M, 2, F] -> a_q [M, F], a_qT [F, M], amax          (forward, after the wi GEMM)
   dact_cast_transpose  dh [M, F], gu -> dgu_q [M, 2F], dgu_qT [2F, M], amax   (backward, before the wi GEMMs)
   cast_transpose       x [M, D] -> x_q, x_qT, amax                            (the norm output; dy likewise)
+  norm_stats_cast_transpose  x [M, D], gamma -> RMSNorm(x)_q, its transpose, amax (statistics in the kernel;
+                       --sweep times its own grid: rows per program, column chunk, warps, stages)
 "xla" is the same math as whole-array jnp (pallas_kernels/fp8_cast/reference.py) under jit: XLA's own fusions,
 the unfused path's passes. Reported: ms (median of interleaved rounds) and TB/s of the fused kernel's minimal
 traffic (each input read once, each output written once), so both variants are rated on the same bytes.
@@ -35,6 +37,7 @@ from benchmarks import timing
 from pallas_kernels import fp8_cast as K
 from pallas_kernels.fp8_cast import reference as R
 from pallas_kernels.fp8_cast import tma as T
+from pallas_kernels.norms import reference as NR
 
 E4, E5, BF = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 
@@ -61,7 +64,16 @@ def cases(M, D, F):
     x = jax.random.normal(k[2], (M, D), jnp.float32).astype(BF)
     s = jnp.float32(100.0)
     act = dict(activation="silu", gated=True, round_to=BF)
+    gamma = (1.0 + 0.1 * jax.random.normal(k[3], (D,), jnp.float32)).astype(BF)
     return {
+        "norm_stats_cast_transpose (RMSNorm)": dict(
+            args=(x, gamma, s), nbytes=M * D * 2 + 2 * M * D,
+            kernel=lambda cfg: jax.jit(lambda x, g, s: K.norm_stats_cast_transpose(
+                x, g, None, s, rms=True, epsilon=1e-6, out_dtype=E4, **cfg)[:3]),
+            xla=jax.jit(lambda x, g, s: R.cast_transpose(NR.rmsnorm(x, g, epsilon=1e-6), s, out_dtype=E4)),
+            sweep=[dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                   for bm, bn, w, st in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8), (1, 2))
+                   if 2048 <= bm * bn <= 32768]),
         "act_cast": dict(
             args=(gu, s), nbytes=M * 2 * F * 2 + 2 * M * F,
             kernel=lambda cfg: jax.jit(lambda gu, s: K.act_cast(gu, s, out_dtype=E4, transpose=True, **act, **cfg)),
@@ -133,7 +145,7 @@ def main():
         if args.only and not any(k in name for k in args.only.split(",")):
             continue
         variants = {"xla": c["xla"]}
-        for cfg in configs:
+        for cfg in (configs if "sweep" not in c or not args.sweep else [dict()] + c["sweep"]):
             variants["pallas " + (",".join(f"{k}={v}" for k, v in cfg.items()) or "default")] = c["kernel"](cfg)
         all_ok &= check(name, variants["pallas default"](*c["args"]), variants["xla"](*c["args"]))
         for v, f in ({} if args.cpu_smoke else c.get("extra", {})).items():  # other kernels for the same call

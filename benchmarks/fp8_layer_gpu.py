@@ -83,7 +83,8 @@ def parse():
                         "instead of re-casting them (=0): auto (the library's default: kept for DelayedScaling "
                         "only), on, or both (=1 and =0 as variants: time and temporary memory side by side)")
     p.add_argument("--env-ab", default="",
-                   help='"NAME=VALUE;NAME=VALUE,NAME=VALUE": per entry, a copy of every FP8 variant traced with that '
+                   help='"NAME=VALUE;NAME=VALUE,NAME=VALUE": per entry, a copy of every variant (bf16 too) traced with '
+                        'that '
                         'environment (trace-time switches such as TE_JAX_FP8_SPLIT_DOTS=0; an entry may set several, '
                         'comma-separated), labelled [entry]')
     p.add_argument("--trace", action="store_true",
@@ -221,7 +222,7 @@ def main():
         variants["Float8BlockScaling (FP8 block GEMM, pallas)"] = (fp8.Float8BlockScaling(), "block-pallas", "1")
 
     extra_env = {}  # variant name -> {env name: value}, from --env-ab (one entry's switches per copy)
-    base = [(name, v) for name, v in variants.items() if v[0] is not None]
+    base = list(variants.items())  # bf16 too: a switch that moves both steps shows in the ratio
     for entry in [e for e in args.env_ab.split(";") if e]:
         settings = dict(s.partition("=")[::2] for s in entry.split(",") if s)
         for name, v in base:
@@ -257,7 +258,7 @@ def main():
     steps, info = {}, {}
     if args.only:
         keep = [k for k in args.only.split(",") if k]
-        variants = {n: v for n, v in variants.items() if n == "bf16" or any(k in n for k in keep)}
+        variants = {n: v for n, v in variants.items() if n.startswith("bf16") or any(k in n for k in keep)}
     for name, (recipe, style, fused_mlp, no_triton) in variants.items():
         module = peers.get(name, layer)
         grad_fn = make_grad_fn(module)

@@ -20,7 +20,8 @@ data-mask forward with its pre-pass against the band forward (no pre-pass), on i
 step, fitted from windows (W, W) of six widths, grid and persistent kernels (device clock).  --kernel-trace DIR:
 the same kernels' phases per tile (Q wait, first K wait, steps, epilogue) from Mosaic GPU's in-kernel profiler.
 --rendezvous-ab: the data-mask forward's warpgroups meeting on the named barrier or on mbarriers, on documents and
-padding (prebuilt tables).
+padding (prebuilt tables).  --dense-rendezvous-ab: the same choice on the dense forwards (no mask, causal and not;
+1k, 4k and 16k tokens per row, 16384 tokens per call; head dims 64, 128, 256 and 192/128).
 
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
@@ -418,6 +419,37 @@ def rendezvous_ab(rounds: int):
             f"{float(jnp.max(jnp.abs(outs[n] - outs['grid named']))):.1e})" for n, t in secs.items()), flush=True)
 
 
+def dense_rendezvous_ab(rounds: int):
+    """The dense forwards (persistent non-causal and causal, and the split-head-dim grid kernel) with their
+    warpgroups meeting on the named barrier (auto) or on mbarriers (HopperConfig.fwd_named_barrier=False);
+    interleaved rounds, medians; TFLOP/s counts 2*B*H*S^2*(D + Dv) (half when causal)."""
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} bf16, 16384 tokens per call; dense forward, "
+          f"{rounds} interleaved rounds, medians")
+    rows = [(s, c, 128, 128) for s in (1024, 4096, 16384) for c in (False, True)]
+    rows += [(4096, c, d, dv) for d, dv in ((64, 64), (256, 256), (192, 128)) for c in (False, True)]
+    for s, causal, d, dv in rows:
+        b = 16384 // s
+        ks = jax.random.split(jax.random.key(s + d), 3)
+        q, k = (jax.random.normal(kk, (b, s, H, d), jnp.bfloat16) for kk in ks[:2])
+        v = jax.random.normal(ks[2], (b, s, H, dv), jnp.bfloat16)
+        base = default_config(d, s, causal, s, head_dim_v=dv)
+        fns = {}
+        for vname, named in (("auto", None), ("mbarriers", False), ("named", True)):
+            cfg = dataclasses.replace(base, fwd_named_barrier=named)
+            fns[vname] = jax.jit(lambda q, k, v, cfg=cfg: flash_fwd(q, k, v, scale=d ** -0.5, causal=causal,
+                                                                     config=cfg)[0])
+        outs = {n: f(q, k, v).astype(jnp.float32) for n, f in fns.items()}
+        secs = {n: [] for n in fns}
+        for _ in range(rounds):
+            for n, f in fns.items():
+                secs[n].append(timing.measure(f, (q, k, v), samples=20)[0])
+        fl = 2 * b * H * s * s * (d + dv) * (0.5 if causal else 1.0)
+        med = {n: statistics.median(t) for n, t in secs.items()}
+        print(f"S{s:6d} {'causal' if causal else 'full  '} d{d}/{dv}: " + " | ".join(
+            f"{n} {med[n] * 1e6:7.1f} us ({fl / med[n] / 1e12:4.0f} TFLOP/s, x{med['auto'] / med[n]:.3f}; max |diff| "
+            f"{float(jnp.max(jnp.abs(outs[n] - outs['auto']))):.1e})" for n in fns), flush=True)
+
+
 def band_cases():
     """One-segment masks with token-index positions: name -> (mask, offset of the query positions)."""
     return {
@@ -515,6 +547,8 @@ if __name__ == "__main__":
                     "pre-pass against the band forward (grid and persistent)")
     ap.add_argument("--rendezvous-ab", action="store_true", help="the data-mask forward's warpgroup rendezvous: "
                     "named barrier or mbarriers, grid and persistent, on documents and padding")
+    ap.add_argument("--dense-rendezvous-ab", action="store_true", help="the dense forwards' warpgroup rendezvous: "
+                    "named barrier (auto) or mbarriers, hd 64/128/256 and 192/128, 1k-16k")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--masks", default="", help="--band-fwd-ab: prefixes of the masks to run, e.g. \"window\"")
@@ -533,5 +567,7 @@ if __name__ == "__main__":
         kernel_trace(a.kernel_trace)
     elif a.rendezvous_ab:
         rendezvous_ab(a.rounds)
+    elif a.dense_rendezvous_ab:
+        dense_rendezvous_ab(a.rounds)
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()

@@ -332,8 +332,8 @@ def test_masked_backward_and_persistent_band_choices():
     dQ kernel on the GPU up to head_dim 192."""
     from pallas_kernels.flash_attention_hopper.band import ATOMIC_DQ_MIN_BAND
     from pallas_kernels.flash_attention_hopper.config import (
-        HopperConfig, default_config, delta_in_dq, masked_atomic_dq_chosen, persistent_band_bwd_chosen,
-        persistent_band_fwd_chosen)
+        SMEM_BYTES, HopperConfig, default_config, delta_in_dq, dq_kernel_smem, masked_atomic_dq_chosen,
+        persistent_band_bwd_chosen, persistent_band_fwd_chosen)
 
     cfg = default_config(128, 4096, False, 4096)  # auto takes the atomic dQ from 2048 keys on plain calls
     narrow, wide, open_ = (0, -255, 0), (0, -ATOMIC_DQ_MIN_BAND + 1, 0), (0, None, 0)
@@ -390,6 +390,9 @@ def test_masked_backward_and_persistent_band_choices():
     assert delta_in_dq(HopperConfig(), False, 128, 128) and delta_in_dq(HopperConfig(), False, 192, 128)
     assert not delta_in_dq(HopperConfig(), True, 128, 128)  # auto: the GPU only
     assert not delta_in_dq(HopperConfig(), False, 256, 256)  # O's tiles do not fit
+    # nor at 192/192 beside Q, dO and the K/V ring (251 KB asked on the H100: sixteenth session's GPU tests)
+    assert not delta_in_dq(default_config(192, 4096, True), False, 192, 192)
+    assert dq_kernel_smem(default_config(192, 4096, True), 192, 192, with_o=False) <= SMEM_BYTES
     assert not delta_in_dq(HopperConfig(bwd_delta_in_dq=False), False, 128, 128)
 
 
@@ -1369,8 +1372,10 @@ def test_data_mask_bad_arguments_are_named():
 
 def test_split_head_dims_config_and_plan():
     """192/128 takes 128-key forward blocks with each O tile inside its Q tile (o_tiles_in_q: 208 KB of shared
-    memory at two stages); other splits and 192/192 keep 64-key blocks; the plan names the split and the backward's
-    two dK / dV launches."""
+    memory at two stages) and one dK/dV launch (causal with 32-row query blocks, non-causal with 240 registers);
+    other splits and 192/192 keep 64-key blocks and two dK / dV launches; the plan names the split and the
+    backward's launches."""
+    from pallas_kernels.flash_attention_hopper.config import dkv_block_q, dkv_together
     from pallas_kernels.flash_attention_hopper.config import default_config, describe_plan
     from pallas_kernels.flash_attention_hopper.forward_step import o_tiles_in_q
 
@@ -1382,12 +1387,28 @@ def test_split_head_dims_config_and_plan():
     assert o_tiles_in_q(64, 192, 128, BF) and not o_tiles_in_q(64, 64, 128, BF) and not o_tiles_in_q(64, 128, 128, BF)
     plan = describe_plan(192, 4096, True, BF, head_dim_v=128)
     assert "split head dims 192/128" in plan and "block_kv 128" in plan and "inside its Q tile" in plan, plan
-    assert "two launches" in plan and "separate dQ" in plan
+    assert "dK and dV in one launch (32-row query blocks)" in plan and "separate dQ" in plan, plan
+    causal, full = default_config(192, 4096, True, head_dim_v=128), default_config(192, 4096, False, head_dim_v=128)
+    assert dkv_together(causal, 192, 128) and dkv_block_q(causal) == 32 and causal.bwd_block_q == 64
+    assert dkv_together(full, 192, 128) and dkv_block_q(full) == 64 and full.bwd_compute_registers == 240
+    assert "one launch (64-row" in describe_plan(192, 4096, False, BF, head_dim_v=128)
+    for d, dv in ((192, 192), (256, 256), (128, 192), (256, 128)):
+        cfg = default_config(d, 4096, True, head_dim_v=dv)
+        assert not dkv_together(cfg, d, dv), (d, dv)
+        assert "two launches" in describe_plan(d, 4096, True, BF, head_dim_v=dv) or d == dv
+    assert dkv_together(default_config(128), 128, 128) and dkv_together(default_config(64, head_dim_v=128), 64, 128)
+    assert not dkv_together(dataclasses.replace(causal, bwd_dkv_together=False), 192, 128)
+    assert not dkv_together(full, 192, 128, masked=True) and dkv_together(default_config(128), 128, 128, True)
     assert "in its own tile" in describe_plan(64, 4096, False, BF, head_dim_v=128)
+    with pytest.raises(ValueError, match="bwd_dkv_block_q"):
+        dataclasses.replace(causal, bwd_dkv_block_q=48)
+    with pytest.raises(ValueError, match="bwd_dkv_together"):
+        dataclasses.replace(causal, bwd_dkv_together=1)
 
 
 def test_swizzle_follows_the_tile_row():
-    """Shared-memory tiles take the widest swizzle that divides their row: 128 bytes at head dims 64/128/192/256,
+    """Shared-memory tiles take the widest swizzle (up to a cap) that divides their row: 128 bytes at head dims
+    64/128/192/256,
     64 at 96/160, 32 at 80/112/16; a row that is no multiple of 32 bytes is refused by name."""
     from pallas_kernels.flash_attention_hopper.common import swizzle_for
 
@@ -1395,5 +1416,7 @@ def test_swizzle_follows_the_tile_row():
     assert [swizzle_for(d, BF) for d in (96, 160, 32)] == [64] * 3
     assert [swizzle_for(d, BF) for d in (80, 112, 16)] == [32] * 3
     assert swizzle_for(64, jnp.float32) == 128 and swizzle_for(24, jnp.float32) == 32
+    # capped (a wgmma contracting over 32 rows: the dK/dV kernel's 32-row query blocks)
+    assert [swizzle_for(d, BF, most=64) for d in (192, 128, 96, 80)] == [64, 64, 64, 32]
     with pytest.raises(ValueError, match="72 x bfloat16 .144 bytes. is not a multiple of 32 bytes"):
         swizzle_for(72, BF)

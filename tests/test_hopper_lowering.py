@@ -68,6 +68,11 @@ CASES = {  # name: keyword arguments of _attention_fwd_bwd
     "hd256 softcap": dict(S=256, D=256, Dv=256, softcap=2.0),
     "192/128 causal": dict(S=512, D=192, Dv=128, causal=True),
     "192/128": dict(S=384, D=192, Dv=128),
+    "192/128 causal, dK and dV in one launch": dict(S=512, D=192, Dv=128, causal=True, bwd_dkv_together=True),
+    "192/128, dK and dV in one launch": dict(S=384, D=192, Dv=128, bwd_dkv_together=True),
+    "192/128 causal, one launch, 32-row query blocks (64-byte swizzle)": dict(
+        S=512, D=192, Dv=128, causal=True, bwd_dkv_together=True, bwd_dkv_block_q=32),
+    "128 causal, 32-row dK/dV query blocks": dict(S=256, D=128, Dv=128, causal=True, bwd_dkv_block_q=32),
     "64/128 (v wider)": dict(S=256, D=64, Dv=128),
     "128/192 (v wider, separate O tile)": dict(S=256, D=128, Dv=192, causal=True),
     "256/128": dict(S=256, D=256, Dv=128),

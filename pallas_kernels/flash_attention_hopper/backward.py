@@ -34,7 +34,7 @@ from .backward_band_persistent import _flash_bwd_dkv_band_persistent
 from .band import band_big, band_mask, key_blocks, query_blocks, walk_band
 from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
 from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
-                     delta_in_dq, dkv_geometry, dq_split, logit_units, masked_atomic_dq_chosen,
+                     delta_in_dq, dkv_geometry, dkv_together, dq_split, logit_units, masked_atomic_dq_chosen,
                      persistent_band_bwd_chosen, piece_split_chosen, ring_choices)
 
 
@@ -393,7 +393,10 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 + ([(lambda r: qm_ref.at[r[0][0], :, r[0][1]], qm_ring, qm_bar, qm_cons)] if dm is not None else [])),
                 single_warp=producer_warp)
 
-    tr, tr_d, tr_v = smem_transforms(plgpu, dtype), smem_transforms(plgpu, dtype, D), smem_transforms(plgpu, dtype, Dv)
+    # dK += dS^T . Q and dV += P^T . dO contract over the bq query rows: their swizzle's row must divide bq
+    most = min(128, bq * jnp.dtype(dtype).itemsize)
+    tr = smem_transforms(plgpu, dtype)
+    tr_d, tr_v = smem_transforms(plgpu, dtype, D, most), smem_transforms(plgpu, dtype, Dv, most)
     scratch = [
         (
             plgpu.SMEM((wgs, bkv, D), dtype, transforms=tr_d),
@@ -725,7 +728,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     else:
         delta = xla_delta()
         dq = _flash_bwd_dq(q, k, v, do, lse2, delta, **kw)
-    if max(D, Dv) > 128:  # dK and dV accumulators of 64 rows do not fit one warpgroup's registers together
+    if not dkv_together(cfg, D, Dv, masked):  # above 128, dK and dV accumulators of 64 rows fill a warpgroup's registers
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
     elif band is not None and persistent_band_bwd_chosen(cfg, D, Dv):  # opt-in: one CTA per SM walking key tiles

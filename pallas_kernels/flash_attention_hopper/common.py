@@ -98,21 +98,23 @@ def dv_and_dpT(plgpu, dv_acc, pT16, do_tile, v_tile):
     return pl.run_state(_dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zT)))
 
 
-def swizzle_for(minor: int, dtype) -> int:
-    """The widest shared-memory swizzle (128, 64 or 32 bytes) whose rows divide a tile row of `minor` elements:
-    128 for head dims 64/128/192/256, 64 for 96 or 160, 32 for 80 or 112 (wgmma takes each; both operands of one
-    wgmma must share it, and do: they meet on the same head dim)."""
+def swizzle_for(minor: int, dtype, most: int = 128) -> int:
+    """The widest shared-memory swizzle (128, 64 or 32 bytes, at most `most`) whose rows divide a tile row of `minor`
+    elements: 128 for head dims 64/128/192/256, 64 for 96 or 160, 32 for 80 or 112 (wgmma takes each; both operands
+    of one wgmma must share it, and do: they meet on the same head dim).  A wgmma's contraction must be a multiple of
+    the swizzle's row (64 bf16 elements at 128 bytes): a kernel contracting over 32 rows passes most=64."""
     row = minor * jnp.dtype(dtype).itemsize
     for swizzle in (128, 64, 32):
-        if row % swizzle == 0:
+        if swizzle <= most and row % swizzle == 0:
             return swizzle
     raise ValueError(f"a shared-memory tile row of {minor} x {jnp.dtype(dtype).name} ({row} bytes) is not a multiple "
                      f"of 32 bytes (head dims must be multiples of 16)")
 
 
-def smem_transforms(plgpu, dtype, minor: int | None = None):
-    """Tiling + swizzle for a shared-memory tile whose rows hold `minor` elements (None: 128-byte swizzle)."""
-    swizzle = 128 if minor is None else swizzle_for(minor, dtype)
+def smem_transforms(plgpu, dtype, minor: int | None = None, most: int = 128):
+    """Tiling + swizzle for a shared-memory tile whose rows hold `minor` elements (None: the widest swizzle up to
+    `most` bytes; swizzle_for)."""
+    swizzle = most if minor is None else swizzle_for(minor, dtype, most)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 

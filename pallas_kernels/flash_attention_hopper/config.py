@@ -129,6 +129,14 @@ class HopperConfig:
     # the queries (band.heavier_tiles_last: bottom-right, windows (W, 0), causal given as data), as the causal kernel
     # does, so that short tiles fill the last wave.  None (auto): on; False: tiles in order.
     fwd_band_heavy_first: bool | None = None
+    # The dK/dV kernel's query block (Q / dO rows per step); None: bwd_block_q (the dQ kernel's).  32 halves each
+    # step's S and dP tiles, which lets the dK and dV accumulators of head dims above 128 (192/128) share one
+    # warpgroup's registers (bwd_dkv_together).
+    bwd_dkv_block_q: int | None = None
+    # dK and dV accumulated in one dK/dV launch.  None (auto): where max(head_dim, head_dim_v) <= 128, and for
+    # 192/128 (measured: DKV_TOGETHER_SPLIT_DIMS); elsewhere two launches (dK, then dV), each recomputing S.  True:
+    # one launch (both accumulators in registers: ptxas spills some at 192/128, and it is still faster there).
+    bwd_dkv_together: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -149,7 +157,7 @@ class HopperConfig:
                      "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
-                     "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first"):
+                     "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first", "bwd_dkv_together"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.bwd_compute_registers is not None:
@@ -158,6 +166,9 @@ class HopperConfig:
                 raise ValueError(f"bwd_compute_registers={r!r}: expected None or a multiple of 8 in [24, 256] that "
                                  f"leaves the memory warpgroup >= 24 ({REGISTERS_PER_CTA} per CTA; 240 is the most "
                                  f"with bwd_wgs=2)")
+        b = self.bwd_dkv_block_q
+        if b is not None and (not isinstance(b, int) or b < 32 or (b != 32 and b % 64)):
+            raise ValueError(f"bwd_dkv_block_q={b!r}: expected None (bwd_block_q), 32 or a multiple of 64")
         for name in ("fwd_ctas", "bwd_ctas", "bwd_pieces"):
             n = getattr(self, name)
             if n is not None and (not isinstance(n, int) or n < 1):
@@ -176,8 +187,12 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
     if head_dim_v is not None and head_dim_v != head_dim:
         if head_dim == 192 and head_dim_v == 128:
             # DeepSeek-V3's 192/128 (attention_head_dims_h100.md): 128-key forward blocks (the O tiles live inside
-            # the Q tiles, so two stages fit: 208 KB), two backward warpgroups
-            return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2)
+            # the Q tiles, so two stages fit: 208 KB), two backward warpgroups, dK and dV in one launch
+            # (bwd_dkv_together auto): causal with 32-row query blocks (1.07-1.09x two launches), non-causal with
+            # 64-row blocks and 240 registers (1.05-1.12x)
+            if causal:
+                return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2, bwd_dkv_block_q=32)
+            return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2, bwd_compute_registers=240)
         head_dim = max(head_dim, head_dim_v)
     if head_dim <= 64:
         wide = kv_len is None or (kv_len % 256 == 0 and not (causal and kv_len < 4096))
@@ -215,10 +230,30 @@ class DkvGeometry(typing.NamedTuple):
     stages: int  # Q/dO ring depth
 
 
+def dkv_block_q(cfg: HopperConfig) -> int:
+    """The dK/dV kernel's query block: bwd_dkv_block_q, else bwd_block_q."""
+    return cfg.bwd_dkv_block_q or cfg.bwd_block_q
+
+
+#: Split head dims (q/k, v) whose dK and dV run in one launch under auto though one exceeds 128: 192/128's 64 x 192
+#: and 64 x 128 fp32 accumulators fill 160 of a warpgroup's 232-240 registers; ptxas spills 8-568 bytes, and the
+#: launch is still 1.04-1.12x two launches fwd+bwd on the H100 (attention_head_dims_h100.md, sixteenth session).
+DKV_TOGETHER_SPLIT_DIMS = ((192, 128),)
+
+
+def dkv_together(cfg: HopperConfig, head_dim: int, head_dim_v: int, masked: bool = False) -> bool:
+    """Whether one dK/dV launch accumulates both dK and dV (HopperConfig.bwd_dkv_together; auto: head dims up to
+    128, and DKV_TOGETHER_SPLIT_DIMS without a data mask or band: the masked kernels' registers are unmeasured
+    there), rather than two launches, dK then dV."""
+    if cfg.bwd_dkv_together is not None:
+        return cfg.bwd_dkv_together
+    return max(head_dim, head_dim_v) <= 128 or (not masked and (head_dim, head_dim_v) in DKV_TOGETHER_SPLIT_DIMS)
+
+
 def dkv_geometry(q, k, cfg: HopperConfig) -> DkvGeometry:
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
-    bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
+    bq, bkv, wgs = dkv_block_q(cfg), cfg.bwd_block_kv, cfg.bwd_wgs
     return DkvGeometry(B, S, H, D, Skv, G, H // G, q.dtype, bq, bkv, wgs, S // bq, Skv // (wgs * bkv), cfg.bwd_stages)
 
 
@@ -573,14 +608,25 @@ def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
 
 #: The widest v head_dim whose O tiles fit the dQ kernel's shared memory beside its Q, dO and K/V ring
 #: (HopperConfig.bwd_delta_in_dq; 256 needs 234,600 bytes of the 232,448).
-DELTA_IN_DQ_MAX_HEAD_DIM_V = 192
+def dq_kernel_smem(cfg: HopperConfig, head_dim: int, head_dim_v: int, itemsize: int = 2, *,
+                   with_o: bool) -> int:
+    """Bytes of shared memory the dQ kernel takes: its warpgroups' Q and dO tiles, the K/V ring, lse / delta rows,
+    a data mask's marks (reserved either way) and, with_o (delta computed in the kernel), the O tiles."""
+    wgs, bq, bkv, st = cfg.bwd_wgs, cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
+    tiles = wgs * bq * (head_dim + head_dim_v * (2 if with_o else 1)) + st * bkv * (head_dim + head_dim_v)
+    # + barriers and alignment: 192/192 measured 251024 bytes against 249344 for the tiles and rows
+    return tiles * itemsize + 4 * (3 * wgs * bq + 2 * st * bkv) + 4096
+
+
+DELTA_IN_DQ_MAX_HEAD_DIM_V = 192  # larger head dims are not GPU-tested with delta in the dQ kernel
 
 
 def delta_in_dq(cfg: HopperConfig, interpret: bool, head_dim: int, head_dim_v: int) -> bool:
-    """Whether a backward that runs the dQ kernel has it compute delta (HopperConfig.bwd_delta_in_dq): where the O
-    tiles fit its shared memory (max(head_dim, head_dim_v) <= DELTA_IN_DQ_MAX_HEAD_DIM_V), on the GPU unless the
-    config says otherwise."""
-    if max(head_dim, head_dim_v) > DELTA_IN_DQ_MAX_HEAD_DIM_V:
+    """Whether a backward that runs the dQ kernel has it compute delta (HopperConfig.bwd_delta_in_dq): head dims up
+    to DELTA_IN_DQ_MAX_HEAD_DIM_V whose O tiles fit its shared memory beside the rest (dq_kernel_smem: 192/128
+    fits, 192/192 does not), on the GPU unless the config says otherwise."""
+    if (max(head_dim, head_dim_v) > DELTA_IN_DQ_MAX_HEAD_DIM_V
+            or dq_kernel_smem(cfg, head_dim, head_dim_v, with_o=True) > SMEM_BYTES):
         return False
     return (not interpret) if cfg.bwd_delta_in_dq is None else cfg.bwd_delta_in_dq
 
@@ -631,9 +677,11 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
     if head_dim_v is not None and head_dim_v != head_dim:
         where = "inside its Q tile" if head_dim_v < head_dim else "in its own tile"
         return (f"split head dims {head_dim}/{head_dim_v}: forward one CTA per query tile (block_kv {cfg.block_kv}; "
-                f"each warpgroup's O tile {where}){'; causal' if causal else ''}; backward dK and dV in two "
-                f"launches (their accumulators do not fit one warpgroup's registers together) and a separate dQ "
-                f"kernel ({cfg.bwd_wgs} warpgroups each)")
+                f"each warpgroup's O tile {where}){'; causal' if causal else ''}; backward "
+                + (f"dK and dV in one launch ({dkv_block_q(cfg)}-row query blocks)"
+                   if dkv_together(cfg, head_dim, head_dim_v) else
+                   "dK and dV in two launches (their accumulators do not fit one warpgroup's registers together)")
+                + f" and a separate dQ kernel ({cfg.bwd_wgs} warpgroups each)")
     if causal and persistent_causal_chosen(cfg, kv_len, head_dim, dtype):
         fwd = ("forward on a persistent grid (one CTA per SM; query tiles paired heavy with light"
                + ("; the last tiles dealt to the least-loaded CTA)" if cfg.fwd_causal_lpt is not False else ")"))

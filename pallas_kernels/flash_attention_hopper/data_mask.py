@@ -273,7 +273,8 @@ def backward_tables(t: MaskTables, rule: MaskRule, cfg) -> MaskTables:
     marks = _marks(t)
     rule = backward_rule(rule)
     return t._replace(dq=tile_lists(*marks, rule, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv),
-                      dkv=tile_lists(*marks, rule, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True))
+                      dkv=tile_lists(*marks, rule, cfg.bwd_dkv_block_q or cfg.bwd_block_q,  # config.dkv_block_q
+                                     cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True))
 
 
 class DataMask(NamedTuple):
