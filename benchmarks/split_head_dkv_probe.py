@@ -4,6 +4,10 @@ accumulators (HopperConfig.bwd_dkv_together) at 64-row query blocks with 240 reg
 gradients compared with the two-launch ones.  Run with MOSAIC_GPU_DUMP_PTXAS=1 to see each kernel's spills.
 
     MOSAIC_GPU_DUMP_PTXAS=1 PYTHONPATH=. python3 -m benchmarks.split_head_dkv_probe --dims 192/128 [--short]
+        [--mask documents|window]
+
+--mask: the same under a data mask (4 documents per row, causal) or a band (causal window (1024, 0), positions
+only), where auto keeps two launches; the config is the one te_jax passes masked calls (default_config non-causal).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 from benchmarks import timing
 from pallas_kernels.flash_attention_hopper import hopper_attention
 from pallas_kernels.flash_attention_hopper.config import default_config
+from pallas_kernels.mask import AttentionMask
 
 H = 16
 VARIANTS = {"two launches": dict(bwd_dkv_together=False),
@@ -31,9 +36,12 @@ def main():
     ap.add_argument("--dims", default="192/128", help="q/k and v head dims, e.g. 192/128")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--short", action="store_true", help="B4 x 4k only (else also B1 x 16k)")
+    ap.add_argument("--mask", choices=["none", "documents", "window"], default="none")
     a = ap.parse_args()
     D, DV = (int(x) for x in a.dims.split("/"))
     shapes = [(4, 4096, True), (4, 4096, False)] + ([] if a.short else [(1, 16384, True), (1, 16384, False)])
+    if a.mask != "none":
+        shapes = [(4, 4096, True)] + ([] if a.short else [(1, 16384, True)])
     print(jax.devices()[0].device_kind, jax.__version__, f"{D}/{DV}", flush=True)
     for B, S, causal in shapes:
         ks = jax.random.split(jax.random.key(S + causal), 4)
@@ -41,13 +49,22 @@ def main():
         k = jax.random.normal(ks[1], (B, S, H, D), jnp.bfloat16)
         v = jax.random.normal(ks[2], (B, S, H, DV), jnp.bfloat16)
         do = jax.random.normal(ks[3], (B, S, H, DV), jnp.bfloat16)
-        base = default_config(D, S, causal, S, head_dim_v=DV)
+        mask, mask_kw = None, {}
+        if a.mask == "documents":
+            lens = [S * 3 // 8, S // 4, S // 4, S // 8]
+            ids = jnp.repeat(jnp.arange(1, 5), jnp.array(lens), total_repeat_length=S)[None].repeat(B, 0)
+            mask = AttentionMask.from_segments(ids.astype(jnp.int32), causal=True)
+        elif a.mask == "window":
+            mask, mask_kw = AttentionMask.full(B, S, S, causal=True, window=(1024, 0)), dict(mask_segments=False)
+        masked = mask is not None
+        base = default_config(D, S, causal and not masked, S, head_dim_v=DV)
         fns, grads = {}, {}
         for name, kw in VARIANTS.items():
             cfg = dataclasses.replace(base, **kw)
 
             def loss(q, k, v, cfg=cfg):
-                o, _ = hopper_attention(q, k, v, scale=D ** -0.5, causal=causal, config=cfg)
+                o, _ = hopper_attention(q, k, v, scale=D ** -0.5, causal=causal and not masked, config=cfg,
+                                        mask=mask, **mask_kw)
                 return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
             f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -66,9 +83,10 @@ def main():
         for _ in range(a.rounds):
             for n, f in fns.items():
                 secs[n].append(timing.measure(f, (q, k, v), samples=10)[0])
-        fl = 2 * B * H * S * S * (D + DV) * (0.5 if causal else 1.0) * 3.5
+        vis = float(jnp.sum(mask.dense())) / B if masked else S * S * (0.5 if causal else 1.0)
+        fl = 2 * B * H * vis * (D + DV) * 3.5
         base_t = statistics.median(secs["two launches"])
-        print(f"B{B} S{S} causal={causal} fwd+bwd: " + " | ".join(
+        print(f"B{B} S{S} causal={causal} mask={a.mask} fwd+bwd: " + " | ".join(
             f"{n} {statistics.median(t) * 1e3:.3f} ms ({fl / statistics.median(t) / 1e12:.0f} TFLOP/s, "
             f"x{base_t / statistics.median(t):.3f})" for n, t in secs.items()), flush=True)
 

@@ -1220,6 +1220,20 @@ def test_data_mask_split_head_dims(name, aligned):
     _check_data_mask(name, head_dims=(192, 128), mask_aligned=aligned)
 
 
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("name", ["documents_causal", "window_causal_hd64"])
+def test_data_mask_split_head_dims_one_dkv_launch(name):
+    """192/128 under a data mask and a band with dK and dV in one launch on 32-row query blocks (not auto under
+    masks, but a config may ask for it): against the fp32 reference (_check_data_mask)."""
+    from pallas_kernels.flash_attention_hopper.config import default_config
+
+    B, Sq, Skv, H, G, D, mask, _ = _masked_case(name)
+    cfg = dataclasses.replace(default_config(192, -(-Skv // 128) * 128, False, -(-Sq // 128) * 128, head_dim_v=128),
+                              bwd_dkv_together=True, bwd_dkv_block_q=32)
+    _check_data_mask(name, head_dims=(192, 128), config=cfg)
+
+
 def _check_tables(m, cfg, segments=True):
     """mask_tables(m) against m's dense mask: each tile's block list holds every block with a visible (query, key)
     pair, each once, the blocks after the partial ones all fully visible; for the forward's, the dQ kernel's and the
@@ -1243,7 +1257,7 @@ def _check_tables(m, cfg, segments=True):
     for (counts, blocks), qt, kt, transposed, n_groups in (
             (t.fwd, 2 * cfg.block_q, cfg.block_kv, False, len(rules)),
             (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False, bwd_groups),
-            (t.dkv, cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True, bwd_groups)):
+            (t.dkv, cfg.bwd_dkv_block_q or cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True, bwd_groups)):
         counts, blocks = np.asarray(counts), np.asarray(blocks)
 
         def cut(x):  # [B, nq, nk, qt, kt], or per key tile [B, nk, nq, kt, qt]
@@ -1312,6 +1326,9 @@ def test_data_mask_tables_on_random_documents(seed, monkeypatch):
     from pallas_kernels.flash_attention_hopper import data_mask
     monkeypatch.setattr(data_mask, "BACKWARD_SPLIT", True)
     _check_tables(AttentionMask.from_segments(seg, causal=True), cfg)
+    # 32-row dK/dV query blocks (HopperConfig.bwd_dkv_block_q): the key tiles' lists at that grain
+    _check_tables(AttentionMask.from_segments(seg, causal=True, window=(100, 0)),
+                  dataclasses.replace(cfg, bwd_dkv_block_q=32))
 
 
 def test_block_lists_one_hot_and_sort_agree(monkeypatch):
@@ -1399,6 +1416,9 @@ def test_split_head_dims_config_and_plan():
     assert dkv_together(default_config(128), 128, 128) and dkv_together(default_config(64, head_dim_v=128), 64, 128)
     assert not dkv_together(dataclasses.replace(causal, bwd_dkv_together=False), 192, 128)
     assert not dkv_together(full, 192, 128, masked=True) and dkv_together(default_config(128), 128, 128, True)
+    masked = default_config(192, 4096, False, 4096, head_dim_v=128, masked=True)  # documents, windows: 32-row
+    assert dkv_block_q(masked) == 32 and dkv_together(masked, 192, 128, masked=True)
+    assert not dkv_together(default_config(192, 4096, False, 4096, masked=True), 192, 192, masked=True)
     assert "in its own tile" in describe_plan(64, 4096, False, BF, head_dim_v=128)
     with pytest.raises(ValueError, match="bwd_dkv_block_q"):
         dataclasses.replace(causal, bwd_dkv_block_q=48)

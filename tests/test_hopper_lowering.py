@@ -105,15 +105,19 @@ def _segments(*runs, total):
 
 
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
-@pytest.mark.parametrize("name,D,Dv", [("documents", 128, 128), ("window", 128, 128), ("bottom right", 128, 128),
-                                       ("documents", 192, 128), ("window", 96, 96), ("documents", 64, 128)])
-def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, ptx):
+@pytest.mark.parametrize("name,D,Dv,cfg_kw", [
+    ("documents", 128, 128, {}), ("window", 128, 128, {}), ("bottom right", 128, 128, {}),
+    ("documents", 192, 128, {}), ("window", 96, 96, {}), ("documents", 64, 128, {}),
+    # one dK/dV launch on 32-row query blocks under a mask (tables and band walks at that grain)
+    ("documents", 192, 128, dict(bwd_dkv_together=True, bwd_dkv_block_q=32)),
+    ("window", 192, 128, dict(bwd_dkv_together=True, bwd_dkv_block_q=32))])
+def test_hopper_data_mask_lowers_for_cuda(name, D, Dv, cfg_kw, ptx):
     mask = {"documents": AttentionMask.from_segments(_segments(100, 1, 250, 189, total=600), causal=True),
             "window": AttentionMask.full(1, 512, 512, causal=True, window=(128, 0)),
             "bottom right": AttentionMask.full(1, 256, 640, causal=True, bottom_right=True)}[name]
     # one-segment masks (window, bottom right) lower as the front door runs them: positions compared only
     assert _attention_fwd_bwd(mask.q_len, D, Dv, Skv=mask.kv_len, mask=mask, mask_segments=name == "documents",
-                              **ptx) > 0
+                              **cfg_kw, **ptx) > 0
 
 
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")

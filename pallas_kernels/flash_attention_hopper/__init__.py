@@ -236,7 +236,7 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
         raise ValueError(f"hopper_attention: mask is for [batch, q_len, kv_len] = {[mask.batch, mask.q_len, mask.kv_len]}"
                          f", q/k are {list(want)}. Fix: build the AttentionMask from these q/k lengths.")
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK
-    cfg = config or default_config(q.shape[-1], pkv, False, pq, head_dim_v=v.shape[-1])
+    cfg = config or default_config(q.shape[-1], pkv, False, pq, head_dim_v=v.shape[-1], masked=True)
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     segments = compares_segments(segments, sq, skv)

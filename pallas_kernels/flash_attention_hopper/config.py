@@ -176,8 +176,10 @@ class HopperConfig:
 
 
 def default_config(head_dim: int, kv_len: int | None = None, causal: bool = False,
-                   q_len: int | None = None, head_dim_v: int | None = None) -> HopperConfig:
+                   q_len: int | None = None, head_dim_v: int | None = None, masked: bool = False) -> HopperConfig:
     """The tuned config for a head_dim, the key / query lengths and the mask.
+
+    masked: the call has a data mask or band (which carries causal; causal is then False).
 
     hd64 (benchmarks/results/attention_hopper_h100_run7_hd64_hd256.md):
     * forward: 256-key tiles, faster except causal below 4k keys, where half of each diagonal block is
@@ -188,9 +190,9 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
         if head_dim == 192 and head_dim_v == 128:
             # DeepSeek-V3's 192/128 (attention_head_dims_h100.md): 128-key forward blocks (the O tiles live inside
             # the Q tiles, so two stages fit: 208 KB), two backward warpgroups, dK and dV in one launch
-            # (bwd_dkv_together auto): causal with 32-row query blocks (1.07-1.09x two launches), non-causal with
-            # 64-row blocks and 240 registers (1.05-1.12x)
-            if causal:
+            # (bwd_dkv_together auto): causal and masked with 32-row query blocks (1.07-1.09x two launches; under
+            # documents or a window 1.04-1.05x), non-causal with 64-row blocks and 240 registers (1.05-1.12x)
+            if causal or masked:
                 return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2, bwd_dkv_block_q=32)
             return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2, bwd_compute_registers=240)
         head_dim = max(head_dim, head_dim_v)
@@ -243,11 +245,14 @@ DKV_TOGETHER_SPLIT_DIMS = ((192, 128),)
 
 def dkv_together(cfg: HopperConfig, head_dim: int, head_dim_v: int, masked: bool = False) -> bool:
     """Whether one dK/dV launch accumulates both dK and dV (HopperConfig.bwd_dkv_together; auto: head dims up to
-    128, and DKV_TOGETHER_SPLIT_DIMS without a data mask or band: the masked kernels' registers are unmeasured
-    there), rather than two launches, dK then dV."""
+    128, and DKV_TOGETHER_SPLIT_DIMS; under a data mask or band only on 32-row query blocks, as default_config(...,
+    masked=True) gives them: with 64-row blocks the masked kernel was 0.95x two launches on documents), rather than
+    two launches, dK then dV."""
     if cfg.bwd_dkv_together is not None:
         return cfg.bwd_dkv_together
-    return max(head_dim, head_dim_v) <= 128 or (not masked and (head_dim, head_dim_v) in DKV_TOGETHER_SPLIT_DIMS)
+    if max(head_dim, head_dim_v) <= 128:
+        return True
+    return (head_dim, head_dim_v) in DKV_TOGETHER_SPLIT_DIMS and (not masked or dkv_block_q(cfg) == 32)
 
 
 def dkv_geometry(q, k, cfg: HopperConfig) -> DkvGeometry:

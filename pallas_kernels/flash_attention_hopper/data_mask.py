@@ -27,6 +27,7 @@ walk one group: BACKWARD_SPLIT).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -202,7 +203,7 @@ def _combined_marks(seg, pos):
 def tile_lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False):
     """(counts, blocks) of block_lists at these tiles, the partial tiles in partial_kinds' groups of `rule`
     (transposed: per key tile)."""
-    fine = 64  # ranges reduced once at the smallest tile, then pooled
+    fine = math.gcd(64, q_tile, kv_tile)  # ranges reduced once at the smallest tile (32-row dK/dV blocks), pooled
     stats = lambda seg, pos, tile: _pooled(tile_stats(seg, pos, fine), tile // fine)
     q_stats, kv_stats = stats(qs, qp, q_tile), stats(ks, kp, kv_tile)
     classes = classify(q_stats, kv_stats, causal=rule.causal, window=rule.window)
