@@ -390,6 +390,16 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
     assert "forward on a persistent grid (fwd_persistent_band), its warpgroups taking turns through mbarriers" in (
         two_sided.detail), two_sided.detail
     assert "heaviest first" in narrow.detail and "heaviest first" in br.detail, (narrow.detail, br.detail)
+    # 192/128 under documents and a window: dK and dV in one launch on 32-row query blocks (default_config(...,
+    # masked=True), the config hopper_attention(mask=) takes); 192/192 in two
+    for kw in (dict(attn_mask_type="padding_causal", q_segment_ids=seg, kv_segment_ids=seg),
+               dict(attn_mask_type="causal", window_size=(128, 0))):
+        split = te_jax.explain_attention_backend(*_qkv(b=2, sq=1024, skv=1024, d=192, dv=128), backend="pallas",
+                                                 **kw)
+        assert "backward dK and dV in one launch (32-row query blocks)" in split.detail, split.detail
+        same = te_jax.explain_attention_backend(*_qkv(b=2, sq=1024, skv=1024, d=192), backend="pallas", **kw)
+        assert "backward dK and dV in two launches" in same.detail, same.detail
+    assert "dK and dV in" not in te_jax.explain_attention_backend(q, k, v, backend="pallas", **kw).detail
     tq, tk, tv = _qkv(b=1, sq=1024, skv=1024, d=128, fmt="thd")
     docs = jnp.array([300, 1, 723], jnp.int32)
     thd = te_jax.explain_attention_backend(tq, tk, tv, attn_input_format="thd", attn_mask_type="padding_causal",

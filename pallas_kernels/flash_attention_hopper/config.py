@@ -255,6 +255,15 @@ def dkv_together(cfg: HopperConfig, head_dim: int, head_dim_v: int, masked: bool
     return (head_dim, head_dim_v) in DKV_TOGETHER_SPLIT_DIMS and (not masked or dkv_block_q(cfg) == 32)
 
 
+def describe_dkv(cfg: HopperConfig, head_dim: int, head_dim_v: int, masked: bool = False) -> str:
+    """How the backward's dK/dV kernel runs for head dims above 128, in words ("" at or below 128: one launch)."""
+    if max(head_dim, head_dim_v) <= 128:
+        return ""
+    if dkv_together(cfg, head_dim, head_dim_v, masked):
+        return f"dK and dV in one launch ({dkv_block_q(cfg)}-row query blocks)"
+    return "dK and dV in two launches (their accumulators do not fit one warpgroup's registers together)"
+
+
 def dkv_geometry(q, k, cfg: HopperConfig) -> DkvGeometry:
     B, S, H, D = q.shape
     Skv, G = k.shape[1], k.shape[2]
@@ -683,9 +692,7 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
         where = "inside its Q tile" if head_dim_v < head_dim else "in its own tile"
         return (f"split head dims {head_dim}/{head_dim_v}: forward one CTA per query tile (block_kv {cfg.block_kv}; "
                 f"each warpgroup's O tile {where}){'; causal' if causal else ''}; backward "
-                + (f"dK and dV in one launch ({dkv_block_q(cfg)}-row query blocks)"
-                   if dkv_together(cfg, head_dim, head_dim_v) else
-                   "dK and dV in two launches (their accumulators do not fit one warpgroup's registers together)")
+                + (describe_dkv(cfg, head_dim, head_dim_v) or "dK and dV in one launch")
                 + f" and a separate dQ kernel ({cfg.bwd_wgs} warpgroups each)")
     if causal and persistent_causal_chosen(cfg, kv_len, head_dim, dtype):
         fwd = ("forward on a persistent grid (one CTA per SM; query tiles paired heavy with light"

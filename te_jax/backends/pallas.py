@@ -354,11 +354,12 @@ class PallasBackend:
             what = [x for x, on in ((f"attn_mask_type={call.mask.mask_type!r}", call.mask.mask_type != "no_mask"),
                                     (f"padding from {call.padding_source}", call.padding_source != "none"),
                                     (f"window_size={call.window}", call.window != (-1, -1))) if on]
-            from pallas_kernels.flash_attention_hopper.config import masked_atomic_dq_chosen, persistent_masked_chosen
+            from pallas_kernels.flash_attention_hopper.config import (describe_dkv, masked_atomic_dq_chosen,
+                                                                      persistent_masked_chosen)
 
             q_padded = -(-d.q_len // fh.BLOCK) * fh.BLOCK
-            hcfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, kv_padded, False,
-                                                                              q_padded)
+            hcfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(  # as hopper_attention(mask=) takes
+                d.head_dim_qk, kv_padded, False, q_padded, head_dim_v=d.head_dim_v, masked=True)
             window = tuple(call.window) if call.window is not None else (-1, -1)
             persistent = persistent_masked_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype, window)
             band_plan = self._hopper_band_plan(call, hcfg, q_padded, kv_padded)
@@ -375,6 +376,8 @@ class PallasBackend:
                     + ("; backward dQ accumulated in the dK/dV kernel (bwd_dq_atomic=True)"
                        if masked_atomic_dq_chosen(d.head_dim_qk, d.head_dim_v, kv_padded, hcfg, False) else
                        "; backward dQ from its own kernel" + _delta_words(hcfg, d)))
+            dkv = describe_dkv(hcfg, d.head_dim_qk, d.head_dim_v, masked=True)
+            plan += f"; backward {dkv}" if dkv else ""
         else:
             plan = fh.describe_plan(d.head_dim_qk, kv_padded, call.mask.causal, call.dtype, call.kernel_config,
                                     head_dim_v=d.head_dim_v)
@@ -440,7 +443,8 @@ class PallasBackend:
 
         d = call.dims
         pq, pkv = -(-d.q_len // fh.BLOCK) * fh.BLOCK, -(-d.kv_len // fh.BLOCK) * fh.BLOCK
-        cfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, pkv, False, pq)
+        cfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, pkv, False, pq,
+                                                                          head_dim_v=d.head_dim_v, masked=True)
         aligned = self.hopper_aligned_tiles(call)
         t = (aligned_mask_tables if aligned else mask_tables)(mask.pad(pq, pkv), cfg, backward=False,
                                                               segments=self.hopper_mask_segments(call))
