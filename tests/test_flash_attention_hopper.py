@@ -393,6 +393,9 @@ def test_masked_backward_and_persistent_band_choices():
     # nor at 192/192 beside Q, dO and the K/V ring (251 KB asked on the H100: sixteenth session's GPU tests)
     assert not delta_in_dq(default_config(192, 4096, True), False, 192, 192)
     assert dq_kernel_smem(default_config(192, 4096, True), 192, 192, with_o=False) <= SMEM_BYTES
+    # 176/176 fits without a data mask's marks and not with them (232640 bytes in the lowering's count)
+    assert delta_in_dq(default_config(176), False, 176, 176) and not delta_in_dq(default_config(176), False, 176, 176,
+                                                                                  marks=True)
     assert not delta_in_dq(HopperConfig(bwd_delta_in_dq=False), False, 128, 128)
 
 

@@ -114,6 +114,19 @@ def test_every_head_dim_lowers_within_shared_memory():
     assert not failed, failed
 
 
+def test_every_head_dim_lowers_under_a_data_mask():
+    """The same under packed documents (the data-mask kernels, whose marks take shared memory too: 176/176's dQ
+    kernel with delta asked 232640 bytes before delta_in_dq counted them), head dims 64 to 256 in steps of 16."""
+    mask = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=600), causal=True)
+    failed = []
+    for d in range(64, 257, 16):
+        try:
+            _attention_fwd_bwd(mask.q_len, d, d, Skv=mask.kv_len, mask=mask, **NO_PTX)
+        except Exception as e:  # collect every geometry that fails
+            failed.append((d, str(e).split("\n")[0][:160]))
+    assert not failed, failed
+
+
 def _segments(*runs, total):
     ids = np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(runs)])
     return np.pad(ids, (0, total - ids.size))[None]

@@ -723,12 +723,12 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
                                 dq_acc_ref=dq_acc, **kw)
         dq = (dq_acc[...] * scale).astype(q.dtype)
         return dq, dk, dv
-    if delta_in_dq(cfg, interpret, D, Dv):  # the dQ kernel first: it writes delta for the dK/dV kernel
+    if delta_in_dq(cfg, interpret, D, Dv, marks="data_mask" in kw):  # the dQ kernel first: it writes delta
         dq, delta = _flash_bwd_dq(q, k, v, do, lse2, None, out=out, dlse=dlse, **kw)
     else:
         delta = xla_delta()
         dq = _flash_bwd_dq(q, k, v, do, lse2, delta, **kw)
-    if not dkv_together(cfg, D, Dv, masked):  # above 128, dK and dV accumulators of 64 rows fill a warpgroup's registers
+    if not dkv_together(cfg, D, Dv, masked):  # above 128: both accumulators fill a warpgroup's registers
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)
     elif band is not None and persistent_band_bwd_chosen(cfg, D, Dv):  # opt-in: one CTA per SM walking key tiles

@@ -623,24 +623,28 @@ def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
 #: The widest v head_dim whose O tiles fit the dQ kernel's shared memory beside its Q, dO and K/V ring
 #: (HopperConfig.bwd_delta_in_dq; 256 needs 234,600 bytes of the 232,448).
 def dq_kernel_smem(cfg: HopperConfig, head_dim: int, head_dim_v: int, itemsize: int = 2, *,
-                   with_o: bool) -> int:
-    """Bytes of shared memory the dQ kernel takes: its warpgroups' Q and dO tiles, the K/V ring, lse / delta rows,
-    a data mask's marks (reserved either way) and, with_o (delta computed in the kernel), the O tiles."""
+                   with_o: bool, marks: bool = False) -> int:
+    """Bytes of shared memory the dQ kernel takes: its warpgroups' Q and dO tiles, the K/V ring, lse / delta / dlse
+    rows, with_o (delta computed in the kernel) the O tiles, and marks (a data mask's tables) the query and key
+    marks."""
     wgs, bq, bkv, st = cfg.bwd_wgs, cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_stages
     tiles = wgs * bq * (head_dim + head_dim_v * (2 if with_o else 1)) + st * bkv * (head_dim + head_dim_v)
-    # + barriers and alignment: 192/192 measured 251024 bytes against 249344 for the tiles and rows
-    return tiles * itemsize + 4 * (3 * wgs * bq + 2 * st * bkv) + 4096
+    rows = 3 * wgs * bq + (2 * wgs * bq + 2 * st * bkv if marks else 0)
+    # + barriers and alignment: 192/192 measured 251024 bytes against 249344 for the tiles and rows; 176/176 under a
+    # data mask 232640 (the lowering's count)
+    return tiles * itemsize + 4 * rows + 4096
 
 
 DELTA_IN_DQ_MAX_HEAD_DIM_V = 192  # larger head dims are not GPU-tested with delta in the dQ kernel
 
 
-def delta_in_dq(cfg: HopperConfig, interpret: bool, head_dim: int, head_dim_v: int) -> bool:
+def delta_in_dq(cfg: HopperConfig, interpret: bool, head_dim: int, head_dim_v: int, marks: bool = False) -> bool:
     """Whether a backward that runs the dQ kernel has it compute delta (HopperConfig.bwd_delta_in_dq): head dims up
-    to DELTA_IN_DQ_MAX_HEAD_DIM_V whose O tiles fit its shared memory beside the rest (dq_kernel_smem: 192/128
-    fits, 192/192 does not), on the GPU unless the config says otherwise."""
+    to DELTA_IN_DQ_MAX_HEAD_DIM_V whose O tiles fit its shared memory beside the rest (dq_kernel_smem, with a data
+    mask's marks when `marks`: 192/128 fits, 192/192 does not, 176/176 only without marks), on the GPU unless the
+    config says otherwise."""
     if (max(head_dim, head_dim_v) > DELTA_IN_DQ_MAX_HEAD_DIM_V
-            or dq_kernel_smem(cfg, head_dim, head_dim_v, with_o=True) > SMEM_BYTES):
+            or dq_kernel_smem(cfg, head_dim, head_dim_v, with_o=True, marks=marks) > SMEM_BYTES):
         return False
     return (not interpret) if cfg.bwd_delta_in_dq is None else cfg.bwd_delta_in_dq
 

@@ -110,11 +110,12 @@ _HOPPER_MASK_KINDS = ("no_mask", "causal", "causal_bottom_right", "padding", "pa
                       "padding_causal_bottom_right")
 
 
-def _delta_words(hcfg, d) -> str:
-    """Where a Hopper backward that runs the dQ kernel gets delta = rowsum(O * dO), in words."""
+def _delta_words(hcfg, d, marks: bool) -> str:
+    """Where a Hopper backward that runs the dQ kernel gets delta = rowsum(O * dO), in words (marks: the call runs on
+    a data mask's tables, whose marks take shared memory in the dQ kernel; a band has none)."""
     from pallas_kernels.flash_attention_hopper.config import delta_in_dq
 
-    if delta_in_dq(hcfg, False, d.head_dim_qk, d.head_dim_v):
+    if delta_in_dq(hcfg, False, d.head_dim_qk, d.head_dim_v, marks=marks):
         return ", which computes delta = rowsum(O * dO) and runs before the dK/dV kernel"
     return ", delta = rowsum(O * dO) from an XLA reduction first"
 
@@ -375,7 +376,7 @@ class PallasBackend:
                         "serves sliding windows, or fwd_persistent_masked=True)")
                     + ("; backward dQ accumulated in the dK/dV kernel (bwd_dq_atomic=True)"
                        if masked_atomic_dq_chosen(d.head_dim_qk, d.head_dim_v, kv_padded, hcfg, False) else
-                       "; backward dQ from its own kernel" + _delta_words(hcfg, d)))
+                       "; backward dQ from its own kernel" + _delta_words(hcfg, d, marks=True)))
             dkv = describe_dkv(hcfg, d.head_dim_qk, d.head_dim_v, masked=True)
             plan += f"; backward {dkv}" if dkv else ""
         else:
@@ -411,7 +412,7 @@ class PallasBackend:
                 "dQ) and key tile (dK/dV) walks only the blocks of its band of visible pairs, the edge blocks masked "
                 "from iotas; no pre-pass, no tables; backward dQ " + (
                     "accumulated in the dK/dV kernel (a wide band)" if atomic else
-                    "from its own kernel" + _delta_words(hcfg, d) + (
+                    "from its own kernel" + _delta_words(hcfg, d, marks=False) + (
                         "; dK/dV on a persistent grid (bwd_persistent_band)"
                         if persistent_band_bwd_chosen(hcfg, d.head_dim_qk, d.head_dim_v) else "")) + (
                     ("; forward on a persistent grid (fwd_persistent_band)" + (
