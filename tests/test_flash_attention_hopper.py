@@ -323,6 +323,10 @@ def test_atomic_dq_policy():
     assert atomic_dq_chosen(64, 2048, hd64, interpret=False) and not atomic_dq_chosen(64, 1024, hd64, interpret=False)
     assert atomic_dq_chosen(64, 1024, dataclasses.replace(hd64, bwd_dq_atomic=True), interpret=False)
     assert not atomic_dq_chosen(64, 4096, hd64, interpret=True)
+    # 32-row dK/dV query blocks: no 64-row dQ share, so the dQ kernel runs (even where the atomic dQ is asked)
+    q32 = dataclasses.replace(auto, bwd_dkv_block_q=32)
+    assert dq_split(128, q32) is None and not atomic_dq_chosen(128, 4096, q32, interpret=False)
+    assert not atomic_dq_chosen(128, 4096, dataclasses.replace(q32, bwd_dq_atomic=True), interpret=False)
 
 
 def test_masked_backward_and_persistent_band_choices():
@@ -694,7 +698,7 @@ def test_describe_plan_names_each_choice(monkeypatch):
     assert "no shared memory for the persistent grid" in d(256, 4096, False, jnp.bfloat16)
     assert "reduce-add" in d(64, 4096, True, jnp.bfloat16)  # hd64, 128-row query blocks: in-kernel dQ from 2k keys
     assert "keys 1024 < 2048" in d(64, 1024, False, jnp.bfloat16)
-    assert "head_dim 64, bwd_block_q 64, bwd_wgs 2" in d(64, 384, True, jnp.bfloat16)  # 32-column shares
+    assert "head_dim 64, dK/dV query block 64, bwd_wgs 2" in d(64, 384, True, jnp.bfloat16)  # 32-column shares
     assert "head_dim 256" in d(256, 4096, True, jnp.bfloat16).split("backward with")[-1]
     assert "keys 1024 < 2048" in d(128, 1024, False, jnp.bfloat16)
     from pallas_kernels.flash_attention_hopper import config

@@ -134,8 +134,9 @@ class HopperConfig:
     # warpgroup's registers (bwd_dkv_together).
     bwd_dkv_block_q: int | None = None
     # dK and dV accumulated in one dK/dV launch.  None (auto): where max(head_dim, head_dim_v) <= 128, and for
-    # 192/128 (measured: DKV_TOGETHER_SPLIT_DIMS); elsewhere two launches (dK, then dV), each recomputing S.  True:
-    # one launch (both accumulators in registers: ptxas spills some at 192/128, and it is still faster there).
+    # 192/128 (measured: DKV_TOGETHER_SPLIT_DIMS; under a mask on 32-row blocks only); elsewhere two launches (dK,
+    # then dV), each recomputing S.  True: one launch (both accumulators in registers: ptxas spills some at 192/128,
+    # and it is still faster there).
     bwd_dkv_together: bool | None = None
 
     def __post_init__(self):
@@ -191,7 +192,7 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
             # DeepSeek-V3's 192/128 (attention_head_dims_h100.md): 128-key forward blocks (the O tiles live inside
             # the Q tiles, so two stages fit: 208 KB), two backward warpgroups, dK and dV in one launch
             # (bwd_dkv_together auto): causal and masked with 32-row query blocks (1.07-1.09x two launches; under
-            # documents or a window 1.04-1.05x), non-causal with 64-row blocks and 240 registers (1.05-1.12x)
+            # documents or a window 1.04-1.07x), non-causal with 64-row blocks and 240 registers (1.05-1.12x)
             if causal or masked:
                 return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2, bwd_dkv_block_q=32)
             return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_wgs=2, bwd_compute_registers=240)
@@ -600,12 +601,14 @@ def dq_split(head_dim: int, cfg: HopperConfig) -> str | None:
     """How the CTA's warpgroups share the in-kernel dQ block (bwd_block_q x head_dim) of a step: "cols" (warpgroup
     w adds dQ columns [w*D/wgs, (w+1)*D/wgs) of every row), "rows" (rows [w*bq/wgs, ...) of every column), or None.
     Each share must be whole 64-wide tiles: a warpgroup's wgmma takes 64 rows, and a column slice of a swizzled
-    shared-memory tile must be whole 128-byte swizzle rows.  hd128: cols; hd64 with 128-row query blocks: rows."""
-    if head_dim % 64:
+    shared-memory tile must be whole 128-byte swizzle rows.  hd128: cols; hd64 with 128-row query blocks: rows.
+    The block is the dK/dV kernel's query block (dkv_block_q): 32-row blocks have no 64-row share."""
+    bq = dkv_block_q(cfg)
+    if head_dim % 64 or bq % 64:
         return None
     if (head_dim // cfg.bwd_wgs) % 64 == 0:
         return "cols"
-    if (cfg.bwd_block_q // cfg.bwd_wgs) % 64 == 0:
+    if (bq // cfg.bwd_wgs) % 64 == 0:
         return "rows"
     return None
 
@@ -620,8 +623,6 @@ def atomic_dq_served(head_dim: int, cfg: HopperConfig, interpret: bool) -> bool:
             and dq_split(head_dim, cfg) is not None)
 
 
-#: The widest v head_dim whose O tiles fit the dQ kernel's shared memory beside its Q, dO and K/V ring
-#: (HopperConfig.bwd_delta_in_dq; 256 needs 234,600 bytes of the 232,448).
 def dq_kernel_smem(cfg: HopperConfig, head_dim: int, head_dim_v: int, itemsize: int = 2, *,
                    with_o: bool, marks: bool = False) -> int:
     """Bytes of shared memory the dQ kernel takes: its warpgroups' Q and dO tiles, the K/V ring, lse / delta / dlse
@@ -635,7 +636,10 @@ def dq_kernel_smem(cfg: HopperConfig, head_dim: int, head_dim_v: int, itemsize: 
     return tiles * itemsize + 4 * rows + 4096
 
 
-DELTA_IN_DQ_MAX_HEAD_DIM_V = 192  # larger head dims are not GPU-tested with delta in the dQ kernel
+#: The widest head dim with delta in the dQ kernel (HopperConfig.bwd_delta_in_dq): 256's O tiles do not fit beside
+#: its Q, dO and K/V ring (234,600 bytes of the 232,448), and larger splits are not GPU-tested with it; below, the
+#: tiles must still fit (dq_kernel_smem).
+DELTA_IN_DQ_MAX_HEAD_DIM_V = 192
 
 
 def delta_in_dq(cfg: HopperConfig, interpret: bool, head_dim: int, head_dim_v: int, marks: bool = False) -> bool:
@@ -738,7 +742,8 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
         bwd = "backward with a separate dQ kernel (bwd_dq_atomic=False)"
     elif not atomic_dq_served(head_dim, cfg, interpret=False):
         bwd = (f"backward with a separate dQ kernel (the in-kernel dQ needs head_dim <= 128 and whole 64-wide "
-               f"shares per warpgroup; head_dim {head_dim}, bwd_block_q {cfg.bwd_block_q}, bwd_wgs {cfg.bwd_wgs})")
+               f"shares per warpgroup; head_dim {head_dim}, dK/dV query block {dkv_block_q(cfg)}, bwd_wgs "
+               f"{cfg.bwd_wgs})")
     elif min_kv is None:
         bwd = f"backward with a separate dQ kernel (the in-kernel dQ is not the default for head_dim {head_dim})"
     else:
