@@ -716,7 +716,9 @@ def test_describe_plan_names_each_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("kw,field", [(dict(block_kv=256), "kv_len=384 is not a multiple of block_kv = 256"),
-                                      (dict(bwd_block_q=128), "q_len=384 is not a multiple of bwd_wgs x bwd_block_q = 256")])
+                                      (dict(bwd_block_q=128), "q_len=384 is not a multiple of bwd_wgs x bwd_block_q = 256"),
+                                      (dict(bwd_dkv_block_q=256), r"q_len=384 is not a multiple of the dK/dV kernel's "
+                                                                  r"query block \(bwd_dkv_block_q\) = 256")])
 def test_config_blocks_that_do_not_divide_the_lengths_are_a_clear_error(kw, field):
     """An explicit config whose blocks do not divide the sequence is refused before any kernel runs,
     naming the field, the length and the fix (the forward and the backward blocks alike)."""

@@ -323,6 +323,7 @@ def check_lengths(cfg: HopperConfig, q_len: int, kv_len: int, *, forward: bool =
         rules += [("q_len", q_len, 2 * cfg.block_q, "2 x block_q"), ("kv_len", kv_len, cfg.block_kv, "block_kv")]
     if backward:
         rules += [("q_len", q_len, cfg.bwd_wgs * cfg.bwd_block_q, "bwd_wgs x bwd_block_q"),
+                  ("q_len", q_len, dkv_block_q(cfg), "the dK/dV kernel's query block (bwd_dkv_block_q)"),
                   ("kv_len", kv_len, cfg.bwd_wgs * cfg.bwd_block_kv, "bwd_wgs x bwd_block_kv")]
     for name, n, m, what in rules:
         if n % m:
