@@ -1,5 +1,6 @@
 """benchmarks.fp8_layer_gpu with one more trace-time switch, PROBE_DQ_KERNEL=1: the Hopper attention backward takes
-the dQ kernel instead of the atomic dQ (config.atomic_dq_chosen patched). For --env-ab:
+the dQ kernel instead of the atomic dQ (the atomic_dq_chosen that backward.flash_bwd reads is patched; the
+layer's causal attention takes no data mask, so masked_atomic_dq_chosen is not involved). For --env-ab:
 
     PYTHONPATH=. python3 -m benchmarks.fp8_layer_dq_probe --rounds 3 --inner 1,4 --only DelayedScaling \
         --env-ab PROBE_DQ_KERNEL=1

@@ -1258,6 +1258,7 @@ def _check_tables(m, cfg, segments=True):
     dK/dV kernel's (transposed) tiles.  Their partial blocks are grouped by MaskRule.partial_rules (the backward's
     by data_mask.backward_rule's): on each listed tile its group's element mask hides exactly the pairs the dense
     mask hides.  -> the group sizes summed over the lists that are grouped."""
+    from pallas_kernels.flash_attention_hopper.config import dkv_block_q
     from pallas_kernels.flash_attention_hopper.data_mask import backward_rule, mask_rule, mask_tables
 
     B, pq, pkv = m.batch, m.q_len, m.kv_len
@@ -1275,7 +1276,7 @@ def _check_tables(m, cfg, segments=True):
     for (counts, blocks), qt, kt, transposed, n_groups in (
             (t.fwd, 2 * cfg.block_q, cfg.block_kv, False, len(rules)),
             (t.dq, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv, False, bwd_groups),
-            (t.dkv, cfg.bwd_dkv_block_q or cfg.bwd_block_q, cfg.bwd_wgs * cfg.bwd_block_kv, True, bwd_groups)):
+            (t.dkv, dkv_block_q(cfg), cfg.bwd_wgs * cfg.bwd_block_kv, True, bwd_groups)):
         counts, blocks = np.asarray(counts), np.asarray(blocks)
 
         def cut(x):  # [B, nq, nk, qt, kt], or per key tile [B, nk, nq, kt, qt]
@@ -1436,6 +1437,11 @@ def test_split_head_dims_config_and_plan():
     assert not dkv_together(full, 192, 128, masked=True) and dkv_together(default_config(128), 128, 128, True)
     masked = default_config(192, 4096, False, 4096, head_dim_v=128, masked=True)  # documents, windows: 32-row
     assert dkv_block_q(masked) == 32 and dkv_together(masked, 192, 128, masked=True)
+    # what hopper_attention(mask=...) and te_jax's explanation take: the padded lengths, masked
+    from pallas_kernels.flash_attention_hopper import masked_config
+
+    assert masked_config(192, 128, 4000, 4000) == masked
+    assert masked_config(128, 128, 300, 1000) == default_config(128, 1024, False, 384, head_dim_v=128, masked=True)
     assert not dkv_together(default_config(192, 4096, False, 4096, masked=True), 192, 192, masked=True)
     assert "in its own tile" in describe_plan(64, 4096, False, BF, head_dim_v=128)
     with pytest.raises(ValueError, match="bwd_dkv_block_q"):

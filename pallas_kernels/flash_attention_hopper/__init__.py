@@ -48,12 +48,20 @@ __all__ = [
     "attention_reference",
     "BLOCK",
     "compares_segments",
+    "masked_config",
     "HEAD_DIMS",
 ]
 
 HEAD_DIMS = tuple(range(16, 257, 16))  # multiples of 16 up to 256 (64/128/192/256 use 128-byte swizzled tiles)
 BLOCK = 128  # the kernels' lengths are multiples of this (hopper_attention pads ragged ones up to it)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def masked_config(head_dim: int, head_dim_v: int, q_len: int, kv_len: int) -> HopperConfig:
+    """The config hopper_attention(mask=...) runs when given none: default_config on the lengths padded to whole
+    blocks, for a masked call (te_jax's explanation reads the same)."""
+    pq, pkv = -(-q_len // BLOCK) * BLOCK, -(-kv_len // BLOCK) * BLOCK
+    return default_config(head_dim, pkv, False, pq, head_dim_v=head_dim_v, masked=True)
 
 
 def _positive_finite(x) -> bool:
@@ -236,7 +244,7 @@ def _hopper_masked(q, k, v, mask, *, scale, config, interpret, softcap, segments
         raise ValueError(f"hopper_attention: mask is for [batch, q_len, kv_len] = {[mask.batch, mask.q_len, mask.kv_len]}"
                          f", q/k are {list(want)}. Fix: build the AttentionMask from these q/k lengths.")
     pq, pkv = -(-sq // BLOCK) * BLOCK, -(-skv // BLOCK) * BLOCK
-    cfg = config or default_config(q.shape[-1], pkv, False, pq, head_dim_v=v.shape[-1], masked=True)
+    cfg = config or masked_config(q.shape[-1], v.shape[-1], sq, skv)
     check_lengths(cfg, pq, pkv)
     padded = mask.pad(pq, pkv)  # padded tokens: segment 0, seen by no query and seeing nothing
     segments = compares_segments(segments, sq, skv)

@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from ..mask import FULL, PARTIAL, AttentionMask, TileStats, classify, tile_stats
+from .config import dkv_block_q
 
 
 #: A padding query's segment id in MaskTables.qm (int32 min: no key's id, 0 included).
@@ -274,8 +275,7 @@ def backward_tables(t: MaskTables, rule: MaskRule, cfg) -> MaskTables:
     marks = _marks(t)
     rule = backward_rule(rule)
     return t._replace(dq=tile_lists(*marks, rule, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv),
-                      dkv=tile_lists(*marks, rule, cfg.bwd_dkv_block_q or cfg.bwd_block_q,  # config.dkv_block_q
-                                     cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True))
+                      dkv=tile_lists(*marks, rule, dkv_block_q(cfg), cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True))
 
 
 class DataMask(NamedTuple):

@@ -359,8 +359,8 @@ class PallasBackend:
                                                                       persistent_masked_chosen)
 
             q_padded = -(-d.q_len // fh.BLOCK) * fh.BLOCK
-            hcfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(  # as hopper_attention(mask=) takes
-                d.head_dim_qk, kv_padded, False, q_padded, head_dim_v=d.head_dim_v, masked=True)
+            hcfg = _of_kind(call.kernel_config, "hopper") or fh.masked_config(d.head_dim_qk, d.head_dim_v, d.q_len,
+                                                                             d.kv_len)
             window = tuple(call.window) if call.window is not None else (-1, -1)
             persistent = persistent_masked_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype, window)
             band_plan = self._hopper_band_plan(call, hcfg, q_padded, kv_padded)
@@ -444,8 +444,8 @@ class PallasBackend:
 
         d = call.dims
         pq, pkv = -(-d.q_len // fh.BLOCK) * fh.BLOCK, -(-d.kv_len // fh.BLOCK) * fh.BLOCK
-        cfg = _of_kind(call.kernel_config, "hopper") or fh.default_config(d.head_dim_qk, pkv, False, pq,
-                                                                          head_dim_v=d.head_dim_v, masked=True)
+        cfg = _of_kind(call.kernel_config, "hopper") or fh.masked_config(d.head_dim_qk, d.head_dim_v, d.q_len,
+                                                                         d.kv_len)
         aligned = self.hopper_aligned_tiles(call)
         t = (aligned_mask_tables if aligned else mask_tables)(mask.pad(pq, pkv), cfg, backward=False,
                                                               segments=self.hopper_mask_segments(call))
