@@ -1229,11 +1229,12 @@ def test_snake_deal_gives_every_tile_once():
 @pytest.mark.parametrize("name,aligned,head_dims", [
     ("documents_causal", False, (192, 128)), ("padding", False, (192, 128)), ("window_causal_hd64", False, (192, 128)),
     ("documents_causal", True, (192, 128)),
-    ("documents_causal", False, (176, 176))], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
-# (176/176: its dQ kernel takes XLA's delta, the marks leaving no room for O's tiles)
+    ("documents_causal", False, (176, 176)), ("documents_causal", False, (160, 160))],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
+# (176/176: its dQ kernel takes XLA's delta, the marks leaving no room for O's tiles; 160/160: dK and dV in one launch)
 def test_data_mask_split_head_dims(name, aligned, head_dims):
     """A data mask with q/k head_dim 192 and v head_dim 128 (DeepSeek-V3's geometry with packed documents, padding,
-    a window; documents on aligned tiles too), and 176/176: out, lse, dq, dk, dv against the fp32 reference with the
+    a window; documents on aligned tiles too), 176/176 and 160/160: out, lse, dq, dk, dv against the fp32 reference with the
     same mask (_check_data_mask)."""
     _check_data_mask(name, head_dims=head_dims, mask_aligned=aligned)
 
@@ -1428,6 +1429,10 @@ def test_split_head_dims_config_and_plan():
     assert dkv_together(causal, 192, 128) and dkv_block_q(causal) == 32 and causal.bwd_block_q == 64
     assert dkv_together(full, 192, 128) and dkv_block_q(full) == 64 and full.bwd_compute_registers == 240
     assert "one launch (64-row" in describe_plan(192, 4096, False, BF, head_dim_v=128)
+    for c in (True, False):  # 160/160 (the accumulators of 192/128): one launch on 32-row blocks, 240 registers
+        cfg = default_config(160, 4096, c)
+        assert dkv_together(cfg, 160, 160) and dkv_block_q(cfg) == 32 and cfg.bwd_compute_registers == 240
+    assert "dK and dV in one launch (32-row" in describe_plan(160, 4096, True, BF)
     for d, dv in ((192, 192), (256, 256), (128, 192), (256, 128)):
         cfg = default_config(d, 4096, True, head_dim_v=dv)
         assert not dkv_together(cfg, d, dv), (d, dv)

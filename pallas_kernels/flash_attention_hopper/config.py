@@ -134,7 +134,8 @@ class HopperConfig:
     # warpgroup's registers (bwd_dkv_together).
     bwd_dkv_block_q: int | None = None
     # dK and dV accumulated in one dK/dV launch.  None (auto): where max(head_dim, head_dim_v) <= 128, and for
-    # 192/128 (measured: DKV_TOGETHER_SPLIT_DIMS; under a mask on 32-row blocks only); elsewhere two launches (dK,
+    # 192/128 and 160/160 (measured: DKV_TOGETHER_SPLIT_DIMS; under a mask on 32-row blocks only, measured at
+    # 192/128); elsewhere two launches (dK,
     # then dV), each recomputing S.  True: one launch (both accumulators in registers: ptxas spills some at 192/128,
     # and it is still faster there).
     bwd_dkv_together: bool | None = None
@@ -209,7 +210,12 @@ def default_config(head_dim: int, kv_len: int | None = None, causal: bool = Fals
         return HopperConfig(block_q=64, block_kv=128, stages=2, bwd_compute_registers=240)
     if head_dim <= 192:
         # 192 (q/k 192 with v 192, or another split): 64-key forward blocks; two backward warpgroups (their Q/dO and
-        # K/V tiles fit shared memory, unlike hd256's)
+        # K/V tiles fit shared memory, unlike hd256's).  160/160 (the accumulators of 192/128): dK and dV in one
+        # launch on 32-row query blocks with 240 registers, 1.04x two launches causal and not (B4 x 4k;
+        # attention_head_dims_h100.md, seventeenth session)
+        if (head_dim, head_dim_v or head_dim) == (160, 160):
+            return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=2, bwd_dkv_block_q=32,
+                                bwd_compute_registers=240)
         return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=2)
     return HopperConfig(block_q=64, block_kv=64, stages=2, bwd_wgs=1)
 
@@ -241,7 +247,7 @@ def dkv_block_q(cfg: HopperConfig) -> int:
 #: Split head dims (q/k, v) whose dK and dV run in one launch under auto though one exceeds 128: 192/128's 64 x 192
 #: and 64 x 128 fp32 accumulators fill 160 of a warpgroup's 232-240 registers; ptxas spills 8-568 bytes, and the
 #: launch is still 1.04-1.12x two launches fwd+bwd on the H100 (attention_head_dims_h100.md, sixteenth session).
-DKV_TOGETHER_SPLIT_DIMS = ((192, 128),)
+DKV_TOGETHER_SPLIT_DIMS = ((192, 128), (160, 160))
 
 
 def dkv_together(cfg: HopperConfig, head_dim: int, head_dim_v: int, masked: bool = False) -> bool:
@@ -757,4 +763,5 @@ def describe_plan(head_dim: int, kv_len: int, causal: bool, dtype, cfg: HopperCo
         else:
             bwd += (f"; delta = rowsum(O * dO) from an XLA reduction (head_dim {max(head_dim, head_dim_v or 0)}: no "
                     f"shared memory for O's tiles in the dQ kernel)")
-    return f"{fwd}; {bwd}"
+    dkv = describe_dkv(cfg, head_dim, head_dim_v or head_dim)
+    return f"{fwd}; {bwd}" + (f"; {dkv}" if dkv else "")

@@ -68,8 +68,10 @@ PAGED_DECODE_GPU_PREFERENCE = Tuned(
 #: A feature or head dim added to the kernel starts out of this table.
 HOPPER_GPU_VERIFIED = Tuned(
     {"head dims": ((64, 64), (128, 128), (256, 256), (192, 128), (192, 192), (128, 64), (64, 128), (80, 80),
-                   (96, 96), (160, 160), (112, 80)),
-     "softcap": (64, 128, 160, 192, 256), "ragged lengths": (64, 128, 160, 192, 256), "data mask": (64, 128, 192, 256)},
+                   (96, 96), (160, 160), (112, 80),
+                   (16, 16), (32, 32), (48, 48), (144, 144), (176, 176), (208, 208), (224, 224), (240, 240)),
+     "softcap": (64, 128, 160, 176, 192, 256), "ragged lengths": (64, 128, 160, 176, 192, 256),
+     "data mask": (64, 128, 192, 256)},
     "H100, 2026-11-26: tests/test_flash_attention_hopper.py::test_forward_and_grads (out, lse, dq, dk, dv against "
     "fp32) passed for softcap 1.5-2 (where tanh bends the logits) at hd64/128/256, causal and not, and ragged "
     "lengths 1, 129, 200, 300, 1000 at hd64/128/256; data masks (third session): "
@@ -78,7 +80,9 @@ HOPPER_GPU_VERIFIED = Tuned(
     "split head dims (fourth session): test_split_head_dims_forward_and_grads passed for head_dim_qk/head_dim_v "
     "192/128 (causal and not, GQA, softcap, ragged 200 and 300), 192/192, 128/64, 64/128, 80/80, 96/96, 160/160 "
     "(softcap, ragged 300) and 112/80 (so softcap and ragged lengths at head_dim_qk 160 and 192 too); fifth session: "
-    "test_data_mask_split_head_dims passed for documents, padding and a window at 192/128",
+    "test_data_mask_split_head_dims passed for documents, padding and a window at 192/128; seventeenth session: "
+    "test_split_head_dims_forward_and_grads passed for 16, 32, 48 (float16), 144, 176 (softcap, ragged 300), 208 "
+    "(GQA), 224 and 240",
     "benchmarks/results/gpu_tests_h100.md")
 
 #: Whether auto runs the Hopper data-mask forward on document-aligned tiles (hopper_attention(mask_aligned=True))
