@@ -784,7 +784,8 @@ def test_gpu_fused_mlp_compiles_to_six_fp8_gemms(recipe):
     f = jax.jit(lambda x, w1, w2, s1, s2, g: (lambda y, vjp: (y, *vjp(g)))(
         *jax.vjp(lambda *a: _fused(*a, recipe, acts), x, w1, w2, s1, s2)))
     lowered = f.lower(x, w1, w2, s, s, g)
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == (6 if s is not None else 8)  # + 2 amax-only passes
+    # six casts, + 2 state updates (delayed: pallas_kernels/fp8_cast/history.py) or 2 amax-only passes (current)
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 8
     kinds = gemm_kinds(lowered.compile().as_text())
     assert kinds["other"] == 0 and kinds["fp8 cublaslt"] + kinds["fp8 fusion"] == 6, kinds
     fused = _steps(_fused, recipe, acts, x, w1, w2, g)

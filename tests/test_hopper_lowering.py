@@ -222,7 +222,8 @@ def test_fp8_block_gemm_persistent_lowers_for_cuda(cluster_m, b_uniform, promoti
 
 
 def test_triton_kernels_lower_for_cuda():
-    """The block casts (FP8, alone and fused with the activation) and the decode kernel, Triton-lowered Pallas, for CUDA."""
+    """The block casts (FP8, alone and fused with the activation), the delayed-scaling state update and the decode
+    kernel, Triton-lowered Pallas, for CUDA."""
     from pallas_kernels.flash_decode import flash_decode
     from pallas_kernels.fp8_gemm import act_block_cast, block_cast_transpose, dact_block_cast_transpose
 
@@ -250,6 +251,12 @@ def test_triton_kernels_lower_for_cuda():
         assert _lower(lambda x, g, b, rms=rms: norm_stats_cast_transpose(
             x, g, None if rms else b, 2.0, rms=rms, epsilon=1e-6, out_dtype=jnp.float8_e4m3fn, interpret=False,
             block_n=128), x, v, v) > 0
+    from pallas_kernels.fp8_cast.history import delayed_update_many  # several delayed-scaling states, one launch
+
+    for length, algo in ((1024, "max"), (5, "most_recent")):
+        h, s1 = jax.ShapeDtypeStruct((length,), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32)
+        assert _lower(lambda h1, h2, s, a: delayed_update_many([h1, h2], [s, s], [a, a], [448.0, 57344.0], algo=algo,
+                                                               interpret=False), h, h, s1, s1) > 0
     q = jax.ShapeDtypeStruct((2, 1, 8, 128), BF)
     kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), BF)
     mask = AttentionMask.full(2, 1, 1024, causal=True, bottom_right=True)

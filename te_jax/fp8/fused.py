@@ -85,11 +85,22 @@ def merged_casts() -> bool:
     return policy.env_choice(MERGED_CASTS_ENV, ("1", "0"), "1") == "1"
 
 
+STATE_KERNEL_ENV = "TE_JAX_FP8_STATE_KERNEL"
+
+
+def state_update_kernel() -> bool:
+    """Whether a fused FP8 path updates its delayed-scaling states (the amax histories and next scales of every
+    tensor its GEMMs cast: up to four in a forward, two in a backward) in one kernel
+    (pallas_kernels/fp8_cast/history.py) rather than as XLA ops, four or five small kernels per tensor
+    (TE_JAX_FP8_STATE_KERNEL, read at trace time: "1", the default, or "0"). Same values either way."""
+    return policy.env_choice(STATE_KERNEL_ENV, ("1", "0"), "1") == "1"
+
+
 TMA_CASTS_ENV = "TE_JAX_FP8_TMA_CASTS"
 TMA_CAST_KINDS = ("act", "dact", "weight", "cast")
 #: The casts that run on the TMA kernels when TE_JAX_FP8_TMA_CASTS is unset: none. On the H100 the SwiGLU casts beat
-#: their Triton twins alone, but the layer step did not move (benchmarks/results/fp8_layer_h100.md, twelfth
-#: session), so the longer-proven kernels stay the default.
+#: their Triton twins alone, but inside the layer step they are slower by the device clock (forward 322 against 288
+#: us, backward 503 against 496: benchmarks/results/fp8_layer_h100.md, seventeenth session).
 DEFAULT_TMA_CASTS = ""
 #: The TMA cast kernels' tile (64: 40 KiB of shared memory per CTA for the SwiGLU backward, so several CTAs share an
 #: SM and overlap one another's loads and stores; a 128 tile would take 160 KiB, one CTA per SM).

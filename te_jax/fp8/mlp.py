@@ -46,8 +46,9 @@ import jax.numpy as jnp
 from pallas_kernels import fp8_cast as _k
 from pallas_kernels.fp8_cast import tma as _tma
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import TMA_BLOCK, fused_cast_unavailable, keep_weight_copies, launch_options, tma_cast
-from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_update, f8_dot,
+from te_jax.fp8.fused import (TMA_BLOCK, fused_cast_unavailable, keep_weight_copies, launch_options,
+                              state_update_kernel, tma_cast)
+from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_updates, f8_dot,
                                  gemm_style, quantize, wgrad_style)
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -74,6 +75,7 @@ class _Cfg:
     interpret: bool | None
     norm: _nc.NormSpec | None = None  # x is the norm's input: the norm runs fused into x's cast (norm_cast.py)
     keep_weights: bool = False  # fused.keep_weight_copies(recipe): the forward's FP8 weight copies go to the backward
+    state_kernel: bool = dataclasses.field(default_factory=state_update_kernel)  # quantize.delayed_updates' kernel
 
 
 def _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b):
@@ -93,12 +95,6 @@ def _gemm_owing_scale(cfg, out_dtype, a_sinv, b_sinv, a, b):
     if cfg.style not in ("direct", "wgrad_qdq"):
         return _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b), None
     return f8_dot(a, b, _TN, out_dtype), (a_sinv * b_sinv).astype(jnp.float32)
-
-
-def _update(recipe, history, scale, new_amax, fmax):
-    """quantize.delayed_update -> (next scale (1,), next history (L,))."""
-    s, h = delayed_update(history, scale, new_amax, fmax, recipe.margin, recipe.amax_compute_algo)
-    return s.reshape(1), h
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -162,10 +158,12 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
     y = _gemm(cfg, dt, 1.0 / sa, 1.0 / sw2, aq, w2qT)                     # [M, Dout] wo fprop
     new_fwd = None
     if delayed:  # the forward halves of the two states' updates (input_*, kernel_*), handed out by the backward
-        new_fwd = (_update(recipe, wi_state["input_amax_history"], sx, ax, fmax)
-                   + _update(recipe, wi_state["kernel_amax_history"], sw1, aw1, fmax),
-                   _update(recipe, wo_state["input_amax_history"], sa, aa, fmax)
-                   + _update(recipe, wo_state["kernel_amax_history"], sw2, aw2, fmax))
+        ups = delayed_updates(recipe, [(wi_state["input_amax_history"], sx, ax, fmax),
+                                       (wi_state["kernel_amax_history"], sw1, aw1, fmax),
+                                       (wo_state["input_amax_history"], sa, aa, fmax),
+                                       (wo_state["kernel_amax_history"], sw2, aw2, fmax)], cfg.interpret,
+                              cfg.state_kernel)
+        new_fwd = (ups[0] + ups[1], ups[2] + ups[3])
         grad_state = ((wi_state["output_grad_scale"], wi_state["output_grad_amax_history"]),
                       (wo_state["output_grad_scale"], wo_state["output_grad_amax_history"]))
     else:
@@ -213,8 +211,10 @@ def _mlp_bwd(cfg, res, dy):
     dw1 = _wgrad(cfg, dt, sxi, 1.0 / sdgu, xqT, dguqT)                    # [D, n*F]   wi wgrad
     wi_ct = wo_ct = None
     if delayed:
-        wi_ct = dict(zip(STATE_KEYS, new_fwd[0] + _update(recipe, wi_gh, sdgu, adgu, bmax)))
-        wo_ct = dict(zip(STATE_KEYS, new_fwd[1] + _update(recipe, wo_gh, sdy, ady, bmax)))
+        up_wi, up_wo = delayed_updates(recipe, [(wi_gh, sdgu, adgu, bmax), (wo_gh, sdy, ady, bmax)], cfg.interpret,
+                                       cfg.state_kernel)
+        wi_ct = dict(zip(STATE_KEYS, new_fwd[0] + up_wi))
+        wo_ct = dict(zip(STATE_KEYS, new_fwd[1] + up_wo))
     dw1 = dw1.reshape(xqT.shape[0], -1, w2q.shape[0]).astype(cfg.w1_dtype)
     dgamma = dbeta = None
     if norm_res is not None:  # dx above is the norm output's cotangent

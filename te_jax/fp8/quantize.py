@@ -71,12 +71,13 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.fp8_cast import cast_transpose, cast_transpose_many, cast_transposed, many_block
+from pallas_kernels.fp8_cast.history import MAX_HISTORY, delayed_update_many
 from pallas_kernels.fp8_gemm import quantize_blocks
 from te_jax._compat import gpu_compute_capability
 from te_jax.backends import policy
 from te_jax.fp8 import norm_cast as _nc
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
-from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options
+from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options, state_update_kernel
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
 
 GEMM_STYLES = ("direct", "qdq", "wgrad_qdq")
@@ -124,6 +125,24 @@ def delayed_update(amax_history, scale, new_amax, fmax, margin=0, algo="max"):
     nxt = jnp.where(finite, compute_scale(window, scale, fmax, margin), jnp.asarray(scale, jnp.float32))
     h = jnp.roll(h, -1).at[0].set(0.0)
     return nxt, h
+
+
+def delayed_updates(recipe, items, interpret, kernel):
+    """delayed_update for each of items [(history [L], scale, this step's amax, fmax), ...] under recipe (a
+    DelayedScaling) -> [(next scale (1,), next history [L]), ...]. A fused path's states: in one kernel
+    (pallas_kernels.fp8_cast.history, the same values) where `kernel` (its cfg's fused.state_update_kernel(), read
+    before its custom_vjp: a setting read inside would be cached with the traced function) and L <= the kernel's
+    MAX_HISTORY, else as XLA ops per tensor. interpret: the fused path's (None: interpret off a GPU)."""
+    if kernel and items[0][0].shape[0] <= MAX_HISTORY:
+        scales, hists = delayed_update_many([h for h, _, _, _ in items], [s for _, s, _, _ in items],
+                                            [a for _, _, a, _ in items], [f for _, _, _, f in items],
+                                            margin=recipe.margin, algo=recipe.amax_compute_algo, interpret=interpret)
+        return list(zip(scales, hists))
+    out = []
+    for h, s, a, f in items:
+        nxt, nh = delayed_update(h, s, a, f, recipe.margin, recipe.amax_compute_algo)
+        out.append((nxt.reshape(1), nh))
+    return out
 
 
 def quantize(x, scale, dtype):
@@ -443,6 +462,7 @@ class _TNCfg:
     x_dtype: object  # dx's dtype
     keep_weights: bool = False  # fused.keep_weight_copies: the forward's FP8 weight copies go to the backward
     merged_casts: bool = False  # fused.merged_casts: GEMMs sharing x_q / x_qT run as one over stacked casts
+    state_kernel: bool = dataclasses.field(default_factory=state_update_kernel)  # delayed_updates' kernel
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -490,13 +510,13 @@ def _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg):
             wqs.append(wq)
             aws.append(aw)
     new_fwd = []
-    for i in range(len(kernels) if delayed else 0):
-        s = states[i]
-        nx, hx = delayed_update(s["input_amax_history"], _read_scale(s["input_scale"]), ax, fmt.max_fwd,
-                                recipe.margin, recipe.amax_compute_algo)
-        nw, hw = delayed_update(s["kernel_amax_history"], sws[i], aws[i], fmt.max_fwd, recipe.margin,
-                                recipe.amax_compute_algo)
-        new_fwd.append((nx.reshape(1), hx, nw.reshape(1), hw, s["output_grad_scale"], s["output_grad_amax_history"]))
+    if delayed:  # every input and kernel history of the call in one update
+        items = [item for i, s in enumerate(states) for item in (
+            (s["input_amax_history"], _read_scale(s["input_scale"]), ax, fmt.max_fwd),
+            (s["kernel_amax_history"], sws[i], aws[i], fmt.max_fwd))]
+        ups = delayed_updates(recipe, items, cfg.interpret, cfg.state_kernel)
+        for i, s in enumerate(states):
+            new_fwd.append(ups[2 * i] + ups[2 * i + 1] + (s["output_grad_scale"], s["output_grad_amax_history"]))
     norm_res = None if cfg.norm is None else (x2, gamma, beta, st)
     return tuple(ys), (xtq, 1.0 / sx, tuple(kernels), tuple(sws), tuple(wqs) if cfg.keep_weights else None,
                        tuple(new_fwd) if delayed else None, norm_res)
@@ -527,10 +547,10 @@ def _tn_dense_bwd(cfg, res, gs):
         wq = wqs[i] if wqs is not None else quantize(w2, sw, fmt.fwd_dtype)
         d = _tn_gemm(gqs[i], wq, x_dtype, 1.0 / sgs[i], 1.0 / sw, cfg.style)  # dgrad
         dx = d if dx is None else dx + d                                       # summed as autodiff would
-        if new_fwd is not None:
-            ng, hg = delayed_update(new_fwd[i][5], sgs[i], ags[i], fmt.max_bwd, recipe.margin,
-                                    recipe.amax_compute_algo)
-            state_cts.append(dict(zip(STATE_KEYS, new_fwd[i][:4] + (ng.reshape(1), hg))))
+    if new_fwd is not None:  # every output-gradient history of the call in one update
+        ups = delayed_updates(recipe, [(f[5], sg, ag, fmt.max_bwd) for f, sg, ag in zip(new_fwd, sgs, ags)],
+                              cfg.interpret, cfg.state_kernel)
+        state_cts = [dict(zip(STATE_KEYS, f[:4] + up)) for f, up in zip(new_fwd, ups)]
     dgamma = dbeta = None
     if norm_res is not None:  # dx is the norm output's cotangent: through the norm's backward
         x2, gamma, beta, st = norm_res
@@ -595,6 +615,7 @@ def fp8_dot_general(x, w, dimension_numbers, recipe, state=None, *, preferred_el
     return _per_tensor_dot(x, w, state, dn, recipe, dtypes, style)
 
 
-__all__ = ["fp8_dot_general", "quantize", "dequantize", "qdq", "compute_scale", "delayed_update", "amax",
+__all__ = ["fp8_dot_general", "quantize", "dequantize", "qdq", "compute_scale", "delayed_update", "delayed_updates",
+           "amax",
            "fp8_max", "init_state", "block_qdq", "STATE_KEYS", "GEMM_STYLES", "GEMM_STYLE", "gemm_style",
            "wgrad_style"]
