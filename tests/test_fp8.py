@@ -533,7 +533,12 @@ class _Block(nn.Module):
         return x + y, None
 
 
-def test_state_through_scan_remat_and_checkpoint():
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_state_through_scan_remat_and_checkpoint(fused, monkeypatch):
+    """The delayed-scaling state under nn.scan(nn.remat(...)): one state per layer, updated, through a checkpoint.
+    fused="1": the fused MLP (interpret mode here), whose state updates run in one kernel per pass; they equal the
+    XLA ops' (TE_JAX_FP8_STATE_KERNEL=0) bitwise."""
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", fused)
     stack = nn.scan(nn.remat(_Block), variable_axes={"params": 0, fp8.FP8_COLLECTION: 0},
                     split_rngs={"params": True}, length=3, metadata_params={nn.PARTITION_NAME: "layers"})
     x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 16))
@@ -559,6 +564,10 @@ def test_state_through_scan_remat_and_checkpoint():
                                            serialization.msgpack_restore(blob))
         jax.tree_util.tree_map(np.testing.assert_array_equal, v3, v2)
         np.testing.assert_array_equal(f(v3), f(v2))
+        if fused == "1":
+            monkeypatch.setenv("TE_JAX_FP8_STATE_KERNEL", "0")
+            g_ops = jax.jit(jax.grad(lambda v: f(v)))(v)
+            jax.tree_util.tree_map(np.testing.assert_array_equal, g_ops[fp8.FP8_COLLECTION], g[fp8.FP8_COLLECTION])
 
 
 @pytest.mark.parametrize("fused", ["0", "1"])
