@@ -3,6 +3,7 @@ pallas_kernels/fp8_gemm/act_cast.py): the kernels against quantize_blocks of XLA
 the unfused block path and fp32, and LayerNormMLP's dispatch. The GEMM runs as its jnp reference
 (TE_JAX_FP8_BLOCK_GEMM=emulate); the cast kernels in interpret mode (TE_JAX_FP8_FUSED=1)."""
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -278,3 +279,55 @@ def test_fused_block_mlp_refuses_bad_arguments_by_name():
         fused_block_fp8_mlp(x, w1, w2[:64], Float8BlockScaling(), activations=("silu", "linear"))
     with pytest.raises(ValueError, match=r"shapes x \(128, 256\), w1 \(256, 2, 128\)"):
         fused_block_fp8_mlp(x, w1, w2, Float8BlockScaling(), activations=("silu",))
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_kept_block_weight_copies_change_no_value(monkeypatch, fused):
+    """TE_JAX_FP8_KEEP_WEIGHTS=1 under Float8BlockScaling: with the weights' FP8 copies kept (their forward casts
+    write both layouts; auto keeps none: on the H100 it did not pay) the fused block MLP and a block dense GEMM give
+    bitwise the values of the re-cast path ("0"), and with the cast kernels on, the kept path runs two fewer block
+    casts in the MLP (w1 and w2 are not cast again in the backward) and one fewer in the dense GEMM."""
+    from te_jax.fp8 import quantize as Q
+    from te_jax.fp8.block_mlp import fused_block_fp8_mlp
+    from te_jax.fp8.fused import keep_weight_copies
+    from te_jax.fp8.recipe import Float8BlockScaling
+
+    monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", "emulate")
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", fused)
+    recipe = Float8BlockScaling()
+    assert not keep_weight_copies(recipe) and not keep_weight_copies(recipe, dense=True)
+    rng = np.random.default_rng(7)
+    d, f, dout = 256, 256, 128
+    x = jnp.asarray(rng.standard_normal((1, 128, d)), BF)
+    w1 = jnp.asarray(rng.standard_normal((d, 2, f)) * d ** -0.5, BF)
+    w2 = jnp.asarray(rng.standard_normal((f, dout)) * f ** -0.5, BF)
+
+    def block_casts(jaxpr):
+        n = 0
+        for e in jaxpr.eqns:
+            n += e.primitive.name == "pallas_call" and "te_fp8_block_cast_transpose" in str(e.params)
+            for p in e.params.values():
+                for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        n += block_casts(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        n += block_casts(sub)
+        return n
+
+    def run(keep, fn):
+        monkeypatch.setenv("TE_JAX_FP8_KEEP_WEIGHTS", keep)
+
+        def step(x, w1, w2):
+            y, vjp = jax.vjp(fn, x, w1, w2)
+            return (y, *vjp(jax.random.normal(jax.random.key(3), y.shape, y.dtype)))
+
+        return jax.jit(step)(x, w1, w2), block_casts(jax.make_jaxpr(step)(x, w1, w2).jaxpr)
+
+    mlp = lambda x, w1, w2: fused_block_fp8_mlp(x, w1, w2, recipe, activations=("silu", "linear"))  # noqa: E731
+    dense = lambda x, w1, w2: Q.fp8_dot_general(x, w1[:, 0], (((2,), (0,)), ((), ())), recipe)  # noqa: E731
+    for fn, fewer in ((mlp, 2), (dense, 1)):
+        (kept, n_kept), (recast, n_recast) = run("1", fn), run("0", fn)
+        for a, b in zip(kept, recast):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        if fused == "1":
+            assert n_recast - n_kept == fewer, (n_kept, n_recast)

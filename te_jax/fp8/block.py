@@ -25,7 +25,8 @@ The three GEMMs, each "TN" with per-row scales per 128-wide contraction block (M
 The weight tiles are square, so w and w^T quantize to the same values: each is cast in its own layout.
 Quantization: each operand and its transpose in one pass of pallas_kernels.fp8_gemm.block_cast_transpose where
 the FP8 casts are fused (TE_JAX_FP8_FUSED: on a GPU by default), else two XLA quantizations. The forward keeps
-x^T's FP8 copy for the wgrad; the weight is re-cast in the backward.
+x^T's FP8 copy for the wgrad; the weight is re-cast in the backward, or (fused.keep_weight_copies(recipe,
+dense=True)) its forward cast writes both layouts and the backward takes w_q as it is.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 from pallas_kernels.fp8_gemm import (BLOCK_K, block_cast_transpose, block_scaled_gemm_persistent,
                                      block_scaled_gemm_reference, quantize_blocks, row_scales)
 from te_jax.backends import policy
-from te_jax.fp8.fused import fused_setting
+from te_jax.fp8.fused import fused_setting, keep_weight_copies
 
 BLOCK_GEMM_ENV = "TE_JAX_FP8_BLOCK_GEMM"
 BLOCK_GEMM_MODES = ("auto", "xla", "pallas", "emulate")
@@ -118,22 +119,24 @@ def block_casts_fused() -> bool:
     return setting == "1" or (setting == "auto" and jax.default_backend() == "gpu")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion):
-    return _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _dot(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion, keep):
+    return _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion, keep)[0]
 
 
-def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion):
+def _dot_fwd(x2, w2, fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion, keep):
     xq, xs, xqt, xts = block_cast(x2, fwd_dtype, "rows", fused)
-    _, _, wqt, wts = block_cast(w2, fwd_dtype, "square", fused, write="qt")
-    # saved: x's transposed copy for the wgrad (FP8); the weight is re-cast in the backward
-    return block_gemm(mode, out_dtype, True, promotion)(xq, wqt, xs, wts), (xqt, xts, w2, jnp.zeros((), x2.dtype))
+    wq, ws, wqt, wts = block_cast(w2, fwd_dtype, "square", fused, write="both" if keep else "qt")
+    # saved: x's transposed copy for the wgrad (FP8); the weight's FP8 copy when kept, else it is re-cast
+    kept = (wq, ws) if keep else None
+    return (block_gemm(mode, out_dtype, True, promotion)(xq, wqt, xs, wts),
+            (xqt, xts, w2, jnp.zeros((), x2.dtype), kept))
 
 
-def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion, res, g):
-    xqt, xts, w2, x_dtype_carrier = res
+def _dot_bwd(fwd_dtype, bwd_dtype, out_dtype, mode, fused, promotion, keep, res, g):
+    xqt, xts, w2, x_dtype_carrier, kept = res
     gq, gs, gqt, gts = block_cast(g, bwd_dtype, "rows", fused)
-    wq, ws, _, _ = block_cast(w2, fwd_dtype, "square", fused, write="q")
+    wq, ws = kept if kept is not None else block_cast(w2, fwd_dtype, "square", fused, write="q")[:2]
     dx = block_gemm(mode, x_dtype_carrier.dtype, True, promotion)(gq, wq, gs, ws)
     dw = block_gemm(mode, w2.dtype, False, promotion)(xqt, gqt, xts, gts)
     return dx, dw
@@ -148,7 +151,7 @@ def block_scaled_dot(x, w, n_contract: int, recipe, out_dtype, mode: str):
     fmt = recipe.fp8_format
     k = math.prod(x.shape[x.ndim - n_contract:])
     y = _dot(x.reshape(-1, k), w.reshape(k, -1), fmt.fwd_dtype, fmt.bwd_dtype, jnp.dtype(out_dtype), mode,
-             block_casts_fused(), block_promotion(recipe))
+             block_casts_fused(), block_promotion(recipe), keep_weight_copies(recipe, dense=True))
     return y.reshape(x.shape[:x.ndim - n_contract] + w.shape[n_contract:])
 
 

@@ -2,7 +2,8 @@
 per-tensor recipes).
 
     x [M, D] dt  -- block cast, 1x128 --> x_q [M, D], x_qT [D, M]                    (block.py's block_cast)
-    w1 [D, n*F]  -- 128x128 --> w1_qT [n*F, D]     (w1_q re-cast in the backward; likewise w2)
+    w1 [D, n*F]  -- 128x128 --> w1_qT [n*F, D]     (w1_q re-cast in the backward, or written by the same cast and
+                                                   kept: fused.keep_weight_copies; likewise w2)
     gu [M, n*F] dt = x_q . w1_qT                                      (FP8 block GEMM, wi fprop)
     a_q [M, F], a_qT [F, M] + 1x128 scales = act_block_cast(gu)       (activation + both block casts, one pass)
     y [M, Dout] dt = a_q . w2_qT                                      (wo fprop)
@@ -25,6 +26,7 @@ from pallas_kernels.fp8_cast.common import act_fn, dact
 from pallas_kernels.fp8_gemm import act_block_cast, dact_block_cast_transpose
 from te_jax.fp8.block import (block_cast, block_casts_fused, block_gemm, block_gemm_mode, block_gemm_reason,
                               block_promotion)
+from te_jax.fp8.fused import keep_weight_copies
 from te_jax.fp8.recipe import Float8BlockScaling
 
 
@@ -69,37 +71,43 @@ def _dact(dh, gu3, dt, activation, gated, bdt, fused):
     return block_cast(dgu, bdt, "rows", False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _mlp(x, w1, w2, activation, gated, recipe, mode, fused):
-    return _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _mlp(x, w1, w2, activation, gated, recipe, mode, fused, keep):
+    return _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused, keep)[0]
 
 
-def _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused):
-    """x [M, D] dt, w1 [D, n, F], w2 [F, Dout] -> y [M, Dout] dt."""
+def _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused, keep):
+    """x [M, D] dt, w1 [D, n, F], w2 [F, Dout] -> y [M, Dout] dt. keep: the weights' casts write both layouts and
+    the backward's dgrads take w_q as it is (fused.keep_weight_copies), else the backward re-casts them."""
     dt, fdt = x.dtype, recipe.fp8_format.fwd_dtype
     promotion = block_promotion(recipe)
     d, n, f = w1.shape
+    write = "both" if keep else "qt"
     w1f = w1.reshape(d, n * f).astype(dt)
     xq, xs, xqt, xts = block_cast(x, fdt, "rows", fused)
-    _, _, w1qt, w1ts = block_cast(w1f, fdt, "square", fused, write="qt")
+    w1q, w1s, w1qt, w1ts = block_cast(w1f, fdt, "square", fused, write=write)
     gu = block_gemm(mode, dt, True, promotion)(xq, w1qt, xs, w1ts)               # [M, n*F]   wi fprop
     aq, a_s, aqt, ats = _act(gu.reshape(-1, n, f), dt, activation, gated, fdt, fused)
-    _, _, w2qt, w2ts = block_cast(w2.astype(dt), fdt, "square", fused, write="qt")
+    w2q, w2s, w2qt, w2ts = block_cast(w2.astype(dt), fdt, "square", fused, write=write)
     y = block_gemm(mode, dt, True, promotion)(aq, w2qt, a_s, w2ts)               # [M, Dout]  wo fprop
-    return y, (xqt, xts, w1, w2, aqt, ats, gu)
+    kept = (w1q, w1s, w2q, w2s) if keep else None
+    return y, (xqt, xts, w1, w2, aqt, ats, gu, kept)
 
 
-def _mlp_bwd(activation, gated, recipe, mode, fused, res, dy):
-    xqt, xts, w1, w2, aqt, ats, gu = res
+def _mlp_bwd(activation, gated, recipe, mode, fused, keep, res, dy):
+    xqt, xts, w1, w2, aqt, ats, gu, kept = res
     dt, fdt, bdt = gu.dtype, recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     promotion = block_promotion(recipe)
     d, n, f = w1.shape
     gq, gs, gqt, gts = block_cast(dy.astype(dt), bdt, "rows", fused)
-    w2q, w2s, _, _ = block_cast(w2.astype(dt), fdt, "square", fused, write="q")  # re-cast: no FP8 weight kept
+    if kept is not None:
+        w1q, w1s, w2q, w2s = kept
+    else:  # re-cast: no FP8 weight kept
+        w2q, w2s, _, _ = block_cast(w2.astype(dt), fdt, "square", fused, write="q")
+        w1q, w1s, _, _ = block_cast(w1.reshape(d, n * f).astype(dt), fdt, "square", fused, write="q")
     dh = block_gemm(mode, dt, True, promotion)(gq, w2q, gs, w2s)                 # [M, F]     wo dgrad
     dw2 = block_gemm(mode, dt, False, promotion)(aqt, gqt, ats, gts)             # [F, Dout]  wo wgrad
     dguq, dgus, dguqt, dguts = _dact(dh, gu.reshape(-1, n, f), dt, activation, gated, bdt, fused)
-    w1q, w1s, _, _ = block_cast(w1.reshape(d, n * f).astype(dt), fdt, "square", fused, write="q")
     dx = block_gemm(mode, dt, True, promotion)(dguq, w1q, dgus, w1s)             # [M, D]     wi dgrad
     dw1 = block_gemm(mode, dt, False, promotion)(xqt, dguqt, xts, dguts)         # [D, n*F]   wi wgrad
     return dx, dw1.reshape(w1.shape).astype(w1.dtype), dw2.astype(w2.dtype)
@@ -119,7 +127,8 @@ def fused_block_fp8_mlp(x, w1, w2, recipe, *, activations):
     if n != len(acts) or x.shape[-1] != d or w2.ndim != 2 or w2.shape[0] != f:
         raise ValueError(f"fused_block_fp8_mlp: shapes x {tuple(x.shape)}, w1 {tuple(w1.shape)}, w2 "
                          f"{tuple(w2.shape)} do not fit activations {acts} (w1 [D, {len(acts)}, F], w2 [F, Dout]).")
-    y = _mlp(x.reshape(-1, d), w1, w2, acts[0], len(acts) == 2, recipe, block_gemm_mode(), block_casts_fused())
+    y = _mlp(x.reshape(-1, d), w1, w2, acts[0], len(acts) == 2, recipe, block_gemm_mode(), block_casts_fused(),
+             keep_weight_copies(recipe))
     return y.reshape(x.shape[:-1] + (w2.shape[1],))
 
 
