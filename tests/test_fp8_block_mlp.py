@@ -34,6 +34,12 @@ def _act_ref(gu, activation, gated):
     return (fn(g) * gu[:, 1].astype(jnp.float32)) if gated else fn(g)
 
 
+def _on_sm90():
+    from te_jax.backends.pallas import hopper_device_reason
+
+    return jax.default_backend() == "gpu" and hopper_device_reason() is None
+
+
 def _assert_same_casts(got, want, max_mismatch):
     """q and q^T: at most max_mismatch of the elements differ; the scales agree to bf16 rounding. On a GPU (the
     kernel compiled by Triton, not interpreted) up to 5% of the FP8 values may sit one FP8 step from XLA's: on the
@@ -73,6 +79,24 @@ def test_activation_block_casts_match_quantize_blocks(activation, gated, dtype, 
     got = dact_block_cast_transpose(dh, gu, activation=activation, out_dtype=dtype, round_to=BF, interpret=True)
     assert got[0].shape == (m, n * f) and got[2].shape == (n * f, m)
     _assert_same_casts(got, _rows_casts(dgu, dtype), max(max_mismatch, 2e-3))  # autodiff inside vs outside
+
+
+@pytest.mark.skipif(not _on_sm90(), reason="the TMA kernel runs on an sm90 GPU only")
+@pytest.mark.parametrize("activation,gated,dtype", [("silu", True, E5), ("gelu", False, E4)])
+def test_dact_block_cast_on_tma_matches_the_triton_kernel(activation, gated, dtype):
+    """pallas_kernels/fp8_gemm/act_cast_tma.py (sm90): the same FP8 values and scales, both layouts, as
+    dact_block_cast_transpose (the Triton kernel, itself checked against quantize_blocks above), on an awkward
+    grid (3 x 5 tiles) with values across several binades."""
+    from pallas_kernels.fp8_gemm.act_cast_tma import dact_block_cast_transpose_tma
+
+    m, f, n = 384, 640, 2 if gated else 1
+    k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
+    gu = (jax.random.normal(k1, (m, n, f)) * 3).astype(BF)
+    dh = (jax.random.normal(k2, (m, f)) * jnp.exp2(jax.random.randint(k3, (m, f), -6, 6))).astype(BF)
+    kw = dict(activation=activation, out_dtype=dtype, round_to=BF)
+    got = jax.jit(lambda dh, gu: dact_block_cast_transpose_tma(dh, gu, **kw))(dh, gu)
+    want = jax.jit(lambda dh, gu: dact_block_cast_transpose(dh, gu, **kw))(dh, gu)
+    _assert_same_casts(got, want, 0.0)
 
 
 def test_activation_block_cast_refuses_shapes_off_the_block_grid():
@@ -154,12 +178,6 @@ def test_layernorm_mlp_takes_the_fused_block_path_and_says_why_not(monkeypatch):
         v = jax.eval_shape(lambda: m.init(jax.random.key(0), x, deterministic=True))
         assert "unfused FP8 MLP: wi GEMM: N=200 not a multiple of 128" in str(
             fp8.explain(lambda v: m.apply(v, x, deterministic=True), v))
-
-
-def _on_sm90():
-    from te_jax.backends.pallas import hopper_device_reason
-
-    return jax.default_backend() == "gpu" and hopper_device_reason() is None
 
 
 @pytest.mark.skipif(not _on_sm90(), reason="the FP8 block GEMM kernel needs an sm90 GPU and jax >= 0.11")
