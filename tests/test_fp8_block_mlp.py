@@ -99,6 +99,33 @@ def test_dact_block_cast_on_tma_matches_the_triton_kernel(activation, gated, dty
     _assert_same_casts(got, want, 0.0)
 
 
+@pytest.mark.skipif(not _on_sm90(), reason="the TMA kernel runs on an sm90 GPU only")
+def test_fused_block_mlp_with_the_tma_dact_cast(monkeypatch):
+    """TE_JAX_FP8_TMA_CASTS=block_dact: the fused block MLP's step with the SwiGLU backward's block casts on TMA
+    against the default (Triton) step: y and dw2 (before that cast) equal, dx and dw1 within 1% (a reciprocal scale
+    may round differently in the two compilers, moving a few FP8 values by one step)."""
+    from te_jax.fp8.block_mlp import fused_block_fp8_mlp
+    from te_jax.fp8.recipe import Float8BlockScaling
+
+    recipe = Float8BlockScaling()
+    rng = np.random.default_rng(5)
+    d, f, dout = 256, 384, 128
+    x = jnp.asarray(rng.standard_normal((2, 128, d)), BF)
+    w1 = jnp.asarray(rng.standard_normal((d, 2, f)) * d ** -0.5, BF)
+    w2 = jnp.asarray(rng.standard_normal((f, dout)) * f ** -0.5, BF)
+    g = jnp.asarray(rng.standard_normal((2, 128, dout)), BF)
+
+    def run(kinds):
+        monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", kinds)
+        fn = lambda x, w1, w2: fused_block_fp8_mlp(x, w1, w2, recipe, activations=("silu", "linear"))  # noqa: E731
+        return jax.jit(lambda x, w1, w2: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(fn, x, w1, w2)))(x, w1, w2)
+
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())  # noqa
+                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    for name, a, b in zip(("y", "dx", "dw1", "dw2"), run("block_dact"), run("none")):
+        assert rel(a, b) <= (1e-2 if name in ("dx", "dw1") else 0.0), (name, rel(a, b))
+
+
 def test_activation_block_cast_refuses_shapes_off_the_block_grid():
     with pytest.raises(ValueError, match=r"gu \[M, n, F\] = \(256, 2, 200\) needs M and F multiples of 128"):
         act_block_cast(jnp.zeros((256, 2, 200), BF), activation="silu", out_dtype=E4)

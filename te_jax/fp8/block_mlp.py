@@ -24,9 +24,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8_cast.common import act_fn, dact
 from pallas_kernels.fp8_gemm import act_block_cast, dact_block_cast_transpose
+from pallas_kernels.fp8_gemm.act_cast_tma import dact_block_cast_transpose_tma
 from te_jax.fp8.block import (block_cast, block_casts_fused, block_gemm, block_gemm_mode, block_gemm_reason,
                               block_promotion)
-from te_jax.fp8.fused import keep_weight_copies
+from te_jax.fp8.fused import keep_weight_copies, tma_cast
 from te_jax.fp8.recipe import Float8BlockScaling
 
 
@@ -61,7 +62,10 @@ def _act(gu3, dt, activation, gated, fdt, fused):
 
 
 def _dact(dh, gu3, dt, activation, gated, bdt, fused):
-    """(dh [M, F], gu [M, n, F]) -> dgu's block casts as [M, n*F] (q, scales, qT, scales)."""
+    """(dh [M, F], gu [M, n, F]) -> dgu's block casts as [M, n*F] (q, scales, qT, scales). The Triton kernel, or
+    with TE_JAX_FP8_TMA_CASTS listing "block_dact" (opt-in, not yet run on a GPU) its TMA twin."""
+    if fused and tma_cast("block_dact", None, dh, gu3.reshape(gu3.shape[0], -1)):
+        return dact_block_cast_transpose_tma(dh, gu3, activation=activation, out_dtype=bdt, round_to=dt)
     if fused:
         return dact_block_cast_transpose(dh, gu3, activation=activation, out_dtype=bdt, round_to=dt)
     g = gu3[:, 0].astype(jnp.float32)
