@@ -40,6 +40,29 @@ def _on_sm90():
     return jax.default_backend() == "gpu" and hopper_device_reason() is None
 
 
+def _mlp_case(seed, batch, d, f, dout):
+    """x [batch, 128, d], w1 [d, 2, f], w2 [f, dout], the output cotangent g (bf16, random)."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((batch, 128, d)), BF)
+    w1 = jnp.asarray(rng.standard_normal((d, 2, f)) * d ** -0.5, BF)
+    w2 = jnp.asarray(rng.standard_normal((f, dout)) * f ** -0.5, BF)
+    g = jnp.asarray(rng.standard_normal((batch, 128, dout)), BF)
+    return x, w1, w2, g
+
+
+def _fused_mlp_step(recipe, x, w1, w2, g):
+    """(y, dx, dw1, dw2) of the fused block SwiGLU MLP, jitted (settings read now: a fresh trace per call)."""
+    from te_jax.fp8.block_mlp import fused_block_fp8_mlp
+
+    fn = lambda x, w1, w2: fused_block_fp8_mlp(x, w1, w2, recipe, activations=("silu", "linear"))  # noqa: E731
+    return jax.jit(lambda x, w1, w2: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(fn, x, w1, w2)))(x, w1, w2)
+
+
+def _rel(a, b):
+    a, b = a.astype(jnp.float32).ravel(), b.astype(jnp.float32).ravel()
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
 def _assert_same_casts(got, want, max_mismatch):
     """q and q^T: at most max_mismatch of the elements differ; the scales agree to bf16 rounding. On a GPU (the
     kernel compiled by Triton, not interpreted) up to 5% of the FP8 values may sit one FP8 step from XLA's: on the
@@ -104,26 +127,16 @@ def test_fused_block_mlp_with_the_tma_dact_cast(monkeypatch):
     """TE_JAX_FP8_TMA_CASTS=block_dact: the fused block MLP's step with the SwiGLU backward's block casts on TMA
     against the default (Triton) step: y and dw2 (before that cast) equal, dx and dw1 within 1% (a reciprocal scale
     may round differently in the two compilers, moving a few FP8 values by one step)."""
-    from te_jax.fp8.block_mlp import fused_block_fp8_mlp
     from te_jax.fp8.recipe import Float8BlockScaling
 
-    recipe = Float8BlockScaling()
-    rng = np.random.default_rng(5)
-    d, f, dout = 256, 384, 128
-    x = jnp.asarray(rng.standard_normal((2, 128, d)), BF)
-    w1 = jnp.asarray(rng.standard_normal((d, 2, f)) * d ** -0.5, BF)
-    w2 = jnp.asarray(rng.standard_normal((f, dout)) * f ** -0.5, BF)
-    g = jnp.asarray(rng.standard_normal((2, 128, dout)), BF)
+    case = _mlp_case(5, 2, 256, 384, 128)
 
     def run(kinds):
         monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", kinds)
-        fn = lambda x, w1, w2: fused_block_fp8_mlp(x, w1, w2, recipe, activations=("silu", "linear"))  # noqa: E731
-        return jax.jit(lambda x, w1, w2: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(fn, x, w1, w2)))(x, w1, w2)
+        return _fused_mlp_step(Float8BlockScaling(), *case)
 
-    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())  # noqa
-                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
     for name, a, b in zip(("y", "dx", "dw1", "dw2"), run("block_dact"), run("none")):
-        assert rel(a, b) <= (1e-2 if name in ("dx", "dw1") else 0.0), (name, rel(a, b))
+        assert _rel(a, b) <= (1e-2 if name in ("dx", "dw1") else 0.0), (name, _rel(a, b))
 
 
 def test_activation_block_cast_refuses_shapes_off_the_block_grid():
@@ -215,26 +228,17 @@ def test_fused_block_mlp_on_the_gpu(monkeypatch, split):
     split accumulator; without it (the tensor cores' accumulation) they are within 2%: they come after dH is
     re-quantized to E5M2 (2 mantissa bits), where the GEMM's last-bit differences move whole FP8 steps (1.04%
     measured on the H100)."""
-    from te_jax.fp8.block_mlp import fused_block_fp8_mlp
     from te_jax.fp8.recipe import Float8BlockScaling, Format
 
     recipe = Float8BlockScaling(fp8_format=Format.HYBRID, use_split_accumulator=split)
-    rng = np.random.default_rng(4)
-    d, f, dout = 512, 768, 256
-    x = jnp.asarray(rng.standard_normal((4, 128, d)), BF)
-    w1 = jnp.asarray(rng.standard_normal((d, 2, f)) * d ** -0.5, BF)
-    w2 = jnp.asarray(rng.standard_normal((f, dout)) * f ** -0.5, BF)
-    g = jnp.asarray(rng.standard_normal((4, 128, dout)), BF)
+    case = _mlp_case(4, 4, 512, 768, 256)
 
     def run(mode):
         monkeypatch.setenv("TE_JAX_FP8_BLOCK_GEMM", mode)
-        fn = lambda x, w1, w2: fused_block_fp8_mlp(x, w1, w2, recipe, activations=("silu", "linear"))
-        return jax.jit(lambda x, w1, w2: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(fn, x, w1, w2)))(x, w1, w2)
+        return _fused_mlp_step(recipe, *case)
 
-    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
-                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
     for name, a, b in zip(("y", "dx", "dw1", "dw2"), run("pallas"), run("emulate")):
-        assert rel(a, b) < (2e-2 if name in ("dx", "dw1") and not split else 1e-2), (name, rel(a, b))
+        assert _rel(a, b) < (2e-2 if name in ("dx", "dw1") and not split else 1e-2), (name, _rel(a, b))
 
 
 def test_fused_block_mlp_under_scan_and_remat(monkeypatch):
