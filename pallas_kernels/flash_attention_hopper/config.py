@@ -134,10 +134,9 @@ class HopperConfig:
     # warpgroup's registers (bwd_dkv_together).
     bwd_dkv_block_q: int | None = None
     # dK and dV accumulated in one dK/dV launch.  None (auto): where max(head_dim, head_dim_v) <= 128, and for
-    # 192/128 and 160/160 (measured: DKV_TOGETHER_SPLIT_DIMS; under a mask on 32-row blocks only, measured at
-    # 192/128); elsewhere two launches (dK,
-    # then dV), each recomputing S.  True: one launch (both accumulators in registers: ptxas spills some at 192/128,
-    # and it is still faster there).
+    # 192/128 and 160/160 (measured: DKV_TOGETHER_ABOVE_128; under a mask on 32-row blocks only, measured at
+    # 192/128); elsewhere two launches (dK, then dV), each recomputing S.  True: one launch (both accumulators in
+    # registers: ptxas spills some at 192/128, and it is still faster there).
     bwd_dkv_together: bool | None = None
 
     def __post_init__(self):
@@ -244,22 +243,23 @@ def dkv_block_q(cfg: HopperConfig) -> int:
     return cfg.bwd_dkv_block_q or cfg.bwd_block_q
 
 
-#: Split head dims (q/k, v) whose dK and dV run in one launch under auto though one exceeds 128: 192/128's 64 x 192
-#: and 64 x 128 fp32 accumulators fill 160 of a warpgroup's 232-240 registers; ptxas spills 8-568 bytes, and the
-#: launch is still 1.04-1.12x two launches fwd+bwd on the H100 (attention_head_dims_h100.md, sixteenth session).
-DKV_TOGETHER_SPLIT_DIMS = ((192, 128), (160, 160))
+#: Head dims (q/k, v) above 128 whose dK and dV run in one launch under auto: 192/128's 64 x 192 and 64 x 128 fp32
+#: accumulators fill 160 of a warpgroup's 232-240 registers, as 160/160's do; ptxas spills 8-568 bytes at 192/128,
+#: and the launch is still 1.04-1.12x two launches fwd+bwd on the H100 (160/160: 1.04x; attention_head_dims_h100.md,
+#: sixteenth and seventeenth sessions).  Larger accumulators (176/176 up, 192/192, 256) keep two launches.
+DKV_TOGETHER_ABOVE_128 = ((192, 128), (160, 160))
 
 
 def dkv_together(cfg: HopperConfig, head_dim: int, head_dim_v: int, masked: bool = False) -> bool:
     """Whether one dK/dV launch accumulates both dK and dV (HopperConfig.bwd_dkv_together; auto: head dims up to
-    128, and DKV_TOGETHER_SPLIT_DIMS; under a data mask or band only on 32-row query blocks, as default_config(...,
+    128, and DKV_TOGETHER_ABOVE_128; under a data mask or band only on 32-row query blocks, as default_config(...,
     masked=True) gives them: with 64-row blocks the masked kernel was 0.95x two launches on documents), rather than
     two launches, dK then dV."""
     if cfg.bwd_dkv_together is not None:
         return cfg.bwd_dkv_together
     if max(head_dim, head_dim_v) <= 128:
         return True
-    return (head_dim, head_dim_v) in DKV_TOGETHER_SPLIT_DIMS and (not masked or dkv_block_q(cfg) == 32)
+    return (head_dim, head_dim_v) in DKV_TOGETHER_ABOVE_128 and (not masked or dkv_block_q(cfg) == 32)
 
 
 def describe_dkv(cfg: HopperConfig, head_dim: int, head_dim_v: int, masked: bool = False) -> str:
