@@ -7,8 +7,7 @@ M = 4 x 2048, hidden 4096, SwiGLU FFN 14336, bf16), each with num_warps 8 and 16
   cast rows   x [M, 4096]       -> q, its 1x128 scales, q^T, its scales           (block.py's activation cast)
   act         gu [M, 2, F]      -> a's 1x128 casts (both layouts)                 (forward, after the wi GEMM)
   dact        dh [M, F], gu     -> dgu's 1x128 casts as [M, 2F] (both layouts)     (backward, before the wi GEMMs)
-"xla" is quantize_blocks of the activation (and of its transpose) under jit; dact also runs its TMA twin
-(act_cast_tma.py, sm90; --no-tma leaves it out). TB/s of the kernel's minimal traffic
+"xla" is quantize_blocks of the activation (and of its transpose) under jit. TB/s of the kernel's minimal traffic
 (inputs read once, outputs written once, scales included), so every variant is rated on the same bytes; 3
 interleaved rounds (benchmarks.timing.bandwidth_rounds). Correctness: each kernel's FP8 values against xla's.
 """
@@ -23,7 +22,6 @@ import numpy as np
 from benchmarks import timing
 from pallas_kernels.fp8_cast import common as C
 from pallas_kernels.fp8_gemm import act_block_cast, block_cast_transpose, dact_block_cast_transpose, quantize_blocks
-from pallas_kernels.fp8_gemm.act_cast_tma import dact_block_cast_transpose_tma
 
 E4, E5, BF = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16
 
@@ -48,7 +46,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--no-tma", action="store_true", help="leave out dact's TMA (Mosaic GPU) kernel")
     args = ap.parse_args()
     m, d, f = args.tokens, 4096, 14336
     k = jax.random.split(jax.random.key(0), 3)
@@ -69,9 +66,6 @@ def main():
     for name, (operands, nbytes, xla, kernel) in cases.items():
         variants = {"xla": jax.jit(xla)}
         variants.update({f"kernel, {w} warps": jax.jit(kernel(dict(num_warps=w))) for w in (8, 16)})
-        if name == "dact" and not args.no_tma:  # the Mosaic GPU twin (sm90; pallas_kernels/fp8_gemm/act_cast_tma.py)
-            variants["TMA kernel"] = jax.jit(lambda dh, gu: dact_block_cast_transpose_tma(
-                dh, gu, activation="silu", out_dtype=E5, round_to=BF))
         want = variants["xla"](*operands)
         for vname, fn in variants.items():
             got = fn(*operands)

@@ -104,41 +104,6 @@ def test_activation_block_casts_match_quantize_blocks(activation, gated, dtype, 
     _assert_same_casts(got, _rows_casts(dgu, dtype), max(max_mismatch, 2e-3))  # autodiff inside vs outside
 
 
-@pytest.mark.skipif(not _on_sm90(), reason="the TMA kernel runs on an sm90 GPU only")
-@pytest.mark.parametrize("activation,gated,dtype", [("silu", True, E5), ("gelu", False, E4)])
-def test_dact_block_cast_on_tma_matches_the_triton_kernel(activation, gated, dtype):
-    """pallas_kernels/fp8_gemm/act_cast_tma.py (sm90): the same FP8 values and scales, both layouts, as
-    dact_block_cast_transpose (the Triton kernel, itself checked against quantize_blocks above), on an awkward
-    grid (3 x 5 tiles) with values across several binades."""
-    from pallas_kernels.fp8_gemm.act_cast_tma import dact_block_cast_transpose_tma
-
-    m, f, n = 384, 640, 2 if gated else 1
-    k1, k2, k3 = jax.random.split(jax.random.key(11), 3)
-    gu = (jax.random.normal(k1, (m, n, f)) * 3).astype(BF)
-    dh = (jax.random.normal(k2, (m, f)) * jnp.exp2(jax.random.randint(k3, (m, f), -6, 6))).astype(BF)
-    kw = dict(activation=activation, out_dtype=dtype, round_to=BF)
-    got = jax.jit(lambda dh, gu: dact_block_cast_transpose_tma(dh, gu, **kw))(dh, gu)
-    want = jax.jit(lambda dh, gu: dact_block_cast_transpose(dh, gu, **kw))(dh, gu)
-    _assert_same_casts(got, want, 0.0)
-
-
-@pytest.mark.skipif(not _on_sm90(), reason="the TMA kernel runs on an sm90 GPU only")
-def test_fused_block_mlp_with_the_tma_dact_cast(monkeypatch):
-    """TE_JAX_FP8_TMA_CASTS=block_dact: the fused block MLP's step with the SwiGLU backward's block casts on TMA
-    against the default (Triton) step: y and dw2 (before that cast) equal, dx and dw1 within 1% (a reciprocal scale
-    may round differently in the two compilers, moving a few FP8 values by one step)."""
-    from te_jax.fp8.recipe import Float8BlockScaling
-
-    case = _mlp_case(5, 2, 256, 384, 128)
-
-    def run(kinds):
-        monkeypatch.setenv("TE_JAX_FP8_TMA_CASTS", kinds)
-        return _fused_mlp_step(Float8BlockScaling(), *case)
-
-    for name, a, b in zip(("y", "dx", "dw1", "dw2"), run("block_dact"), run("none")):
-        assert _rel(a, b) <= (1e-2 if name in ("dx", "dw1") else 0.0), (name, _rel(a, b))
-
-
 def test_activation_block_cast_refuses_shapes_off_the_block_grid():
     with pytest.raises(ValueError, match=r"gu \[M, n, F\] = \(256, 2, 200\) needs M and F multiples of 128"):
         act_block_cast(jnp.zeros((256, 2, 200), BF), activation="silu", out_dtype=E4)

@@ -25,10 +25,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8_cast.common import act_fn, dact
 from pallas_kernels.fp8_gemm import act_block_cast, dact_block_cast_transpose
-from pallas_kernels.fp8_gemm.act_cast_tma import dact_block_cast_transpose_tma
 from te_jax.fp8.block import (block_cast, block_casts_fused, block_gemm, block_gemm_mode, block_gemm_reason,
                               block_promotion)
-from te_jax.fp8.fused import keep_weight_copies, tma_cast
+from te_jax.fp8.fused import keep_weight_copies
 from te_jax.fp8.recipe import Float8BlockScaling
 
 
@@ -62,11 +61,9 @@ def _act(gu3, dt, activation, gated, fdt, fused):
     return block_cast(a.astype(dt), fdt, "rows", False)
 
 
-def _dact(dh, gu3, dt, activation, gated, bdt, fused, tma):
-    """(dh [M, F], gu [M, n, F]) -> dgu's block casts as [M, n*F] (q, scales, qT, scales): in XLA, the Triton kernel
-    (fused) or its TMA twin (tma: _tma_dact)."""
-    if tma:
-        return dact_block_cast_transpose_tma(dh, gu3, activation=activation, out_dtype=bdt, round_to=dt)
+def _dact(dh, gu3, dt, activation, gated, bdt, fused):
+    """(dh [M, F], gu [M, n, F]) -> dgu's block casts as [M, n*F] (q, scales, qT, scales): in XLA or the Triton
+    kernel (fused)."""
     if fused:
         return dact_block_cast_transpose(dh, gu3, activation=activation, out_dtype=bdt, round_to=dt)
     g = gu3[:, 0].astype(jnp.float32)
@@ -76,12 +73,12 @@ def _dact(dh, gu3, dt, activation, gated, bdt, fused, tma):
     return block_cast(dgu, bdt, "rows", False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
-def _mlp(x, w1, w2, activation, gated, recipe, mode, fused, keep, tma):
-    return _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused, keep, tma)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _mlp(x, w1, w2, activation, gated, recipe, mode, fused, keep):
+    return _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused, keep)[0]
 
 
-def _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused, keep, tma):
+def _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused, keep):
     """x [M, D] dt, w1 [D, n, F], w2 [F, Dout] -> y [M, Dout] dt. keep: the weights' casts write both layouts and
     the backward's dgrads take w_q as it is (fused.keep_weight_copies), else the backward re-casts them."""
     dt, fdt = x.dtype, recipe.fp8_format.fwd_dtype
@@ -99,7 +96,7 @@ def _mlp_fwd(x, w1, w2, activation, gated, recipe, mode, fused, keep, tma):
     return y, (xqt, xts, w1, w2, aqt, ats, gu, kept)
 
 
-def _mlp_bwd(activation, gated, recipe, mode, fused, keep, tma, res, dy):
+def _mlp_bwd(activation, gated, recipe, mode, fused, keep, res, dy):
     xqt, xts, w1, w2, aqt, ats, gu, kept = res
     dt, fdt, bdt = gu.dtype, recipe.fp8_format.fwd_dtype, recipe.fp8_format.bwd_dtype
     promotion = block_promotion(recipe)
@@ -112,20 +109,13 @@ def _mlp_bwd(activation, gated, recipe, mode, fused, keep, tma, res, dy):
         w1q, w1s, _, _ = block_cast(w1.reshape(d, n * f).astype(dt), fdt, "square", fused, write="q")
     dh = block_gemm(mode, dt, True, promotion)(gq, w2q, gs, w2s)                 # [M, F]     wo dgrad
     dw2 = block_gemm(mode, dt, False, promotion)(aqt, gqt, ats, gts)             # [F, Dout]  wo wgrad
-    dguq, dgus, dguqt, dguts = _dact(dh, gu.reshape(-1, n, f), dt, activation, gated, bdt, fused, tma)
+    dguq, dgus, dguqt, dguts = _dact(dh, gu.reshape(-1, n, f), dt, activation, gated, bdt, fused)
     dx = block_gemm(mode, dt, True, promotion)(dguq, w1q, dgus, w1s)             # [M, D]     wi dgrad
     dw1 = block_gemm(mode, dt, False, promotion)(xqt, dguqt, xts, dguts)         # [D, n*F]   wi wgrad
     return dx, dw1.reshape(w1.shape).astype(w1.dtype), dw2.astype(w2.dtype)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
-
-
-def _tma_dact(fused: bool, m: int, nf: int, dtype) -> bool:
-    """Whether the activation gradient's block casts [m, nf] run on the TMA kernel: fused casts and
-    TE_JAX_FP8_TMA_CASTS listing "block_dact" (opt-in, not yet run on a GPU). Read before the custom VJP, so that
-    the choice is part of its key and not of a cached trace."""
-    return fused and tma_cast("block_dact", None, jax.ShapeDtypeStruct((m, nf), dtype))
 
 
 def fused_block_fp8_mlp(x, w1, w2, recipe, *, activations):
@@ -141,7 +131,7 @@ def fused_block_fp8_mlp(x, w1, w2, recipe, *, activations):
                          f"{tuple(w2.shape)} do not fit activations {acts} (w1 [D, {len(acts)}, F], w2 [F, Dout]).")
     fused, m = block_casts_fused(), math.prod(x.shape[:-1])
     y = _mlp(x.reshape(m, d), w1, w2, acts[0], len(acts) == 2, recipe, block_gemm_mode(), fused,
-             keep_weight_copies(recipe), _tma_dact(fused, m, n * f, x.dtype))
+             keep_weight_copies(recipe))
     return y.reshape(x.shape[:-1] + (w2.shape[1],))
 
 

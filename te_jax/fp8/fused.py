@@ -99,7 +99,7 @@ def state_update_kernel() -> bool:
 
 
 TMA_CASTS_ENV = "TE_JAX_FP8_TMA_CASTS"
-TMA_CAST_KINDS = ("act", "dact", "weight", "cast", "block_dact")
+TMA_CAST_KINDS = ("act", "dact", "weight", "cast")
 #: The casts that run on the TMA kernels when TE_JAX_FP8_TMA_CASTS is unset: none. On the H100 the SwiGLU casts beat
 #: their Triton twins alone, but inside the layer step they are slower by the device clock (forward 322 against 288
 #: us, backward 503 against 496: benchmarks/results/fp8_layer_h100.md, seventeenth session).
@@ -123,9 +123,7 @@ def tma_cast_kinds() -> tuple[str, ...]:
 
 def tma_cast(kind: str, interpret, *arrays) -> bool:
     """Whether the fused FP8 path runs the `kind` cast ("act": the activation's cast, "dact": the activation
-    gradient's, "weight": a weight's cast + transpose, "cast": an activation's or gradient's cast + transpose;
-    "block_dact": Float8BlockScaling's activation-gradient block casts, pallas_kernels/fp8_gemm/act_cast_tma.py,
-    NOT yet run on a GPU) on
+    gradient's, "weight": a weight's cast + transpose, "cast": an activation's or gradient's cast + transpose) on
     its TMA kernel (pallas_kernels/fp8_cast/tma.py: TMA loads and stores, sm90 only) instead of the Triton-lowered
     one: where tma_cast_kinds() lists it, on an sm90 GPU (not in interpret mode), with both of each array's outer
     dims multiples of TMA_BLOCK and one dtype among the arrays. Otherwise the Triton kernel runs."""
