@@ -84,6 +84,33 @@ def test_kernel_stats_and_partials():
     np.testing.assert_allclose(db, dbr, atol=1e-4)
 
 
+@pytest.mark.parametrize("rms", [False, True])
+def test_kernel_backward_adds_a_residual_gradient(rms):
+    """norm_bwd(..., dres=): dx = the norm's backward + dres in one pass, against the fp32 vjp of the reference plus
+    dres (rows not a multiple of the block, a padded column count, bf16 in and out); a wrong shape is refused."""
+    x, g, b, dy = inputs(11, (37, 100), jnp.bfloat16)
+    dres = rand(np.random.default_rng(3), (37, 100), jnp.bfloat16)
+    from pallas_kernels.norms import NormConfig
+
+    @jax.jit
+    def run(x, g, b, dy, dres):
+        _, mean, rstd = norm_fwd(x, g, b, rms=rms, interpret=True)
+        got = norm_bwd(dy, x, g, mean, rstd, rms=rms, has_beta=not rms, interpret=True, dres=dres,
+                       config=NormConfig(bwd_grid=3, bwd_block_rows=4))
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        _, vjpr = jax.vjp(lambda x, g, b: ref_norm(x, g, b, rms, False), f32(x), g, b)
+        dxr, dgr, _ = vjpr(f32(dy))
+        return got, dxr + f32(dres), dgr
+
+    (dx, dg, _), dxr, dgr = run(x, g, b, dy, dres)
+    assert dx.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(dx, np.float32), dxr, atol=4e-2, rtol=2e-2)
+    np.testing.assert_allclose(dg, dgr, atol=0.3, rtol=2e-2)
+    assert float(jnp.max(jnp.abs(dres.astype(jnp.float32)))) > 1.0  # dres is not negligible against dx
+    with pytest.raises(ValueError, match=r"dres has shape \(37, 99\); expected x's \(37, 100\)"):
+        norm_bwd(dy, x, g, None, jnp.ones((37,)), rms=True, has_beta=False, interpret=True, dres=dres[:, :99])
+
+
 def test_fwd_launch_rule_for_rows_padded_to_8192():
     """Hidden 4097-8191 (padded to 8192 columns): two rows per program on 8 warps; others unchanged."""
     from pallas_kernels.norms import NormConfig

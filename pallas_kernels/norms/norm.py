@@ -162,11 +162,12 @@ def norm_fwd(x, gamma, beta=None, *, rms=False, epsilon=1e-6, zero_centered_gamm
 
 
 def _bwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, grid, n_iters, rms, zero_centered,
-                has_beta):
+                has_beta, has_dres):
     refs = list(refs)
     x_ref, g_ref, dy_ref = refs.pop(0), refs.pop(0), refs.pop(0)
     mean_ref = None if rms else refs.pop(0)
     rstd_ref = refs.pop(0)
+    dres_ref = refs.pop(0) if has_dres else None
     dx_ref, dg_ref = refs.pop(0), refs.pop(0)
     db_ref = refs.pop(0) if has_beta else None
 
@@ -198,6 +199,8 @@ def _bwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, grid, n_iters, rm
         else:
             c2 = jnp.sum(wdy, axis=1) / n_cols
             dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        if has_dres:  # the skip connection's gradient, added before dx is rounded
+            dx = dx + pltriton.load(dres_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
         pltriton.store(dx_ref.at[idx], dx.astype(dx_ref.dtype), mask=mask)
         dg_acc = dg_acc + jnp.sum(dy * xhat, axis=0)
         if has_beta:
@@ -214,8 +217,11 @@ def _bwd_kernel(*refs, n_rows, n_cols, block_rows, block_cols, grid, n_iters, rm
 
 @lower_once(static_argnames=("rms", "has_beta", "zero_centered_gamma", "config", "interpret"))
 def norm_bwd(dy, x, gamma, mean, rstd, *, rms=False, has_beta=True, zero_centered_gamma=False,
-             config: NormConfig = NormConfig(), interpret=None):
-    """-> (dx [x.shape, x.dtype], dgamma [D] f32, dbeta [D] f32 or None)."""
+             config: NormConfig = NormConfig(), interpret=None, dres=None):
+    """-> (dx [x.shape, x.dtype], dgamma [D] f32, dbeta [D] f32 or None).
+
+    dres (x.shape, any float dtype, optional): a gradient of x from elsewhere (a residual connection's), added to dx
+    in fp32 in the same pass, so dx = norm_backward(dy) + dres is rounded once and x's rows are read once."""
     if interpret is None:
         interpret = default_interpret()
     n_cols = x.shape[-1]
@@ -227,11 +233,16 @@ def norm_bwd(dy, x, gamma, mean, rstd, *, rms=False, has_beta=True, zero_centere
     n_iters = pl.cdiv(pl.cdiv(n_rows, block_rows), grid)
     kernel = functools.partial(
         _bwd_kernel, n_rows=n_rows, n_cols=n_cols, block_rows=block_rows, block_cols=block_cols,
-        grid=grid, n_iters=n_iters, rms=rms, zero_centered=zero_centered_gamma, has_beta=has_beta)
+        grid=grid, n_iters=n_iters, rms=rms, zero_centered=zero_centered_gamma, has_beta=has_beta,
+        has_dres=dres is not None)
     args = [x2, gamma, dy2]
     if not rms:
         args.append(mean.reshape(-1).astype(jnp.float32))
     args.append(rstd.reshape(-1).astype(jnp.float32))
+    if dres is not None:
+        if tuple(dres.shape) != tuple(x.shape):
+            raise ValueError(f"norm_bwd: dres has shape {tuple(dres.shape)}; expected x's {tuple(x.shape)}.")
+        args.append(dres.reshape(-1, n_cols))
     out_shape = [jax.ShapeDtypeStruct((n_rows, n_cols), x.dtype),
                  jax.ShapeDtypeStruct((grid * n_cols,), jnp.float32)]
     if has_beta:

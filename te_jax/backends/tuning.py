@@ -125,6 +125,14 @@ NORM_GPU_PREFERENCE = {
                "step runs both, so xla", NORM_RESULTS),
 }
 
+#: A norm's backward that also adds a skip connection's gradient (the FP8 fused norm paths with the Flax layer's
+#: residual, te_jax/fp8/norm_cast.backward): "pallas" runs the Pallas kernel's one pass where the norm's backend was
+#: chosen automatically on a GPU; "xla" keeps the norm's own choice.
+NORM_BWD_WITH_SKIP = Tuned(
+    "pallas", "H100, 8192 x 4096 bf16 RMSNorm backward + residual gradient: the Pallas kernel's one pass 106.9 us "
+              "(2.51 TB/s) against XLA's two passes 153.2 us, or the kernel then an XLA add 149.5 us (kernel time)",
+    "benchmarks/results/norm_shapes_h100.md")
+
 #: LayerNormMLP on a GPU: the pallas path (Pallas norm + first GEMM + XLA second GEMM, recompute backward).
 MLP_GPU_PREFERENCE = Tuned(
     "pallas", "8192 tok, 4096/16384, bf16: 0.968x (gelu) / 0.997x (SwiGLU) plain-XLA fwd+bwd time, 0.12x / 0.18x "

@@ -664,6 +664,7 @@ class MultiHeadAttention(nn.Module):
     __call__(inputs_q, inputs_kv=None, mask=None, bias=None, *, decode=False, deterministic=False,
              q_seqlens=None, kv_seqlens=None, q_segment_ids=None, kv_segment_ids=None, q_positions=None)
       -> (output, ln_output)   (ln_output None unless return_layernorm_output)
+      -> (output, residual)    with return_residual=True (see below)
 
     inputs: [b, s, hidden] ("bshd"), [s, b, hidden] ("sbhd") or [t, hidden] ("thd").
     Self-attention when inputs_kv is None or is inputs_q (the input LayerNorm feeds Q, K and V);
@@ -716,6 +717,10 @@ class MultiHeadAttention(nn.Module):
     softmax_type: attention sinks as DotProductAttention ("vanilla", "off-by-one", "learnable"; "learnable"
       owns the parameter `softmax_offset` [h], float32, zeros at init, logical axes ("heads",)); applied in
       the full forward, when decoding with the KV cache and under context parallelism.
+    return_residual: the second output is what the caller adds back as the skip connection, as TransformerEngine's
+      MultiHeadAttention returns it: ln_output with return_layernorm_output, else inputs_q (the same values). Where
+      the FP8 fused norm runs (te_jax.fp8.norm_dense), inputs_q comes out of that op, so the skip connection's
+      gradient is added inside the norm's backward pass instead of by a pass of its own. TransformerLayer sets it.
     Other arguments: as DotProductAttention (attn_mask_type, window_size, softcap, float32_logits,
     attention_dropout), LayerNorm (layernorm_type, epsilon, zero_centered_gamma).
     """
@@ -730,6 +735,7 @@ class MultiHeadAttention(nn.Module):
     layernorm_epsilon: float = 1e-6
     zero_centered_gamma: bool = False
     return_layernorm_output: bool = False
+    return_residual: bool = False
     use_bias: bool = False
     bias_init: Initializer = nn.initializers.zeros
     kernel_init: Initializer | None = None
@@ -791,7 +797,7 @@ class MultiHeadAttention(nn.Module):
                        epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
                        backend=self.norm_backend, layernorm_input_axes=hidden_axes(fmt))
         pre = _PRE[fmt]
-        ln_out = None
+        ln_out = x_skip = None
         if self.fuse_qkv_params and is_self and h == g:
             qkv, ln_out = LayerNormDenseGeneral(
                 features=(3, h, d), kernel_init=_scaled_init(base_init, 3, q_scale),
@@ -807,15 +813,26 @@ class MultiHeadAttention(nn.Module):
             merged = ("; the query and K/V weights cast into one buffer for one GEMM (TE_JAX_FP8_MERGED_CASTS)"
                       if _fp8_fused.merged_casts() else "")
             why = f"{why}; {_fp8_state.NORM_DENSE_PATH}, {stats}, shared by query and kv{merged}"
+            cdt = self.dtype or inputs_q.dtype
+            skip = self.return_residual and jnp.dtype(cdt) == jnp.dtype(inputs_q.dtype)
+            if skip:  # the residual out of the norm's op: its gradient joins the norm's backward pass
+                spec = _fp8_norm_cast.norm_spec(jax.ShapeDtypeStruct(inputs_q.shape, cdt), None, None,
+                                                layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                                                zero_centered_gamma=self.zero_centered_gamma,
+                                                backend=self.norm_backend)
+                why = f"{why}; {_fp8_norm_cast.describe_skip(spec)}"
             q_kw = dict(features=(h, d), kernel_init=_scaled_init(base_init, 1, q_scale),
                         kernel_axes=("embed", "heads", "kv"), name="query", **ln_args, **common)
             x_q, gamma, beta, wq, sq = LayerNormDenseOperands(**q_kw)(inputs_q, recipe, why)
             wkv, skv = DenseOperands(features=(2, g, d), kernel_init=_scaled_init(base_init, 2, 1.0),
                                      kernel_axes=("embed", "qkv", "kv_heads", "kv"), name="kv", **common)(
                                          (x_q.shape[-1],), recipe, why)
-            q, kv = _fp8_state.norm_dense(x_q, gamma, beta, (wq, wkv), (sq, skv), recipe,
-                                          layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
-                                          zero_centered_gamma=self.zero_centered_gamma, backend=self.norm_backend)
+            outs = _fp8_state.norm_dense(x_q, gamma, beta, (wq, wkv), (sq, skv), recipe,
+                                         layernorm_type=self.layernorm_type, epsilon=self.layernorm_epsilon,
+                                         zero_centered_gamma=self.zero_centered_gamma, backend=self.norm_backend,
+                                         skip=skip)
+            q, kv = outs[:2]
+            x_skip = outs[2] if skip else None
             packed_layout, tensors = f"{fmt}_{pre}2hd", (q, kv)
         else:
             q, ln_q = LayerNormDenseGeneral(
@@ -909,6 +926,8 @@ class MultiHeadAttention(nn.Module):
 
         y = DenseGeneral(features=hidden, axis=(-2, -1), kernel_init=base_init, kernel_axes=("heads", "kv", "embed"),
                          bias_axes=("embed",), name="out", **common)(out)
+        if self.return_residual and not self.return_layernorm_output:
+            return y, (inputs_q if x_skip is None else x_skip)
         return y, ln_out
 
     def _fp8_norm_qkv(self, is_self):

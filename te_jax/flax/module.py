@@ -395,6 +395,10 @@ class LayerNormMLP(nn.Module):
     intermediate_dropout_rate: dropout on the activation output (RNG stream
       `intermediate_dropout_rng_name`), off when deterministic.
     Returns (output, ln_output) with ln_output None unless return_layernorm_output.
+    return_residual: the second output is what the caller adds back as the skip connection: ln_output with
+      return_layernorm_output, else the inputs (the same values). Where the fused FP8 MLP runs its norm
+      (te_jax.fp8.mlp), the inputs come out of that op, so the skip connection's gradient is added inside the
+      norm's backward pass instead of by a pass of its own. TransformerLayer sets it.
     Parameters: scale, ln_bias ("embed",); wi_kernel ("embed", "act", "mlp"); wi_bias ("act", "mlp");
     wo_kernel ("mlp", "embed"); wo_bias ("embed",) (biases only when use_bias).
     layernorm_input_axes: logical names of the input's axes; under a mesh with logical axis rules
@@ -418,6 +422,7 @@ class LayerNormMLP(nn.Module):
     bias_axes_1: Sequence[str] = ("act", "mlp")
     bias_axes_2: Sequence[str] = ("embed",)
     return_layernorm_output: bool = False
+    return_residual: bool = False
     activations: Sequence[str] = ("gelu",)
     intermediate_dropout_rng_name: str = "dropout"
     intermediate_dropout_rate: float = 0.0
@@ -458,17 +463,21 @@ class LayerNormMLP(nn.Module):
                 gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
                                            self.scale_axes, self.ln_bias_init, self.ln_bias_axes,
                                            self.param_dtype)
-            y, ln = _fp8.layernorm_mlp(self, x, gamma, beta, w1, b1, w2, b2, recipe=recipe,
-                                       layernorm_type=self.layernorm_type, epsilon=self.epsilon,
-                                       zero_centered_gamma=self.zero_centered_gamma, backend=self.backend,
-                                       activations=acts, dropout_rate=rate if active else 0.0, dropout_rng=rng,
-                                       enable_layernorm=self.enable_layernorm, reason=why)
-            return y, (ln if self.return_layernorm_output else None)
+            skip = (self.return_residual and not self.return_layernorm_output
+                    and jnp.dtype(x.dtype) == jnp.dtype(inputs.dtype))
+            out = _fp8.layernorm_mlp(self, x, gamma, beta, w1, b1, w2, b2, recipe=recipe,
+                                     layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+                                     zero_centered_gamma=self.zero_centered_gamma, backend=self.backend,
+                                     activations=acts, dropout_rate=rate if active else 0.0, dropout_rng=rng,
+                                     enable_layernorm=self.enable_layernorm, reason=why, skip=skip)
+            if skip:  # the residual out of the fused norm's op (or x itself where it does not run)
+                return out[0], out[2]
+            return self._with_residual(out[0], out[1] if self.return_layernorm_output else None, inputs)
         for gemm in ("wi_kernel", "wo_kernel"):
             _fp8_ac.record(self, gemm, None, why)
         if not self.enable_layernorm:
             y = _plain_mlp(x, w1, b1, w2, b2, acts, rate if active else 0.0, rng)
-            return y, (x if self.return_layernorm_output else None)
+            return self._with_residual(y, x if self.return_layernorm_output else None, inputs)
         gamma, beta = _norm_params(self, d, self.layernorm_type, self.zero_centered_gamma, self.scale_init,
                                    self.scale_axes, self.ln_bias_init, self.ln_bias_axes, self.param_dtype)
 
@@ -505,8 +514,14 @@ class LayerNormMLP(nn.Module):
                              (self.scale_axes, self.ln_bias_axes, self.kernel_axes_1, self.bias_axes_1,
                               self.kernel_axes_2, self.bias_axes_2), self.layernorm_input_axes)
         if self.return_layernorm_output:
-            return out
-        return out, None
+            return self._with_residual(*out, inputs)
+        return self._with_residual(out, None, inputs)
+
+    def _with_residual(self, y, ln_output, inputs):
+        """(y, ln_output), or (y, inputs) with return_residual and no return_layernorm_output."""
+        if self.return_residual and not self.return_layernorm_output:
+            return y, inputs
+        return y, ln_output
 
 
 def _wi_init(init):

@@ -207,10 +207,11 @@ class TransformerLayer(nn.Module):
             bcast = tuple(i for i in range(y.ndim) if i != batch_axis) if batch_axis is not None else ()
             return dropout(self, y, self.drop_path, deterministic, self.dropout_rng_name, bcast)
 
-        # self-attention
-        residual = x_in
-        x, ln_out = MultiHeadAttention(
-            input_layernorm=not self.output_layernorm, attn_mask_type=self.self_attn_mask_type,
+        # self-attention; return_residual: the skip connection's input (x_in, or the norm's output with
+        # apply_residual_connection_post_layernorm) comes back from the attention, out of the FP8 fused norm where
+        # that runs, so its gradient is added in the norm's backward pass
+        x, residual = MultiHeadAttention(
+            input_layernorm=not self.output_layernorm, attn_mask_type=self.self_attn_mask_type, return_residual=True,
             attn_bias_type=self.self_attn_bias_type, window_size=self.window_size,
             context_parallel_axis=self.context_parallel_axis,
             context_parallel_strategy=self.context_parallel_strategy,
@@ -219,8 +220,6 @@ class TransformerLayer(nn.Module):
                           q_seqlens=q_seqlens, kv_seqlens=kv_seqlens, q_segment_ids=q_segment_ids,
                           kv_segment_ids=kv_segment_ids)
         x = path_drop(hidden_drop(x))
-        if self.apply_residual_connection_post_layernorm:
-            residual = ln_out
         x = constrain(x + residual, fmt)
 
         mlp_input = x
@@ -244,18 +243,15 @@ class TransformerLayer(nn.Module):
                 residual = ln_out
             mlp_input = constrain(y + residual, fmt)
 
-        residual = mlp_input
-        z, ln_out = LayerNormMLP(
+        z, residual = LayerNormMLP(
             intermediate_dim=self.mlp_hidden_size, layernorm_type=self.layernorm_type,
             epsilon=self.layernorm_epsilon, zero_centered_gamma=self.zero_centered_gamma,
             kernel_init=self.mlp_kernel_init, use_bias=self.use_bias, bias_init=self.bias_init,
-            return_layernorm_output=self.apply_residual_connection_post_layernorm,
+            return_layernorm_output=self.apply_residual_connection_post_layernorm, return_residual=True,
             activations=self.mlp_activations, intermediate_dropout_rng_name=self.dropout_rng_name,
             intermediate_dropout_rate=self.intermediate_dropout, dtype=self.dtype, param_dtype=self.param_dtype,
             backend=self.mlp_backend, layernorm_input_axes=hidden_axes(fmt), name="mlp")(
                 mlp_input, deterministic=deterministic)
-        if self.apply_residual_connection_post_layernorm:
-            residual = ln_out
         z = path_drop(hidden_drop(z))
         z = constrain(z + residual, fmt)
 

@@ -16,7 +16,8 @@
     dx [M, D] dt    = dgu_q . w1_q                                    (wi dgrad)
     dw1 [D, n*F]    = x_qT . dgu_qT                                   (wi wgrad)
 With a norm in front (LayerNormMLP), x is the norm's input and its first cast is norm_cast.cast (the norm applied
-in the cast kernel from XLA-computed row statistics; the backward turns dx into the norm input's gradient).
+in the cast kernel from XLA-computed row statistics; the backward turns dx into the norm input's gradient; with
+skip, x comes out beside y for the residual add and its gradient is added in that same backward pass).
 n = 2 for a gated pair (act, "linear"), else 1. Every GEMM is `a . b` = lax.dot_general(a [m, k], b [n, k],
 (((1,), (1,)), ((), ()))) on float8 operands ("TN": both contracting dims minor, the layout cuBLASLt's FP8 GEMM
 takes, so XLA inserts no transposes), through quantize._scaled_gemm (preferred_element_type dt, precision
@@ -76,6 +77,7 @@ class _Cfg:
     norm: _nc.NormSpec | None = None  # x is the norm's input: the norm runs fused into x's cast (norm_cast.py)
     keep_weights: bool = False  # fused.keep_weight_copies(recipe): the forward's FP8 weight copies go to the backward
     state_kernel: bool = dataclasses.field(default_factory=state_update_kernel)  # quantize.delayed_updates' kernel
+    skip: bool = False  # (with norm) x is returned beside y; its gradient joins the norm's backward (norm_cast.py)
 
 
 def _gemm(cfg, out_dtype, a_sinv, b_sinv, a, b):
@@ -172,11 +174,12 @@ def _mlp_fwd(x, gamma, beta, w1, w2, wi_state, wo_state, cfg):
     # same values), so the step holds no FP8 weight copy alongside its activations (temporary memory below bf16's).
     norm_res = None if cfg.norm is None else (x, gamma, beta, st)
     res = (xqT, w1f, w2, aqT, gu, s_gu, 1.0 / sx, sw1, 1.0 / sa, sw2, new_fwd, grad_state, norm_res, kept)
-    return y, res
+    return ((y, x) if cfg.skip else y), res
 
 
 def _mlp_bwd(cfg, res, dy):
     xqT, w1f, w2, aqT, gu, s_gu, sxi, sw1, sai, sw2, new_fwd, grad_state, norm_res, kept = res
+    dy, dskip = dy if cfg.skip else (dy, None)
     fdt = cfg.recipe.fp8_format.fwd_dtype
     if kept is not None:
         w1q, w2q = kept
@@ -219,7 +222,7 @@ def _mlp_bwd(cfg, res, dy):
     dgamma = dbeta = None
     if norm_res is not None:  # dx above is the norm output's cotangent
         x, gamma, beta, st = norm_res
-        dx, dgamma, dbeta = _nc.backward(dx, x, gamma, beta, st, cfg.norm, cfg.interpret)
+        dx, dgamma, dbeta = _nc.backward(dx, x, gamma, beta, st, cfg.norm, cfg.interpret, dres=dskip)
     return dx, dgamma, dbeta, dw1, dw2.astype(cfg.w2_dtype), wi_ct, wo_ct
 
 
@@ -227,11 +230,13 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activations, interpret=None, norm=None,
-                  gamma=None, beta=None):
+                  gamma=None, beta=None, skip=False):
     """y = act(norm(x) . w1) . w2 with FP8 GEMMs and fused quantization (see the module docstring).
 
     norm: a te_jax.fp8.norm_cast.NormSpec (with gamma, and beta for LayerNorm, [D]) runs the norm fused into x's
     cast (norm_cast.py: its output is never stored); None: x goes to the GEMM as it is.
+    skip (with norm): return (y, x), x the same values, for the skip connection x + y: its gradient is then added
+    inside the norm's backward pass (norm_cast.backward's dres) rather than by a separate one.
 
     x [..., D] in the compute dtype; w1 [D, n_act, F], w2 [F, Dout] in any float dtype (cast to x's dtype before
     quantization, gradients returned in their own dtypes); activations: a te_jax name tuple, (act,) or
@@ -258,12 +263,16 @@ def fused_fp8_mlp(x, w1, w2, recipe, wi_state=None, wo_state=None, *, activation
     if norm is not None and (gamma is None or tuple(gamma.shape) != (d,)):
         raise ValueError(f"fused_fp8_mlp: norm={norm} needs gamma of shape ({d},); got "
                          f"{None if gamma is None else tuple(gamma.shape)}.")
+    if skip and norm is None:
+        raise ValueError("fused_fp8_mlp: skip=True needs a norm (its gradient joins the norm's backward).")
     cfg = _Cfg(recipe, acts[0], len(acts) == 2, gemm_style(), jnp.dtype(w1.dtype), jnp.dtype(w2.dtype), interpret,
-               norm, keep_weight_copies(recipe))
+               norm, keep_weight_copies(recipe), skip=bool(skip))
     if norm is None:
         gamma = beta = None
-    y = _mlp(x.reshape(-1, d), gamma, beta, w1, w2, wi_state, wo_state, cfg)
-    return y.reshape(x.shape[:-1] + (w2.shape[1],))
+    out = _mlp(x.reshape(-1, d), gamma, beta, w1, w2, wi_state, wo_state, cfg)
+    y, x_skip = out if skip else (out, None)
+    y = y.reshape(x.shape[:-1] + (w2.shape[1],))
+    return (y, x_skip.reshape(x.shape)) if skip else y
 
 
 __all__ = ["fused_fp8_mlp", "fused_mlp_unavailable"]

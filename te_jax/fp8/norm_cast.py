@@ -12,6 +12,9 @@ kernel applies the statistics in the reference's order and rounds to the compute
 rounded output (recomputed from x and the statistics, not stored).
 Backward, dln [M, D] (the GEMM's dgrad): dx, dgamma, dbeta by the norm's backend (te_jax.normalization: "pallas"
 runs its backward kernel on the saved statistics, "xla" autodiff of the reference), as the unfused path would.
+With a skip connection's gradient dres (the callers' `skip`: x also feeds a residual add), dx = the norm's backward
++ dres, in the Pallas kernel's one pass where NormSpec.skip_kernel (read dln, x and dres once, write dx), else XLA
+adds it to its own backward.
 """
 from __future__ import annotations
 
@@ -29,13 +32,15 @@ from te_jax.fp8.fused import norm_stats_in_kernel
 
 @dataclasses.dataclass(frozen=True)
 class NormSpec:
-    """The norm in front of the GEMM: layernorm_type "layernorm" | "rmsnorm", epsilon, zero_centered_gamma, and
-    the backend its backward runs on ("xla" or "pallas", as te_jax.normalization chose)."""
+    """The norm in front of the GEMM: layernorm_type "layernorm" | "rmsnorm", epsilon, zero_centered_gamma, the
+    backend its backward runs on ("xla" or "pallas", as te_jax.normalization chose), and skip_kernel: whether a
+    backward that also adds a skip connection's gradient runs the Pallas kernel's one pass (skip_backend_choice)."""
 
     layernorm_type: str
     epsilon: float
     zero_centered_gamma: bool
     backend: str
+    skip_kernel: bool = False
 
 
 def norm_spec(x, gamma, beta, *, layernorm_type, epsilon, zero_centered_gamma, backend) -> NormSpec:
@@ -45,7 +50,26 @@ def norm_spec(x, gamma, beta, *, layernorm_type, epsilon, zero_centered_gamma, b
     if choice.error:
         raise ValueError(choice.error)
     _norm.check_epsilon(layernorm_type, epsilon)
-    return NormSpec(layernorm_type, float(epsilon), bool(zero_centered_gamma), choice.selected)
+    return NormSpec(layernorm_type, float(epsilon), bool(zero_centered_gamma), choice.selected,
+                    skip_backend_choice(choice))
+
+
+def skip_backend_choice(choice) -> bool:
+    """Whether the norm's backward with a skip connection's gradient runs the Pallas kernel (one pass): where the
+    norm's backend is pallas, or where it was chosen automatically on a GPU, the kernel serves x and
+    tuning.NORM_BWD_WITH_SKIP says pallas. A backend named by argument or environment is kept (xla stays xla)."""
+    from te_jax.backends.tuning import NORM_BWD_WITH_SKIP
+
+    if choice.selected == "pallas":
+        return True
+    return (choice.source == "auto" and choice.reasons.get("pallas") is None and jax.default_backend() == "gpu"
+            and NORM_BWD_WITH_SKIP.value == "pallas")
+
+
+def describe_skip(spec) -> str:
+    """For te_jax.fp8.explain: where the skip connection's gradient joins the norm's backward."""
+    return ("the residual's gradient added in the norm's backward kernel (one pass)" if spec.skip_kernel else
+            "the residual's gradient added to the norm's XLA backward")
 
 
 def _rms(spec):
@@ -112,18 +136,24 @@ def stats_and_cast(x, gamma, beta, scale, spec, out_dtype, interpret=None):
     return q, qt, am, (mean, rstd)
 
 
-def backward(dln, x, gamma, beta, st, spec, interpret=None):
+def backward(dln, x, gamma, beta, st, spec, interpret=None, dres=None):
     """(dx [M, D] x's dtype, dgamma gamma's dtype, dbeta beta's dtype or None) for the output cotangent dln.
-    dbeta is None exactly when beta is None (an RMSNorm given a beta gets zeros: it does not use it)."""
+    dbeta is None exactly when beta is None (an RMSNorm given a beta gets zeros: it does not use it).
+    dres [M, D] (optional): a skip connection's gradient of x, added to dx (in the Pallas kernel's pass where
+    spec.skip_kernel or spec.backend is pallas)."""
     if _rms(spec) and beta is not None:
-        dx, dg, _ = backward(dln, x, gamma, None, st, spec, interpret)
+        dx, dg, _ = backward(dln, x, gamma, None, st, spec, interpret, dres)
         return dx, dg, jnp.zeros_like(beta)
     rms = _rms(spec)
     dln = dln.astype(x.dtype)
-    if spec.backend == "pallas":
+    if spec.backend == "pallas" or (dres is not None and spec.skip_kernel):
         dx, dg, db = _pallas_norm.norm_bwd(dln, x, gamma, st[0], st[1], rms=rms, has_beta=beta is not None,
-                                           zero_centered_gamma=spec.zero_centered_gamma, interpret=interpret)
+                                           zero_centered_gamma=spec.zero_centered_gamma, interpret=interpret,
+                                           dres=dres)
         return dx, dg.astype(gamma.dtype), (None if beta is None else db.astype(beta.dtype))
+    if dres is not None:
+        dx, dg, db = backward(dln, x, gamma, beta, st, spec, interpret)
+        return (dx.astype(jnp.float32) + dres.astype(jnp.float32)).astype(x.dtype), dg, db
     kw = dict(epsilon=spec.epsilon, zero_centered_gamma=spec.zero_centered_gamma)
     if rms:
         dx, dg = jax.vjp(lambda x, g: _ref.rmsnorm(x, g, **kw), x, gamma)[1](dln)
@@ -134,5 +164,5 @@ def backward(dln, x, gamma, beta, st, spec, interpret=None):
     return jax.vjp(lambda x, g, b: _ref.layernorm(x, g, b, **kw), x, gamma, beta)[1](dln)
 
 
-__all__ = ["NormSpec", "norm_spec", "stats", "output", "cast", "stats_block", "stats_in_kernel", "stats_and_cast",
-           "describe_stats", "backward"]
+__all__ = ["NormSpec", "norm_spec", "skip_backend_choice", "describe_skip", "stats", "output", "cast", "stats_block",
+           "stats_in_kernel", "stats_and_cast", "describe_stats", "backward"]

@@ -10,6 +10,8 @@ the query and key/value projections of GQA self-attention, which TransformerEngi
               dln = sum_i g_i_q . w_q_i                            dgrads, summed in dt (as autodiff sums them)
               dw_i = x_qT . g_i_qT                                 wgrads
               dx, dgamma, dbeta = the norm's backward of dln       (norm_cast.backward: the norm's own backend)
+              (skip=True: x is also returned for a residual add; its gradient dres joins here, dx = ... + dres, in
+              the norm's backward pass: one read of dln, x and dres)
 One input scale casts x for every GEMM: the first state's under DelayedScaling (the others' input histories still
 record x's amax and their scales follow it), x's own under Float8CurrentScaling. Each GEMM keeps its own kernel and
 output-gradient scales. The numerics are those of norm -> fp8_dot_general per kernel: both run quantize._tn_dense,
@@ -26,13 +28,16 @@ from te_jax.fp8.quantize import STATE_KEYS, _tn_dense, _TNCfg
 from te_jax.fp8.recipe import DelayedScaling, Float8CurrentScaling
 
 
-def norm_fp8_dense(x, gamma, beta, kernels, states, recipe, norm, *, gemm_style="direct", interpret=None):
+def norm_fp8_dense(x, gamma, beta, kernels, states, recipe, norm, *, gemm_style="direct", interpret=None,
+                   skip=False):
     """(norm(x) . kernels[0], norm(x) . kernels[1], ...) with FP8 GEMMs, the norm fused into x's cast.
 
     x [..., K] in the compute dtype; gamma [K] (beta [K] for LayerNorm, else None); kernels: a tuple of [K, *features_i]
     (any float dtype: cast to x's dtype before quantization, gradients in their own dtypes); norm: a
     norm_cast.NormSpec; recipe DelayedScaling (states: one quantize.init_state dict per kernel, updated through their
-    gradients) or Float8CurrentScaling (states None). Returns a tuple of [..., *features_i] in x's dtype.
+    gradients) or Float8CurrentScaling (states None). Returns a tuple of [..., *features_i] in x's dtype; skip=True:
+    x itself comes last in the tuple (the same values), for the skip connection x + f(norm(x)), so that its gradient
+    is added inside the norm's backward (norm_cast.backward's dres) instead of by a separate pass.
     """
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise ValueError(f"norm_fp8_dense: recipe {type(recipe).__name__} is not per-tensor (DelayedScaling or "
@@ -55,10 +60,11 @@ def norm_fp8_dense(x, gamma, beta, kernels, states, recipe, norm, *, gemm_style=
         states = None
     dt = x.dtype
     cfg = _TNCfg(recipe, norm, dt, gemm_style, interpret, jnp.dtype(dt), keep_weight_copies(recipe, dense=True),
-                 merged_casts())
+                 merged_casts(), skip=bool(skip))
     flat = tuple(w.astype(dt).reshape(k, math.prod(w.shape[1:])) for w in kernels)  # dw in dt, then w's dtype
     ys = _tn_dense(x.reshape(-1, k), gamma, None if norm.layernorm_type == "rmsnorm" else beta, flat, states, cfg)
-    return tuple(y.reshape(x.shape[:-1] + tuple(w.shape[1:])) for y, w in zip(ys, kernels))
+    out = tuple(y.reshape(x.shape[:-1] + tuple(w.shape[1:])) for y, w in zip(ys, kernels))
+    return out + ((ys[-1].reshape(x.shape),) if skip else ())
 
 
 __all__ = ["norm_fp8_dense"]

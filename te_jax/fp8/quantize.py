@@ -463,13 +463,16 @@ class _TNCfg:
     keep_weights: bool = False  # fused.keep_weight_copies: the forward's FP8 weight copies go to the backward
     merged_casts: bool = False  # fused.merged_casts: GEMMs sharing x_q / x_qT run as one over stacked casts
     state_kernel: bool = dataclasses.field(default_factory=state_update_kernel)  # delayed_updates' kernel
+    skip: bool = False  # x2 is also returned (last), and its cotangent joins the norm's backward (norm_cast.backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _tn_dense(x2, gamma, beta, kernels, states, cfg):
     """(x2 [M, K] (normalized first when cfg.norm) . kernels[i] [K, N_i] for each i): FP8 GEMMs from ONE cast of x2.
     states: one DelayedScaling state per kernel, or None. The first state's input scale casts x2 for every GEMM (the
-    others' input histories still record its amax); each GEMM keeps its own kernel and output-gradient scales."""
+    others' input histories still record its amax); each GEMM keeps its own kernel and output-gradient scales.
+    cfg.skip (with cfg.norm): x2 itself comes last, for a skip connection; its gradient is added to the norm input's
+    in the norm's backward pass."""
     return _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg)[0]
 
 
@@ -518,14 +521,16 @@ def _tn_dense_fwd(x2, gamma, beta, kernels, states, cfg):
         for i, s in enumerate(states):
             new_fwd.append(ups[2 * i] + ups[2 * i + 1] + (s["output_grad_scale"], s["output_grad_amax_history"]))
     norm_res = None if cfg.norm is None else (x2, gamma, beta, st)
-    return tuple(ys), (xtq, 1.0 / sx, tuple(kernels), tuple(sws), tuple(wqs) if cfg.keep_weights else None,
-                       tuple(new_fwd) if delayed else None, norm_res)
+    outs = tuple(ys) + ((x2,) if cfg.skip else ())
+    return outs, (xtq, 1.0 / sx, tuple(kernels), tuple(sws), tuple(wqs) if cfg.keep_weights else None,
+                  tuple(new_fwd) if delayed else None, norm_res)
 
 
 def _tn_dense_bwd(cfg, res, gs):
     xtq, sxi, kernels, sws, wqs, new_fwd, norm_res = res
     recipe, fmt = cfg.recipe, cfg.recipe.fp8_format
     x_dtype = cfg.x_dtype
+    dskip = gs[-1] if cfg.skip else None
     g2s = [g.reshape(xtq.shape[1], w2.shape[1]) for w2, g in zip(kernels, gs)]
     stored = [f[4] for f in new_fwd] if new_fwd is not None else [None] * len(kernels)
     if _merge(cfg, kernels):  # the output gradients' transposes stacked: one weight-gradient GEMM
@@ -554,7 +559,7 @@ def _tn_dense_bwd(cfg, res, gs):
     dgamma = dbeta = None
     if norm_res is not None:  # dx is the norm output's cotangent: through the norm's backward
         x2, gamma, beta, st = norm_res
-        dx, dgamma, dbeta = _nc.backward(dx, x2, gamma, beta, st, cfg.norm, cfg.interpret)
+        dx, dgamma, dbeta = _nc.backward(dx, x2, gamma, beta, st, cfg.norm, cfg.interpret, dres=dskip)
     return dx, dgamma, dbeta, tuple(dws), (tuple(state_cts) if new_fwd is not None else None)
 
 

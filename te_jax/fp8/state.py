@@ -107,12 +107,14 @@ def norm_dense_unavailable(recipe, *, has_bias: bool, returns_ln: bool) -> str |
     return None
 
 
-def norm_dense(x, gamma, beta, kernels, states, recipe, *, layernorm_type, epsilon, zero_centered_gamma, backend):
-    """te_jax.fp8.norm_dense.norm_fp8_dense for modules: x [..., K] -> a tuple of x . kernel_i, the norm fused in."""
+def norm_dense(x, gamma, beta, kernels, states, recipe, *, layernorm_type, epsilon, zero_centered_gamma, backend,
+               skip=False):
+    """te_jax.fp8.norm_dense.norm_fp8_dense for modules: x [..., K] -> a tuple of x . kernel_i, the norm fused in
+    (skip=True: x itself last, for the residual add; its gradient joins the norm's backward pass)."""
     spec = _norm_cast.norm_spec(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
                                 zero_centered_gamma=zero_centered_gamma, backend=backend)
     return _norm_dense.norm_fp8_dense(x, gamma, beta, kernels, states if isinstance(recipe, DelayedScaling) else None,
-                                      recipe, spec, gemm_style=gemm_style())
+                                      recipe, spec, gemm_style=gemm_style(), skip=skip)
 
 
 def dense(module, x, kernel, bias, axis, dtype, recipe, *, meta_name="fp8_meta", gemm="kernel", reason="",
@@ -160,10 +162,12 @@ def input_scale_of(module, child, meta_name="fp8_meta"):
 
 
 def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_type, epsilon, zero_centered_gamma,
-                  backend, activations, dropout_rate, dropout_rng, enable_layernorm=True, reason=""):
+                  backend, activations, dropout_rate, dropout_rng, enable_layernorm=True, reason="", skip=False):
     """norm (te_jax.normalization.norm, its own backend) -> FP8 GEMM wi -> activation(s) -> dropout -> FP8 GEMM wo.
 
-    x [..., D]; w1 [D, n_act, F]; b1 [n_act, F] | None; w2 [F, D]; b2 [D] | None. Returns (y, ln_out).
+    x [..., D]; w1 [D, n_act, F]; b1 [n_act, F] | None; w2 [F, D]; b2 [D] | None. Returns (y, ln_out), and with
+    skip=True (y, ln_out, x_skip): x for the caller's residual add, out of the fused norm path where it runs (its
+    gradient then joins the norm's backward pass), else x itself.
     Two paths, the same math (te_jax/fp8/README.md, "Fused quantization"):
       fused (te_jax.fp8.mlp.fused_fp8_mlp): a per-tensor recipe, no biases, no active dropout, no mesh XLA
         partitions, a GPU (or TE_JAX_FP8_FUSED=1), TE_JAX_FP8_FUSED not 0: the activation, its gradient
@@ -190,13 +194,18 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
                        shape=f"x{tuple(ln.shape)} . wi_kernel{tuple(w1.shape)}")
             _ac.record(module, "wo_kernel", recipe, f"{reason}; {path}", k=f, n=w2.shape[-1],
                        shape=f"x{tuple(ln.shape[:-1]) + (f,)} . wo_kernel{tuple(w2.shape)}")
-            return _block_mlp.fused_block_fp8_mlp(ln.astype(dt), w1, w2, recipe, activations=activations), ln
+            y = _block_mlp.fused_block_fp8_mlp(ln.astype(dt), w1, w2, recipe, activations=activations)
+            return (y, ln, x) if skip else (y, ln)
     else:
         why_not = _fp8_mlp.fused_mlp_unavailable(recipe, has_bias=has_bias, dropout_rate=dropout_rate)
     if why_not is None:
         d, n_act, f = w1.shape
+        spec = None if not enable_layernorm else _norm_cast.norm_spec(
+            x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma,
+            backend=backend)
         path = "fused FP8 MLP (te_jax.fp8.mlp: cast/activation kernels write FP8 operands, transposes and amaxes"
         path += f"; the norm fused into x's cast, {_norm_cast.describe_stats(recipe, d)}" if enable_layernorm else ""
+        path += f"; {_norm_cast.describe_skip(spec)}" if skip and enable_layernorm else ""
         path += ("; the weights' FP8 copies kept for the backward, TE_JAX_FP8_KEEP_WEIGHTS)"
                  if keep_weight_copies(recipe) else ")")
         _ac.record(module, "wi_kernel", recipe, f"{reason}; {path}", k=d, n=n_act * f,
@@ -205,20 +214,20 @@ def layernorm_mlp(module, x, gamma, beta, w1, b1, w2, b2, *, recipe, layernorm_t
                    shape=f"x{tuple(ln.shape[:-1]) + (f,)} . wo_kernel{tuple(w2.shape)}")
         states = (meta_state(recipe, "wi_fp8_meta"), meta_state(recipe, "wo_fp8_meta"))
         if enable_layernorm:  # x's cast applies the norm itself (te_jax/fp8/norm_cast.py); `ln` is only returned
-            spec = _norm_cast.norm_spec(x, gamma, beta, layernorm_type=layernorm_type, epsilon=epsilon,
-                                        zero_centered_gamma=zero_centered_gamma, backend=backend)
             y = _fp8_mlp.fused_fp8_mlp(x.astype(dt), w1, w2, recipe, *states, activations=activations, norm=spec,
-                                       gamma=gamma, beta=beta)
+                                       gamma=gamma, beta=beta, skip=skip)
+            if skip:
+                return y[0], ln, y[1]
         else:
             y = _fp8_mlp.fused_fp8_mlp(ln.astype(dt), w1, w2, recipe, *states, activations=activations)
-        return y, ln
+        return (y, ln, x) if skip else (y, ln)
     reason = f"{reason}; unfused FP8 MLP: {why_not}"
     h = dense(module, ln, w1, None, (ln.ndim - 1,), dt, recipe, meta_name="wi_fp8_meta", gemm="wi_kernel",
               reason=reason)
     a = _acts.biased_activation_dropout(h, b1, activations, dropout_rate, dropout_rng, dt)
     y = dense(module, a, w2, b2, (a.ndim - 1,), dt, recipe, meta_name="wo_fp8_meta", gemm="wo_kernel",
               reason=reason)
-    return y, ln
+    return (y, ln, x) if skip else (y, ln)
 
 
 __all__ = ["FP8_COLLECTION", "Fp8Meta", "update_fp8_state", "split_fp8_state", "dense", "input_scale_of",
