@@ -560,6 +560,8 @@ def _tn_dense_bwd(cfg, res, gs):
     if norm_res is not None:  # dx is the norm output's cotangent: through the norm's backward
         x2, gamma, beta, st = norm_res
         dx, dgamma, dbeta = _nc.backward(dx, x2, gamma, beta, st, cfg.norm, cfg.interpret, dres=dskip)
+    elif dskip is not None:  # no norm: the skip's gradient is added here
+        dx = (dx.astype(jnp.float32) + dskip.astype(jnp.float32)).astype(x_dtype)
     return dx, dgamma, dbeta, tuple(dws), (tuple(state_cts) if new_fwd is not None else None)
 
 
