@@ -405,3 +405,45 @@ def test_fp8_fused_gqa_decode_with_padding_matches_full_forward(monkeypatch):
         y, cache = decode_stream(m, params, v["cache"], x, valid, chunks, "mask")
         check_rows_against_full(m, params, x, valid, y, what="fp8 fused gqa decode")
     np.testing.assert_array_equal(cache["cache_index"], valid.sum(1))
+
+
+def test_fp8_fused_layer_decode_with_padding_matches_full_forward(monkeypatch):
+    """The TransformerLayer under FP8 DelayedScaling with the fused paths (interpret mode here): its attention and
+    MLP hand the skip connection's input back out of their fused norm ops (return_residual). Left-padded prompts
+    (segment ids) decoded in a chunk, then token by token with a padding step, equal each row's full causal forward;
+    the explanation says the residual's gradient joins the norm's backward on both blocks."""
+    from te_jax import fp8
+
+    monkeypatch.setenv("TE_JAX_FP8_FUSED", "1")
+    m = layer(layer_type="encoder", self_attn_mask_type="causal", num_gqa_groups=2, layernorm_type="rmsnorm",
+              mlp_activations=("silu", "linear"), use_bias=False, dtype=jnp.float32)
+    b, window, n_steps, max_len = 3, 4, 3, 8
+    valid = stream_validity([4, 2, 1], window, n_steps, "left", step_padding=[(1, 1)])
+    x = rand(31, (b, window + n_steps, D))
+    with fp8.autocast(recipe=fp8.DelayedScaling(amax_history_len=4)):
+        v = init(m, rand(8, (b, max_len, D)), decode=True, deterministic=True)
+        shapes = jax.eval_shape(lambda a: m.init({"params": jax.random.key(0)}, a, decode=True, deterministic=True),
+                                rand(8, (b, max_len, D)))[fp8.FP8_COLLECTION]
+        state = jax.tree_util.tree_map_with_path(  # scales away from 1, empty histories
+            lambda p, a: jnp.full(a.shape, 8.0 if "scale" in jax.tree_util.keystr(p) else 0.0, a.dtype), shapes)
+        params = {"params": v["params"], fp8.FP8_COLLECTION: state}
+        cache = v["cache"]
+        info = fp8.explain(lambda: m.apply({**params, "cache": cache}, x[:, :window], decode=True,
+                                           deterministic=True, mutable=["cache"]))
+        joined = [i.module for i in info if "residual's gradient added" in i.reason]
+        assert joined == ["attention/query", "attention/kv", "mlp", "mlp"], [i.reason for i in info]
+        step = jit_decode(m, deterministic=True)
+        outs = []
+        for a, e in [(0, window)] + [(t, t + 1) for t in range(window, window + n_steps)]:
+            seg = jnp.asarray(valid[:, a:e], jnp.int32)
+            y, mut = step(params, cache, x[:, a:e], dict(q_segment_ids=seg, kv_segment_ids=seg))
+            cache = mut["cache"]
+            outs.append(y)
+        check_rows_against_full(m, params, x, valid, jnp.concatenate(outs, axis=1), what="fp8 fused layer decode",
+                                static=dict(deterministic=True))
+        full_fp8 = jit_full(m, deterministic=True)(params, x, {})
+    # and the FP8 full forward is the fp32 layer's within E4M3 error (about 0.05 here; with the norm's output taken
+    # as a residual instead of the input, 0.27)
+    full_fp32 = jit_full(m, deterministic=True)({"params": v["params"]}, x, {})
+    err = float(jnp.linalg.norm(full_fp8 - full_fp32) / jnp.linalg.norm(full_fp32))
+    assert err < 0.1, err

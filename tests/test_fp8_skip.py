@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import norm_rel_err, ref_norm
 from te_jax import fp8
 from te_jax.flax import LayerNormMLP, MultiHeadAttention, TransformerLayer
 from te_jax.fp8 import norm_cast, norm_dense
@@ -24,17 +25,18 @@ SPECS = [pytest.param(norm_cast.NormSpec("rmsnorm", 1e-6, False, "xla"), id="xla
          pytest.param(norm_cast.NormSpec("rmsnorm", 1e-6, False, "xla", skip_kernel=True), id="skip_kernel")]
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def _data(seed, m, d):
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     x = (jax.random.normal(ks[0], (m, d)) * 2 + 0.5).astype(BF)
     gamma = 1 + 0.1 * jax.random.normal(ks[1], (d,))
     c_skip = jax.random.normal(ks[2], (m, d))  # the skip path's cotangent: as large as the rest
     return ks[3], x, gamma, c_skip
+
+
+def _against_fp32(got, want, names, tol):
+    """The skip path's gradients against fp32 autodiff of the same math without FP8 (FP8-sized tolerance)."""
+    for name, a, b in zip(names, got, want):
+        assert norm_rel_err(a, b) < tol, (name, norm_rel_err(a, b))
 
 
 def _compare(run, skip_names):
@@ -44,7 +46,7 @@ def _compare(run, skip_names):
     for name, a, b in zip(skip_names, g1, g0):
         for (path, u), v in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
             # dx: the skip gradient is added in fp32 before dx is rounded to bf16 (outside: two bf16 values summed)
-            assert _rel(u, v) < (1e-2 if name == "x" else 1e-5), (name, jax.tree_util.keystr(path), _rel(u, v))
+            assert norm_rel_err(u, v) < (1e-2 if name == "x" else 1e-5), (name, jax.tree_util.keystr(path), norm_rel_err(u, v))
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -75,6 +77,17 @@ def test_norm_dense_skip_equals_the_residual_added_outside(recipe, spec, monkeyp
         return f(x, gamma, ws, states)
 
     _compare(run, ("x", "gamma", "ws", "states"))
+
+    def loss32(x, gamma, ws):  # the same function in fp32, the skip added outside
+        ln = ref_norm(x, gamma, None, rms=True)
+        return sum(jnp.sum((ln @ w) * c) for w, c in zip(ws, cts)) + jnp.sum(x * c_skip)
+
+    want = jax.grad(loss32, argnums=(0, 1, 2))(x.astype(jnp.float32), gamma, ws)
+    got = run(True)[1]
+    _against_fp32((got[0], got[1], got[2][0], got[2][1]), (want[0], want[1], want[2][0], want[2][1]),
+                  ("x", "gamma", "w_q", "w_kv"), 0.1)
+    with pytest.raises(ValueError, match="skip=True needs a norm"):
+        norm_dense.norm_fp8_dense(x, gamma, None, ws, states, recipe, None, interpret=True, skip=True)
     # the skip output is x itself
     outs = jax.jit(lambda x: norm_dense.norm_fp8_dense(x, gamma, None, ws, states, recipe, spec, interpret=True,
                                                        skip=True))(x)
@@ -104,6 +117,14 @@ def test_fused_mlp_skip_equals_the_residual_added_outside(recipe, spec, monkeypa
         return f(x, gamma, w1, w2, states)
 
     _compare(run, ("x", "gamma", "w1", "w2", "states"))
+
+    def loss32(x, gamma, w1, w2):  # the same MLP in fp32, the skip added outside
+        h = jnp.einsum("md,daf->maf", ref_norm(x, gamma, None, rms=True), w1)
+        y = (jax.nn.silu(h[:, 0]) * h[:, 1]) @ w2
+        return jnp.sum(y * cy) + jnp.sum(x * c_skip)
+
+    want = jax.grad(loss32, argnums=(0, 1, 2, 3))(x.astype(jnp.float32), gamma, w1, w2)
+    _against_fp32(run(True)[1][:4], want, ("x", "gamma", "w1", "w2"), 0.1)
     with pytest.raises(ValueError, match="skip=True needs a norm"):
         fused_fp8_mlp(x, w1, w2, recipe, *states, activations=("silu", "linear"), interpret=True, skip=True)
 
@@ -173,7 +194,7 @@ def test_transformer_layer_skip_kernel_equals_xla(recipe, monkeypatch):
     np.testing.assert_allclose(float(lp), float(lx), rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(gp["params"]),
                             jax.tree_util.tree_leaves(gx["params"])):
-        assert _rel(a, b) < 1e-4, jax.tree_util.keystr(path)
+        assert norm_rel_err(a, b) < 1e-4, jax.tree_util.keystr(path)
     for info, where in ((info_p, "in the norm's backward kernel"), (info_x, "to the norm's XLA backward")):
         joined = [i.module for i in info if "residual's gradient added " + where in i.reason]
         assert joined == ["attention/query", "attention/kv", "mlp", "mlp"], (where, [i.reason for i in info])

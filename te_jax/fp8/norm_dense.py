@@ -44,6 +44,8 @@ def norm_fp8_dense(x, gamma, beta, kernels, states, recipe, norm, *, gemm_style=
                          "Float8CurrentScaling).")
     kernels = tuple(kernels)
     k = x.shape[-1]
+    if skip and norm is None:
+        raise ValueError("norm_fp8_dense: skip=True needs a norm (its gradient joins the norm's backward).")
     for name, a in (("gamma", gamma), ("beta", beta)):
         if (a is not None or name == "gamma") and (a is None or tuple(a.shape) != (k,)):
             raise ValueError(f"norm_fp8_dense: {name} has shape {None if a is None else tuple(a.shape)}; expected "

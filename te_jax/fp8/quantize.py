@@ -463,7 +463,7 @@ class _TNCfg:
     keep_weights: bool = False  # fused.keep_weight_copies: the forward's FP8 weight copies go to the backward
     merged_casts: bool = False  # fused.merged_casts: GEMMs sharing x_q / x_qT run as one over stacked casts
     state_kernel: bool = dataclasses.field(default_factory=state_update_kernel)  # delayed_updates' kernel
-    skip: bool = False  # x2 is also returned (last), and its cotangent joins the norm's backward (norm_cast.backward)
+    skip: bool = False  # (with norm) x2 is also returned (last); its cotangent joins the norm's backward (norm_cast)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -560,8 +560,6 @@ def _tn_dense_bwd(cfg, res, gs):
     if norm_res is not None:  # dx is the norm output's cotangent: through the norm's backward
         x2, gamma, beta, st = norm_res
         dx, dgamma, dbeta = _nc.backward(dx, x2, gamma, beta, st, cfg.norm, cfg.interpret, dres=dskip)
-    elif dskip is not None:  # no norm: the skip's gradient is added here
-        dx = (dx.astype(jnp.float32) + dskip.astype(jnp.float32)).astype(x_dtype)
     return dx, dgamma, dbeta, tuple(dws), (tuple(state_cts) if new_fwd is not None else None)
 
 
