@@ -785,6 +785,9 @@ def _masked_case(name):
     if name == "documents_causal":  # packed documents, one of length 1, ragged total (padded to 640)
         seg = _runs([100, 1, 250, 189], 600)[None]
         return 1, 600, 600, 2, 2, 128, AttentionMask.from_segments(seg, causal=True), None
+    if name == "short_documents":  # documents of 1-7 tokens sharing 8-row groups; row 2 past the aligned bound
+        seg = np.stack([_runs([3, 5, 1, 200, 250], 512), _runs([3, 9, 1, 2, 60, 5, 7, 80, 1, 40, 6, 70], 512)])
+        return 2, 512, 512, 2, 1, 128, AttentionMask.from_segments(seg, causal=True), None
     if name == "window_causal_hd64":
         return 1, 768, 768, 2, 1, 64, AttentionMask.full(1, 768, 768, causal=True, window=(128, 0)), None
     if name == "window_two_sided_softcap_hd256":
@@ -1098,16 +1101,18 @@ def test_data_mask_forward_with_the_named_barrier(name):
     _check_data_mask(name, config=dataclasses.replace(default_config(D, Skv, False, Sq), fwd_named_barrier=True))
 
 
-ALIGNED_CASES = ["documents_causal", "padding", "empty_rows", "ragged_lengths", "window_causal_hd64"]
+ALIGNED_CASES = ["documents_causal", "short_documents", "padding", "empty_rows", "ragged_lengths",
+                 "window_causal_hd64"]
 
 
 @pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("name", ALIGNED_CASES)
 def test_aligned_data_mask_forward_and_grads(name):
-    """The forward on document-aligned tiles (mask_aligned=True: Q and K/V loaded at each document's rows, out and
-    lse gathered back from the tiles' padded layout) against the fp32 reference, as test_data_mask_forward_and_grads
-    (the backward is the grid's, fed the aligned forward's out and lse)."""
+    """The forward on document-aligned tiles (mask_aligned=True: Q and K/V loaded at each document's rows, out
+    stored in token order by the groups each tile owns, lse gathered back from the tiles' padded layout) against the
+    fp32 reference, as test_data_mask_forward_and_grads (the backward is the grid's, fed the aligned forward's out
+    and lse)."""
     _check_data_mask(name, mask_aligned=True)
 
 

@@ -19,37 +19,54 @@ def _runs(lens, total):
 
 
 def _kernel_model(t, rule, cfg, q_len, kv_len):
-    """[B, Sq, Skv] int: how many times the forward kernel adds each (query, key) pair to a query's output row, as
-    it walks the aligned tables: every pair of a full block, the pairs its group's element mask keeps (on the padded
-    layout's marks) of a partial one; only rows that hold a query of the tile (the others are never gathered)."""
+    """(seen [B, Sq, Skv] int, stored [B, Sq] int) of the forward kernel walking the aligned tables: how many times
+    each (query, key) pair is added to the tile row whose output is that query's (out_index; every pair of a full
+    block, the pairs its group's element mask keeps on the padded layout's marks of a partial one), and how many
+    tile rows that are the query's own reach its place in the output by the tiles' store plans.  Every other row
+    reaching it must be one that sees no key (its output 0) and come through a shared group (a sum)."""
     a = jax.tree_util.tree_map(np.asarray, t.aligned)
-    tq, bkv = 2 * cfg.block_q, cfg.block_kv
+    tq, bkv, g = 2 * cfg.block_q, cfg.block_kv, aligned_tiles.ROW_ALIGN
     rules = rule.partial_rules()
     B, T = a.q_rows.shape
     seen = np.zeros((B, q_len, kv_len), np.int32)
+    stored = np.zeros((B, q_len), np.int32)
     for b in range(B):
+        own_row = a.out_index[b]  # each query's row in the padded layout: tile * tq + row
         for tile in range(T):
-            ends = a.counts[b, tile]
+            lo, hi, *shared = a.stores[b, tile]
+            if a.q_rows[b, tile] < 0:  # its CTA exits: it must hold no token
+                assert hi <= lo and shared == [-1, -1] and not np.isin(own_row // tq, tile).any()
+                continue
             q_marks = a.qm[b, :, tile * tq:(tile + 1) * tq]
-            real = q_marks[0] != NO_SEGMENT
-            q_tokens = a.q_rows[b, tile] * aligned_tiles.ROW_ALIGN + np.arange(tq)
+            q_tokens = a.q_rows[b, tile] * g + np.arange(tq)
+            mine = (q_tokens < q_len) & (own_row[np.minimum(q_tokens, q_len - 1)] == tile * tq + np.arange(tq))
+            for r in range(tq):  # the rows this tile stores
+                whole, in_shared = lo <= r // g < hi, r // g in shared
+                if not (whole or in_shared):
+                    continue
+                assert q_tokens[r] < q_len, "a stored row past the queries' end"
+                if mine[r]:
+                    stored[b, q_tokens[r]] += 1
+                else:  # another run's row in a shared group: it sees no key, so it adds 0
+                    assert in_shared and not whole and q_marks[0, r] == NO_SEGMENT, (tile, r)
+            ends = a.counts[b, tile]
             group = 0
             for step in range(ends[-1]):
                 while group < len(rules) and step >= ends[group]:
                     group += 1
                 blk = a.blocks[b, tile, step]
                 k_marks = a.km[b, :, blk * bkv:(blk + 1) * bkv]
-                keys = a.kv_rows[b, tile, step] * aligned_tiles.ROW_ALIGN + np.arange(bkv)
+                keys = a.kv_rows[b, tile, step] * g + np.arange(bkv)
                 if group < len(rules):  # partial: the group's element mask on the padded marks
                     keep = np.asarray(rules[group].apply(jnp.ones((tq, bkv)), (q_marks[0], q_marks[1]),
                                                          (k_marks[0], k_marks[1]), 0.0, q_axis=0)) > 0
                 else:
                     keep = np.ones((tq, bkv), bool)
-                keep &= real[:, None]
+                assert not (keep & ~mine[:, None]).any(), "a row that is not the tile's sees a key"
                 assert keys[keep.any(0)].max(initial=-1) < kv_len, "a counted key past the keys' end"
                 for i, j in zip(*np.nonzero(keep)):
                     seen[b, q_tokens[i], keys[j]] += 1
-    return seen
+    return seen, stored
 
 
 CASES = {
@@ -68,22 +85,40 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_aligned_tables_compute_every_visible_pair_once(name):
-    """aligned_tables (through aligned_mask_tables) against the dense mask: the kernel model adds every visible
-    pair once and no other pair, and gather_rows brings every query's row back to token order."""
+    """aligned_tables (through aligned_mask_tables) against the dense mask: in the kernel model every query's own
+    row reaches the output exactly once (whole groups in place, shared groups as a sum with zero rows), every
+    visible pair is added to it once and no other pair; lse's gather index points at the same rows."""
     m = CASES[name]()
     cfg = dataclasses.replace(default_config(128, m.kv_len, False, m.q_len), block_q=64, block_kv=128)
     t = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m)
     assert t.fwd is None
-    seen = _kernel_model(t, mask_rule(m), cfg, m.q_len, m.kv_len)
+    seen, stored = _kernel_model(t, mask_rule(m), cfg, m.q_len, m.kv_len)
+    np.testing.assert_array_equal(stored, np.ones((m.batch, m.q_len), np.int32))
     np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
-    # gather_rows: the padded layout's row of each query is where its tile computed it
-    a = t.aligned
-    tq = 2 * cfg.block_q
-    tokens = np.asarray(a.q_rows)[:, :, None] * aligned_tiles.ROW_ALIGN + np.arange(tq)  # [B, T, tq]: each row's
-    padded = jnp.asarray(tokens.reshape(m.batch, -1), jnp.float32)[:, :, None, None]
-    out, lse = aligned_tiles.gather_rows(padded, padded[:, :, :, 0].transpose(0, 2, 1), a.out_index)
-    np.testing.assert_array_equal(np.asarray(out)[:, :, 0, 0], np.broadcast_to(np.arange(m.q_len), (m.batch, m.q_len)))
-    np.testing.assert_array_equal(np.asarray(lse)[:, 0], np.broadcast_to(np.arange(m.q_len), (m.batch, m.q_len)))
+    # the stores and merge_shared_groups end to end: tile rows carry their token's number + 1 (0 where the row is
+    # not the tile's own, as the kernel's rows that see no key), stored by plan into garbage-filled buffers
+    a = jax.tree_util.tree_map(np.asarray, t.aligned)
+    tq, g = 2 * cfg.block_q, aligned_tiles.ROW_ALIGN
+    B, T = a.q_rows.shape
+    out = np.full((B, m.q_len, 1, 1), -7.0, np.float32)
+    shared = np.full((B, T, 2, g, 1, 1), -7.0, np.float32)
+    for b in range(B):
+        for tile in np.nonzero(a.q_rows[b] >= 0)[0]:
+            tokens = a.q_rows[b, tile] * g + np.arange(tq)
+            mine = (tokens < m.q_len) & (a.out_index[b, np.minimum(tokens, m.q_len - 1)] == tile * tq + np.arange(tq))
+            value = np.where(mine, tokens + 1.0, 0.0)
+            lo, hi, *sh = a.stores[b, tile]
+            for i in range(lo, hi):
+                out[b, tokens[i * g:(i + 1) * g], 0, 0] = value[i * g:(i + 1) * g]
+            for slot, i in enumerate(sh):
+                if i >= 0:
+                    shared[b, tile, slot, :, 0, 0] = value[i * g:(i + 1) * g]
+    merged = aligned_tiles.merge_shared_groups(jnp.asarray(out), jnp.asarray(shared), t.aligned.q_rows,
+                                               t.aligned.stores)
+    np.testing.assert_array_equal(np.asarray(merged)[:, :, 0, 0], np.arange(1, m.q_len + 1)[None].repeat(B, 0))
+    rows = jnp.arange(t.aligned.qm.shape[-1], dtype=jnp.float32)
+    lse = aligned_tiles.gather_lse(jnp.broadcast_to(rows, (m.batch, 1, rows.size)), t.aligned.out_index)
+    np.testing.assert_array_equal(np.asarray(lse)[:, 0], np.asarray(t.aligned.out_index))
 
 
 def test_aligned_tiles_start_at_documents_and_fall_back_past_the_bound():
@@ -92,7 +127,8 @@ def test_aligned_tiles_start_at_documents_and_fall_back_past_the_bound():
     seg = jnp.asarray(np.stack([_runs([100, 200, 28], 384), _runs([1] * 20, 384)]))
     n_max = aligned_tiles.aligned_tile_count(384, 128)
     assert n_max == 3 + 4
-    starts, index, n_tiles = aligned_tiles.run_tiles(seg, 128, n_max)
+    starts, index, rows = aligned_tiles.run_tiles(seg, 128, n_max)
+    n_tiles = (rows[..., 1] > rows[..., 0]).sum(-1)
     # the second document's first tile starts at 96 (100 rounded down to 8 rows), its second at 96 + 128; the
     # third document's at 296 (300 rounded down), the padding run's at 328
     np.testing.assert_array_equal(np.asarray(starts[0, :5]), [0, 96, 224, 296, 328])
@@ -105,5 +141,6 @@ def test_aligned_tiles_start_at_documents_and_fall_back_past_the_bound():
     m = AttentionMask.from_segments(np.asarray(seg), causal=True)
     cfg = dataclasses.replace(default_config(128, 384, False, 384), block_q=64, block_kv=128)
     t = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m)
-    np.testing.assert_array_equal(_kernel_model(t, mask_rule(m), cfg, 384, 384),
-                                  np.asarray(m.dense()).astype(np.int32))
+    seen, stored = _kernel_model(t, mask_rule(m), cfg, 384, 384)
+    np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
+    np.testing.assert_array_equal(stored, np.ones((2, 384), np.int32))

@@ -5,12 +5,13 @@ both documents' keys, and a key block that straddles a document's start is a par
 that document: on 11 documents in 16k tokens a quarter of the computed pairs are outside the visible area.  Here
 the tiles start where the documents do (FlashAttention-3's varlen tiling):
 
-    run_tiles(seg, tile, n_max) -> (starts [B, n_max], index [B, S], n_tiles [B])
+    run_tiles(seg, tile, n_max) -> (starts [B, n_max], index [B, S], rows [B, n_max, 2])
         tiles of `tile` tokens for every run of equal segment ids (a document, or a padding run): the run's first
         tile starts at its first token rounded down to a multiple of ROW_ALIGN, the next ones every `tile` rows
-        after it; index: each token's row in the tiles' padded layout (tile number * tile + offset).  The rows of a
-        first tile before its run's first token belong to the run before (and to that run's tile): they are not the
-        tile's.  A batch row that would need more than n_max tiles keeps the global grid (correct, not aligned).
+        after it; index: each token's row in the tiles' padded layout (tile number * tile + offset); rows: the
+        rows [lo, hi) of each tile that hold its run's tokens.  The rows of a first tile before its run's first
+        token belong to the run before (and to that run's tile), those of a last tile past its run's end to the
+        run after.  A batch row that would need more than n_max tiles keeps the global grid (correct, not aligned).
     AlignedTiles                     the forward's tables on those tiles (arrays, traced):
         q_rows [B, T]                each query tile's first row in q, in units of ROW_ALIGN rows
                                      (T = aligned_tile_count); -1 for a tile the row does not use (its CTA exits)
@@ -18,15 +19,22 @@ the tiles start where the documents do (FlashAttention-3's varlen tiling):
         km [B, 2, Tk * bkv]          the key blocks' rows; rows past a block's run segment 0 (padding)
         counts, blocks               data_mask.block_lists of every (query tile, key block) on these marks
         kv_rows [B, T, Tk]           the listed key blocks' first rows in k / v, in units of ROW_ALIGN (list order)
-        out_index [B, S]             each query's row in the forward's padded output [B, T * tq, ...]
+        out_index [B, S]             each query's row in the padded layout (lse comes back through it)
+        stores [B, T, 4]             how each tile stores O (store_plan): its whole ROW_ALIGN-row groups [lo, hi),
+                                     and the (at most two) groups it shares with a neighbouring run, or -1
     aligned_tables(tables, rule, cfg) -> AlignedTiles    (XLA, from data_mask.MaskTables' marks)
     aligned_mask_tables(mask, cfg, ...) -> MaskTables     (data_mask.mask_tables with `aligned` in place of `fwd`)
+    merge_shared_groups(out, shared, q_rows, stores) -> out   (XLA: the shared groups summed into place)
 
 The kernel loads Q and K/V at these rows (ROW_ALIGN * the table's value: Mosaic GPU must see that a TMA's row offset
-is a multiple of the shared-memory tile's 8 rows; rows past the end read as zeros), reads the marks of the padded
-layout, and writes O and lse to the padded layout; `gather_rows` puts them back in token order.
-A tile's rows past its document, and a block's keys past its document, are padding in the marks, so they are never
-counted as visible: the tiles inside a document are full, its diagonal ones compare positions only.
+is a multiple of the shared-memory tile's 8 rows; rows past the end read as zeros) and reads the marks of the padded
+layout.  A tile's rows past its document, and a block's keys past its document, are padding in the marks, so they
+are never counted as visible (the tiles inside a document are full, its diagonal ones compare positions only) and
+their output rows come out exactly 0.  So the kernel stores O in token order: each group of ROW_ALIGN rows that
+holds only the tile's own tokens by TMA in place; a group where a document starts or ends mid-group (its rows
+split between two or more runs' tiles) goes to a small side buffer, and merge_shared_groups adds the tiles' copies
+(the other runs' rows are zeros there, so the sum is exact).  lse goes to the padded layout (4 bytes a row: 32 bytes a group, below
+TMA's shared-memory alignment) and comes back by a gather (gather_lse).
 """
 from __future__ import annotations
 
@@ -52,6 +60,7 @@ class AlignedTiles(NamedTuple):
     blocks: jax.Array
     kv_rows: jax.Array
     out_index: jax.Array
+    stores: jax.Array
 
 
 def aligned_tile_count(length: int, tile: int) -> int:
@@ -63,38 +72,55 @@ def aligned_tile_count(length: int, tile: int) -> int:
 
 
 def run_tiles(seg, tile: int, n_max: int):
-    """(starts [B, n_max] int32, index [B, S] int32, n_tiles [B] int32) for segment ids seg [B, S]; see the module
-    docstring.  Unused tiles start at row 0 and hold no token."""
+    """(starts [B, n_max] int32, index [B, S] int32, rows [B, n_max, 2] int32) for segment ids seg [B, S] (S a
+    multiple of ROW_ALIGN); see the module docstring.  A tile that holds no token has hi <= lo and start 0."""
     B, S = seg.shape
     if n_max * tile < S:
         raise ValueError(f"run_tiles: {n_max} tiles of {tile} cannot hold {S} tokens")
-    if tile % ROW_ALIGN:
-        raise ValueError(f"run_tiles: tile {tile} is not a multiple of {ROW_ALIGN} rows")
+    if tile % ROW_ALIGN or S % ROW_ALIGN:
+        raise ValueError(f"run_tiles: tile {tile} and length {S} must be multiples of {ROW_ALIGN} rows")
     idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     new_run = jnp.concatenate([jnp.ones((B, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     run_start = lax.cummax(jnp.where(new_run, idx, 0), axis=1)
     in_tile = (idx - run_start // ROW_ALIGN * ROW_ALIGN) % tile  # tiles from the run's start, rounded down
     first = new_run | (in_tile == 0)  # the token opens a tile
     tile_id = jnp.cumsum(first, axis=1, dtype=jnp.int32) - 1
-    fits = tile_id[:, -1] < n_max
-    tile_id = jnp.where(fits[:, None], tile_id, idx // tile)
-    in_tile = jnp.where(fits[:, None], in_tile, idx % tile)
-    first = jnp.where(fits[:, None], first, in_tile == 0)
-    index = tile_id * tile + in_tile
-    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-    starts = jnp.zeros((B, n_max), jnp.int32).at[rows, jnp.where(first, tile_id, n_max)].set(idx - in_tile,
-                                                                                              mode="drop")
-    return starts, index, tile_id[:, -1] + 1
+    fits = (tile_id[:, -1] < n_max)[:, None]
+    tile_id = jnp.where(fits, tile_id, idx // tile)
+    in_tile = jnp.where(fits, in_tile, idx % tile)
+    # one scatter gives every tile (start, -lo, hi): its tokens' rows are [lo, hi) from its start
+    far = jnp.int32(1 << 30)
+    per_tile = jnp.full((B, n_max, 3), -far, jnp.int32).at[jnp.arange(B, dtype=jnp.int32)[:, None], tile_id].max(
+        jnp.stack([idx - in_tile, -in_tile, in_tile + 1], axis=-1))
+    starts = jnp.maximum(per_tile[..., 0], 0)
+    return starts, tile_id * tile + in_tile, jnp.stack([-per_tile[..., 1], per_tile[..., 2]], axis=-1)
 
 
-def _padded_marks(marks, index, size: int, fill_segment: int):
-    """marks [B, 2, S] (segment id, position) scattered to the padded layout [B, 2, size] by index [B, S]; rows that
-    hold no token get (fill_segment, 0)."""
-    B = marks.shape[0]
-    out = jnp.zeros((B, 2, size), jnp.int32).at[:, 0].set(fill_segment)
-    rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-    out = out.at[rows, 0, index].set(marks[:, 0])
-    return out.at[rows, 1, index].set(marks[:, 1])
+def store_plan(rows):
+    """[B, T, 4] int32 from run_tiles' rows [B, T, 2] ([lo, hi) of each tile's tokens): (lo_g, hi_g, shared_0,
+    shared_1) in ROW_ALIGN-row groups of the tile: the groups [lo_g, hi_g) hold only its tokens (stored in place);
+    shared_0 / shared_1 (-1: none) are the first / last group it touches where that group also holds another run's
+    tokens (a document starting or ending mid-group; one group can be both, then shared_1 is -1)."""
+    g = ROW_ALIGN
+    lo, hi = rows[..., 0], rows[..., 1]
+    used = hi > lo
+    g0, g1 = lo // g, (hi - 1) // g
+    first_shared = used & ((lo % g != 0) | (hi < g0 * g + g))
+    last_shared = used & (g1 != g0) & (hi % g != 0)
+    whole_lo = jnp.where(used, g0 + first_shared, 0)
+    whole_hi = jnp.where(used, g1 + 1 - last_shared, 0)
+    return jnp.stack([whole_lo, whole_hi, jnp.where(first_shared, g0, -1), jnp.where(last_shared, g1, -1)],
+                     axis=-1).astype(jnp.int32)
+
+
+def _tile_marks(marks, starts, tile: int, keep, fill_segment: int):
+    """The padded layout's marks [B, 2, T * tile]: row r of tile t holds token starts[b, t] + r's (segment id,
+    position) where keep[b, t, r], else (fill_segment, 0); one gather."""
+    B, _, S = marks.shape
+    tokens = jnp.clip(starts[:, :, None] + jnp.arange(tile, dtype=jnp.int32), 0, S - 1).reshape(B, 1, -1)
+    got = jnp.take_along_axis(marks, jnp.broadcast_to(tokens, (B, 2, tokens.shape[-1])), axis=2)
+    fill = jnp.asarray([fill_segment, 0], jnp.int32)[None, :, None]
+    return jnp.where(keep.reshape(B, 1, -1), got, fill)
 
 
 def aligned_tables(tables, rule, cfg) -> AlignedTiles:
@@ -104,15 +130,17 @@ def aligned_tables(tables, rule, cfg) -> AlignedTiles:
     q_seg = jnp.where(tables.qm[:, 0] == NO_SEGMENT, 0, tables.qm[:, 0])
     k_seg = tables.km[:, 0]
     n_q, n_k = aligned_tile_count(q_seg.shape[1], tq), aligned_tile_count(k_seg.shape[1], bkv)
-    q_rows, q_index, q_tiles = run_tiles(q_seg, tq, n_q)
-    q_rows = jnp.where(jnp.arange(n_q) < q_tiles[:, None], q_rows, -ROW_ALIGN)  # unused tiles: row -1 (skipped)
-    k_starts, k_index, _ = run_tiles(k_seg, bkv, n_k)
-    qm = _padded_marks(tables.qm, q_index, n_q * tq, NO_SEGMENT)
-    km = _padded_marks(tables.km, k_index, n_k * bkv, 0)
+    q_rows, q_index, q_tok = run_tiles(q_seg, tq, n_q)
+    q_rows = jnp.where(q_tok[..., 1] > q_tok[..., 0], q_rows, -ROW_ALIGN)  # tiles holding no token: row -1 (skipped)
+    k_starts, k_index, k_tok = run_tiles(k_seg, bkv, n_k)
+    in_rows = lambda t, n: (jnp.arange(n) >= t[..., :1]) & (jnp.arange(n) < t[..., 1:])  # [B, T, n]
+    qm = _tile_marks(tables.qm, q_rows, tq, in_rows(q_tok, tq), NO_SEGMENT)
+    km = _tile_marks(tables.km, k_starts, bkv, in_rows(k_tok, bkv), 0)
     qs = jnp.where(qm[:, 0] == NO_SEGMENT, 0, qm[:, 0])
     counts, blocks = tile_lists(qs, qm[:, 1], km[:, 0], km[:, 1], rule, tq, bkv)
     kv_rows = jnp.take_along_axis(jnp.broadcast_to(k_starts[:, None, :], blocks.shape), blocks, axis=-1)
-    return AlignedTiles(q_rows // ROW_ALIGN, qm, km, counts, blocks, kv_rows // ROW_ALIGN, q_index)
+    return AlignedTiles(q_rows // ROW_ALIGN, qm, km, counts, blocks, kv_rows // ROW_ALIGN, q_index,
+                        store_plan(q_tok))
 
 
 def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = True, split: bool = True):
@@ -124,11 +152,20 @@ def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = Tr
     return backward_tables(t, rule, cfg) if backward else t
 
 
-def gather_rows(out_padded, lse_padded, out_index):
-    """(out [B, S, H, Dv], lse [B, H, S]) in token order from the forward's padded layout
-    (out_padded [B, T * tq, H, Dv], lse_padded [B, H, T * tq]) by out_index [B, S]."""
-    # one row gather per batch row. On the H100 XLA's gather of thd's 64 MiB output took 213-275 us either this way
-    # or as take_along_axis: the reason auto leaves the aligned forward off (attention_masks_h100.md)
-    out = jax.vmap(lambda o, i: o[i])(out_padded, out_index)
-    lse = jax.vmap(lambda s, i: s[:, i])(lse_padded, out_index)
-    return out, lse
+def merge_shared_groups(out, shared, q_rows, stores):
+    """out [B, S, H, Dv] with the groups several tiles share filled in: shared [B, T, 2, ROW_ALIGN, H, Dv] holds
+    each tile's copy of its shared groups (stores[..., 2:]; q_rows in ROW_ALIGN units), the other runs' rows 0 in
+    it, so each shared group is the sum of its copies (zeroed first: the kernel left it unwritten)."""
+    B, S = out.shape[:2]
+    group = stores[..., 2:]  # [B, T, 2]
+    first = jnp.where(group >= 0, (q_rows[..., None] + group) * ROW_ALIGN, S)  # past the end: dropped
+    tokens = first[..., None] + jnp.arange(ROW_ALIGN, dtype=jnp.int32)  # [B, T, 2, ROW_ALIGN]
+    b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
+    out = out.at[b, tokens].set(jnp.zeros((), out.dtype), mode="drop")
+    return out.at[b, tokens].add(shared, mode="drop")
+
+
+def gather_lse(lse_padded, out_index):
+    """lse [B, H, S] in token order from the forward's padded layout lse_padded [B, H, T * tq] by out_index [B, S]
+    (the output itself is stored in token order by the kernel)."""
+    return jax.vmap(lambda s, i: s[:, i])(lse_padded, out_index)

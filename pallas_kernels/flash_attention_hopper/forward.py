@@ -27,7 +27,7 @@ from .._compat import mosaic_gpu, pl
 
 from .._lower_once import lower_once
 
-from .aligned_tiles import gather_rows
+from .aligned_tiles import gather_lse, merge_shared_groups
 from .band import band_big, band_mask, every_query_sees_a_key, heavier_tiles_last, key_blocks, walk_band
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
@@ -112,10 +112,10 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             raise ValueError("a data mask carries causal and padding itself (causal=False, kv_valid=None)")
         if mask_tables.aligned is not None:  # document-aligned tiles (aligned_tiles): the grid kernel
             a = mask_tables.aligned
-            out, lse = _flash_fwd_masked(q, k, v, a.qm, a.km, a.counts, a.blocks, scale=scale, cfg=cfg,
-                                         interpret=interpret, softcap=softcap, rule=mask_rule,
-                                         rows=(a.q_rows, a.kv_rows))
-            return gather_rows(out, lse, a.out_index)
+            out, lse, shared = _flash_fwd_masked(q, k, v, a.qm, a.km, a.counts, a.blocks, scale=scale, cfg=cfg,
+                                                 interpret=interpret, softcap=softcap, rule=mask_rule,
+                                                 rows=(a.q_rows, a.kv_rows, a.stores))
+            return merge_shared_groups(out, shared, a.q_rows, a.stores), gather_lse(lse, a.out_index)
         masked = (_flash_fwd_masked_persistent
                   if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
         return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,

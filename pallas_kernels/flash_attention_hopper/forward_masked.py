@@ -36,6 +36,34 @@ def step_mask(plgpu, rule, q_marks, key_marks, slot):
     return apply_mask
 
 
+def _store_planned(plgpu, src, o_ref, shared_ref, plan_ref, b, h, qt, wg, q_rows_ref, bq: int):
+    """Document-aligned tiles: TMA this warpgroup's O tile src [bq, Dv] by query tile qt's store plan
+    (aligned_tiles.store_plan, plan_ref[b, qt] in ROW_ALIGN-row groups of the tile's 2 bq rows): its whole groups
+    to their token rows of o_ref [B, S, H, Dv] (one copy where the warpgroup's rows are all whole), its shared
+    groups to shared_ref [B, T, 2, ROW_ALIGN, H, Dv] (aligned_tiles.merge_shared_groups sums them in place)."""
+    g, n = ROW_ALIGN, bq // ROW_ALIGN
+    lo = plan_ref[b, qt, 0] - wg * n
+    hi = plan_ref[b, qt, 1] - wg * n
+    row = lambda i: q_rows_ref[b, qt] * g + wg * bq + i * g  # computed where used (the interpreter)
+    whole = (lo <= 0) & (hi >= n)
+    group = lambda i: src.at[pl.ds(i * g, g)]
+
+    @pl.when(whole)
+    def _():
+        plgpu.copy_smem_to_gmem(src, o_ref.at[b, pl.ds(row(0), bq), h])
+
+    @pl.when(jnp.logical_not(whole))
+    def _():
+        for i in range(n):
+            pl.when((lo <= i) & (i < hi))(lambda i=i: plgpu.copy_smem_to_gmem(
+                group(i), o_ref.at[b, pl.ds(row(i), g), h]))
+        for slot in range(2):
+            shared = plan_ref[b, qt, 2 + slot] - wg * n
+            for i in range(n):
+                pl.when(shared == i)(lambda i=i, slot=slot: plgpu.copy_smem_to_gmem(
+                    group(i), shared_ref.at[b, qt, slot, :, h]))
+
+
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
                       softcap: float | None, rule, rows=None):
     """Forward under a data mask (pallas_kernels.mask: segment ids and positions, causal, window; rule: its
@@ -45,11 +73,14 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     counts [B, S // (2 bq), n_groups + 1], blocks [B, S // (2 bq), Skv // bkv] (data_mask.block_lists): each
     tile's visible kv blocks, the partial ones (computed with the element mask, one loop per group of
     rule.partial_rules()) first, then the full ones; no other block is loaded.
-    rows (aligned_tiles.AlignedTiles' q_rows [B, T], kv_rows [B, T, Tk]): document-aligned tiles.  Query tile t
-    loads q from row ROW_ALIGN * q_rows[b, t] and its listed block j's K / V from row ROW_ALIGN * kv_rows[b, t, j]
-    (aligned_tiles.ROW_ALIGN: a multiple Mosaic GPU can see; a tile with q_rows -1 does nothing); qm and km are
-    then the tiles' padded layouts ([B, 2, T * 2 bq], [B, 2, Tk * bkv], blocks indexing km's blocks), and out /
-    lse come back in that layout ([B, T * 2 bq, H, Dv], [B, H, T * 2 bq]: aligned_tiles.gather_rows).
+    rows (aligned_tiles.AlignedTiles' q_rows [B, T], kv_rows [B, T, Tk], stores [B, T, 4]): document-aligned
+    tiles.  Query tile t loads q from row ROW_ALIGN * q_rows[b, t] and its listed block j's K / V from row
+    ROW_ALIGN * kv_rows[b, t, j] (aligned_tiles.ROW_ALIGN: a multiple Mosaic GPU can see; a tile with q_rows -1
+    does nothing); qm and km are then the tiles' padded layouts ([B, 2, T * 2 bq], [B, 2, Tk * bkv], blocks
+    indexing km's blocks).  Then three outputs: out [B, S, H, Dv] in token order but for the groups tiles share
+    (each tile stores by its plan, aligned_tiles.store_plan), lse [B, H, T * 2 bq] in the padded layout
+    (aligned_tiles.gather_lse) and the shared groups [B, T, 2, ROW_ALIGN, H, Dv]
+    (aligned_tiles.merge_shared_groups).
     The memory warpgroup streams K, V and the keys' (segment, position) rows of the listed blocks.  Rows that see
     no key: out 0, lse -inf.
     """
@@ -68,8 +99,9 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
     def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, *refs):
-        (q_rows_ref, kv_rows_ref), refs = (refs[:2], refs[2:]) if rows is not None else ((None, None), refs)
-        o_ref, lse_ref, smem, bars = refs
+        (q_rows_ref, kv_rows_ref, plan_ref), refs = (refs[:3], refs[3:]) if rows is not None else ((None,) * 3, refs)
+        (o_ref, lse_ref), shared_ref = refs[:2], (refs[2] if rows is not None else None)
+        smem, bars = refs[-2:]
         qo_smem2, o_tiles = qo_refs(smem[0], smem[6:], bq, D, Dv, dtype)
         k_smem, v_smem, lse_smem2, qm_smem2, km_smem = smem[1:6]
         k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
@@ -129,7 +161,9 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             pl.when(wg == 0)(sched.finish)
             finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
                         o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
-                        may_be_empty=True)  # a row without a visible key: out 0, lse -inf
+                        may_be_empty=True,  # a row without a visible key: out 0, lse -inf
+                        o_store=None if rows is None else lambda src: _store_planned(
+                            plgpu, src, o_ref, shared_ref, plan_ref, b, h, qt, wg, q_rows_ref, bq))
 
         @pl.when((wg == 2) & active)
         def _memory():
@@ -171,7 +205,10 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
         ),
     ]
     s_out = n_qt * 2 * bq
-    out_type = (jax.ShapeDtypeStruct((B, s_out, H, Dv), dtype), jax.ShapeDtypeStruct((B, H, s_out), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct((B, S if rows is not None else s_out, H, Dv), dtype),
+                jax.ShapeDtypeStruct((B, H, s_out), jnp.float32))
+    if rows is not None:  # the groups a tile shares with a neighbouring run's tile
+        out_type += (jax.ShapeDtypeStruct((B, n_qt, 2, ROW_ALIGN, H, Dv), dtype),)
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(H, n_qt, B),
                                    grid_names=("heads", "q_seq", "batch"), compute_wgs=2, interpret=interpret,
                                    name="te_jax_attn_fwd_masked" if rows is None else "te_jax_attn_fwd_aligned",

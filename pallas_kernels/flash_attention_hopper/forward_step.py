@@ -172,18 +172,22 @@ def write_o(plgpu, o_tiles, qo_smem, wg, value):
         pl.when(wg == w)(functools.partial(o_tile.__setitem__, Ellipsis, value))
 
 
-def store_o(plgpu, o_tiles, qo_smem, wg, dst):
-    """TMA this warpgroup's O tile to dst (after commit_smem)."""
+def store_o(plgpu, o_tiles, qo_smem, wg, dst, store=None):
+    """TMA this warpgroup's O tile to dst (after commit_smem); store(src) instead issues the copies of the tile
+    src itself (aligned_tiles: only the rows the tile owns)."""
+    put = store or (lambda src: plgpu.copy_smem_to_gmem(src, dst))
     if o_tiles is None:
-        plgpu.copy_smem_to_gmem(qo_smem, dst)
+        put(qo_smem)
         return
     for w, o_tile in enumerate(o_tiles):
-        pl.when(wg == w)(functools.partial(plgpu.copy_smem_to_gmem, o_tile, dst))
+        pl.when(wg == w)(functools.partial(put, o_tile))
 
 
-def finish_tile(plgpu, carry, *, o_tiles, qo_smem, lse_smem, wg, dtype, o_dst, lse_dst, may_be_empty: bool):
+def finish_tile(plgpu, carry, *, o_tiles, qo_smem, lse_smem, wg, dtype, o_dst, lse_dst, may_be_empty: bool,
+                o_store=None):
     """A forward tile's epilogue: out = acc / l into the O tile and lse (natural log) into lse_smem, both TMA'd to
-    o_dst / lse_dst, then waited for.  may_be_empty (a data mask): a row that saw no key gives out 0, lse -inf."""
+    o_dst / lse_dst (o_store(src): O's copies issued by the caller instead), then waited for.  may_be_empty (a data
+    mask): a row that saw no key gives out 0, lse -inf."""
     acc, m_i, l_i = carry
     if may_be_empty:
         empty = l_i == 0.0
@@ -197,6 +201,6 @@ def finish_tile(plgpu, carry, *, o_tiles, qo_smem, lse_smem, wg, dtype, o_dst, l
     else:
         lse_smem[...] = (m_i + jnp.log2(l_i)) * LN2
     plgpu.commit_smem()
-    store_o(plgpu, o_tiles, qo_smem, wg, o_dst)
+    store_o(plgpu, o_tiles, qo_smem, wg, o_dst, o_store)
     plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
     plgpu.wait_smem_to_gmem(0)

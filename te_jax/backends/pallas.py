@@ -220,8 +220,7 @@ class PallasBackend:
     @staticmethod
     def hopper_aligned_tiles(call) -> bool:
         """Whether the Hopper data-mask forward starts its tiles at every document (aligned_tiles): calls with
-        documents (thd, segment ids), where tuning.HOPPER_ALIGNED_TILES_AUTO says so (today it does not: the
-        pre-pass and the output gather cost more than the kernel saves). Padding from lengths keeps the global
+        documents (thd, segment ids), where tuning.HOPPER_ALIGNED_TILES_AUTO says so. Padding from lengths keeps the global
         grid: its one document per row starts at row 0, where the grid already starts."""
         from te_jax.backends import tuning
 
@@ -369,7 +368,7 @@ class PallasBackend:
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
                     "the element mask, partial tiles apply it; forward " + (
                         "on document-aligned tiles (query tiles and key blocks start at every document; the output "
-                        "gathered back to token order)" if self.hopper_aligned_tiles(call) else
+                        "stored in token order, the 8-row groups two documents share summed after the kernel)" if self.hopper_aligned_tiles(call) else
                         "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
                         "Q and K/V load during the current one)" if persistent else
                         "one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid "
