@@ -28,6 +28,7 @@ attention kernel from the XLA work around it (the mask's pre-pass, layout change
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import inspect
@@ -149,7 +150,27 @@ def _te_kwargs(row: Row):
     return kw
 
 
-def makers(row: Row, scale, tk, fa3, persistent=False, delta_ab=False):
+@contextlib.contextmanager
+def _aligned_tiles_on():
+    """tuning.HOPPER_ALIGNED_TILES_AUTO switched on while a call traces (te_jax_aligned)."""
+    from te_jax.backends import tuning
+
+    before = tuning.HOPPER_ALIGNED_TILES_AUTO
+    tuning.HOPPER_ALIGNED_TILES_AUTO = dataclasses.replace(before, value=True)
+    try:
+        yield
+    finally:
+        tuning.HOPPER_ALIGNED_TILES_AUTO = before
+
+
+def _traced_aligned(fn):
+    def call(*args):
+        with _aligned_tiles_on():
+            return fn(*args)
+    return call
+
+
+def makers(row: Row, scale, tk, fa3, persistent=False, delta_ab=False, aligned=False):
     from pallas_kernels.flash_attention import BlockSizes
     from pallas_kernels.flash_attention_hopper.config import default_config
 
@@ -168,6 +189,9 @@ def makers(row: Row, scale, tk, fa3, persistent=False, delta_ab=False):
     for name, extra in variants:
         out[name] = (lambda extra: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
             q, k, v, scale=scale, **kw, **extra)))(extra)
+    if aligned:  # auto with the documents' forward on aligned tiles (tuning.HOPPER_ALIGNED_TILES_AUTO on)
+        out["te_jax_aligned"] = lambda: fwd_and_fb(_traced_aligned(lambda q, k, v: te_jax.dot_product_attention(
+            q, k, v, scale=scale, **kw)))
     if row.softmax_type != "vanilla":  # no peer has sinks: the same call without them, for their cost
         plain = {n: a for n, a in kw.items() if n not in ("softmax_type", "softmax_offset")}
         out["te_jax_no_sink"] = lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
@@ -259,6 +283,8 @@ def main():
     ap.add_argument("--persistent", action="store_true",
                     help="add te_jax_persistent and te_jax_grid (the data-mask forward's two schedules) on "
                          "data-mask rows")
+    ap.add_argument("--aligned", action="store_true",
+                    help="add te_jax_aligned (documents: the forward on document-aligned tiles) on data-mask rows")
     ap.add_argument("--delta-ab", action="store_true",
                     help="add te_jax_xla_delta: the Hopper backward with XLA's delta instead of the dQ kernel's")
     ap.add_argument("--device-time", action="store_true",
@@ -280,7 +306,8 @@ def main():
         data_mask = "data-mask schedule" in choice.detail
         impls = ready_impls({n: m for n, m in makers(row, scale, tk, fa3,
                                                      persistent=args.persistent and data_mask,
-                                                     delta_ab=args.delta_ab).items()
+                                                     delta_ab=args.delta_ab,
+                                                     aligned=args.aligned and data_mask).items()
                              if not (n == "te_jax_pallas" and choice.selected == "pallas")}, q, k, v, do)
         ref, s0 = reference_rows(row, q, k, v, scale)
         for iname in impls:
@@ -290,7 +317,8 @@ def main():
                   flush=True)
         if "te_jax_portable" in impls:
             gp = impls["te_jax_portable"][1](q, k, v, do)
-            for iname in ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid", "te_jax_xla_delta"):
+            for iname in ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid", "te_jax_xla_delta",
+                          "te_jax_aligned"):
                 if iname in impls:
                     g = impls[iname][1](q, k, v, do)
                     print(f"  {iname} grads vs portable kernel: rel " +
@@ -299,7 +327,8 @@ def main():
         tf = tflops_rounds(impls, q, k, v, do, flops, args.rounds)
         if args.device_time:
             print_device_time(impls, q, k, v, do)
-        table += peer_rows(row.label, impls, tf, ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid"))
+        table += peer_rows(row.label, impls, tf, ("te_jax", "te_jax_pallas", "te_jax_persistent", "te_jax_grid",
+                                                  "te_jax_aligned"))
     print_table(f"Hopper masks: TFLOP/s on the visible area ({args.rounds} interleaved rounds, medians), "
                 f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {datetime.date.today()}", table,
                 save_as="attention_masks")

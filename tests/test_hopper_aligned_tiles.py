@@ -70,8 +70,10 @@ def _kernel_model(t, rule, cfg, q_len, kv_len):
 
 
 CASES = {
-    "thd documents, causal": lambda: AttentionMask.from_segments(_runs([300, 1, 130, 250, 89, 200], 1024)[None],
+    "thd documents, causal": lambda: AttentionMask.from_segments(_runs([300, 131, 250, 89, 200], 1024)[None],
                                                                 causal=True),
+    "tiny documents sharing 8-row groups": lambda: AttentionMask.from_segments(
+        _runs([3, 5, 1, 200, 250], 512)[None], causal=True),
     "documents, non-causal, padding": lambda: AttentionMask.from_segments(
         np.stack([_runs([200, 300, 100], 768), _runs([700], 768)])),
     "documents, window": lambda: AttentionMask.from_segments(_runs([140, 500, 128], 768)[None], causal=True,
@@ -92,6 +94,8 @@ def test_aligned_tables_compute_every_visible_pair_once(name):
     cfg = dataclasses.replace(default_config(128, m.kv_len, False, m.q_len), block_q=64, block_kv=128)
     t = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m)
     assert t.fwd is None
+    starts = np.asarray(t.aligned.q_rows)[0] * aligned_tiles.ROW_ALIGN
+    assert (starts[starts >= 0] % 128).any(), "the case's first row fell back to the global grid"
     seen, stored = _kernel_model(t, mask_rule(m), cfg, m.q_len, m.kv_len)
     np.testing.assert_array_equal(stored, np.ones((m.batch, m.q_len), np.int32))
     np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
@@ -144,3 +148,36 @@ def test_aligned_tiles_start_at_documents_and_fall_back_past_the_bound():
     seen, stored = _kernel_model(t, mask_rule(m), cfg, 384, 384)
     np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
     np.testing.assert_array_equal(stored, np.ones((2, 384), np.int32))
+
+
+@pytest.mark.parametrize("name", ["thd documents, causal", "tiny documents sharing 8-row groups"])
+def test_triton_merge_matches_the_xla_merge(name):
+    """aligned_merge's kernel (interpreted) against merge_shared_groups' XLA scatters on the tables' store plans:
+    random copies in every shared slot (so a group that sums the wrong slots, or misses a slot between unused
+    ones, differs), random values elsewhere in out kept as they are."""
+    m = CASES[name]()
+    cfg = dataclasses.replace(default_config(128, m.kv_len, False, m.q_len), block_q=64, block_kv=128)
+    a = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m).aligned
+    B, T = a.q_rows.shape
+    H, Dv = 2, 16
+    k1, k2 = jax.random.split(jax.random.key(3))
+    out = jax.random.normal(k1, (B, m.q_len, H, Dv), jnp.float32)
+    shared = jax.random.normal(k2, (B, T, 2, aligned_tiles.ROW_ALIGN, H, Dv), jnp.float32)
+    assert int((np.asarray(a.stores)[..., 2:] >= 0).sum()) >= 3  # the case has shared groups
+    want = aligned_tiles.merge_shared_groups(out, shared, a.q_rows, a.stores, kernel=False)
+    got = aligned_tiles.merge_shared_groups(out, shared, a.q_rows, a.stores, kernel=True, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(np.asarray(want), np.asarray(out))  # the merge changed something
+
+
+def test_triton_merge_lowers_for_cuda():
+    """The merge kernel's Triton lowering for CUDA (on any machine: the GPU check runs it for real)."""
+    from pallas_kernels.flash_attention_hopper import aligned_merge
+
+    out = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+    shared = jax.ShapeDtypeStruct((1, 26, aligned_tiles.ROW_ALIGN, 4, 128), jnp.bfloat16)
+    first = jax.ShapeDtypeStruct((1, 26), jnp.int32)
+    f = jax.jit(lambda o, s, i: aligned_merge.merge_shared(o, s, i, interpret=False))
+    assert "triton" in f.trace(out, shared, first).lower(lowering_platforms=("cuda",)).as_text().lower()
+    with pytest.raises(ValueError, match="power of two"):
+        aligned_merge.merge_shared(jnp.zeros((1, 16, 1, 96)), jnp.zeros((1, 2, 8, 1, 96)), jnp.zeros((1, 2), jnp.int32))

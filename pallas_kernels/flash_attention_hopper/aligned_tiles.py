@@ -88,12 +88,16 @@ def run_tiles(seg, tile: int, n_max: int):
     fits = (tile_id[:, -1] < n_max)[:, None]
     tile_id = jnp.where(fits, tile_id, idx // tile)
     in_tile = jnp.where(fits, in_tile, idx % tile)
-    # one scatter gives every tile (start, -lo, hi): its tokens' rows are [lo, hi) from its start
-    far = jnp.int32(1 << 30)
-    per_tile = jnp.full((B, n_max, 3), -far, jnp.int32).at[jnp.arange(B, dtype=jnp.int32)[:, None], tile_id].max(
-        jnp.stack([idx - in_tile, -in_tile, in_tile + 1], axis=-1))
-    starts = jnp.maximum(per_tile[..., 0], 0)
-    return starts, tile_id * tile + in_tile, jnp.stack([-per_tile[..., 1], per_tile[..., 2]], axis=-1)
+    # each tile's (start, lo) from its first token, hi from its last (set-scatters: the other tokens are dropped);
+    # a tile without a token keeps (0, 0, 0)
+    edge = jnp.ones((B, 1), bool)
+    change = tile_id[:, 1:] != tile_id[:, :-1]
+    opens, closes = jnp.concatenate([edge, change], axis=1), jnp.concatenate([change, edge], axis=1)
+    b = jnp.arange(B, dtype=jnp.int32)[:, None]
+    opened = jnp.zeros((B, n_max, 2), jnp.int32).at[b, jnp.where(opens, tile_id, n_max)].set(
+        jnp.stack([idx - in_tile, in_tile], axis=-1), mode="drop")
+    hi = jnp.zeros((B, n_max), jnp.int32).at[b, jnp.where(closes, tile_id, n_max)].set(in_tile + 1, mode="drop")
+    return opened[..., 0], tile_id * tile + in_tile, jnp.stack([opened[..., 1], hi], axis=-1)
 
 
 def store_plan(rows):
@@ -152,14 +156,20 @@ def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = Tr
     return backward_tables(t, rule, cfg) if backward else t
 
 
-def merge_shared_groups(out, shared, q_rows, stores):
+def merge_shared_groups(out, shared, q_rows, stores, *, kernel: bool | None = None, interpret=None):
     """out [B, S, H, Dv] with the groups several tiles share filled in: shared [B, T, 2, ROW_ALIGN, H, Dv] holds
     each tile's copy of its shared groups (stores[..., 2:]; q_rows in ROW_ALIGN units), the other runs' rows 0 in
-    it, so each shared group is the sum of its copies (zeroed first: the kernel left it unwritten)."""
+    it, so each shared group is the sum of its copies (the kernel left it unwritten).  kernel (None: where it serves
+    v's head_dim): the Triton merge (aligned_merge), else XLA scatters."""
+    from . import aligned_merge
+
     B, S = out.shape[:2]
     group = stores[..., 2:]  # [B, T, 2]
-    first = jnp.where(group >= 0, (q_rows[..., None] + group) * ROW_ALIGN, S)  # past the end: dropped
-    tokens = first[..., None] + jnp.arange(ROW_ALIGN, dtype=jnp.int32)  # [B, T, 2, ROW_ALIGN]
+    first = jnp.where(group >= 0, (q_rows[..., None] + group) * ROW_ALIGN, -1)
+    if aligned_merge.served(out.shape[-1]) if kernel is None else kernel:
+        return aligned_merge.merge_shared(out, shared.reshape((B, -1) + shared.shape[3:]), first.reshape(B, -1),
+                                          interpret=interpret)
+    tokens = jnp.where(first >= 0, first, S)[..., None] + jnp.arange(ROW_ALIGN, dtype=jnp.int32)  # S+: dropped
     b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
     out = out.at[b, tokens].set(jnp.zeros((), out.dtype), mode="drop")
     return out.at[b, tokens].add(shared, mode="drop")

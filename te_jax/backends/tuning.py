@@ -89,10 +89,10 @@ HOPPER_GPU_VERIFIED = Tuned(
 #: for calls with documents (thd, segment ids).
 HOPPER_ALIGNED_TILES_AUTO = Tuned(
     False,
-    "H100, thd 11 documents in 16k (device clock): the aligned forward kernel 309 us against the grid's 375 (-18%), "
-    "but its pre-pass costs 55 us more and the output gather back to token order 216 us (a row gather should cost "
-    "about 40): 618 against 413 us per forward; on 64 documents of 256 tokens (already on the grid) only the costs "
-    "remain. Off until the kernel writes token order itself",
+    "H100 (device clock, forward with its pre-pass): the aligned kernel, now storing O in token order, is 15-20% "
+    "faster than the grid's on documents (thd 311 against 365 us), but its pre-pass takes 90 us against 35 and the "
+    "shared groups' merge 9-13: 411 against 402-407 us on thd, 317 against 316-320 on 4 documents per row; "
+    "documents already on the grid (64 x 256) lose 47%. Off until the pre-pass costs about the grid's",
     "benchmarks/results/attention_masks_h100.md")
 
 #: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100

@@ -1,0 +1,75 @@
+"""The aligned forward's shared output groups summed into place (Triton-lowered Pallas), for
+aligned_tiles.merge_shared_groups.
+
+    merge_shared(out, shared, first, *, interpret=None) -> out
+        out     [B, S, H, Dv]             the forward's output, token order, the shared groups not yet written
+        shared  [B, n, G, H, Dv]          each slot's copy of a shared group of G = ROW_ALIGN rows (the rows of
+                                          other runs are 0 in it)
+        first   [B, n] int32              each slot's group's first token row in out, -1 for an unused slot; the
+                                          used slots' rows never decrease along n (aligned_tiles.store_plan's order)
+        -> out with each shared group = the sum of its slots' copies (out is updated in place: aliased)
+
+Why a kernel: the slots are a static bound (two per aligned tile) and few are used (one per document start that is
+not a multiple of G).  An XLA scatter over every slot read the whole side buffer (16 us on the H100 for thd's 320
+slots); here a program per (slot, head) reads one slot's row and exits unless its slot leads its group, and the
+leader sums the copies that follow it (a group of G rows holds at most G runs: at most 2 G slots to look at).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .._compat import default_interpret, pl, triton_params
+from .._lower_once import lower_once
+
+
+def _kernel(first_ref, shared_ref, out_in_ref, out_ref, *, n: int, g: int, window: int):
+    del out_in_ref  # aliased with out_ref: the rows no group covers keep their values
+    b, i, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row = first_ref[b, i]
+    earlier = [first_ref[b, jnp.maximum(i - k, 0)] for k in range(1, window + 1)]
+    lead = row >= 0
+    for k, r in enumerate(earlier, start=1):
+        lead &= (i - k < 0) | (r != row)
+
+    @pl.when(lead)
+    def _():
+        acc = shared_ref[b, i, :, h, :].astype(jnp.float32)
+        for k in range(1, window + 1):
+            j = jnp.minimum(i + k, n - 1)
+            same = (i + k < n) & (first_ref[b, j] == row)
+            acc += jnp.where(same, shared_ref[b, j, :, h, :].astype(jnp.float32), 0.0)
+        out_ref[b, pl.ds(row, g), h, :] = acc.astype(out_ref.dtype)
+
+
+@lower_once(static_argnames=("interpret",))
+def _merge(out, shared, first, *, interpret):
+    B, n, g, H, Dv = shared.shape
+    return pl.pallas_call(
+        functools.partial(_kernel, n=n, g=g, window=2 * g),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        grid=(B, n, H),
+        input_output_aliases={2: 0},
+        compiler_params=triton_params(4, 1),
+        interpret=interpret,
+        name="te_jax_attn_aligned_merge",
+    )(first, shared, out)
+
+
+def served(head_dim_v: int) -> bool:
+    """Whether the kernel takes this v head_dim (Triton blocks are powers of two)."""
+    return head_dim_v >= 16 and head_dim_v & (head_dim_v - 1) == 0
+
+
+def merge_shared(out, shared, first, *, interpret=None):
+    """See the module docstring."""
+    B, S, H, Dv = out.shape
+    if shared.ndim != 5 or shared.shape[0] != B or shared.shape[3:] != (H, Dv) or first.shape != shared.shape[:2]:
+        raise ValueError(f"merge_shared: out {out.shape}, shared {shared.shape}, first {first.shape}: expected "
+                         f"shared [B, n, G, H, Dv] and first [B, n] for out [B, S, H, Dv].")
+    if not served(Dv):
+        raise ValueError(f"merge_shared: v head_dim {Dv} is not a power of two (>= 16); use the XLA merge.")
+    return _merge(out, shared.astype(out.dtype), first.astype(jnp.int32),
+                  interpret=default_interpret() if interpret is None else interpret)
