@@ -33,8 +33,8 @@ are never counted as visible (the tiles inside a document are full, its diagonal
 their output rows come out exactly 0.  So the kernel stores O in token order: each group of ROW_ALIGN rows that
 holds only the tile's own tokens by TMA in place; a group where a document starts or ends mid-group (its rows
 split between two or more runs' tiles) goes to a small side buffer, and merge_shared_groups adds the tiles' copies
-(the other runs' rows are zeros there, so the sum is exact).  lse goes to the padded layout (4 bytes a row: 32 bytes a group, below
-TMA's shared-memory alignment) and comes back by a gather (gather_lse).
+(the other runs' rows are zeros there, so the sum is exact).  lse goes to the padded layout (4 bytes a row: 32
+bytes a group, below TMA's shared-memory alignment) and comes back by a gather (gather_lse).
 """
 from __future__ import annotations
 
