@@ -23,6 +23,7 @@ the same kernels' phases per tile (Q wait, first K wait, steps, epilogue) from M
 padding (prebuilt tables).  --dense-rendezvous-ab: the same choice on the dense forwards (no mask, causal and not;
 1k, 4k and 16k tokens per row, 16384 tokens per call; head dims 64, 128, 256 and 192/128).
 
+--aligned-margin: the aligned forward's static tile count against smaller margins (device clock).
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
 at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
 --split-ab: the data-mask forward and backward with their partial tiles split by what their element mask compares
@@ -505,6 +506,41 @@ def aligned_ab(rounds: int, device: bool = False):
                       f"{prof['kernels_per_call']:.0f} kernels (us: {top})", flush=True)
 
 
+def aligned_margin():
+    """The aligned forward's static tile count (aligned_tiles.aligned_tile_count: the grid's n tiles + n / 4 for
+    the documents; the tiles a row does not use are CTAs that exit at once) against n / 8 and n / 16: the forward
+    on prebuilt tables (kernel, merge, lse gather) by the device clock, beside the grid's kernel."""
+    from benchmarks import device_time
+    from pallas_kernels.flash_attention_hopper import aligned_tiles
+
+    now = aligned_tiles.aligned_tile_count
+    counts = {"n/4 (now)": now, "n/8": lambda L, t: -(-L // t) + max(4, -(-L // t) // 8),
+              "n/16": lambda L, t: -(-L // t) + max(2, -(-L // t) // 16)}
+    print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  forward on prebuilt tables, device clock, us per "
+          f"call")
+    for name, m in probe_masks("thd", "documents", "64x256").items():
+        (q, k, v), _ = _inputs(m, 3)
+        cfg = default_config(D, m.kv_len, False, m.q_len)
+        rule = mask_rule(m)
+        tables = {"grid": jax.jit(lambda m: mask_tables(m, cfg, backward=False))(m)}
+        for label, count in counts.items():
+            aligned_tiles.aligned_tile_count = count
+            try:
+                tables[label] = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m)
+            finally:
+                aligned_tiles.aligned_tile_count = now
+        for label, t in tables.items():
+            f = jax.jit(lambda q, k, v, t: flash_fwd(q, k, v, scale=D ** -0.5, causal=False, config=cfg,
+                                                     mask_tables=t, mask_rule=rule)[0])
+            jax.block_until_ready(f(q, k, v, t))
+            prof = device_time.profiled(f, (q, k, v, t), calls=10)
+            extra = "" if t.aligned is None else (
+                f", T {t.aligned.q_rows.shape[1]}, rows aligned "
+                f"{int(((t.aligned.q_rows * 8) % 128 != 0).any(-1).sum())}/{m.batch}")
+            print(f"{name:10s} {label:10s} {prof['kernel_s'] * 1e6:7.1f} us in {prof['kernels_per_call']:.0f} "
+                  f"kernels{extra}", flush=True)
+
+
 def prepass(rounds: int):
     """The XLA pre-pass alone, by the device clock: every kernel of mask_tables (the grid forward's lists),
     aligned_tiles.aligned_mask_tables and the backward's lists, on thd's 11 documents (H16 does not matter here)."""
@@ -550,6 +586,8 @@ if __name__ == "__main__":
     ap.add_argument("--dense-rendezvous-ab", action="store_true", help="the dense forwards' warpgroup rendezvous: "
                     "named barrier (auto) or mbarriers, hd 64/128/256 and 192/128, 1k-16k")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
+    ap.add_argument("--aligned-margin", action="store_true", help="the aligned forward's tile count (idle CTAs) "
+                    "against smaller margins, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--masks", default="", help="--band-fwd-ab: prefixes of the masks to run, e.g. \"window\"")
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab, --band-ab: the device clock's "
@@ -557,6 +595,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.prepass:
         prepass(a.rounds)
+    elif a.aligned_margin:
+        aligned_margin()
     elif a.band_ab:
         band_ab(a.rounds, a.device_time, a.configs)
     elif a.band_fwd_ab:
