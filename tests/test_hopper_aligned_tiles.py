@@ -181,3 +181,19 @@ def test_triton_merge_lowers_for_cuda():
     assert "triton" in f.trace(out, shared, first).lower(lowering_platforms=("cuda",)).as_text().lower()
     with pytest.raises(ValueError, match="power of two"):
         aligned_merge.merge_shared(jnp.zeros((1, 16, 1, 96)), jnp.zeros((1, 2, 8, 1, 96)), jnp.zeros((1, 2), jnp.int32))
+
+
+def test_shared_segment_ids_give_one_run_computation():
+    """Queries and keys from one segment array (self-attention, as te_jax's front door builds them) at one tile
+    size: the aligned tables compute their runs once (XLA merges the two identical computations), so the compiled
+    tables hold one run_tiles' pair of scatters, not two; other key ids keep their own."""
+    seg = _runs([300, 131, 250, 89, 200], 1024)[None]
+    cfg = dataclasses.replace(default_config(128, 1024, False, 1024), block_q=64, block_kv=128)
+
+    def scatters(build):
+        f = jax.jit(lambda s: aligned_tiles.aligned_mask_tables(build(s), cfg, backward=False).aligned)
+        return f.lower(jnp.asarray(seg)).compile().as_text().count("scatter(")
+
+    one = scatters(lambda s: AttentionMask.from_segments(s, causal=True))
+    two = scatters(lambda s: AttentionMask.from_segments(s, s + (s > 0) * 100, causal=True))
+    assert one == 2 and two == 4, (one, two)

@@ -127,12 +127,15 @@ def _tile_marks(marks, starts, tile: int, keep, fill_segment: int):
     return jnp.where(keep.reshape(B, 1, -1), got, fill)
 
 
-def aligned_tables(tables, rule, cfg) -> AlignedTiles:
+def aligned_tables(tables, rule, cfg, segments=None) -> AlignedTiles:
     """The forward's AlignedTiles from data_mask.MaskTables `tables` (their global marks; lengths multiples of the
-    tiles) for rule (data_mask.MaskRule: the forward's partial groups) and config cfg."""
+    tiles) for rule (data_mask.MaskRule: the forward's partial groups) and config cfg.  segments: the mask's
+    (q, kv) segment ids [B, S] themselves (else read back from the marks); where queries and keys share their ids
+    and tile size, XLA then computes their runs once (one computation on one value)."""
     tq, bkv = 2 * cfg.block_q, cfg.block_kv
-    q_seg = jnp.where(tables.qm[:, 0] == NO_SEGMENT, 0, tables.qm[:, 0])
-    k_seg = tables.km[:, 0]
+    if segments is None:
+        segments = (jnp.where(tables.qm[:, 0] == NO_SEGMENT, 0, tables.qm[:, 0]), tables.km[:, 0])
+    q_seg, k_seg = (s.astype(jnp.int32) for s in segments)
     n_q, n_k = aligned_tile_count(q_seg.shape[1], tq), aligned_tile_count(k_seg.shape[1], bkv)
     q_rows, q_index, q_tok = run_tiles(q_seg, tq, n_q)
     q_rows = jnp.where(q_tok[..., 1] > q_tok[..., 0], q_rows, -ROW_ALIGN)  # tiles holding no token: row -1 (skipped)
@@ -152,7 +155,7 @@ def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = Tr
     module's AlignedTiles and whose `fwd` is None (the backward's lists as mask_tables builds them)."""
     rule = mask_rule(mask, segments, split)
     t = marks_only(mask)
-    t = t._replace(aligned=aligned_tables(t, rule, cfg))
+    t = t._replace(aligned=aligned_tables(t, rule, cfg, (mask.q_segment_ids, mask.kv_segment_ids)))
     return backward_tables(t, rule, cfg) if backward else t
 
 
