@@ -467,6 +467,12 @@ def more_windows():
         "window (512, 0) causal": (AttentionMask.full(B, S, S, causal=True, window=(512, 0)), 0)}
 
 
+def _rebuilt(m):
+    """The causal documents mask m built again from its query segment ids inside the traced call (queries and keys
+    one array, as te_jax's front door builds them: their tables' shared computations are then merged by XLA)."""
+    return AttentionMask.from_segments(m.q_segment_ids, causal=True)
+
+
 def aligned_ab(rounds: int, device: bool = False):
     """hopper_attention(mask=..., mask_aligned=False / True) as a user calls it (pre-pass and output gather
     included): forward, and forward+backward (the backward is the same kernels), interleaved rounds."""
@@ -476,8 +482,9 @@ def aligned_ab(rounds: int, device: bool = False):
     for name, m in masks.items():
         (q, k, v), fl = _inputs(m, 3)
         fns, outs = {}, {}
-        for al in (False, True):  # the mask is an argument: its tables are built in every call
-            f = lambda q, k, v, m, al=al: hopper_attention(q, k, v, scale=D ** -0.5, mask=m, mask_aligned=al)[0]
+        for al in (False, True):  # the mask is built from its segment ids in the call, as te_jax builds it
+            f = lambda q, k, v, m, al=al: hopper_attention(q, k, v, scale=D ** -0.5, mask=_rebuilt(m),
+                                                           mask_aligned=al)[0]
             fns[("fwd", al)] = jax.jit(f)
             fns[("fwd+bwd", al)] = jax.jit(jax.grad(
                 lambda q, k, v, m, f=f: jnp.sum(f(q, k, v, m).astype(jnp.float32)), argnums=(0, 1, 2)))
@@ -543,7 +550,8 @@ def aligned_margin():
 
 def prepass(rounds: int):
     """The XLA pre-pass alone, by the device clock: every kernel of mask_tables (the grid forward's lists),
-    aligned_tiles.aligned_mask_tables and the backward's lists, on thd's 11 documents (H16 does not matter here)."""
+    aligned_tiles.aligned_mask_tables and the backward's lists, on thd's 11 documents (H16 does not matter here),
+    the mask's positions derived from its segment ids in the call (as te_jax does)."""
     import collections
 
     from benchmarks import device_time
@@ -551,9 +559,9 @@ def prepass(rounds: int):
 
     m = probe_masks("thd")["thd"]
     cfg = default_config(D, m.kv_len, False, m.q_len)
-    fns = {"grid forward lists": jax.jit(lambda m: mask_tables(m, cfg, backward=False)),
-           "aligned forward lists": jax.jit(lambda m: aligned_mask_tables(m, cfg, backward=False)),
-           "grid forward + backward lists": jax.jit(lambda m: mask_tables(m, cfg, backward=True))}
+    fns = {"grid forward lists": jax.jit(lambda m: mask_tables(_rebuilt(m), cfg, backward=False)),
+           "aligned forward lists": jax.jit(lambda m: aligned_mask_tables(_rebuilt(m), cfg, backward=False)),
+           "grid forward + backward lists": jax.jit(lambda m: mask_tables(_rebuilt(m), cfg, backward=True))}
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  thd 11 documents in 16384 tokens; device clock")
     for name, f in fns.items():
         jax.block_until_ready(f(m))

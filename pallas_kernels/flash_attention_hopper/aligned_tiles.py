@@ -22,7 +22,7 @@ the tiles start where the documents do (FlashAttention-3's varlen tiling):
         out_index [B, S]             each query's row in the padded layout (lse comes back through it)
         stores [B, T, 4]             how each tile stores O (store_plan): its whole ROW_ALIGN-row groups [lo, hi),
                                      and the (at most two) groups it shares with a neighbouring run, or -1
-    aligned_tables(tables, rule, cfg) -> AlignedTiles    (XLA, from data_mask.MaskTables' marks)
+    aligned_tables(marks, rule, cfg) -> AlignedTiles     (XLA, from the mask's segment ids and positions)
     aligned_mask_tables(mask, cfg, ...) -> MaskTables     (data_mask.mask_tables with `aligned` in place of `fwd`)
     merge_shared_groups(out, shared, q_rows, stores) -> out   (XLA: the shared groups summed into place)
 
@@ -117,34 +117,33 @@ def store_plan(rows):
                      axis=-1).astype(jnp.int32)
 
 
-def _tile_marks(marks, starts, tile: int, keep, fill_segment: int):
-    """The padded layout's marks [B, 2, T * tile]: row r of tile t holds token starts[b, t] + r's (segment id,
-    position) where keep[b, t, r], else (fill_segment, 0); one gather."""
-    B, _, S = marks.shape
-    tokens = jnp.clip(starts[:, :, None] + jnp.arange(tile, dtype=jnp.int32), 0, S - 1).reshape(B, 1, -1)
-    got = jnp.take_along_axis(marks, jnp.broadcast_to(tokens, (B, 2, tokens.shape[-1])), axis=2)
-    fill = jnp.asarray([fill_segment, 0], jnp.int32)[None, :, None]
-    return jnp.where(keep.reshape(B, 1, -1), got, fill)
+def _tile_marks(seg, pos, starts, tile: int, keep):
+    """The padded layout's (segment ids, positions) [B, T * tile] from the tokens' [B, S]: row r of tile t holds
+    token starts[b, t] + r's where keep[b, t, r], else (0, 0); one gather."""
+    B, S = seg.shape
+    tokens = jnp.clip(starts[:, :, None] + jnp.arange(tile, dtype=jnp.int32), 0, S - 1).reshape(B, -1)
+    keep = keep.reshape(B, -1)
+    return tuple(jnp.where(keep, jnp.take_along_axis(a, tokens, axis=1), 0) for a in (seg, pos))
 
 
-def aligned_tables(tables, rule, cfg, segments=None) -> AlignedTiles:
-    """The forward's AlignedTiles from data_mask.MaskTables `tables` (their global marks; lengths multiples of the
-    tiles) for rule (data_mask.MaskRule: the forward's partial groups) and config cfg.  segments: the mask's
-    (q, kv) segment ids [B, S] themselves (else read back from the marks); where queries and keys share their ids
-    and tile size, XLA then computes their runs once (one computation on one value)."""
+def aligned_tables(marks, rule, cfg) -> AlignedTiles:
+    """The forward's AlignedTiles from the mask's token marks (q segment ids, q positions, kv segment ids, kv
+    positions), each [B, S] int32 with segment 0 for padding (lengths multiples of the tiles), for rule
+    (data_mask.MaskRule: the forward's partial groups) and config cfg.  Where queries and keys are one array and one
+    tile size (self-attention), both sides are the same computations on the same values, which XLA computes once:
+    runs, tiles, padded marks and their per-tile ranges."""
     tq, bkv = 2 * cfg.block_q, cfg.block_kv
-    if segments is None:
-        segments = (jnp.where(tables.qm[:, 0] == NO_SEGMENT, 0, tables.qm[:, 0]), tables.km[:, 0])
-    q_seg, k_seg = (s.astype(jnp.int32) for s in segments)
+    q_seg, q_pos, k_seg, k_pos = (a.astype(jnp.int32) for a in marks)
     n_q, n_k = aligned_tile_count(q_seg.shape[1], tq), aligned_tile_count(k_seg.shape[1], bkv)
-    q_rows, q_index, q_tok = run_tiles(q_seg, tq, n_q)
-    q_rows = jnp.where(q_tok[..., 1] > q_tok[..., 0], q_rows, -ROW_ALIGN)  # tiles holding no token: row -1 (skipped)
+    q_starts, q_index, q_tok = run_tiles(q_seg, tq, n_q)
     k_starts, k_index, k_tok = run_tiles(k_seg, bkv, n_k)
     in_rows = lambda t, n: (jnp.arange(n) >= t[..., :1]) & (jnp.arange(n) < t[..., 1:])  # [B, T, n]
-    qm = _tile_marks(tables.qm, q_rows, tq, in_rows(q_tok, tq), NO_SEGMENT)
-    km = _tile_marks(tables.km, k_starts, bkv, in_rows(k_tok, bkv), 0)
-    qs = jnp.where(qm[:, 0] == NO_SEGMENT, 0, qm[:, 0])
-    counts, blocks = tile_lists(qs, qm[:, 1], km[:, 0], km[:, 1], rule, tq, bkv)
+    qs, qp = _tile_marks(q_seg, q_pos, q_starts, tq, in_rows(q_tok, tq))
+    ks, kp = _tile_marks(k_seg, k_pos, k_starts, bkv, in_rows(k_tok, bkv))
+    counts, blocks = tile_lists(qs, qp, ks, kp, rule, tq, bkv)
+    qm = jnp.stack([jnp.where(qs == 0, NO_SEGMENT, qs), qp], axis=1)  # rows that are no query's: NO_SEGMENT
+    km = jnp.stack([ks, kp], axis=1)  # keys that are no block's: padding
+    q_rows = jnp.where(q_tok[..., 1] > q_tok[..., 0], q_starts, -ROW_ALIGN)  # tiles holding no token: -1 (skipped)
     kv_rows = jnp.take_along_axis(jnp.broadcast_to(k_starts[:, None, :], blocks.shape), blocks, axis=-1)
     return AlignedTiles(q_rows // ROW_ALIGN, qm, km, counts, blocks, kv_rows // ROW_ALIGN, q_index,
                         store_plan(q_tok))
@@ -155,7 +154,8 @@ def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = Tr
     module's AlignedTiles and whose `fwd` is None (the backward's lists as mask_tables builds them)."""
     rule = mask_rule(mask, segments, split)
     t = marks_only(mask)
-    t = t._replace(aligned=aligned_tables(t, rule, cfg, (mask.q_segment_ids, mask.kv_segment_ids)))
+    marks = (mask.q_segment_ids, mask.q_positions, mask.kv_segment_ids, mask.kv_positions)
+    t = t._replace(aligned=aligned_tables(marks, rule, cfg))
     return backward_tables(t, rule, cfg) if backward else t
 
 
