@@ -542,8 +542,8 @@ def aligned_margin():
             jax.block_until_ready(f(q, k, v, t))
             prof = device_time.profiled(f, (q, k, v, t), calls=10)
             extra = "" if t.aligned is None else (
-                f", T {t.aligned.q_rows.shape[1]}, rows aligned "
-                f"{int(((t.aligned.q_rows * 8) % 128 != 0).any(-1).sum())}/{m.batch}")
+                f", T {t.aligned.tile_rows.shape[1]}, rows aligned "
+                f"{int(((t.aligned.tile_rows * 8) % 128 != 0).any(-1).sum())}/{m.batch}")
             print(f"{name:10s} {label:10s} {prof['kernel_s'] * 1e6:7.1f} us in {prof['kernels_per_call']:.0f} "
                   f"kernels{extra}", flush=True)
 

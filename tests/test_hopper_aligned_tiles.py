@@ -18,54 +18,62 @@ def _runs(lens, total):
     return np.pad(ids, (0, total - ids.size))
 
 
-def _kernel_model(t, rule, cfg, q_len, kv_len):
-    """(seen [B, Sq, Skv] int, stored [B, Sq] int) of the forward kernel walking the aligned tables: how many times
-    each (query, key) pair is added to the tile row whose output is that query's (out_index; every pair of a full
+def _kernel_model(a, rule, q_tile, kv_tile, q_len, kv_len, transposed=False):
+    """(seen [B, Sq, Skv] int, stored [B, S] int) of a kernel walking the aligned tables a (AlignedTiles): how many
+    times each (query, key) pair is added to the tile row that is that token's (out_index; every pair of a full
     block, the pairs its group's element mask keeps on the padded layout's marks of a partial one), and how many
-    tile rows that are the query's own reach its place in the output by the tiles' store plans.  Every other row
-    reaching it must be one that sees no key (its output 0) and come through a shared group (a sum)."""
-    a = jax.tree_util.tree_map(np.asarray, t.aligned)
-    tq, bkv, g = 2 * cfg.block_q, cfg.block_kv, aligned_tiles.ROW_ALIGN
+    tile rows that are the token's own reach its place in the output by the tiles' store plans.  Every other row
+    reaching it must be one that sees nothing (its output 0) and come through a shared group (a sum).  The tiles
+    are query tiles walking key blocks (the forward, dQ), or transposed key tiles walking query blocks (dK/dV)."""
+    a = jax.tree_util.tree_map(np.asarray, a)
+    g = aligned_tiles.ROW_ALIGN
+    (tile, block), (length, other) = ((kv_tile, q_tile), (kv_len, q_len)) if transposed else (
+        (q_tile, kv_tile), (q_len, kv_len))
+    tile_marks, block_marks = (a.km, a.qm) if transposed else (a.qm, a.km)
+    unseen = 0 if transposed else NO_SEGMENT  # what a row of the tiles that is no token's holds
     rules = rule.partial_rules()
-    B, T = a.q_rows.shape
+    B, T = a.tile_rows.shape
     seen = np.zeros((B, q_len, kv_len), np.int32)
-    stored = np.zeros((B, q_len), np.int32)
+    stored = np.zeros((B, length), np.int32)
     for b in range(B):
-        own_row = a.out_index[b]  # each query's row in the padded layout: tile * tq + row
-        for tile in range(T):
-            lo, hi, *shared = a.stores[b, tile]
-            if a.q_rows[b, tile] < 0:  # its CTA exits: it must hold no token
-                assert hi <= lo and shared == [-1, -1] and not np.isin(own_row // tq, tile).any()
+        own_row = a.out_index[b]  # each token's row in the padded layout: tile * size + row
+        for t in range(T):
+            lo, hi, *shared = a.stores[b, t]
+            if a.tile_rows[b, t] < 0:  # its CTA exits: it must hold no token
+                assert hi <= lo and shared == [-1, -1] and not np.isin(own_row // tile, t).any()
                 continue
-            q_marks = a.qm[b, :, tile * tq:(tile + 1) * tq]
-            q_tokens = a.q_rows[b, tile] * g + np.arange(tq)
-            mine = (q_tokens < q_len) & (own_row[np.minimum(q_tokens, q_len - 1)] == tile * tq + np.arange(tq))
-            for r in range(tq):  # the rows this tile stores
+            marks = tile_marks[b, :, t * tile:(t + 1) * tile]
+            tokens = a.tile_rows[b, t] * g + np.arange(tile)
+            mine = (tokens < length) & (own_row[np.minimum(tokens, length - 1)] == t * tile + np.arange(tile))
+            for r in range(tile):  # the rows this tile stores
                 whole, in_shared = lo <= r // g < hi, r // g in shared
                 if not (whole or in_shared):
                     continue
-                assert q_tokens[r] < q_len, "a stored row past the queries' end"
+                assert tokens[r] < length, "a stored row past the end"
                 if mine[r]:
-                    stored[b, q_tokens[r]] += 1
-                else:  # another run's row in a shared group: it sees no key, so it adds 0
-                    assert in_shared and not whole and q_marks[0, r] == NO_SEGMENT, (tile, r)
-            ends = a.counts[b, tile]
+                    stored[b, tokens[r]] += 1
+                else:  # another run's row in a shared group: it sees nothing, so it adds 0
+                    assert in_shared and not whole and marks[0, r] == unseen, (t, r)
+            ends = a.counts[b, t]
             group = 0
             for step in range(ends[-1]):
                 while group < len(rules) and step >= ends[group]:
                     group += 1
-                blk = a.blocks[b, tile, step]
-                k_marks = a.km[b, :, blk * bkv:(blk + 1) * bkv]
-                keys = a.kv_rows[b, tile, step] * g + np.arange(bkv)
+                blk = a.blocks[b, t, step]
+                other_marks = block_marks[b, :, blk * block:(blk + 1) * block]
+                others = a.block_rows[b, t, step] * g + np.arange(block)
+                q_marks, k_marks = (other_marks, marks) if transposed else (marks, other_marks)
                 if group < len(rules):  # partial: the group's element mask on the padded marks
-                    keep = np.asarray(rules[group].apply(jnp.ones((tq, bkv)), (q_marks[0], q_marks[1]),
-                                                         (k_marks[0], k_marks[1]), 0.0, q_axis=0)) > 0
+                    keep = np.asarray(rules[group].apply(jnp.ones((tile, block)), (q_marks[0], q_marks[1]),
+                                                         (k_marks[0], k_marks[1]), 0.0,
+                                                         q_axis=1 if transposed else 0)) > 0
                 else:
-                    keep = np.ones((tq, bkv), bool)
-                assert not (keep & ~mine[:, None]).any(), "a row that is not the tile's sees a key"
-                assert keys[keep.any(0)].max(initial=-1) < kv_len, "a counted key past the keys' end"
+                    keep = np.ones((tile, block), bool)
+                assert not (keep & ~mine[:, None]).any(), "a row that is not the tile's sees something"
+                assert others[keep.any(0)].max(initial=-1) < other, "a counted pair past the end"
                 for i, j in zip(*np.nonzero(keep)):
-                    seen[b, q_tokens[i], keys[j]] += 1
+                    qi, kj = (others[j], tokens[i]) if transposed else (tokens[i], others[j])
+                    seen[b, qi, kj] += 1
     return seen, stored
 
 
@@ -94,21 +102,21 @@ def test_aligned_tables_compute_every_visible_pair_once(name):
     cfg = dataclasses.replace(default_config(128, m.kv_len, False, m.q_len), block_q=64, block_kv=128)
     t = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m)
     assert t.fwd is None
-    starts = np.asarray(t.aligned.q_rows)[0] * aligned_tiles.ROW_ALIGN
+    starts = np.asarray(t.aligned.tile_rows)[0] * aligned_tiles.ROW_ALIGN
     assert (starts[starts >= 0] % 128).any(), "the case's first row fell back to the global grid"
-    seen, stored = _kernel_model(t, mask_rule(m), cfg, m.q_len, m.kv_len)
+    seen, stored = _kernel_model(t.aligned, mask_rule(m), 2 * cfg.block_q, cfg.block_kv, m.q_len, m.kv_len)
     np.testing.assert_array_equal(stored, np.ones((m.batch, m.q_len), np.int32))
     np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
     # the stores and merge_shared_groups end to end: tile rows carry their token's number + 1 (0 where the row is
     # not the tile's own, as the kernel's rows that see no key), stored by plan into garbage-filled buffers
     a = jax.tree_util.tree_map(np.asarray, t.aligned)
     tq, g = 2 * cfg.block_q, aligned_tiles.ROW_ALIGN
-    B, T = a.q_rows.shape
+    B, T = a.tile_rows.shape
     out = np.full((B, m.q_len, 1, 1), -7.0, np.float32)
     shared = np.full((B, T, 2, g, 1, 1), -7.0, np.float32)
     for b in range(B):
-        for tile in np.nonzero(a.q_rows[b] >= 0)[0]:
-            tokens = a.q_rows[b, tile] * g + np.arange(tq)
+        for tile in np.nonzero(a.tile_rows[b] >= 0)[0]:
+            tokens = a.tile_rows[b, tile] * g + np.arange(tq)
             mine = (tokens < m.q_len) & (a.out_index[b, np.minimum(tokens, m.q_len - 1)] == tile * tq + np.arange(tq))
             value = np.where(mine, tokens + 1.0, 0.0)
             lo, hi, *sh = a.stores[b, tile]
@@ -117,7 +125,7 @@ def test_aligned_tables_compute_every_visible_pair_once(name):
             for slot, i in enumerate(sh):
                 if i >= 0:
                     shared[b, tile, slot, :, 0, 0] = value[i * g:(i + 1) * g]
-    merged = aligned_tiles.merge_shared_groups(jnp.asarray(out), jnp.asarray(shared), t.aligned.q_rows,
+    merged = aligned_tiles.merge_shared_groups(jnp.asarray(out), jnp.asarray(shared), t.aligned.tile_rows,
                                                t.aligned.stores)
     np.testing.assert_array_equal(np.asarray(merged)[:, :, 0, 0], np.arange(1, m.q_len + 1)[None].repeat(B, 0))
     rows = jnp.arange(t.aligned.qm.shape[-1], dtype=jnp.float32)
@@ -145,9 +153,26 @@ def test_aligned_tiles_start_at_documents_and_fall_back_past_the_bound():
     m = AttentionMask.from_segments(np.asarray(seg), causal=True)
     cfg = dataclasses.replace(default_config(128, 384, False, 384), block_q=64, block_kv=128)
     t = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m)
-    seen, stored = _kernel_model(t, mask_rule(m), cfg, 384, 384)
+    seen, stored = _kernel_model(t.aligned, mask_rule(m), 2 * cfg.block_q, cfg.block_kv, 384, 384)
     np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
     np.testing.assert_array_equal(stored, np.ones((2, 384), np.int32))
+
+
+@pytest.mark.parametrize("name", ["tiny documents sharing 8-row groups", "cross: other key documents",
+                                  "documents, bottom-right"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["dQ tiles", "dK/dV tiles"])
+def test_backward_geometries_compute_every_visible_pair_once(name, transposed):
+    """aligned_tables for the backward kernels' tiles (dQ: 128-row query tiles walking 64-key blocks; dK/dV:
+    128-key tiles walking 64-row query blocks, transposed) against the dense mask, as the forward's test: every
+    token's own row stored once, every visible pair counted once."""
+    m = CASES[name]()
+    q_tile, kv_tile = (64, 128) if transposed else (128, 64)
+    a = jax.jit(lambda m: aligned_tiles.aligned_tables(
+        (m.q_segment_ids, m.q_positions, m.kv_segment_ids, m.kv_positions), mask_rule(m), q_tile, kv_tile,
+        transposed=transposed))(m)
+    seen, stored = _kernel_model(a, mask_rule(m), q_tile, kv_tile, m.q_len, m.kv_len, transposed)
+    np.testing.assert_array_equal(stored, np.ones((m.batch, m.kv_len if transposed else m.q_len), np.int32))
+    np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
 
 
 @pytest.mark.parametrize("name", ["thd documents, causal", "tiny documents sharing 8-row groups"])
@@ -158,14 +183,14 @@ def test_triton_merge_matches_the_xla_merge(name):
     m = CASES[name]()
     cfg = dataclasses.replace(default_config(128, m.kv_len, False, m.q_len), block_q=64, block_kv=128)
     a = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m).aligned
-    B, T = a.q_rows.shape
+    B, T = a.tile_rows.shape
     H, Dv = 2, 16
     k1, k2 = jax.random.split(jax.random.key(3))
     out = jax.random.normal(k1, (B, m.q_len, H, Dv), jnp.float32)
     shared = jax.random.normal(k2, (B, T, 2, aligned_tiles.ROW_ALIGN, H, Dv), jnp.float32)
     assert int((np.asarray(a.stores)[..., 2:] >= 0).sum()) >= 3  # the case has shared groups
-    want = aligned_tiles.merge_shared_groups(out, shared, a.q_rows, a.stores, kernel=False)
-    got = aligned_tiles.merge_shared_groups(out, shared, a.q_rows, a.stores, kernel=True, interpret=True)
+    want = aligned_tiles.merge_shared_groups(out, shared, a.tile_rows, a.stores, kernel=False)
+    got = aligned_tiles.merge_shared_groups(out, shared, a.tile_rows, a.stores, kernel=True, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     assert not np.allclose(np.asarray(want), np.asarray(out))  # the merge changed something
 

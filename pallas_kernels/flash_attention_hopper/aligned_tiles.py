@@ -12,19 +12,21 @@ the tiles start where the documents do (FlashAttention-3's varlen tiling):
         rows [lo, hi) of each tile that hold its run's tokens.  The rows of a first tile before its run's first
         token belong to the run before (and to that run's tile), those of a last tile past its run's end to the
         run after.  A batch row that would need more than n_max tiles keeps the global grid (correct, not aligned).
-    AlignedTiles                     the forward's tables on those tiles (arrays, traced):
-        q_rows [B, T]                each query tile's first row in q, in units of ROW_ALIGN rows
-                                     (T = aligned_tile_count); -1 for a tile the row does not use (its CTA exits)
-        qm [B, 2, T * tq]            the tiles' (segment id, position) rows; rows past a tile's run NO_SEGMENT
-        km [B, 2, Tk * bkv]          the key blocks' rows; rows past a block's run segment 0 (padding)
-        counts, blocks               data_mask.block_lists of every (query tile, key block) on these marks
-        kv_rows [B, T, Tk]           the listed key blocks' first rows in k / v, in units of ROW_ALIGN (list order)
-        out_index [B, S]             each query's row in the padded layout (lse comes back through it)
-        stores [B, T, 4]             how each tile stores O (store_plan): its whole ROW_ALIGN-row groups [lo, hi),
-                                     and the (at most two) groups it shares with a neighbouring run, or -1
-    aligned_tables(marks, rule, cfg) -> AlignedTiles     (XLA, from the mask's segment ids and positions)
+    AlignedTiles                     a kernel's tables on those tiles (arrays, traced); the forward's (and dQ's)
+                                     tiles are query tiles walking key blocks, dK/dV's (transposed) key tiles
+                                     walking query blocks:
+        tile_rows [B, T]             each tile's first row, in units of ROW_ALIGN rows (T = aligned_tile_count);
+                                     -1 for a tile the row does not use (its CTA exits)
+        qm [B, 2, Tq * tq]           the query tiles' (segment id, position) rows; rows past a tile's run NO_SEGMENT
+        km [B, 2, Tk * tk]           the key tiles' rows; rows past a tile's run segment 0 (padding)
+        counts, blocks               data_mask.block_lists of every (tile, block) on these marks
+        block_rows [B, T, Tb]        the listed blocks' first rows, in units of ROW_ALIGN (list order)
+        out_index [B, S]             each of the tiles' tokens' row in their padded layout (lse comes back by it)
+        stores [B, T, 4]             how each tile stores its rows (store_plan): its whole ROW_ALIGN-row groups
+                                     [lo, hi), and the (at most two) groups it shares with a neighbouring run, or -1
+    aligned_tables(marks, rule, q_tile, kv_tile, transposed) -> AlignedTiles   (XLA, from the mask's marks)
     aligned_mask_tables(mask, cfg, ...) -> MaskTables     (data_mask.mask_tables with `aligned` in place of `fwd`)
-    merge_shared_groups(out, shared, q_rows, stores) -> out   (XLA: the shared groups summed into place)
+    merge_shared_groups(out, shared, tile_rows, stores) -> out   (the shared groups summed into place)
 
 The kernel loads Q and K/V at these rows (ROW_ALIGN * the table's value: Mosaic GPU must see that a TMA's row offset
 is a multiple of the shared-memory tile's 8 rows; rows past the end read as zeros) and reads the marks of the padded
@@ -53,12 +55,12 @@ ROW_ALIGN = 8
 
 
 class AlignedTiles(NamedTuple):
-    q_rows: jax.Array
+    tile_rows: jax.Array
     qm: jax.Array
     km: jax.Array
     counts: jax.Array
     blocks: jax.Array
-    kv_rows: jax.Array
+    block_rows: jax.Array
     out_index: jax.Array
     stores: jax.Array
 
@@ -126,27 +128,30 @@ def _tile_marks(seg, pos, starts, tile: int, keep):
     return tuple(jnp.where(keep, jnp.take_along_axis(a, tokens, axis=1), 0) for a in (seg, pos))
 
 
-def aligned_tables(marks, rule, cfg) -> AlignedTiles:
-    """The forward's AlignedTiles from the mask's token marks (q segment ids, q positions, kv segment ids, kv
-    positions), each [B, S] int32 with segment 0 for padding (lengths multiples of the tiles), for rule
-    (data_mask.MaskRule: the forward's partial groups) and config cfg.  Where queries and keys are one array and one
-    tile size (self-attention), both sides are the same computations on the same values, which XLA computes once:
-    runs, tiles, padded marks and their per-tile ranges."""
-    tq, bkv = 2 * cfg.block_q, cfg.block_kv
+def aligned_tables(marks, rule, q_tile: int, kv_tile: int, *, transposed: bool = False) -> AlignedTiles:
+    """AlignedTiles from the mask's token marks (q segment ids, q positions, kv segment ids, kv positions), each
+    [B, S] int32 with segment 0 for padding (lengths multiples of the tiles), for rule (data_mask.MaskRule: the
+    kernel's partial groups), on query tiles of q_tile rows and key tiles of kv_tile.  Without transposed the tiles
+    are the query tiles (stored by plan: the forward's O, dQ) and the blocks they walk the key tiles; transposed,
+    the tiles are the key tiles (dK, dV) walking query blocks.  Where queries and keys are one array and one tile
+    size (self-attention), both sides are the same computations on the same values, which XLA computes once: runs,
+    tiles, padded marks and their per-tile ranges."""
     q_seg, q_pos, k_seg, k_pos = (a.astype(jnp.int32) for a in marks)
-    n_q, n_k = aligned_tile_count(q_seg.shape[1], tq), aligned_tile_count(k_seg.shape[1], bkv)
-    q_starts, q_index, q_tok = run_tiles(q_seg, tq, n_q)
-    k_starts, k_index, k_tok = run_tiles(k_seg, bkv, n_k)
+    n_q, n_k = aligned_tile_count(q_seg.shape[1], q_tile), aligned_tile_count(k_seg.shape[1], kv_tile)
+    q_starts, q_index, q_tok = run_tiles(q_seg, q_tile, n_q)
+    k_starts, k_index, k_tok = run_tiles(k_seg, kv_tile, n_k)
     in_rows = lambda t, n: (jnp.arange(n) >= t[..., :1]) & (jnp.arange(n) < t[..., 1:])  # [B, T, n]
-    qs, qp = _tile_marks(q_seg, q_pos, q_starts, tq, in_rows(q_tok, tq))
-    ks, kp = _tile_marks(k_seg, k_pos, k_starts, bkv, in_rows(k_tok, bkv))
-    counts, blocks = tile_lists(qs, qp, ks, kp, rule, tq, bkv)
+    qs, qp = _tile_marks(q_seg, q_pos, q_starts, q_tile, in_rows(q_tok, q_tile))
+    ks, kp = _tile_marks(k_seg, k_pos, k_starts, kv_tile, in_rows(k_tok, kv_tile))
+    counts, blocks = tile_lists(qs, qp, ks, kp, rule, q_tile, kv_tile, transposed=transposed)
     qm = jnp.stack([jnp.where(qs == 0, NO_SEGMENT, qs), qp], axis=1)  # rows that are no query's: NO_SEGMENT
-    km = jnp.stack([ks, kp], axis=1)  # keys that are no block's: padding
-    q_rows = jnp.where(q_tok[..., 1] > q_tok[..., 0], q_starts, -ROW_ALIGN)  # tiles holding no token: -1 (skipped)
-    kv_rows = jnp.take_along_axis(jnp.broadcast_to(k_starts[:, None, :], blocks.shape), blocks, axis=-1)
-    return AlignedTiles(q_rows // ROW_ALIGN, qm, km, counts, blocks, kv_rows // ROW_ALIGN, q_index,
-                        store_plan(q_tok))
+    km = jnp.stack([ks, kp], axis=1)  # keys that are no tile's: padding
+    (starts, index, tok), block_starts = ((k_starts, k_index, k_tok), q_starts) if transposed else (
+        (q_starts, q_index, q_tok), k_starts)
+    tile_rows = jnp.where(tok[..., 1] > tok[..., 0], starts, -ROW_ALIGN)  # tiles holding no token: -1 (skipped)
+    block_rows = jnp.take_along_axis(jnp.broadcast_to(block_starts[:, None, :], blocks.shape), blocks, axis=-1)
+    return AlignedTiles(tile_rows // ROW_ALIGN, qm, km, counts, blocks, block_rows // ROW_ALIGN, index,
+                        store_plan(tok))
 
 
 def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = True, split: bool = True):
@@ -155,20 +160,20 @@ def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = Tr
     rule = mask_rule(mask, segments, split)
     t = marks_only(mask)
     marks = (mask.q_segment_ids, mask.q_positions, mask.kv_segment_ids, mask.kv_positions)
-    t = t._replace(aligned=aligned_tables(marks, rule, cfg))
+    t = t._replace(aligned=aligned_tables(marks, rule, 2 * cfg.block_q, cfg.block_kv))
     return backward_tables(t, rule, cfg) if backward else t
 
 
-def merge_shared_groups(out, shared, q_rows, stores, *, kernel: bool | None = None, interpret=None):
+def merge_shared_groups(out, shared, tile_rows, stores, *, kernel: bool | None = None, interpret=None):
     """out [B, S, H, Dv] with the groups several tiles share filled in: shared [B, T, 2, ROW_ALIGN, H, Dv] holds
-    each tile's copy of its shared groups (stores[..., 2:]; q_rows in ROW_ALIGN units), the other runs' rows 0 in
+    each tile's copy of its shared groups (stores[..., 2:]; tile_rows in ROW_ALIGN units), the other runs' rows 0 in
     it, so each shared group is the sum of its copies (the kernel left it unwritten).  kernel (None: where it serves
     v's head_dim): the Triton merge (aligned_merge), else XLA scatters."""
     from . import aligned_merge
 
     B, S = out.shape[:2]
     group = stores[..., 2:]  # [B, T, 2]
-    first = jnp.where(group >= 0, (q_rows[..., None] + group) * ROW_ALIGN, -1)
+    first = jnp.where(group >= 0, (tile_rows[..., None] + group) * ROW_ALIGN, -1)
     if aligned_merge.served(out.shape[-1]) if kernel is None else kernel:
         return aligned_merge.merge_shared(out, shared.reshape((B, -1) + shared.shape[3:]), first.reshape(B, -1),
                                           interpret=interpret)

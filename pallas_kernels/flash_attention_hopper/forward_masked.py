@@ -73,9 +73,9 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     counts [B, S // (2 bq), n_groups + 1], blocks [B, S // (2 bq), Skv // bkv] (data_mask.block_lists): each
     tile's visible kv blocks, the partial ones (computed with the element mask, one loop per group of
     rule.partial_rules()) first, then the full ones; no other block is loaded.
-    rows (aligned_tiles.AlignedTiles' q_rows [B, T], kv_rows [B, T, Tk], stores [B, T, 4]): document-aligned
-    tiles.  Query tile t loads q from row ROW_ALIGN * q_rows[b, t] and its listed block j's K / V from row
-    ROW_ALIGN * kv_rows[b, t, j] (aligned_tiles.ROW_ALIGN: a multiple Mosaic GPU can see; a tile with q_rows -1
+    rows (aligned_tiles.AlignedTiles' tile_rows [B, T], block_rows [B, T, Tk], stores [B, T, 4]): document-aligned
+    tiles.  Query tile t loads q from row ROW_ALIGN * tile_rows[b, t] and its listed block j's K / V from row
+    ROW_ALIGN * block_rows[b, t, j] (aligned_tiles.ROW_ALIGN: a multiple Mosaic GPU can see; a tile with tile_rows -1
     does nothing); qm and km are then the tiles' padded layouts ([B, 2, T * 2 bq], [B, 2, Tk * bkv], blocks
     indexing km's blocks).  Then three outputs: out [B, S, H, Dv] in token order but for the groups tiles share
     (each tile stores by its plan, aligned_tiles.store_plan), lse [B, H, T * 2 bq] in the padded layout
