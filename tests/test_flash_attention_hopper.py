@@ -1116,6 +1116,23 @@ def test_aligned_data_mask_forward_and_grads(name):
     _check_data_mask(name, mask_aligned=True)
 
 
+@pytest.mark.slow
+@needs_kernel
+@pytest.mark.parametrize("name", ["documents_causal", "short_documents", "empty_rows", "ragged_lengths"])
+@pytest.mark.parametrize("xla_delta", [False, True], ids=["delta in dQ", "XLA delta"])
+def test_aligned_dq_kernel_forward_and_grads(name, xla_delta):
+    """The dQ kernel on document-aligned tiles too (HopperConfig.bwd_aligned: dQ stored in token order by plan,
+    the shared groups merged, the delta it computes gathered back to token order for the dK/dV kernel), with the
+    aligned forward, against the fp32 reference (as test_aligned_data_mask_forward_and_grads; an lse cotangent
+    too)."""
+    from pallas_kernels.flash_attention_hopper import masked_config
+
+    B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
+    cfg = dataclasses.replace(masked_config(D, D, Sq, Skv), bwd_aligned=True,
+                              bwd_delta_in_dq=False if xla_delta else None)
+    _check_data_mask(name, mask_aligned=True, config=cfg)
+
+
 def _check_data_mask(name, head_dims=None, **kw):
     """hopper_attention(mask=...) on the named case (head_dims: (q/k, v) head_dims in place of the case's) against
     the fp32 reference with the same mask: out, lse, dq, dk, dv; rows that see no key give out 0, lse -inf and

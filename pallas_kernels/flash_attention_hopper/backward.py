@@ -28,8 +28,9 @@ from .._compat import mosaic_gpu, pl
 
 from .._lower_once import lower_once
 
+from .aligned_tiles import ROW_ALIGN, gather_lse, merge_shared_groups
 from .common import (backward_pT, cdiv, div, dv_and_dpT, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots,
-                     run_producer, smem_transforms, stream_ring, warp_specialized_kernel)
+                     run_producer, smem_transforms, store_planned, stream_ring, warp_specialized_kernel)
 from .backward_band_persistent import _flash_bwd_dkv_band_persistent
 from .band import band_big, band_mask, key_blocks, query_blocks, walk_band
 from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
@@ -462,20 +463,24 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     [flo, fhi).  band (MaskRule.band()): the query tile walks the K/V blocks of its band (band.key_blocks), masking
     the two edges.  out (the forward's O [B, S, H, Dv], with delta None): the kernel computes delta = rowsum(O * dO)
     - dlse [B, H, S] (dlse: the cotangent on the natural-log lse, or None) from its tiles in fp32 and returns
-    (dq, delta) (HopperConfig.bwd_delta_in_dq)."""
+    (dq, delta) (HopperConfig.bwd_delta_in_dq).  Where data_mask's tables hold aligned_dq (HopperConfig.bwd_aligned),
+    the query tiles are document-aligned (aligned_tiles): dq comes back as (dq [B, S, H, D] but for the groups tiles
+    share, shared [B, T, 2, ROW_ALIGN, H, D]) for aligned_tiles.merge_shared_groups, and a computed delta in the
+    tiles' layout [B, H, T * wgs * bq] (aligned_tiles.gather_lse brings it back); flash_bwd does both."""
     if (out is None) == (delta is None) or (dlse is not None and out is None):
         raise ValueError("_flash_bwd_dq: pass delta, or out (and dlse) to compute it in the kernel")
     fuse_delta = out is not None
     has_dlse = dlse is not None
     plgpu = mosaic_gpu()
     dm = data_mask
+    aligned = dm.tables.aligned_dq if dm is not None else None
     B, S, H, D = q.shape
     Dv = v.shape[-1]
     Skv, G = k.shape[1], k.shape[2]
     rep = H // G
     dtype = q.dtype
     bq, bkv, wgs = cfg.bwd_block_q, cfg.bwd_block_kv, cfg.bwd_wgs
-    n_qt = S // (wgs * bq)
+    n_qt = S // (wgs * bq) if aligned is None else aligned.tile_rows.shape[1]
     n_kv = Skv // bkv
     stages = cfg.bwd_stages
     c, pre = logit_units(scale, softcap)
@@ -489,13 +494,16 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
             dlse_ref, rest = rest[0], rest[1:]
         if dm is not None:
             (qm_ref, km_ref, counts_ref, blocks_ref), rest = rest[:4], rest[4:]
+        if aligned is not None:  # the tiles' first rows, their blocks' rows, their store plans (aligned_tiles)
+            (tile_rows_ref, block_rows_ref, plan_ref), rest = rest[:3], rest[3:]
+        outs, (smem, bars) = rest[:-2], rest[-2:]
+        dq_ref = outs[0]
+        shared_ref = outs[-1] if aligned is not None else None
         if fuse_delta:
-            dq_ref, delta_out_ref, smem, bars = rest
+            delta_out_ref = outs[1]
             o_smem2, smem = smem[-1], smem[:-1]
             if has_dlse:
                 (dlse_smem2, dlse_bar), smem, bars = (smem[-1], bars[-1]), smem[:-1], bars[:-1]
-        else:
-            dq_ref, smem, bars = rest
         if dm is not None:
             (qm_smem2, km_smem), smem = smem[-2:], smem[:-2]
             (km_bar, km_cons), bars = bars[-2:], bars[:-2]
@@ -513,7 +521,9 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         if causal:
             qt = (n_qt - 1) - qt
         kvh = lax.div(h, jnp.int32(rep))
-        q_cta0 = qt * (wgs * bq)
+        q_cta0 = qt * (wgs * bq)  # the tile's first row in the marks (and the delta written), and in q
+        q_row0 = q_cta0 if aligned is None else tile_rows_ref[b, qt] * ROW_ALIGN
+        active = True if aligned is None else tile_rows_ref[b, qt] >= 0  # aligned: an unused tile exits
         k_first = 0
         if dm is not None:  # the listed kv blocks, the partial groups first (block_lists)
             dm_ends = [counts_ref[b, qt, j] for j in range(len(dm.rule.partial_rules()) + 1)]
@@ -527,14 +537,15 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         else:
             total = n_kv
 
-        @pl.when(wg < wgs)
+        @pl.when((wg < wgs) & active)
         def _compute():
             plgpu.set_max_registers(regs, action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
-            q0 = q_cta0 + wg * bq
-            qsl = (b, pl.ds(q0, bq), h)
-            rsl = (b, h, pl.ds(q0, bq))
+            q0 = q_cta0 + wg * bq  # in the marks and the delta written
+            qr0 = q0 if aligned is None else q_row0 + wg * bq  # in q, dO, O, lse, dlse and a given delta
+            qsl = (b, pl.ds(qr0, bq), h)
+            rsl = (b, h, pl.ds(qr0, bq))
             plgpu.copy_gmem_to_smem(q_ref.at[qsl], q_smem, in_bar.at[4 * wg])
             plgpu.copy_gmem_to_smem(do_ref.at[qsl], do_smem, in_bar.at[4 * wg + 1])
             plgpu.copy_gmem_to_smem(lse_ref.at[rsl], lse_smem, in_bar.at[4 * wg + 2])
@@ -564,7 +575,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                     delta = delta - plgpu.load(dlse_smem2.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                 delta_smem[...] = delta
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[rsl])
+                plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[b, h, pl.ds(q0, bq)])
             else:
                 delta = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
             dq_acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), plgpu.Layout.WGMMA)
@@ -627,18 +638,25 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 dq_acc = lax.fori_loop(0, total, functools.partial(step_body, masked=False), dq_acc)
             q_smem[...] = (dq_acc * scale).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[qsl])
+            if aligned is None:
+                plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[qsl])
+            else:  # the tile's own groups in place, the shared ones to the side buffer
+                store_planned(plgpu, q_smem, dq_ref, shared_ref, plan_ref, b, h, qt, wg, tile_rows_ref, bq)
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == wgs)
+        def coords(g):  # (K / V rows, the keys' marks) of step g
+            marks = pl.ds((blocks_ref[b, qt, g] if dm is not None else k_first + g) * bkv, bkv)
+            kv = marks if aligned is None else pl.ds(block_rows_ref[b, qt, g] * ROW_ALIGN, bkv)
+            return (b, kv, kvh), marks
+
+        @pl.when((wg == wgs) & active)
         def _memory():
             plgpu.set_max_registers(producer_regs, action="decrease")
             run_producer(plgpu, lambda: stream_ring(
-                plgpu, total, stages, lambda g: (b, pl.ds((blocks_ref[b, qt, g] if dm is not None else k_first + g)
-                                                          * bkv, bkv), kvh),
-                [(lambda sl: k_ref.at[sl], k_smem, k_bar, k_cons),
-                 (lambda sl: v_ref.at[sl], v_smem, v_bar, v_cons)]
-                + ([(lambda sl: km_ref.at[sl[0], :, sl[1]], km_smem, km_bar, km_cons)] if dm is not None else [])),
+                plgpu, total, stages, coords,
+                [(lambda c: k_ref.at[c[0]], k_smem, k_bar, k_cons),
+                 (lambda c: v_ref.at[c[0]], v_smem, v_bar, v_cons)]
+                + ([(lambda c: km_ref.at[b, :, c[1]], km_smem, km_bar, km_cons)] if dm is not None else [])),
                 single_warp=producer_warp)
 
     tr_d, tr_v = smem_transforms(plgpu, dtype, D), smem_transforms(plgpu, dtype, Dv)
@@ -663,20 +681,28 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         scratch[0] = scratch[0] + (plgpu.SMEM((wgs, 2, bq), jnp.int32), plgpu.SMEM((stages, 2, bkv), jnp.int32))
         scratch[1] = scratch[1] + (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_arrivals=wgs,
                                                                                      num_barriers=stages))
-    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),)
     if has_dlse:  # popped first in the body: the last scratch and barrier
         scratch[0] = scratch[0] + (plgpu.SMEM((wgs, bq), jnp.float32),)
         scratch[1] = scratch[1] + (plgpu.Barrier(num_barriers=wgs),)
     if fuse_delta:
         scratch[0] = scratch[0] + (plgpu.SMEM((wgs, bq, Dv), out.dtype, transforms=smem_transforms(
             plgpu, out.dtype, Dv)),)
-        out_type = (out_type, jax.ShapeDtypeStruct((B, H, S), jnp.float32))
-    return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch,
+        out_type += (jax.ShapeDtypeStruct((B, H, n_qt * wgs * bq), jnp.float32),)  # = S on the grid
+    if aligned is not None:  # the groups a tile shares with a neighbouring run's tile
+        out_type += (jax.ShapeDtypeStruct((B, n_qt, 2, ROW_ALIGN, H, D), dtype),)
+    tables = () if dm is None else dm.kernel_args("dq") if aligned is None else (
+        aligned.qm, aligned.km, aligned.counts, aligned.blocks, aligned.tile_rows, aligned.block_rows, aligned.stores)
+    outs = warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch,
                                    grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
-                                   interpret=interpret, name="te_jax_attn_bwd_dq",
+                                   interpret=interpret,
+                                   name="te_jax_attn_bwd_dq" if aligned is None else "te_jax_attn_bwd_dq_aligned",
                                    no_auto_barriers=producer_warp)(
         q, k, v, do, lse2, out if fuse_delta else delta, *((dlse.astype(jnp.float32),) if has_dlse else ()),
-        *(dm.kernel_args("dq") if dm is not None else ()))
+        *tables)
+    if aligned is not None:
+        outs = ((outs[0], outs[-1]),) + tuple(outs[1:-1])  # dq with its shared groups, then delta
+    return outs if fuse_delta else outs[0]
 
 
 @lower_once(static_argnames=("scale", "causal", "config", "interpret", "softcap", "kv_valid", "mask_rule", "band"))
@@ -723,11 +749,16 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
                                 dq_acc_ref=dq_acc, **kw)
         dq = (dq_acc[...] * scale).astype(q.dtype)
         return dq, dk, dv
-    if delta_in_dq(cfg, interpret, D, Dv, marks="data_mask" in kw):  # the dQ kernel first: it writes delta
+    fused = delta_in_dq(cfg, interpret, D, Dv, marks="data_mask" in kw)  # the dQ kernel first: it writes delta
+    if fused:
         dq, delta = _flash_bwd_dq(q, k, v, do, lse2, None, out=out, dlse=dlse, **kw)
     else:
         delta = xla_delta()
         dq = _flash_bwd_dq(q, k, v, do, lse2, delta, **kw)
+    aligned = kw["data_mask"].tables.aligned_dq if "data_mask" in kw else None
+    if aligned is not None:  # document-aligned dQ tiles: the shared groups summed, delta back to token order
+        dq = merge_shared_groups(*dq, aligned.tile_rows, aligned.stores, interpret=interpret)
+        delta = gather_lse(delta, aligned.out_index) if fused else delta
     if not dkv_together(cfg, D, Dv, masked):  # above 128: both accumulators fill a warpgroup's registers
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._compat import default_interpret, mosaic_gpu, pl
+from .aligned_tiles import ROW_ALIGN
 
 
 def num_sms() -> int:
@@ -312,3 +313,32 @@ def warp_specialized_kernel(plgpu, body, *, out_type, scratch, grid, grid_names,
             {} if _PROFILE is None or interpret else {"profile_space": _PROFILE[0], "profile_dir": _PROFILE[1]})),
         interpret=interpret_arg(interpret),
     )
+
+
+def store_planned(plgpu, src, o_ref, shared_ref, plan_ref, b, h, qt, wg, rows_ref, bq: int):
+    """Document-aligned tiles (aligned_tiles): TMA this warpgroup's tile src [bq, Dv] of an output (O, dQ) by tile
+    qt's store plan (aligned_tiles.store_plan, plan_ref[b, qt] in ROW_ALIGN-row groups of the tile's rows; the tile
+    starts at row rows_ref[b, qt] * ROW_ALIGN, this warpgroup bq rows further per wg): its whole groups to their
+    token rows of o_ref [B, S, H, Dv] (one copy where the warpgroup's rows are all whole), its shared groups to
+    shared_ref [B, T, 2, ROW_ALIGN, H, Dv] (aligned_tiles.merge_shared_groups sums them in place)."""
+    g, n = ROW_ALIGN, bq // ROW_ALIGN
+    lo = plan_ref[b, qt, 0] - wg * n
+    hi = plan_ref[b, qt, 1] - wg * n
+    row = lambda i: rows_ref[b, qt] * g + wg * bq + i * g  # computed where used (the interpreter)
+    whole = (lo <= 0) & (hi >= n)
+    group = lambda i: src.at[pl.ds(i * g, g)]
+
+    @pl.when(whole)
+    def _():
+        plgpu.copy_smem_to_gmem(src, o_ref.at[b, pl.ds(row(0), bq), h])
+
+    @pl.when(jnp.logical_not(whole))
+    def _():
+        for i in range(n):
+            pl.when((lo <= i) & (i < hi))(lambda i=i: plgpu.copy_smem_to_gmem(
+                group(i), o_ref.at[b, pl.ds(row(i), g), h]))
+        for slot in range(2):
+            shared = plan_ref[b, qt, 2 + slot] - wg * n
+            for i in range(n):
+                pl.when(shared == i)(lambda i=i, slot=slot: plgpu.copy_smem_to_gmem(
+                    group(i), shared_ref.at[b, qt, slot, :, h]))

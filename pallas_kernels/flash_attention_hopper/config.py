@@ -138,6 +138,11 @@ class HopperConfig:
     # 192/128); elsewhere two launches (dK, then dV), each recomputing S.  True: one launch (both accumulators in
     # registers: ptxas spills some at 192/128, and it is still faster there).
     bwd_dkv_together: bool | None = None
+    # Where the forward runs on document-aligned tiles (hopper_attention(mask_aligned=True)), the dQ kernel on the
+    # same kind of tiles too (aligned_tiles.aligned_tables at its tile sizes: dQ stored in token order by plan, the
+    # shared groups merged, delta written to the tiles' layout and gathered back).  None / False: the grid's dQ.
+    # Not yet run on a GPU (only lowered for CUDA on the CPU), so never on by itself.
+    bwd_aligned: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
@@ -158,7 +163,8 @@ class HopperConfig:
                      "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
-                     "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first", "bwd_dkv_together"):
+                     "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first", "bwd_dkv_together",
+                     "bwd_aligned"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.bwd_compute_registers is not None:

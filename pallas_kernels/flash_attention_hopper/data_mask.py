@@ -120,6 +120,8 @@ class MaskTables(NamedTuple):
     dkv: tuple  # per key tile: (counts [B, nkt, 2], query blocks [B, nkt, nq])
     # aligned_tiles.AlignedTiles: the forward on document-aligned tiles instead of `fwd` (None: the global grid)
     aligned: tuple | None = None
+    # aligned_tiles.AlignedTiles at the dQ kernel's tiles instead of `dq` (HopperConfig.bwd_aligned)
+    aligned_dq: tuple | None = None
 
 
 def block_lists(classes, groups=None, n_groups: int = 1):
@@ -269,13 +271,19 @@ def backward_rule(rule: MaskRule) -> MaskRule:
 
 
 def backward_tables(t: MaskTables, rule: MaskRule, cfg) -> MaskTables:
-    """t with the dQ kernel's and the dK/dV kernel's block lists (grouped by backward_rule(rule))."""
-    if t.dq is not None:
+    """t with the dQ kernel's and the dK/dV kernel's block lists (grouped by backward_rule(rule)); where the forward's
+    tiles are document-aligned and cfg.bwd_aligned, the dQ kernel's tables on aligned tiles (aligned_dq) instead."""
+    if t.dq is not None or t.aligned_dq is not None:
         return t
     marks = _marks(t)
     rule = backward_rule(rule)
-    return t._replace(dq=tile_lists(*marks, rule, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv),
-                      dkv=tile_lists(*marks, rule, dkv_block_q(cfg), cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True))
+    dkv = tile_lists(*marks, rule, dkv_block_q(cfg), cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True)
+    if t.aligned is not None and cfg.bwd_aligned:
+        from .aligned_tiles import aligned_tables
+
+        return t._replace(dkv=dkv, aligned_dq=aligned_tables(marks, rule, cfg.bwd_wgs * cfg.bwd_block_q,
+                                                             cfg.bwd_block_kv))
+    return t._replace(dq=tile_lists(*marks, rule, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv), dkv=dkv)
 
 
 class DataMask(NamedTuple):

@@ -9,7 +9,8 @@ from jax import lax
 
 from .._compat import mosaic_gpu, pl
 from .aligned_tiles import ROW_ALIGN
-from .common import rem, ring_slots, run_producer, smem_transforms, stream_ring, warp_specialized_kernel, when
+from .common import (rem, ring_slots, run_producer, smem_transforms, store_planned, stream_ring,
+                     warp_specialized_kernel, when)
 from .config import HopperConfig, logit_units, rendezvous_named, ring_choices
 from .data_mask import walk_groups
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
@@ -34,34 +35,6 @@ def step_mask(plgpu, rule, q_marks, key_marks, slot):
         return rule.apply(x, q_marks, k_marks, -jnp.inf, q_axis=0)
 
     return apply_mask
-
-
-def _store_planned(plgpu, src, o_ref, shared_ref, plan_ref, b, h, qt, wg, q_rows_ref, bq: int):
-    """Document-aligned tiles: TMA this warpgroup's O tile src [bq, Dv] by query tile qt's store plan
-    (aligned_tiles.store_plan, plan_ref[b, qt] in ROW_ALIGN-row groups of the tile's 2 bq rows): its whole groups
-    to their token rows of o_ref [B, S, H, Dv] (one copy where the warpgroup's rows are all whole), its shared
-    groups to shared_ref [B, T, 2, ROW_ALIGN, H, Dv] (aligned_tiles.merge_shared_groups sums them in place)."""
-    g, n = ROW_ALIGN, bq // ROW_ALIGN
-    lo = plan_ref[b, qt, 0] - wg * n
-    hi = plan_ref[b, qt, 1] - wg * n
-    row = lambda i: q_rows_ref[b, qt] * g + wg * bq + i * g  # computed where used (the interpreter)
-    whole = (lo <= 0) & (hi >= n)
-    group = lambda i: src.at[pl.ds(i * g, g)]
-
-    @pl.when(whole)
-    def _():
-        plgpu.copy_smem_to_gmem(src, o_ref.at[b, pl.ds(row(0), bq), h])
-
-    @pl.when(jnp.logical_not(whole))
-    def _():
-        for i in range(n):
-            pl.when((lo <= i) & (i < hi))(lambda i=i: plgpu.copy_smem_to_gmem(
-                group(i), o_ref.at[b, pl.ds(row(i), g), h]))
-        for slot in range(2):
-            shared = plan_ref[b, qt, 2 + slot] - wg * n
-            for i in range(n):
-                pl.when(shared == i)(lambda i=i, slot=slot: plgpu.copy_smem_to_gmem(
-                    group(i), shared_ref.at[b, qt, slot, :, h]))
 
 
 def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig, interpret: bool,
@@ -162,7 +135,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
                         o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
                         may_be_empty=True,  # a row without a visible key: out 0, lse -inf
-                        o_store=None if rows is None else lambda src: _store_planned(
+                        o_store=None if rows is None else lambda src: store_planned(
                             plgpu, src, o_ref, shared_ref, plan_ref, b, h, qt, wg, q_rows_ref, bq))
 
         @pl.when((wg == 2) & active)
