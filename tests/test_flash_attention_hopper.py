@@ -1118,19 +1118,23 @@ def test_aligned_data_mask_forward_and_grads(name):
 
 @pytest.mark.slow
 @needs_kernel
-@pytest.mark.parametrize("name", ["documents_causal", "short_documents", "empty_rows", "ragged_lengths"])
+@pytest.mark.parametrize("name,head_dims", [("documents_causal", None), ("short_documents", None),
+                                             ("empty_rows", None), ("ragged_lengths", None),
+                                             ("documents_causal", (192, 128))])
 @pytest.mark.parametrize("xla_delta", [False, True], ids=["delta in dQ", "XLA delta"])
-def test_aligned_dq_kernel_forward_and_grads(name, xla_delta):
-    """The dQ kernel on document-aligned tiles too (HopperConfig.bwd_aligned: dQ stored in token order by plan,
-    the shared groups merged, the delta it computes gathered back to token order for the dK/dV kernel), with the
-    aligned forward, against the fp32 reference (as test_aligned_data_mask_forward_and_grads; an lse cotangent
-    too)."""
+def test_aligned_backward_forward_and_grads(name, head_dims, xla_delta):
+    """The backward on document-aligned tiles too (HopperConfig.bwd_aligned): the dQ kernel's query tiles and the
+    dK/dV kernel's key tiles start at every document, dQ, dK and dV are stored in token order by plan with the
+    shared groups merged, and the delta the dQ kernel computes is gathered back for the dK/dV kernel; with the
+    aligned forward, against the fp32 reference (as test_aligned_data_mask_forward_and_grads, an lse cotangent
+    too; 192/128 as DeepSeek-V3's geometry)."""
     from pallas_kernels.flash_attention_hopper import masked_config
 
     B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
-    cfg = dataclasses.replace(masked_config(D, D, Sq, Skv), bwd_aligned=True,
+    D, Dv = head_dims or (D, D)
+    cfg = dataclasses.replace(masked_config(D, Dv, Sq, Skv), bwd_aligned=True,
                               bwd_delta_in_dq=False if xla_delta else None)
-    _check_data_mask(name, mask_aligned=True, config=cfg)
+    _check_data_mask(name, head_dims=head_dims, mask_aligned=True, config=cfg)
 
 
 def _check_data_mask(name, head_dims=None, **kw):

@@ -48,9 +48,14 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     """data_mask (a DataMask): the key tile's query-block walk is [lo, hi) of its bounds row (mask.loop_bounds on the
     transposed block classes), computed without the element mask on [flo, fhi); no PieceSplit, no reversal.
     band (MaskRule.band(): (offset, lo, hi)): key j sees query i iff lo <= j - i - offset <= hi; the key tile walks
-    the query blocks of its band (band.query_blocks), masking the two edges."""
+    the query blocks of its band (band.query_blocks), masking the two edges.  Where data_mask's tables hold
+    aligned_dkv (HopperConfig.bwd_aligned), the key tiles and the query blocks they walk are document-aligned
+    (aligned_tiles): dK / dV are stored in token order by plan and the groups tiles share merged after the kernel."""
     plgpu = mosaic_gpu()
     B, S, H, D, Skv, G, rep, dtype, bq, bkv, wgs, nq, n_kt, stages = dkv_geometry(q, k, cfg)
+    aligned = data_mask.tables.aligned_dkv if data_mask is not None else None
+    if aligned is not None:
+        n_kt = aligned.tile_rows.shape[1]
     Dv = v.shape[-1]  # v's head_dim (may differ from q/k's D: no atomic dQ, no PieceSplit then)
     c, pre = logit_units(scale, softcap)
     split = cfg.split_causal
@@ -73,6 +78,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         raise ValueError(f"atomic dQ: no 64-wide share per warpgroup for head_dim {D}, {cfg}")
     if want_dq and Dv != D:
         raise ValueError(f"atomic dQ needs equal q/k and v head_dims (got {D} and {Dv})")
+    if want_dq and aligned is not None:
+        raise ValueError("atomic dQ is not served on document-aligned key tiles (HopperConfig.bwd_aligned)")
 
     steps = rep * nq  # a non-causal key tile's walk
     plain_walk = not causal and dm is None and band is None and Dv == D
@@ -88,9 +95,11 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         if dm is not None:
             (qm_ref, km_ref, counts_ref, blocks_ref), rest = rest[:4], rest[4:]
+        if aligned is not None:  # the key tiles' first rows, their query blocks' rows, their store plans
+            (tile_rows_ref, block_rows_ref, plan_ref), rest = rest[:3], rest[3:]
         if want_dq:
             dq_ref, rest = rest[0], rest[1:]
-        outs = rest[: n_grads * (2 if plan is not None else 1)]
+        outs = rest[: n_grads * (2 if plan is not None or aligned is not None else 1)]
         smem, bars = rest[len(outs):]
         if dm is not None:
             (kvm_smem2, qm_ring), smem = smem[-2:], smem[:-2]
@@ -98,6 +107,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         dk_ref = outs[0] if want_dk else None
         dv_ref = outs[n_grads - 1] if want_dv else None
         part_refs = outs[n_grads:]  # plan: partial dK / dV of the pieces [piece CTAs, hi/lo, rows, D]
+        shared_dk = part_refs[0] if aligned is not None and want_dk else None  # aligned: the shared groups
+        shared_dv = part_refs[-1] if aligned is not None and want_dv else None
         k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
         if want_dq:
             ds_smem3, dq_smem2 = smem[6:]
@@ -128,7 +139,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         # ascending within a head), and causal key tile 0 sees every query, so ascending order already starts
         # the heaviest tiles first and leaves the light ones for the tail.  Reversed, the heaviest tile of the
         # last head would run alone at the end with the other SMs idle.
-        kv_cta0 = kt * (wgs * bkv)
+        kv_cta0 = kt * (wgs * bkv)  # the tile's first row in the keys' marks (and in k, v off aligned tiles)
+        active = True if aligned is None else tile_rows_ref[b, kt] >= 0  # aligned: an unused tile exits
         q_lo = lax.div(kv_cta0, jnp.int32(bq)) if causal else 0
         if dm is not None:  # the visible query blocks of this key tile, the partial groups first (block_lists)
             dm_ends = [counts_ref[b, kt, j] for j in range(len(dm.rule.partial_rules()) + 1)]
@@ -162,7 +174,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
 
             def load_kv(bb, gg, ktile):
                 kv0 = ktile * (wgs * bkv) + wg * bkv
-                sl = (bb, pl.ds(kv0, bkv), gg)
+                row = kv0 if aligned is None else tile_rows_ref[bb, ktile] * ROW_ALIGN + wg * bkv
+                sl = (bb, pl.ds(row, bkv), gg)
                 plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, kv_bar.at[2 * wg])
                 plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, kv_bar.at[2 * wg + 1])
                 if dm is not None:
@@ -289,6 +302,12 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                 if want_dv:
                     v_smem[...] = dv_acc.astype(dtype)
                 plgpu.commit_smem()
+                if aligned is not None:  # the tile's own groups in place, the shared ones to the side buffers
+                    for tile, ref, side in ((k_smem, dk_ref, shared_dk), (v_smem, dv_ref, shared_dv)):
+                        if ref is not None:
+                            store_planned(plgpu, tile, ref, side, plan_ref, b, g, kt, wg, tile_rows_ref, bkv)
+                    plgpu.wait_smem_to_gmem(0)
+                    return
                 if want_dk:
                     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[sl], commit_group=False)
                 if want_dv:
@@ -375,15 +394,17 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
             for w in range(wgs):
                 pl.when(wg == w)(functools.partial(_compute, w))
         else:
-            pl.when(wg < wgs)(functools.partial(_compute, None))
+            pl.when((wg < wgs) & active)(functools.partial(_compute, None))
 
-        @pl.when(wg == wgs)
+        @pl.when((wg == wgs) & active)
         def _memory():
             plgpu.set_max_registers(producer_regs, action="decrease")
 
-            def rows(t):  # (q / dO slice, lse / delta slice) of ring step t
+            def rows(t):  # (q / dO slice, lse / delta slice, the queries' marks' rows) of ring step t
                 hh, qb = step_coords(t if plan is None else lo + t)
-                return (b, pl.ds(qb * bq, bq), hh), (b, hh, pl.ds(qb * bq, bq))
+                marks = pl.ds(qb * bq, bq)
+                row = marks if aligned is None else pl.ds(block_rows_ref[b, kt, rem(t, n_div)] * ROW_ALIGN, bq)
+                return (b, row, hh), (b, hh, row), marks
 
             run_producer(plgpu, lambda: stream_ring(
                 plgpu, total if plan is None else hi - lo, stages, rows,
@@ -391,7 +412,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                  (lambda r: lse_ref.at[r[1]], lse_smem, lse_bar, lse_cons),
                  (lambda r: do_ref.at[r[0]], do_smem, do_bar, do_cons),
                  (lambda r: delta_ref.at[r[1]], delta_smem, delta_bar, delta_cons)]
-                + ([(lambda r: qm_ref.at[r[0][0], :, r[0][1]], qm_ring, qm_bar, qm_cons)] if dm is not None else [])),
+                + ([(lambda r: qm_ref.at[b, :, r[2]], qm_ring, qm_bar, qm_cons)] if dm is not None else [])),
                 single_warp=producer_warp)
 
     # dK += dS^T . Q and dV += P^T . dO contract over the bq query rows: their swizzle's row must divide bq
@@ -426,15 +447,23 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         out_type.append(jax.ShapeDtypeStruct(v.shape, dtype))
     if plan is not None:
         out_type += [jax.ShapeDtypeStruct((plan.rest * plan.pieces, 2, wgs * bkv, D), dtype)] * n_grads
+    if aligned is not None:  # the groups a key tile shares with a neighbouring run's tile, per gradient
+        out_type += [jax.ShapeDtypeStruct((B, n_kt, 2, ROW_ALIGN, G, d), dtype)
+                     for d, want in ((D, want_dk), (Dv, want_dv)) if want]
     outputs = ("dk" if want_dk else "") + ("dv" if want_dv else "") + ("dq" if want_dq else "")
     grid, grid_names = ((G, n_kt, B), ("kv_heads", "kv_seq", "batch")) if plan is None else (
         (plan.n_ctas,), ("cta",))
+    tables = () if dm is None else dm.kernel_args("dkv") if aligned is None else (
+        aligned.qm, aligned.km, aligned.counts, aligned.blocks, aligned.tile_rows, aligned.block_rows, aligned.stores)
     outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=grid,
                                    grid_names=grid_names, compute_wgs=wgs,
-                                   interpret=interpret, name=f"te_jax_attn_bwd_{outputs}",
+                                   interpret=interpret,
+                                   name=f"te_jax_attn_bwd_{outputs}" + ("" if aligned is None else "_aligned"),
                                    no_auto_barriers=producer_warp)(
-        q, k, v, do, lse2, delta, *(dm.kernel_args("dkv") if dm is not None else ()),
-        *((dq_acc_ref,) if want_dq else ()))
+        q, k, v, do, lse2, delta, *tables, *((dq_acc_ref,) if want_dq else ()))
+    if aligned is not None:  # the shared groups summed into place
+        return tuple(merge_shared_groups(grad, side, aligned.tile_rows, aligned.stores, interpret=interpret)
+                     for grad, side in zip(outs[:n_grads], outs[n_grads:]))
     if plan is None:
         return tuple(outs)
     return tuple(_sum_pieces(grad, part, plan=plan, B=B, n_kt=n_kt, rows=wgs * bkv)

@@ -138,10 +138,12 @@ class HopperConfig:
     # 192/128); elsewhere two launches (dK, then dV), each recomputing S.  True: one launch (both accumulators in
     # registers: ptxas spills some at 192/128, and it is still faster there).
     bwd_dkv_together: bool | None = None
-    # Where the forward runs on document-aligned tiles (hopper_attention(mask_aligned=True)), the dQ kernel on the
-    # same kind of tiles too (aligned_tiles.aligned_tables at its tile sizes: dQ stored in token order by plan, the
-    # shared groups merged, delta written to the tiles' layout and gathered back).  None / False: the grid's dQ.
-    # Not yet run on a GPU (only lowered for CUDA on the CPU), so never on by itself.
+    # Where the forward runs on document-aligned tiles (hopper_attention(mask_aligned=True)), the backward's kernels
+    # on the same kind of tiles too (aligned_tiles.aligned_tables at their tile sizes): the dQ kernel's query tiles
+    # and the dK/dV kernel's key tiles start at every document, dQ, dK and dV are stored in token order by plan
+    # with the shared groups merged, and the delta the dQ kernel writes goes to its tiles' layout and is gathered
+    # back.  None / False: the grid's backward.  Not yet run on a GPU (only lowered for CUDA on the CPU), so never
+    # on by itself.
     bwd_aligned: bool | None = None
 
     def __post_init__(self):

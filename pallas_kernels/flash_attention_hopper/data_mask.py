@@ -120,8 +120,10 @@ class MaskTables(NamedTuple):
     dkv: tuple  # per key tile: (counts [B, nkt, 2], query blocks [B, nkt, nq])
     # aligned_tiles.AlignedTiles: the forward on document-aligned tiles instead of `fwd` (None: the global grid)
     aligned: tuple | None = None
-    # aligned_tiles.AlignedTiles at the dQ kernel's tiles instead of `dq` (HopperConfig.bwd_aligned)
+    # aligned_tiles.AlignedTiles at the dQ kernel's tiles instead of `dq`, and at the dK/dV kernel's (transposed)
+    # instead of `dkv` (HopperConfig.bwd_aligned)
     aligned_dq: tuple | None = None
+    aligned_dkv: tuple | None = None
 
 
 def block_lists(classes, groups=None, n_groups: int = 1):
@@ -272,18 +274,20 @@ def backward_rule(rule: MaskRule) -> MaskRule:
 
 def backward_tables(t: MaskTables, rule: MaskRule, cfg) -> MaskTables:
     """t with the dQ kernel's and the dK/dV kernel's block lists (grouped by backward_rule(rule)); where the forward's
-    tiles are document-aligned and cfg.bwd_aligned, the dQ kernel's tables on aligned tiles (aligned_dq) instead."""
+    tiles are document-aligned and cfg.bwd_aligned, both kernels' tables on aligned tiles (aligned_dq, aligned_dkv)
+    instead."""
     if t.dq is not None or t.aligned_dq is not None:
         return t
     marks = _marks(t)
     rule = backward_rule(rule)
-    dkv = tile_lists(*marks, rule, dkv_block_q(cfg), cfg.bwd_wgs * cfg.bwd_block_kv, transposed=True)
+    dq_tiles, dkv_tiles = (cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv), (dkv_block_q(cfg),
+                                                                               cfg.bwd_wgs * cfg.bwd_block_kv)
     if t.aligned is not None and cfg.bwd_aligned:
         from .aligned_tiles import aligned_tables
 
-        return t._replace(dkv=dkv, aligned_dq=aligned_tables(marks, rule, cfg.bwd_wgs * cfg.bwd_block_q,
-                                                             cfg.bwd_block_kv))
-    return t._replace(dq=tile_lists(*marks, rule, cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv), dkv=dkv)
+        return t._replace(aligned_dq=aligned_tables(marks, rule, *dq_tiles),
+                          aligned_dkv=aligned_tables(marks, rule, *dkv_tiles, transposed=True))
+    return t._replace(dq=tile_lists(*marks, rule, *dq_tiles), dkv=tile_lists(*marks, rule, *dkv_tiles, transposed=True))
 
 
 class DataMask(NamedTuple):
