@@ -25,7 +25,8 @@ padding (prebuilt tables).  --dense-rendezvous-ab: the same choice on the dense 
 
 --aligned-margin: the aligned forward's static tile count against smaller margins (device clock).
 --aligned-ab: hopper_attention on documents with the forward's tiles on the global grid against tiles that start
-at every document (mask_aligned=True), pre-pass and output gather included; forward and forward+backward.
+at every document (mask_aligned=True), and with the backward's on them too (HopperConfig.bwd_aligned); pre-pass and
+merges included; forward and forward+backward.
 --split-ab: the data-mask forward and backward with their partial tiles split by what their element mask compares
 (positions only, segments only, both: data_mask.MaskRule.partial_rules) against one group under the whole rule
 (MaskRule.split False), on prebuilt tables, interleaved rounds; thd's 11 documents, 4 documents per row, padding,
@@ -474,22 +475,31 @@ def _rebuilt(m):
 
 
 def aligned_ab(rounds: int, device: bool = False):
-    """hopper_attention(mask=..., mask_aligned=False / True) as a user calls it (pre-pass and output gather
-    included): forward, and forward+backward (the backward is the same kernels), interleaved rounds."""
+    """hopper_attention(mask=...) as a user calls it (the mask built in the call, pre-pass and merges included) on
+    the global grid, with the forward on document-aligned tiles (mask_aligned=True), and with the backward on them
+    too (HopperConfig.bwd_aligned): forward, and forward+backward, interleaved rounds."""
+    from pallas_kernels.flash_attention_hopper import masked_config
+
     masks = probe_masks("thd", "documents", "64x256", "80x200")
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; hopper_attention with the "
           f"mask (pre-pass included), {rounds} interleaved rounds, medians")
+    variants = ("grid", "aligned", "aligned + bwd")
     for name, m in masks.items():
         (q, k, v), fl = _inputs(m, 3)
         fns, outs = {}, {}
-        for al in (False, True):  # the mask is built from its segment ids in the call, as te_jax builds it
-            f = lambda q, k, v, m, al=al: hopper_attention(q, k, v, scale=D ** -0.5, mask=_rebuilt(m),
-                                                           mask_aligned=al)[0]
-            fns[("fwd", al)] = jax.jit(f)
-            fns[("fwd+bwd", al)] = jax.jit(jax.grad(
+        for var in variants:  # the mask is built from its segment ids in the call, as te_jax builds it
+            cfg = (dataclasses.replace(masked_config(D, D, m.q_len, m.kv_len), bwd_aligned=True)
+                   if var == "aligned + bwd" else None)
+            f = lambda q, k, v, m, var=var, cfg=cfg: hopper_attention(
+                q, k, v, scale=D ** -0.5, mask=_rebuilt(m), mask_aligned=var != "grid", config=cfg)[0]
+            fns[("fwd", var)] = jax.jit(f)
+            fns[("fwd+bwd", var)] = jax.jit(jax.grad(
                 lambda q, k, v, m, f=f: jnp.sum(f(q, k, v, m).astype(jnp.float32)), argnums=(0, 1, 2)))
-            outs[al] = fns[("fwd", al)](q, k, v, m)
-        diff = float(jnp.max(jnp.abs(outs[True].astype(jnp.float32) - outs[False].astype(jnp.float32))))
+            outs[var] = fns[("fwd", var)](q, k, v, m)
+        diff = float(jnp.max(jnp.abs(outs["aligned"].astype(jnp.float32) - outs["grid"].astype(jnp.float32))))
+        grads = {var: fns[("fwd+bwd", var)](q, k, v, m) for var in ("grid", "aligned + bwd")}
+        gdiff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                    for a, b in zip(grads["grid"], grads["aligned + bwd"]))
         secs = {key: [] for key in fns}
         for _ in range(rounds):
             for key, f in fns.items():
@@ -497,19 +507,23 @@ def aligned_ab(rounds: int, device: bool = False):
         med = {key: statistics.median(v) for key, v in secs.items()}
 
         def cell(p):
-            grid, al = med[(p, False)], med[(p, True)]
-            tflops = (1 if p == "fwd" else 3.5) * fl / al / 1e12
-            return (f"{p}: grid {grid * 1e6:7.1f} us, aligned {al * 1e6:7.1f} us (x{grid / al:.3f}, "
-                    f"{tflops:.0f} TFLOP/s)")
+            grid = med[(p, "grid")]
+            parts = [f"grid {grid * 1e6:7.1f} us"]
+            for var in variants[1:]:
+                t = med[(p, var)]
+                parts.append(f"{var} {t * 1e6:7.1f} us (x{grid / t:.3f}, "
+                             f"{(1 if p == 'fwd' else 3.5) * fl / t / 1e12:.0f} TFLOP/s)")
+            return f"{p}: " + ", ".join(parts)
 
         line = " | ".join(cell(p) for p in ("fwd", "fwd+bwd"))
-        print(f"{name:20s} {line} | max |out grid - aligned| {diff:.1e}", flush=True)
+        print(f"{name:20s} {line} | max |out grid - aligned| {diff:.1e}, |grads grid - aligned + bwd| {gdiff:.1e}",
+              flush=True)
         if device:  # the device clock: kernel time per call and the costliest kernels
             from benchmarks import device_time
-            for (p, al), f in fns.items():
+            for (p, var), f in fns.items():
                 prof = device_time.profiled(f, (q, k, v, m), calls=5)
                 top = ", ".join(f"{n} {t * 1e6:.0f}" for n, t in list(prof["durations"].items())[:8])
-                print(f"  {p} {'aligned' if al else 'grid'} device: {prof['kernel_s'] * 1e6:.1f} us/call in "
+                print(f"  {p} {var} device: {prof['kernel_s'] * 1e6:.1f} us/call in "
                       f"{prof['kernels_per_call']:.0f} kernels (us: {top})", flush=True)
 
 
