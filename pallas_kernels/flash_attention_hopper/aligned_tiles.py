@@ -26,6 +26,7 @@ the tiles start where the documents do (FlashAttention-3's varlen tiling):
                                      [lo, hi), and the (at most two) groups it shares with a neighbouring run, or -1
     aligned_tables(marks, rule, q_tile, kv_tile, transposed) -> AlignedTiles   (XLA, from the mask's marks)
     aligned_mask_tables(mask, cfg, ...) -> MaskTables     (data_mask.mask_tables with `aligned` in place of `fwd`)
+    aligned_backward_tables(t, rule, cfg) -> MaskTables   (the backward kernels' tables on aligned tiles too)
     merge_shared_groups(out, shared, tile_rows, stores) -> out   (the shared groups summed into place)
 
 The kernel loads Q and K/V at these rows (ROW_ALIGN * the table's value: Mosaic GPU must see that a TMA's row offset
@@ -46,7 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .data_mask import NO_SEGMENT, backward_tables, marks_only, mask_rule, tile_lists
+from .data_mask import (NO_SEGMENT, backward_rule, backward_tables, dkv_tiles, dq_tiles, marks_only, mask_rule,
+                        tile_lists, token_marks)
 
 
 #: Tiles start at multiples of this many rows (the swizzled shared-memory tiles' rows: Mosaic GPU's layout inference
@@ -162,6 +164,17 @@ def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = Tr
     marks = (mask.q_segment_ids, mask.q_positions, mask.kv_segment_ids, mask.kv_positions)
     t = t._replace(aligned=aligned_tables(marks, rule, 2 * cfg.block_q, cfg.block_kv))
     return backward_tables(t, rule, cfg) if backward else t
+
+
+def aligned_backward_tables(t, rule, cfg):
+    """data_mask.MaskTables t (whose forward is on aligned tiles) with both backward kernels' tables on
+    document-aligned tiles too (HopperConfig.bwd_aligned): aligned_dq at the dQ kernel's tiles, aligned_dkv at the
+    dK/dV kernel's (transposed), grouped by data_mask.backward_rule(rule)."""
+    if t.aligned_dq is not None:
+        return t
+    marks, rule = token_marks(t), backward_rule(rule)
+    return t._replace(aligned_dq=aligned_tables(marks, rule, *dq_tiles(cfg)),
+                      aligned_dkv=aligned_tables(marks, rule, *dkv_tiles(cfg), transposed=True))
 
 
 def merge_shared_groups(out, shared, tile_rows, stores, *, kernel: bool | None = None, interpret=None):

@@ -28,7 +28,7 @@ from .._compat import mosaic_gpu, pl
 
 from .._lower_once import lower_once
 
-from .aligned_tiles import ROW_ALIGN, gather_lse, merge_shared_groups
+from .aligned_tiles import ROW_ALIGN, aligned_backward_tables, gather_lse, merge_shared_groups
 from .common import (backward_pT, cdiv, div, dv_and_dpT, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots,
                      run_producer, smem_transforms, store_planned, stream_ring, warp_specialized_kernel)
 from .backward_band_persistent import _flash_bwd_dkv_band_persistent
@@ -769,7 +769,9 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         if band is not None:  # positions are token indices: walk the band, no tables (MaskRule.offset)
             kw["band"] = band
         else:
-            kw["data_mask"] = DataMask(backward_tables(mask_tables, mask_rule, cfg), backward_rule(mask_rule))
+            tables = (aligned_backward_tables if mask_tables.aligned is not None and cfg.bwd_aligned
+                      else backward_tables)(mask_tables, mask_rule, cfg)
+            kw["data_mask"] = DataMask(tables, backward_rule(mask_rule))
     atomic = (masked_atomic_dq_chosen(D, Dv, k.shape[1], cfg, interpret, band=band) if masked
               else Dv == D and atomic_dq_chosen(D, k.shape[1], cfg, interpret))
     if atomic:

@@ -233,7 +233,7 @@ def mask_tables(mask: AttentionMask, cfg, *, backward: bool = True, segments: bo
     forward on document-aligned tiles."""
     rule = mask_rule(mask, segments, split)
     t = marks_only(mask)
-    t = t._replace(fwd=tile_lists(*_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
+    t = t._replace(fwd=tile_lists(*token_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
     return backward_tables(t, rule, cfg) if backward else t
 
 
@@ -255,7 +255,7 @@ def mask_rule(mask: AttentionMask, segments: bool = True, split: bool = True, of
     return MaskRule(mask.causal, tuple(mask.window), bool(segments), bool(split), offset)
 
 
-def _marks(t: MaskTables):
+def token_marks(t: MaskTables):
     """(q segment ids with 0 for padding, q positions, kv segment ids, kv positions) back from qm / km."""
     qs = jnp.where(t.qm[:, 0] == NO_SEGMENT, 0, t.qm[:, 0])
     return qs, t.qm[:, 1], t.km[:, 0], t.km[:, 1]
@@ -273,21 +273,24 @@ def backward_rule(rule: MaskRule) -> MaskRule:
 
 
 def backward_tables(t: MaskTables, rule: MaskRule, cfg) -> MaskTables:
-    """t with the dQ kernel's and the dK/dV kernel's block lists (grouped by backward_rule(rule)); where the forward's
-    tiles are document-aligned and cfg.bwd_aligned, both kernels' tables on aligned tiles (aligned_dq, aligned_dkv)
-    instead."""
-    if t.dq is not None or t.aligned_dq is not None:
+    """t with the dQ kernel's and the dK/dV kernel's block lists (grouped by backward_rule(rule)).
+    aligned_tiles.aligned_backward_tables builds both on document-aligned tiles instead (HopperConfig.bwd_aligned)."""
+    if t.dq is not None:
         return t
-    marks = _marks(t)
+    marks = token_marks(t)
     rule = backward_rule(rule)
-    dq_tiles, dkv_tiles = (cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv), (dkv_block_q(cfg),
-                                                                               cfg.bwd_wgs * cfg.bwd_block_kv)
-    if t.aligned is not None and cfg.bwd_aligned:
-        from .aligned_tiles import aligned_tables
+    return t._replace(dq=tile_lists(*marks, rule, *dq_tiles(cfg)),
+                      dkv=tile_lists(*marks, rule, *dkv_tiles(cfg), transposed=True))
 
-        return t._replace(aligned_dq=aligned_tables(marks, rule, *dq_tiles),
-                          aligned_dkv=aligned_tables(marks, rule, *dkv_tiles, transposed=True))
-    return t._replace(dq=tile_lists(*marks, rule, *dq_tiles), dkv=tile_lists(*marks, rule, *dkv_tiles, transposed=True))
+
+def dq_tiles(cfg):
+    """(query tile, key block) of the dQ kernel: wgs x bwd_block_q query rows walking bwd_block_kv keys."""
+    return cfg.bwd_wgs * cfg.bwd_block_q, cfg.bwd_block_kv
+
+
+def dkv_tiles(cfg):
+    """(query block, key tile) of the dK/dV kernel: wgs x bwd_block_kv keys walking dkv_block_q query rows."""
+    return dkv_block_q(cfg), cfg.bwd_wgs * cfg.bwd_block_kv
 
 
 class DataMask(NamedTuple):
