@@ -129,7 +129,7 @@ def test_aligned_tables_compute_every_visible_pair_once(name):
                                                t.aligned.stores)
     np.testing.assert_array_equal(np.asarray(merged)[:, :, 0, 0], np.arange(1, m.q_len + 1)[None].repeat(B, 0))
     rows = jnp.arange(t.aligned.qm.shape[-1], dtype=jnp.float32)
-    lse = aligned_tiles.gather_lse(jnp.broadcast_to(rows, (m.batch, 1, rows.size)), t.aligned.out_index)
+    lse = aligned_tiles.gather_row_values(jnp.broadcast_to(rows, (m.batch, 1, rows.size)), t.aligned.out_index)
     np.testing.assert_array_equal(np.asarray(lse)[:, 0], np.asarray(t.aligned.out_index))
 
 

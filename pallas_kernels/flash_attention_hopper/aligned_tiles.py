@@ -37,7 +37,7 @@ their output rows come out exactly 0.  So the kernel stores O in token order: ea
 holds only the tile's own tokens by TMA in place; a group where a document starts or ends mid-group (its rows
 split between two or more runs' tiles) goes to a small side buffer, and merge_shared_groups adds the tiles' copies
 (the other runs' rows are zeros there, so the sum is exact).  lse goes to the padded layout (4 bytes a row: 32
-bytes a group, below TMA's shared-memory alignment) and comes back by a gather (gather_lse).
+bytes a group, below TMA's shared-memory alignment) and comes back by a gather (gather_row_values).
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import aligned_merge
 from .data_mask import (NO_SEGMENT, backward_rule, backward_tables, dkv_tiles, dq_tiles, marks_only, mask_rule,
                         tile_lists, token_marks)
 
@@ -182,8 +183,6 @@ def merge_shared_groups(out, shared, tile_rows, stores, *, kernel: bool | None =
     each tile's copy of its shared groups (stores[..., 2:]; tile_rows in ROW_ALIGN units), the other runs' rows 0 in
     it, so each shared group is the sum of its copies (the kernel left it unwritten).  kernel (None: where it serves
     v's head_dim): the Triton merge (aligned_merge), else XLA scatters."""
-    from . import aligned_merge
-
     B, S = out.shape[:2]
     group = stores[..., 2:]  # [B, T, 2]
     first = jnp.where(group >= 0, (tile_rows[..., None] + group) * ROW_ALIGN, -1)
@@ -196,7 +195,7 @@ def merge_shared_groups(out, shared, tile_rows, stores, *, kernel: bool | None =
     return out.at[b, tokens].add(shared, mode="drop")
 
 
-def gather_lse(lse_padded, out_index):
-    """lse [B, H, S] in token order from the forward's padded layout lse_padded [B, H, T * tq] by out_index [B, S]
-    (the output itself is stored in token order by the kernel)."""
-    return jax.vmap(lambda s, i: s[:, i])(lse_padded, out_index)
+def gather_row_values(padded, out_index):
+    """Per-row values [B, H, S] in token order (the forward's lse, the dQ kernel's delta) from the tiles' padded
+    layout padded [B, H, T * tile] by out_index [B, S] (O, dQ, dK and dV are stored in token order by the kernels)."""
+    return jax.vmap(lambda s, i: s[:, i])(padded, out_index)

@@ -28,7 +28,7 @@ from .._compat import mosaic_gpu, pl
 
 from .._lower_once import lower_once
 
-from .aligned_tiles import ROW_ALIGN, aligned_backward_tables, gather_lse, merge_shared_groups
+from .aligned_tiles import ROW_ALIGN, aligned_backward_tables, gather_row_values, merge_shared_groups
 from .common import (backward_pT, cdiv, div, dv_and_dpT, mma, mma_into, num_sms, rem, resolve_interpret, ring_slots,
                      run_producer, smem_transforms, store_planned, stream_ring, warp_specialized_kernel)
 from .backward_band_persistent import _flash_bwd_dkv_band_persistent
@@ -78,8 +78,6 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
         raise ValueError(f"atomic dQ: no 64-wide share per warpgroup for head_dim {D}, {cfg}")
     if want_dq and Dv != D:
         raise ValueError(f"atomic dQ needs equal q/k and v head_dims (got {D} and {Dv})")
-    if want_dq and aligned is not None:
-        raise ValueError("atomic dQ is not served on document-aligned key tiles (HopperConfig.bwd_aligned)")
 
     steps = rep * nq  # a non-causal key tile's walk
     plain_walk = not causal and dm is None and band is None and Dv == D
@@ -495,7 +493,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
     (dq, delta) (HopperConfig.bwd_delta_in_dq).  Where data_mask's tables hold aligned_dq (HopperConfig.bwd_aligned),
     the query tiles are document-aligned (aligned_tiles): dq comes back as (dq [B, S, H, D] but for the groups tiles
     share, shared [B, T, 2, ROW_ALIGN, H, D]) for aligned_tiles.merge_shared_groups, and a computed delta in the
-    tiles' layout [B, H, T * wgs * bq] (aligned_tiles.gather_lse brings it back); flash_bwd does both."""
+    tiles' layout [B, H, T * wgs * bq] (aligned_tiles.gather_row_values brings it back); flash_bwd does both."""
     if (out is None) == (delta is None) or (dlse is not None and out is None):
         raise ValueError("_flash_bwd_dq: pass delta, or out (and dlse) to compute it in the kernel")
     fuse_delta = out is not None
@@ -789,7 +787,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
     aligned = kw["data_mask"].tables.aligned_dq if "data_mask" in kw else None
     if aligned is not None:  # document-aligned dQ tiles: the shared groups summed, delta back to token order
         dq = merge_shared_groups(*dq, aligned.tile_rows, aligned.stores, interpret=interpret)
-        delta = gather_lse(delta, aligned.out_index) if fused else delta
+        delta = gather_row_values(delta, aligned.out_index) if fused else delta
     if not dkv_together(cfg, D, Dv, masked):  # above 128: both accumulators fill a warpgroup's registers
         (dk,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=True, want_dv=False, **kw)
         (dv,) = _flash_bwd_dkv(q, k, v, do, lse2, delta, want_dk=False, want_dv=True, **kw)

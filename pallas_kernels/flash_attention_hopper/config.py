@@ -175,6 +175,9 @@ class HopperConfig:
                 raise ValueError(f"bwd_compute_registers={r!r}: expected None or a multiple of 8 in [24, 256] that "
                                  f"leaves the memory warpgroup >= 24 ({REGISTERS_PER_CTA} per CTA; 240 is the most "
                                  f"with bwd_wgs=2)")
+        if self.bwd_aligned and self.bwd_dq_atomic:
+            raise ValueError("bwd_aligned=True with bwd_dq_atomic=True: the dK/dV kernel's atomic dQ is not served on "
+                             "document-aligned key tiles. Fix: leave bwd_dq_atomic at None (auto) or False.")
         b = self.bwd_dkv_block_q
         if b is not None and (not isinstance(b, int) or b < 32 or (b != 32 and b % 64)):
             raise ValueError(f"bwd_dkv_block_q={b!r}: expected None (bwd_block_q), 32 or a multiple of 64")

@@ -27,7 +27,7 @@ from .._compat import mosaic_gpu, pl
 
 from .._lower_once import lower_once
 
-from .aligned_tiles import gather_lse, merge_shared_groups
+from .aligned_tiles import gather_row_values, merge_shared_groups
 from .band import band_big, band_mask, every_query_sees_a_key, heavier_tiles_last, key_blocks, walk_band
 from .common import (cdiv, div, num_sms, rem, resolve_interpret, ring_slots, run_producer, smem_transforms,
                      stream_ring, warp_specialized_kernel, when)
@@ -115,7 +115,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             out, lse, shared = _flash_fwd_masked(q, k, v, a.qm, a.km, a.counts, a.blocks, scale=scale, cfg=cfg,
                                                  interpret=interpret, softcap=softcap, rule=mask_rule,
                                                  rows=(a.tile_rows, a.block_rows, a.stores))
-            return merge_shared_groups(out, shared, a.tile_rows, a.stores), gather_lse(lse, a.out_index)
+            return merge_shared_groups(out, shared, a.tile_rows, a.stores), gather_row_values(lse, a.out_index)
         masked = (_flash_fwd_masked_persistent
                   if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
         return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,

@@ -52,7 +52,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
     does nothing); qm and km are then the tiles' padded layouts ([B, 2, T * 2 bq], [B, 2, Tk * bkv], blocks
     indexing km's blocks).  Then three outputs: out [B, S, H, Dv] in token order but for the groups tiles share
     (each tile stores by its plan, aligned_tiles.store_plan), lse [B, H, T * 2 bq] in the padded layout
-    (aligned_tiles.gather_lse) and the shared groups [B, T, 2, ROW_ALIGN, H, Dv]
+    (aligned_tiles.gather_row_values) and the shared groups [B, T, 2, ROW_ALIGN, H, Dv]
     (aligned_tiles.merge_shared_groups).
     The memory warpgroup streams K, V and the keys' (segment, position) rows of the listed blocks.  Rows that see
     no key: out 0, lse -inf.
