@@ -474,13 +474,15 @@ def _rebuilt(m):
     return AttentionMask.from_segments(m.q_segment_ids, causal=True)
 
 
-def aligned_ab(rounds: int, device: bool = False):
+def aligned_ab(rounds: int, device: bool = False, only: str = ""):
     """hopper_attention(mask=...) as a user calls it (the mask built in the call, pre-pass and merges included) on
-    the global grid, with the forward on document-aligned tiles (mask_aligned=True), and with the backward on them
-    too (HopperConfig.bwd_aligned): forward, and forward+backward, interleaved rounds."""
+    the global grid, with the forward on document-aligned tiles (mask_aligned=True) and the grid's backward
+    (HopperConfig.bwd_aligned=False), and with the backward on them too (bwd_aligned auto): forward, and
+    forward+backward, interleaved rounds."""
     from pallas_kernels.flash_attention_hopper import masked_config
 
-    masks = probe_masks("thd", "documents", "64x256", "80x200")
+    names = [n for n in ("thd", "documents", "64x256", "80x200") if not only or n in only.split(",")]
+    masks = probe_masks(*names)
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; hopper_attention with the "
           f"mask (pre-pass included), {rounds} interleaved rounds, medians")
     variants = ("grid", "aligned", "aligned + bwd")
@@ -488,8 +490,8 @@ def aligned_ab(rounds: int, device: bool = False):
         (q, k, v), fl = _inputs(m, 3)
         fns, outs = {}, {}
         for var in variants:  # the mask is built from its segment ids in the call, as te_jax builds it
-            cfg = (dataclasses.replace(masked_config(D, D, m.q_len, m.kv_len), bwd_aligned=True)
-                   if var == "aligned + bwd" else None)
+            cfg = (dataclasses.replace(masked_config(D, D, m.q_len, m.kv_len), bwd_aligned=False)
+                   if var == "aligned" else None)  # "aligned + bwd": bwd_aligned auto
             f = lambda q, k, v, m, var=var, cfg=cfg: hopper_attention(
                 q, k, v, scale=D ** -0.5, mask=_rebuilt(m), mask_aligned=var != "grid", config=cfg)[0]
             fns[("fwd", var)] = jax.jit(f)
@@ -569,13 +571,15 @@ def prepass(rounds: int):
     import collections
 
     from benchmarks import device_time
-    from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_mask_tables
+    from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_backward_tables, aligned_mask_tables
 
     m = probe_masks("thd")["thd"]
     cfg = default_config(D, m.kv_len, False, m.q_len)
     fns = {"grid forward lists": jax.jit(lambda m: mask_tables(_rebuilt(m), cfg, backward=False)),
            "aligned forward lists": jax.jit(lambda m: aligned_mask_tables(_rebuilt(m), cfg, backward=False)),
-           "grid forward + backward lists": jax.jit(lambda m: mask_tables(_rebuilt(m), cfg, backward=True))}
+           "grid forward + backward lists": jax.jit(lambda m: mask_tables(_rebuilt(m), cfg, backward=True)),
+           "aligned forward + aligned backward lists": jax.jit(lambda m: aligned_backward_tables(
+               aligned_mask_tables(_rebuilt(m), cfg, backward=False), mask_rule(_rebuilt(m)), cfg))}
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  thd 11 documents in 16384 tokens; device clock")
     for name, f in fns.items():
         jax.block_until_ready(f(m))
@@ -611,7 +615,8 @@ if __name__ == "__main__":
     ap.add_argument("--aligned-margin", action="store_true", help="the aligned forward's tile count (idle CTAs) "
                     "against smaller margins, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--masks", default="", help="--band-fwd-ab: prefixes of the masks to run, e.g. \"window\"")
+    ap.add_argument("--masks", default="", help="--band-fwd-ab: prefixes of the masks to run, e.g. \"window\"; --aligned-ab: names, "
+                    "e.g. \"64x256,80x200\"")
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab, --band-ab: the device clock's "
                     "kernels too (run with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each kernel is seen)")
     a = ap.parse_args()
@@ -632,4 +637,4 @@ if __name__ == "__main__":
     elif a.dense_rendezvous_ab:
         dense_rendezvous_ab(a.rounds)
     else:
-        split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time) if a.aligned_ab else main()
+        split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time, a.masks) if a.aligned_ab else main()

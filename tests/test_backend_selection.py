@@ -526,6 +526,7 @@ def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100,
             monkeypatch.setattr(fh, "hopper_attention", real)
             detail = te_jax.explain_attention_backend(*shapes, backend="pallas", **kw).detail
             assert ("document-aligned" in detail) == (on and aligned), detail
+            assert ("backward's dQ and dK/dV kernels on document-aligned tiles" in detail) == (on and aligned)
             if on and aligned and kw["attn_input_format"] == "bshd":
                 assert "starting at every document" in detail and "skipped" not in detail, detail
 

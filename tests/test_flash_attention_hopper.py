@@ -1112,9 +1112,13 @@ ALIGNED_CASES = ["documents_causal", "short_documents", "padding", "empty_rows",
 def test_aligned_data_mask_forward_and_grads(name):
     """The forward on document-aligned tiles (mask_aligned=True: Q and K/V loaded at each document's rows, out
     stored in token order by the groups each tile owns, lse gathered back from the tiles' padded layout) against the
-    fp32 reference, as test_data_mask_forward_and_grads (the backward is the grid's, fed the aligned forward's out
-    and lse)."""
-    _check_data_mask(name, mask_aligned=True)
+    fp32 reference, as test_data_mask_forward_and_grads (the backward is the grid's, bwd_aligned=False, fed the
+    aligned forward's out and lse; test_aligned_backward_forward_and_grads runs the aligned backward)."""
+    from pallas_kernels.flash_attention_hopper import masked_config
+
+    B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
+    _check_data_mask(name, mask_aligned=True,
+                     config=dataclasses.replace(masked_config(D, D, Sq, Skv), bwd_aligned=False))
 
 
 @pytest.mark.slow
@@ -1133,8 +1137,8 @@ def test_aligned_backward_forward_and_grads(name, head_dims, xla_delta):
 
     B, Sq, Skv, H, G, D, mask, softcap = _masked_case(name)
     D, Dv = head_dims or (D, D)
-    cfg = dataclasses.replace(masked_config(D, Dv, Sq, Skv), bwd_aligned=True,
-                              bwd_delta_in_dq=False if xla_delta else None)
+    cfg = dataclasses.replace(masked_config(D, Dv, Sq, Skv), bwd_aligned=None if name == "short_documents" else True,
+                              bwd_delta_in_dq=False if xla_delta else None)  # None: auto follows the forward
     _check_data_mask(name, head_dims=head_dims, mask_aligned=True, config=cfg)
 
 

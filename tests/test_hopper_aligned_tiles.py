@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention_hopper import aligned_tiles
+from pallas_kernels.flash_attention_hopper import aligned_tiles, data_mask
 from pallas_kernels.flash_attention_hopper.config import default_config
 from pallas_kernels.flash_attention_hopper.data_mask import NO_SEGMENT, mask_rule
 from pallas_kernels.mask import AttentionMask
@@ -193,6 +193,14 @@ def test_triton_merge_matches_the_xla_merge(name):
     got = aligned_tiles.merge_shared_groups(out, shared, a.tile_rows, a.stores, kernel=True, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     assert not np.allclose(np.asarray(want), np.asarray(out))  # the merge changed something
+    # two arrays on the same tiles in one launch (the dK/dV kernel's dK and dV), each its own head_dim
+    out2 = jax.random.normal(k1, (B, m.q_len, H, 2 * Dv), jnp.float32) + 3.0
+    shared2 = jax.random.normal(k2, (B, T, 2, aligned_tiles.ROW_ALIGN, H, 2 * Dv), jnp.float32) - 3.0
+    got1, got2 = aligned_tiles.merge_shared_groups((out, out2), (shared, shared2), a.tile_rows, a.stores,
+                                                   kernel=True, interpret=True)
+    want2 = aligned_tiles.merge_shared_groups(out2, shared2, a.tile_rows, a.stores, kernel=False)
+    np.testing.assert_allclose(np.asarray(got1), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got2), np.asarray(want2), rtol=1e-6, atol=1e-6)
 
 
 def test_triton_merge_lowers_for_cuda():
@@ -222,3 +230,25 @@ def test_shared_segment_ids_give_one_run_computation():
     one = scatters(lambda s: AttentionMask.from_segments(s, causal=True))
     two = scatters(lambda s: AttentionMask.from_segments(s, s + (s > 0) * 100, causal=True))
     assert one == 2 and two == 4, (one, two)
+    # the backward's aligned tables (dQ: 128-row query tiles on 64-key blocks; dK/dV: 64-row query blocks on
+    # 128-key tiles) start from the forward's arrays: two tile sizes in all, so two runs' computations
+    assert (data_mask.dq_tiles(cfg), data_mask.dkv_tiles(cfg)) == ((128, 64), (64, 128))
+
+    def both_passes(s):
+        m = AttentionMask.from_segments(s, causal=True)
+        t = aligned_tiles.aligned_mask_tables(m, cfg, backward=False)
+        return aligned_tiles.aligned_backward_tables(t, mask_rule(m), cfg)
+
+    assert jax.jit(both_passes).lower(jnp.asarray(seg)).compile().as_text().count("scatter(") == 4
+
+
+def test_aligned_backward_follows_the_forward():
+    """HopperConfig.bwd_aligned: auto (None) runs the backward on aligned tiles whenever the forward's are, unless
+    the atomic dQ is forced (the aligned dK/dV kernel has none); False keeps the grid's backward, True forces it."""
+    from pallas_kernels.flash_attention_hopper.config import aligned_backward_chosen
+
+    cfg = default_config(128, 1024, False, 1024)
+    chosen = {(a, atomic): aligned_backward_chosen(dataclasses.replace(cfg, bwd_aligned=a, bwd_dq_atomic=atomic))
+              for a in (None, False, True) for atomic in (None, False, True) if not (a and atomic)}
+    assert chosen == {(None, None): True, (None, False): True, (None, True): False, (False, None): False,
+                      (False, False): False, (False, True): False, (True, None): True, (True, False): True}

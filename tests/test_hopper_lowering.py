@@ -178,13 +178,15 @@ def test_hopper_band_kernels_lower_for_cuda(name, cfg_kw, ptx):
 
 
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
-@pytest.mark.parametrize("D,Dv,bwd", [(128, 128, {}), (192, 128, {}), (128, 128, dict(bwd_aligned=True)),
-                                      (128, 128, dict(bwd_aligned=True, bwd_delta_in_dq=False)),
-                                      (192, 128, dict(bwd_aligned=True))],
-                         ids=["128", "192/128", "128 aligned dQ", "128 aligned dQ, XLA delta", "192/128 aligned dQ"])
+@pytest.mark.parametrize("D,Dv,bwd", [(128, 128, dict(bwd_aligned=False)), (192, 128, dict(bwd_aligned=False)),
+                                      (128, 128, {}), (128, 128, dict(bwd_aligned=True, bwd_delta_in_dq=False)),
+                                      (192, 128, {})],
+                         ids=["128 grid bwd", "192/128 grid bwd", "128 aligned bwd", "128 aligned bwd, XLA delta",
+                              "192/128 aligned bwd"])
 def test_hopper_aligned_data_mask_forward_lowers_for_cuda(D, Dv, bwd, ptx):
     """The forward on document-aligned tiles (aligned_tiles: Q and K/V loaded at the documents' rows, O stored in
-    token order by plan, the shared groups merged), and with bwd_aligned the dQ kernel on aligned tiles too."""
+    token order by plan, the shared groups merged), with the grid's backward (bwd_aligned=False) or the backward's
+    kernels on aligned tiles too (bwd_aligned auto, or forced)."""
     mask = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=600), causal=True)
     assert _attention_fwd_bwd(mask.q_len, D, Dv, mask=mask, mask_aligned=True, **bwd, **ptx) > 0
 

@@ -2,6 +2,8 @@
 aligned_tiles.merge_shared_groups.
 
     merge_shared(out, shared, first, *, interpret=None) -> out
+    merge_shared_many(outs, shareds, first, *, interpret=None) -> outs   (several arrays on the same tiles, one
+                                          launch: the dK/dV kernel's dK and dV)
         out     [B, S, H, Dv]             the forward's output, token order, the shared groups not yet written
         shared  [B, n, G, H, Dv]          each slot's copy of a shared group of G = ROW_ALIGN rows (the rows of
                                           other runs are 0 in it)
@@ -25,8 +27,8 @@ from .._compat import default_interpret, pl, triton_params
 from .._lower_once import lower_once
 
 
-def _kernel(first_ref, shared_ref, out_in_ref, out_ref, *, n: int, g: int, window: int):
-    del out_in_ref  # aliased with out_ref: the rows no group covers keep their values
+def _kernel(first_ref, *refs, n: int, g: int, window: int, count: int):
+    shared_refs, out_refs = refs[:count], refs[2 * count:]  # refs[count:2 count]: aliased with out_refs
     b, i, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row = first_ref[b, i]
     earlier = [first_ref[b, jnp.maximum(i - k, 0)] for k in range(1, window + 1)]
@@ -36,26 +38,30 @@ def _kernel(first_ref, shared_ref, out_in_ref, out_ref, *, n: int, g: int, windo
 
     @pl.when(lead)
     def _():
-        acc = shared_ref[b, i, :, h, :].astype(jnp.float32)
+        later = []
         for k in range(1, window + 1):
             j = jnp.minimum(i + k, n - 1)
-            same = (i + k < n) & (first_ref[b, j] == row)
-            acc += jnp.where(same, shared_ref[b, j, :, h, :].astype(jnp.float32), 0.0)
-        out_ref[b, pl.ds(row, g), h, :] = acc.astype(out_ref.dtype)
+            later.append((j, (i + k < n) & (first_ref[b, j] == row)))
+        for shared_ref, out_ref in zip(shared_refs, out_refs):
+            acc = shared_ref[b, i, :, h, :].astype(jnp.float32)
+            for j, same in later:
+                acc += jnp.where(same, shared_ref[b, j, :, h, :].astype(jnp.float32), 0.0)
+            out_ref[b, pl.ds(row, g), h, :] = acc.astype(out_ref.dtype)
 
 
 @lower_once(static_argnames=("interpret",))
-def _merge(out, shared, first, *, interpret):
-    B, n, g, H, Dv = shared.shape
+def _merge(outs, shareds, first, *, interpret):
+    B, n, g, H, _ = shareds[0].shape
+    count = len(outs)
     return pl.pallas_call(
-        functools.partial(_kernel, n=n, g=g, window=2 * g),
-        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        functools.partial(_kernel, n=n, g=g, window=2 * g, count=count),
+        out_shape=tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs),
         grid=(B, n, H),
-        input_output_aliases={2: 0},
+        input_output_aliases={1 + count + c: c for c in range(count)},
         compiler_params=triton_params(4, 1),
         interpret=interpret,
         name="te_jax_attn_aligned_merge",
-    )(first, shared, out)
+    )(first, *shareds, *outs)
 
 
 def served(head_dim_v: int) -> bool:
@@ -63,13 +69,27 @@ def served(head_dim_v: int) -> bool:
     return head_dim_v >= 16 and head_dim_v & (head_dim_v - 1) == 0
 
 
+def merge_shared_many(outs, shareds, first, *, interpret=None):
+    """merge_shared for several (out, shared) pairs on the same slots (same B, S, H; each its own Dv), in one
+    launch; returns a tuple."""
+    outs, shareds = tuple(outs), tuple(shareds)
+    if not outs or len(outs) != len(shareds):
+        raise ValueError(f"merge_shared_many: {len(outs)} outputs and {len(shareds)} side buffers: expected the "
+                         f"same number, at least one.")
+    B, S, H = outs[0].shape[:3]
+    for out, shared in zip(outs, shareds):
+        Dv = out.shape[-1]
+        if (out.shape[:3] != (B, S, H) or shared.ndim != 5 or shared.shape[0] != B or shared.shape[3:] != (H, Dv)
+                or first.shape != shared.shape[:2] or shared.shape[1:3] != shareds[0].shape[1:3]):
+            raise ValueError(f"merge_shared: out {out.shape}, shared {shared.shape}, first {first.shape}: expected "
+                             f"shared [B, n, G, H, Dv] and first [B, n] for out [B, S, H, Dv], every pair on the "
+                             f"same B, S, H, n and G.")
+        if not served(Dv):
+            raise ValueError(f"merge_shared: v head_dim {Dv} is not a power of two (>= 16); use the XLA merge.")
+    return _merge(outs, tuple(s.astype(o.dtype) for o, s in zip(outs, shareds)), first.astype(jnp.int32),
+                  interpret=default_interpret() if interpret is None else interpret)
+
+
 def merge_shared(out, shared, first, *, interpret=None):
     """See the module docstring."""
-    B, S, H, Dv = out.shape
-    if shared.ndim != 5 or shared.shape[0] != B or shared.shape[3:] != (H, Dv) or first.shape != shared.shape[:2]:
-        raise ValueError(f"merge_shared: out {out.shape}, shared {shared.shape}, first {first.shape}: expected "
-                         f"shared [B, n, G, H, Dv] and first [B, n] for out [B, S, H, Dv].")
-    if not served(Dv):
-        raise ValueError(f"merge_shared: v head_dim {Dv} is not a power of two (>= 16); use the XLA merge.")
-    return _merge(out, shared.astype(out.dtype), first.astype(jnp.int32),
-                  interpret=default_interpret() if interpret is None else interpret)
+    return merge_shared_many((out,), (shared,), first, interpret=interpret)[0]

@@ -163,17 +163,18 @@ def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = Tr
     rule = mask_rule(mask, segments, split)
     t = marks_only(mask)
     marks = (mask.q_segment_ids, mask.q_positions, mask.kv_segment_ids, mask.kv_positions)
-    t = t._replace(aligned=aligned_tables(marks, rule, 2 * cfg.block_q, cfg.block_kv))
+    t = t._replace(aligned=aligned_tables(marks, rule, 2 * cfg.block_q, cfg.block_kv), marks=marks)
     return backward_tables(t, rule, cfg) if backward else t
 
 
 def aligned_backward_tables(t, rule, cfg):
     """data_mask.MaskTables t (whose forward is on aligned tiles) with both backward kernels' tables on
     document-aligned tiles too (HopperConfig.bwd_aligned): aligned_dq at the dQ kernel's tiles, aligned_dkv at the
-    dK/dV kernel's (transposed), grouped by data_mask.backward_rule(rule)."""
+    dK/dV kernel's (transposed), grouped by data_mask.backward_rule(rule).  From t.marks where the forward's tables
+    kept them (the same arrays: XLA computes the runs both passes' tiles share once), else from qm / km."""
     if t.aligned_dq is not None:
         return t
-    marks, rule = token_marks(t), backward_rule(rule)
+    marks, rule = (token_marks(t) if t.marks is None else t.marks), backward_rule(rule)
     return t._replace(aligned_dq=aligned_tables(marks, rule, *dq_tiles(cfg)),
                       aligned_dkv=aligned_tables(marks, rule, *dkv_tiles(cfg), transposed=True))
 
@@ -181,18 +182,23 @@ def aligned_backward_tables(t, rule, cfg):
 def merge_shared_groups(out, shared, tile_rows, stores, *, kernel: bool | None = None, interpret=None):
     """out [B, S, H, Dv] with the groups several tiles share filled in: shared [B, T, 2, ROW_ALIGN, H, Dv] holds
     each tile's copy of its shared groups (stores[..., 2:]; tile_rows in ROW_ALIGN units), the other runs' rows 0 in
-    it, so each shared group is the sum of its copies (the kernel left it unwritten).  kernel (None: where it serves
-    v's head_dim): the Triton merge (aligned_merge), else XLA scatters."""
-    B, S = out.shape[:2]
+    it, so each shared group is the sum of its copies (the kernel left it unwritten).  out and shared may be tuples
+    of arrays on the same tiles (dK and dV): then a tuple comes back, merged in one launch.  kernel (None: where it
+    serves every v head_dim): the Triton merge (aligned_merge), else XLA scatters."""
+    many = isinstance(out, (tuple, list))
+    outs, shareds = (tuple(out), tuple(shared)) if many else ((out,), (shared,))
+    B, S = outs[0].shape[:2]
     group = stores[..., 2:]  # [B, T, 2]
     first = jnp.where(group >= 0, (tile_rows[..., None] + group) * ROW_ALIGN, -1)
-    if aligned_merge.served(out.shape[-1]) if kernel is None else kernel:
-        return aligned_merge.merge_shared(out, shared.reshape((B, -1) + shared.shape[3:]), first.reshape(B, -1),
-                                          interpret=interpret)
+    if all(aligned_merge.served(o.shape[-1]) for o in outs) if kernel is None else kernel:
+        merged = aligned_merge.merge_shared_many(outs, tuple(s.reshape((B, -1) + s.shape[3:]) for s in shareds),
+                                                 first.reshape(B, -1), interpret=interpret)
+        return merged if many else merged[0]
     tokens = jnp.where(first >= 0, first, S)[..., None] + jnp.arange(ROW_ALIGN, dtype=jnp.int32)  # S+: dropped
     b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
-    out = out.at[b, tokens].set(jnp.zeros((), out.dtype), mode="drop")
-    return out.at[b, tokens].add(shared, mode="drop")
+    merged = tuple(o.at[b, tokens].set(jnp.zeros((), o.dtype), mode="drop").at[b, tokens].add(s, mode="drop")
+                   for o, s in zip(outs, shareds))
+    return merged if many else merged[0]
 
 
 def gather_row_values(padded, out_index):

@@ -34,9 +34,9 @@ from .common import (backward_pT, cdiv, div, dv_and_dpT, mma, mma_into, num_sms,
 from .backward_band_persistent import _flash_bwd_dkv_band_persistent
 from .band import band_big, band_mask, key_blocks, query_blocks, walk_band
 from .data_mask import DataMask, backward_rule, backward_tables, walk_groups
-from .config import (LOG2E, HopperConfig, PieceSplit, atomic_dq_chosen, bwd_registers, check_lengths, default_config,
-                     delta_in_dq, dkv_geometry, dkv_together, dq_split, logit_units, masked_atomic_dq_chosen,
-                     persistent_band_bwd_chosen, piece_split_chosen, ring_choices)
+from .config import (LOG2E, HopperConfig, PieceSplit, aligned_backward_chosen, atomic_dq_chosen, bwd_registers,
+                     check_lengths, default_config, delta_in_dq, dkv_geometry, dkv_together, dq_split, logit_units,
+                     masked_atomic_dq_chosen, persistent_band_bwd_chosen, piece_split_chosen, ring_choices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,8 +460,8 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                                    no_auto_barriers=producer_warp)(
         q, k, v, do, lse2, delta, *tables, *((dq_acc_ref,) if want_dq else ()))
     if aligned is not None:  # the shared groups summed into place
-        return tuple(merge_shared_groups(grad, side, aligned.tile_rows, aligned.stores, interpret=interpret)
-                     for grad, side in zip(outs[:n_grads], outs[n_grads:]))
+        return merge_shared_groups(tuple(outs[:n_grads]), tuple(outs[n_grads:]), aligned.tile_rows, aligned.stores,
+                                   interpret=interpret)
     if plan is None:
         return tuple(outs)
     return tuple(_sum_pieces(grad, part, plan=plan, B=B, n_kt=n_kt, rows=wgs * bkv)
@@ -767,7 +767,7 @@ def flash_bwd(q, k, v, out, lse, do, *, scale: float, causal: bool,
         if band is not None:  # positions are token indices: walk the band, no tables (MaskRule.offset)
             kw["band"] = band
         else:
-            tables = (aligned_backward_tables if mask_tables.aligned is not None and cfg.bwd_aligned
+            tables = (aligned_backward_tables if mask_tables.aligned is not None and aligned_backward_chosen(cfg)
                       else backward_tables)(mask_tables, mask_rule, cfg)
             kw["data_mask"] = DataMask(tables, backward_rule(mask_rule))
     atomic = (masked_atomic_dq_chosen(D, Dv, k.shape[1], cfg, interpret, band=band) if masked

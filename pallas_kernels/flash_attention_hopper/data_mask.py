@@ -124,6 +124,10 @@ class MaskTables(NamedTuple):
     # instead of `dkv` (HopperConfig.bwd_aligned)
     aligned_dq: tuple | None = None
     aligned_dkv: tuple | None = None
+    # the mask's own (q segment ids, q positions, kv segment ids, kv positions) [B, S] each, as the aligned tables
+    # were built from (aligned_tiles.aligned_mask_tables): the backward's aligned tables start from the same arrays,
+    # so XLA computes the runs and padded marks the forward's and backward's tiles share once
+    marks: tuple | None = None
 
 
 def block_lists(classes, groups=None, n_groups: int = 1):

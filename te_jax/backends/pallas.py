@@ -354,7 +354,8 @@ class PallasBackend:
             what = [x for x, on in ((f"attn_mask_type={call.mask.mask_type!r}", call.mask.mask_type != "no_mask"),
                                     (f"padding from {call.padding_source}", call.padding_source != "none"),
                                     (f"window_size={call.window}", call.window != (-1, -1))) if on]
-            from pallas_kernels.flash_attention_hopper.config import (describe_dkv, masked_atomic_dq_chosen,
+            from pallas_kernels.flash_attention_hopper.config import (aligned_backward_chosen, describe_dkv,
+                                                                      masked_atomic_dq_chosen,
                                                                       persistent_masked_chosen)
 
             q_padded = -(-d.q_len // fh.BLOCK) * fh.BLOCK
@@ -375,7 +376,9 @@ class PallasBackend:
                         "serves sliding windows, or fwd_persistent_masked=True)")
                     + ("; backward dQ accumulated in the dK/dV kernel (bwd_dq_atomic=True)"
                        if masked_atomic_dq_chosen(d.head_dim_qk, d.head_dim_v, kv_padded, hcfg, False) else
-                       "; backward dQ from its own kernel" + _delta_words(hcfg, d, marks=True)))
+                       "; backward dQ from its own kernel" + _delta_words(hcfg, d, marks=True))
+                    + ("; the backward's dQ and dK/dV kernels on document-aligned tiles too (bwd_aligned)"
+                       if self.hopper_aligned_tiles(call) and aligned_backward_chosen(hcfg) else ""))
             dkv = describe_dkv(hcfg, d.head_dim_qk, d.head_dim_v, masked=True)
             plan += f"; backward {dkv}" if dkv else ""
         else:
