@@ -189,7 +189,7 @@ def makers(row: Row, scale, tk, fa3, persistent=False, delta_ab=False, aligned=F
     for name, extra in variants:
         out[name] = (lambda extra: lambda: fwd_and_fb(lambda q, k, v: te_jax.dot_product_attention(
             q, k, v, scale=scale, **kw, **extra)))(extra)
-    if aligned:  # auto with the documents' forward on aligned tiles (tuning.HOPPER_ALIGNED_TILES_AUTO on)
+    if aligned:  # auto with the documents on aligned tiles, forward and backward (HOPPER_ALIGNED_TILES_AUTO on)
         out["te_jax_aligned"] = lambda: fwd_and_fb(_traced_aligned(lambda q, k, v: te_jax.dot_product_attention(
             q, k, v, scale=scale, **kw)))
     if row.softmax_type != "vanilla":  # no peer has sinks: the same call without them, for their cost
@@ -284,7 +284,8 @@ def main():
                     help="add te_jax_persistent and te_jax_grid (the data-mask forward's two schedules) on "
                          "data-mask rows")
     ap.add_argument("--aligned", action="store_true",
-                    help="add te_jax_aligned (documents: the forward on document-aligned tiles) on data-mask rows")
+                    help="add te_jax_aligned (documents: the forward and the backward on document-aligned tiles) on "
+                    "data-mask rows")
     ap.add_argument("--delta-ab", action="store_true",
                     help="add te_jax_xla_delta: the Hopper backward with XLA's delta instead of the dQ kernel's")
     ap.add_argument("--device-time", action="store_true",
