@@ -490,10 +490,12 @@ def test_sm90_data_mask_compares_segments_only_where_there_are_any(fake_h100, mo
         assert "data-mask schedule" in detail and ("positions only: one segment" in detail) == (not segments), detail
 
 
-def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100, monkeypatch):
-    """tuning.HOPPER_ALIGNED_TILES_AUTO (off by measurement): auto never passes mask_aligned=True; switched on, it
-    does for documents (segment ids, thd) and not for padding from lengths or windows, and the explanation counts
-    the aligned tiles without a grid total."""
+@pytest.mark.parametrize("env", [None, "auto", "1", "0"])
+def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100, monkeypatch, env):
+    """tuning.HOPPER_ALIGNED_TILES_AUTO (off by measurement): auto never passes mask_aligned=True; switched on, or
+    with TE_JAX_HOPPER_ALIGNED_TILES=1, it does for documents (segment ids, thd) and not for padding from lengths or
+    windows (TE_JAX_HOPPER_ALIGNED_TILES=0: never), and the explanation counts the aligned tiles without a grid
+    total, says the backward follows, or says how to turn them on."""
     import pallas_kernels.flash_attention_hopper as fh
     from te_jax.backends import pallas as pallas_mod
     from te_jax.backends import tuning
@@ -515,8 +517,13 @@ def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100,
                    kv_seqlens=jnp.array([200, 312])), (t, t, t), True),
              (dict(attn_mask_type="padding_causal", q_seqlens=lens, kv_seqlens=lens), (x, x, x), False),
              (dict(attn_mask_type="causal", window_size=(128, 0)), (x, x, x), False)]
-    for on in (False, True):
-        monkeypatch.setattr(tuning, "HOPPER_ALIGNED_TILES_AUTO", tuning.Tuned(on, "test", "none"))
+    if env is None:
+        monkeypatch.delenv("TE_JAX_HOPPER_ALIGNED_TILES", raising=False)
+    else:
+        monkeypatch.setenv("TE_JAX_HOPPER_ALIGNED_TILES", env)
+    for tuned in (False, True):
+        monkeypatch.setattr(tuning, "HOPPER_ALIGNED_TILES_AUTO", tuning.Tuned(tuned, "test", "none"))
+        on = tuned if env in (None, "auto") else env == "1"
         for kw, shapes, aligned in calls:
             kw = {"attn_input_format": "bshd", **kw}
             seen.clear()
@@ -525,10 +532,14 @@ def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100,
             assert seen == [on and aligned], (on, kw, seen)
             monkeypatch.setattr(fh, "hopper_attention", real)
             detail = te_jax.explain_attention_backend(*shapes, backend="pallas", **kw).detail
-            assert ("document-aligned" in detail) == (on and aligned), detail
+            assert ("forward on document-aligned tiles" in detail) == (on and aligned), detail
             assert ("backward's dQ and dK/dV kernels on document-aligned tiles" in detail) == (on and aligned)
+            assert ("TE_JAX_HOPPER_ALIGNED_TILES=1 turns them on" in detail) == (not on and aligned), detail
             if on and aligned and kw["attn_input_format"] == "bshd":
                 assert "starting at every document" in detail and "skipped" not in detail, detail
+    monkeypatch.setenv("TE_JAX_HOPPER_ALIGNED_TILES", "yes")
+    with pytest.raises(ValueError, match="TE_JAX_HOPPER_ALIGNED_TILES='yes' must be one of"):
+        te_jax.explain_attention_backend(x, x, x, backend="pallas", attn_input_format="bshd", **calls[0][0])
 
 
 def test_sm90_work_around_the_kernels_has_no_loop(fake_h100, monkeypatch):

@@ -120,6 +120,18 @@ def _delta_words(hcfg, d, marks: bool) -> str:
     return ", delta = rowsum(O * dO) from an XLA reduction first"
 
 
+ALIGNED_TILES_ENV = "TE_JAX_HOPPER_ALIGNED_TILES"
+
+
+def aligned_tiles_setting() -> bool:
+    """TE_JAX_HOPPER_ALIGNED_TILES: 1 runs packed documents on document-aligned tiles, 0 on the global grid; unset
+    or auto: tuning.HOPPER_ALIGNED_TILES_AUTO (off: faster on documents of 1k+ tokens, slower on short ones)."""
+    from te_jax.backends import policy, tuning
+
+    setting = policy.env_choice(ALIGNED_TILES_ENV, ("auto", "1", "0"), "auto")
+    return bool(tuning.HOPPER_ALIGNED_TILES_AUTO.value) if setting == "auto" else setting == "1"
+
+
 class PallasBackend:
     name = "pallas"
     capabilities = Capabilities(split_backward=True, ring_blocks=True, packed_inputs=True, dense_mask=True,
@@ -219,13 +231,16 @@ class PallasBackend:
 
     @staticmethod
     def hopper_aligned_tiles(call) -> bool:
-        """Whether the Hopper data-mask forward starts its tiles at every document (aligned_tiles): calls with
-        documents (thd, segment ids), where tuning.HOPPER_ALIGNED_TILES_AUTO says so. Padding from lengths keeps the global
-        grid: its one document per row starts at row 0, where the grid already starts."""
-        from te_jax.backends import tuning
+        """Whether the Hopper data-mask kernels start their tiles at every document (aligned_tiles; the backward
+        follows the forward, HopperConfig.bwd_aligned): calls with documents (thd, segment ids), where
+        TE_JAX_HOPPER_ALIGNED_TILES says so (1 / 0; unset or auto: tuning.HOPPER_ALIGNED_TILES_AUTO). Padding from
+        lengths keeps the global grid: its one document per row starts at row 0, where the grid already starts."""
+        return PallasBackend.hopper_documents(call) and aligned_tiles_setting()
 
-        return bool(tuning.HOPPER_ALIGNED_TILES_AUTO.value) and (
-            call.padding_source == "segment_ids" or call.attn_input_format == "thd")
+    @staticmethod
+    def hopper_documents(call) -> bool:
+        """Whether the call packs documents (thd, or segment ids), the calls document-aligned tiles can serve."""
+        return call.padding_source == "segment_ids" or call.attn_input_format == "thd"
 
     @staticmethod
     def _hopper_feature_reason(call):
@@ -369,11 +384,15 @@ class PallasBackend:
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
                     "the element mask, partial tiles apply it; forward " + (
                         "on document-aligned tiles (query tiles and key blocks start at every document; the output "
-                        "stored in token order, the 8-row groups two documents share summed after the kernel)" if self.hopper_aligned_tiles(call) else
+                        "stored in token order, the 8-row groups two documents share summed after the kernel)"
+                        if self.hopper_aligned_tiles(call) else
                         "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
                         "Q and K/V load during the current one)" if persistent else
                         "one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid "
-                        "serves sliding windows, or fwd_persistent_masked=True)")
+                        "serves sliding windows, or fwd_persistent_masked=True)" + (
+                            "; document-aligned tiles off (TE_JAX_HOPPER_ALIGNED_TILES=1 turns them on: faster on "
+                            "documents of 1k+ tokens, slower on documents of a few hundred)"
+                            if self.hopper_documents(call) else ""))
                     + ("; backward dQ accumulated in the dK/dV kernel (bwd_dq_atomic=True)"
                        if masked_atomic_dq_chosen(d.head_dim_qk, d.head_dim_v, kv_padded, hcfg, False) else
                        "; backward dQ from its own kernel" + _delta_words(hcfg, d, marks=True))
