@@ -89,10 +89,10 @@ HOPPER_GPU_VERIFIED = Tuned(
 #: for calls with documents (thd, segment ids).
 HOPPER_ALIGNED_TILES_AUTO = Tuned(
     False,
-    "H100 (device clock, forward with its pre-pass): the aligned kernel, now storing O in token order, is 15-20% "
-    "faster than the grid's on documents (thd 311 against 365 us), but its pre-pass takes 90 us against 35 and the "
-    "shared groups' merge 9-13: 411 against 402-407 us on thd, 317 against 316-320 on 4 documents per row; "
-    "documents already on the grid (64 x 256) lose 47%. Off until the pre-pass costs about the grid's",
+    "H200 (twentieth session), forward and backward on aligned tiles, pre-pass and merges included: 1.07-1.09x "
+    "the grid by the host clock on thd (11 documents in 16k) and 4 documents per row (0.71 / 0.74 of FA3 "
+    "forward+backward; device time 0.90x the grid's on thd); but documents of 200-256 tokens run 8-14% slower (device "
+    "clock), and the lengths are data, so auto keeps the grid; TE_JAX_HOPPER_ALIGNED_TILES=1 turns them on",
     "benchmarks/results/attention_masks_h100.md")
 
 #: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100
