@@ -53,9 +53,20 @@ from pallas_kernels.mask import AttentionMask
 B, S, H, D = 4, 4096, 16, 128
 
 
+def mixed_lengths(total: int, seed: int = 0):
+    """Document lengths that fill `total` tokens, drawn log-normal (median 490 tokens, mean about 800, clipped to
+    16-8192; the last one cut to fit), a stand-in for a packed pretraining corpus."""
+    rng, lens = np.random.default_rng(seed), []
+    while sum(lens) < total:
+        lens.append(int(np.clip(rng.lognormal(np.log(490), 1.0), 16, 8192)))
+    lens[-1] -= sum(lens) - total
+    return [n for n in lens if n > 0]
+
+
 def probe_masks(*names):
     """The probe's masks by name (causal): "thd" (11 documents in 16k tokens, one row), "documents" (4 per row,
-    B x S), "padding" (rows 4096/3000/2048/3500), "causal as data", "64x256" / "80x200" (equal documents, 16k)."""
+    B x S), "padding" (rows 4096/3000/2048/3500), "causal as data", "64x256" / "80x200" (equal documents, 16k),
+    "mixed" (mixed_lengths: log-normal document lengths in 16k, as packed corpora have)."""
     from benchmarks.attention_masks_gpu import THD_DOCS
 
     runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))[None]
@@ -67,6 +78,7 @@ def probe_masks(*names):
         "causal as data": lambda: AttentionMask.full(B, S, S, causal=True),
         "64x256": lambda: AttentionMask.from_segments(runs([256] * 64, 16384), causal=True),
         "80x200": lambda: AttentionMask.from_segments(runs([200] * 80, 16384), causal=True),
+        "mixed": lambda: AttentionMask.from_segments(runs(mixed_lengths(16384), 16384), causal=True),
     }
     return {name: build[name]() for name in names}
 
@@ -481,7 +493,7 @@ def aligned_ab(rounds: int, device: bool = False, only: str = ""):
     forward+backward, interleaved rounds."""
     from pallas_kernels.flash_attention_hopper import masked_config
 
-    names = [n for n in ("thd", "documents", "64x256", "80x200") if not only or n in only.split(",")]
+    names = [n for n in ("thd", "documents", "64x256", "80x200", "mixed") if not only or n in only.split(",")]
     masks = probe_masks(*names)
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; hopper_attention with the "
           f"mask (pre-pass included), {rounds} interleaved rounds, medians")

@@ -359,7 +359,10 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
         assert choice.selected == "pallas" and "data-mask schedule" in choice.detail, (name, choice.detail)
         # windows (one segment, token-index positions) as bands; documents and padding on tables
         assert ("as a band" in choice.detail) == ("window" in name), (name, choice.detail)
-        assert ("one CTA per query tile" in choice.detail) == ("window" not in name), (name, choice.detail)
+        # documents on document-aligned tiles (tuning.HOPPER_ALIGNED_TILES_AUTO), padding on the grid's
+        assert ("one CTA per query tile" in choice.detail) == (name == "padding_causal from seqlens"), (
+            name, choice.detail)
+        assert ("forward on document-aligned tiles" in choice.detail) == (name == "segments"), (name, choice.detail)
         # the dQ kernel computes delta (HopperConfig.bwd_delta_in_dq) on every one of these (narrow bands, tables)
         assert "which computes delta = rowsum(O * dO)" in choice.detail, (name, choice.detail)
     br = te_jax.explain_attention_backend(*_qkv(b=2, sq=256, skv=1024, d=128), attn_mask_type="causal_bottom_right",
@@ -492,10 +495,11 @@ def test_sm90_data_mask_compares_segments_only_where_there_are_any(fake_h100, mo
 
 @pytest.mark.parametrize("env", [None, "auto", "1", "0"])
 def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100, monkeypatch, env):
-    """tuning.HOPPER_ALIGNED_TILES_AUTO (off by measurement): auto never passes mask_aligned=True; switched on, or
-    with TE_JAX_HOPPER_ALIGNED_TILES=1, it does for documents (segment ids, thd) and not for padding from lengths or
-    windows (TE_JAX_HOPPER_ALIGNED_TILES=0: never), and the explanation counts the aligned tiles without a grid
-    total, says the backward follows, or says how to turn them on."""
+    """tuning.HOPPER_ALIGNED_TILES_AUTO (on by measurement; both values tried): where it is on (at head dims
+    128/128 only), or with TE_JAX_HOPPER_ALIGNED_TILES=1, auto passes mask_aligned=True for documents (segment ids,
+    thd) and not for padding from lengths or windows (TE_JAX_HOPPER_ALIGNED_TILES=0: never); the explanation counts
+    the aligned tiles without a grid total, says the backward follows and how to turn them off, or why they are off
+    and how to turn them on."""
     import pallas_kernels.flash_attention_hopper as fh
     from te_jax.backends import pallas as pallas_mod
     from te_jax.backends import tuning
@@ -535,8 +539,17 @@ def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100,
             assert ("forward on document-aligned tiles" in detail) == (on and aligned), detail
             assert ("backward's dQ and dK/dV kernels on document-aligned tiles" in detail) == (on and aligned)
             assert ("TE_JAX_HOPPER_ALIGNED_TILES=1 turns them on" in detail) == (not on and aligned), detail
+            assert ("TE_JAX_HOPPER_ALIGNED_TILES=0 keeps the global grid" in detail) == (
+                on and aligned and env in (None, "auto")), detail
             if on and aligned and kw["attn_input_format"] == "bshd":
                 assert "starting at every document" in detail and "skipped" not in detail, detail
+    # auto takes them at head dims 128/128 only (the ones measured)
+    monkeypatch.setattr(tuning, "HOPPER_ALIGNED_TILES_AUTO", tuning.Tuned(True, "test", "none"))
+    x64 = jnp.zeros((2, 512, 4, 64), jnp.bfloat16)
+    detail = te_jax.explain_attention_backend(x64, x64, x64, backend="pallas", attn_input_format="bshd",
+                                              **calls[0][0]).detail
+    assert (env in (None, "auto")) == ("measured at head dims 128/128 only, this call has 64/64" in detail), detail
+    assert ("forward on document-aligned tiles" in detail) == (env == "1"), detail
     monkeypatch.setenv("TE_JAX_HOPPER_ALIGNED_TILES", "yes")
     with pytest.raises(ValueError, match="TE_JAX_HOPPER_ALIGNED_TILES='yes' must be one of"):
         te_jax.explain_attention_backend(x, x, x, backend="pallas", attn_input_format="bshd", **calls[0][0])

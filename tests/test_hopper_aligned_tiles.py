@@ -90,7 +90,19 @@ CASES = {
         _runs([60, 200, 120], 512)[None], _runs([300, 100, 250], 768)[None]),
     "documents, bottom-right": lambda: AttentionMask.from_segments(_runs([333, 64, 500], 1024)[None], causal=True,
                                                                   bottom_right=True),
+    "load-balanced context-parallel shard": lambda: _zigzag_shard(),
 }
+
+
+def _zigzag_shard():
+    """One rank's queries under load-balanced context parallelism (chunks 1 and 6 of 8, positions within their
+    documents, documents starting mid-chunk) against the whole sequence's keys (all-gather), causal."""
+    from pallas_kernels.mask import segment_positions
+
+    seg = jnp.asarray(_runs([300, 131, 250, 129, 160, 54], 1024)[None])
+    pos = segment_positions(seg)
+    rows = np.concatenate([np.arange(128, 256), np.arange(768, 896)])
+    return AttentionMask(seg[:, rows], pos[:, rows], seg, pos, causal=True)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -159,7 +171,7 @@ def test_aligned_tiles_start_at_documents_and_fall_back_past_the_bound():
 
 
 @pytest.mark.parametrize("name", ["tiny documents sharing 8-row groups", "cross: other key documents",
-                                  "documents, bottom-right"])
+                                  "documents, bottom-right", "load-balanced context-parallel shard"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["dQ tiles", "dK/dV tiles"])
 def test_backward_geometries_compute_every_visible_pair_once(name, transposed):
     """aligned_tables for the backward kernels' tiles (dQ: 128-row query tiles walking 64-key blocks; dK/dV:
