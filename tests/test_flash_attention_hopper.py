@@ -789,6 +789,9 @@ def _masked_case(name):
     if name == "short_documents":  # documents of 1-7 tokens sharing 8-row groups; row 2 past the aligned bound
         seg = np.stack([_runs([3, 5, 1, 200, 250], 512), _runs([3, 9, 1, 2, 60, 5, 7, 80, 1, 40, 6, 70], 512)])
         return 2, 512, 512, 2, 1, 128, AttentionMask.from_segments(seg, causal=True), None
+    if name == "documents_softcap_gqa":  # packed documents under softcap, 4 query heads on 2 KV heads
+        seg = _runs([300, 7, 120, 173], 600)[None]
+        return 1, 600, 600, 4, 2, 128, AttentionMask.from_segments(seg, causal=True), 5.0
     if name == "window_causal_hd64":
         return 1, 768, 768, 2, 1, 64, AttentionMask.full(1, 768, 768, causal=True, window=(128, 0)), None
     if name == "window_two_sided_softcap_hd256":
@@ -1103,7 +1106,7 @@ def test_data_mask_forward_with_the_named_barrier(name):
 
 
 ALIGNED_CASES = ["documents_causal", "short_documents", "padding", "empty_rows", "ragged_lengths",
-                 "window_causal_hd64"]
+                 "window_causal_hd64", "documents_softcap_gqa"]
 
 
 @pytest.mark.slow
@@ -1125,7 +1128,7 @@ def test_aligned_data_mask_forward_and_grads(name):
 @needs_kernel
 @pytest.mark.parametrize("name,head_dims", [("documents_causal", None), ("short_documents", None),
                                              ("empty_rows", None), ("ragged_lengths", None),
-                                             ("documents_causal", (192, 128))])
+                                             ("documents_causal", (192, 128)), ("documents_softcap_gqa", None)])
 @pytest.mark.parametrize("xla_delta", [False, True], ids=["delta in dQ", "XLA delta"])
 def test_aligned_backward_forward_and_grads(name, head_dims, xla_delta):
     """The backward on document-aligned tiles too (HopperConfig.bwd_aligned): the dQ kernel's query tiles and the
