@@ -247,6 +247,24 @@ class PallasBackend:
         d = call.dims
         return PallasBackend.hopper_documents(call) and aligned_tiles_setting(d.head_dim_qk, d.head_dim_v)[0]
 
+    def _data_mask_forward_words(self, call, persistent: bool) -> str:
+        """How the data-mask forward lays out its tiles, for choice_detail: document-aligned (and why), a persistent
+        grid, or one CTA per query tile (with why the aligned tiles are off, for documents)."""
+        d = call.dims
+        aligned_why = aligned_tiles_setting(d.head_dim_qk, d.head_dim_v)[1]
+        if self.hopper_aligned_tiles(call):
+            return ("on document-aligned tiles (query tiles and key blocks start at every document; the output stored "
+                    "in token order, the 8-row groups two documents share summed after the kernel; " + (
+                        "auto: TE_JAX_HOPPER_ALIGNED_TILES=0 keeps the global grid, faster where every document is a "
+                        "few hundred tokens" if aligned_why == "auto" else aligned_why) + ")")
+        if persistent:
+            return ("on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's Q and "
+                    "K/V load during the current one)")
+        off = ("; document-aligned tiles off (" + aligned_why + "; TE_JAX_HOPPER_ALIGNED_TILES=1 turns them on: faster "
+               "on packed documents of mixed lengths, slower where every document is a few hundred tokens)")
+        return ("one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid serves "
+                "sliding windows, or fwd_persistent_masked=True)" + (off if self.hopper_documents(call) else ""))
+
     @staticmethod
     def hopper_documents(call) -> bool:
         """Whether the call packs documents (thd, or segment ids), the calls document-aligned tiles can serve."""
@@ -388,25 +406,12 @@ class PallasBackend:
                                                                              d.kv_len)
             window = tuple(call.window) if call.window is not None else (-1, -1)
             persistent = persistent_masked_chosen(hcfg, d.head_dim_qk, d.head_dim_v, call.dtype, window)
-            aligned_why = aligned_tiles_setting(d.head_dim_qk, d.head_dim_v)[1]
             band_plan = self._hopper_band_plan(call, hcfg, q_padded, kv_padded)
             plan = ("data-mask schedule (" + ", ".join(what) + ") as a band" + band_plan) if band_plan else (
                     "data-mask schedule (" + ", ".join(what) + "): the mask's segment ids and positions are "
                     "classified per tile before the kernels; empty tiles are never loaded, full tiles run without "
-                    "the element mask, partial tiles apply it; forward " + (
-                        "on document-aligned tiles (query tiles and key blocks start at every document; the output "
-                        "stored in token order, the 8-row groups two documents share summed after the kernel; " + (
-                            "auto: TE_JAX_HOPPER_ALIGNED_TILES=0 keeps the global grid, faster where every "
-                            "document is a few hundred tokens" if aligned_why == "auto" else aligned_why) + ")"
-                        if self.hopper_aligned_tiles(call) else
-                        "on a persistent grid (one CTA per SM walking query tiles dealt in rounds; the next tile's "
-                        "Q and K/V load during the current one)" if persistent else
-                        "one CTA per query tile (the hardware balances tiles of uneven walks; the persistent grid "
-                        "serves sliding windows, or fwd_persistent_masked=True)" + (
-                            "; document-aligned tiles off (" + aligned_why +
-                            "; TE_JAX_HOPPER_ALIGNED_TILES=1 turns them on: faster on packed documents of mixed "
-                            "lengths, slower where every document is a few hundred tokens)"
-                            if self.hopper_documents(call) else ""))
+                    "the element mask, partial tiles apply it; forward "
+                    + self._data_mask_forward_words(call, persistent)
                     + ("; backward dQ accumulated in the dK/dV kernel (bwd_dq_atomic=True)"
                        if masked_atomic_dq_chosen(d.head_dim_qk, d.head_dim_v, kv_padded, hcfg, False) else
                        "; backward dQ from its own kernel" + _delta_words(hcfg, d, marks=True))
