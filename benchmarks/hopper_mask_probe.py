@@ -53,12 +53,12 @@ from pallas_kernels.mask import AttentionMask
 B, S, H, D = 4, 4096, 16, 128
 
 
-def mixed_lengths(total: int, seed: int = 0):
+def mixed_lengths(total: int, seed: int = 0, median: int = 490):
     """Document lengths that fill `total` tokens, drawn log-normal (median 490 tokens, mean about 800, clipped to
     16-8192; the last one cut to fit), a stand-in for a packed pretraining corpus."""
     rng, lens = np.random.default_rng(seed), []
     while sum(lens) < total:
-        lens.append(int(np.clip(rng.lognormal(np.log(490), 1.0), 16, 8192)))
+        lens.append(int(np.clip(rng.lognormal(np.log(median), 1.0), 16, 8192)))
     lens[-1] -= sum(lens) - total
     return [n for n in lens if n > 0]
 
@@ -66,7 +66,8 @@ def mixed_lengths(total: int, seed: int = 0):
 def probe_masks(*names):
     """The probe's masks by name (causal): "thd" (11 documents in 16k tokens, one row), "documents" (4 per row,
     B x S), "padding" (rows 4096/3000/2048/3500), "causal as data", "64x256" / "80x200" (equal documents, 16k),
-    "mixed" (mixed_lengths: log-normal document lengths in 16k, as packed corpora have)."""
+    "mixed" (mixed_lengths: log-normal document lengths in 16k, as packed corpora have), "mixed_short" (the same
+    with median 300: more documents than the aligned tiles' margin n / 4 leaves room for)."""
     from benchmarks.attention_masks_gpu import THD_DOCS
 
     runs = lambda lens, total: np.pad(np.repeat(np.arange(1, len(lens) + 1), lens), (0, total - sum(lens)))[None]
@@ -79,6 +80,8 @@ def probe_masks(*names):
         "64x256": lambda: AttentionMask.from_segments(runs([256] * 64, 16384), causal=True),
         "80x200": lambda: AttentionMask.from_segments(runs([200] * 80, 16384), causal=True),
         "mixed": lambda: AttentionMask.from_segments(runs(mixed_lengths(16384), 16384), causal=True),
+        "mixed_short": lambda: AttentionMask.from_segments(runs(mixed_lengths(16384, median=300), 16384),
+                                                           causal=True),
     }
     return {name: build[name]() for name in names}
 
@@ -493,7 +496,8 @@ def aligned_ab(rounds: int, device: bool = False, only: str = ""):
     forward+backward, interleaved rounds."""
     from pallas_kernels.flash_attention_hopper import masked_config
 
-    names = [n for n in ("thd", "documents", "64x256", "80x200", "mixed") if not only or n in only.split(",")]
+    names = [n for n in ("thd", "documents", "64x256", "80x200", "mixed", "mixed_short")
+             if not only or n in only.split(",")]
     masks = probe_masks(*names)
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; hopper_attention with the "
           f"mask (pre-pass included), {rounds} interleaved rounds, medians")
@@ -543,17 +547,19 @@ def aligned_ab(rounds: int, device: bool = False, only: str = ""):
 
 def aligned_margin():
     """The aligned forward's static tile count (aligned_tiles.aligned_tile_count: the grid's n tiles + n / 4 for
-    the documents; the tiles a row does not use are CTAs that exit at once) against n / 8 and n / 16: the forward
+    the documents; the tiles a row does not use are CTAs that exit at once) against n / 2, n / 8 and n / 16 (a row
+    with more documents than that keeps the global grid's tiles in the aligned kernel): the forward
     on prebuilt tables (kernel, merge, lse gather) by the device clock, beside the grid's kernel."""
     from benchmarks import device_time
     from pallas_kernels.flash_attention_hopper import aligned_tiles
 
     now = aligned_tiles.aligned_tile_count
-    counts = {"n/4 (now)": now, "n/8": lambda L, t: -(-L // t) + max(4, -(-L // t) // 8),
+    counts = {"n/4 (now)": now, "n/2": lambda L, t: -(-L // t) + max(4, -(-L // t) // 2),
+              "n/8": lambda L, t: -(-L // t) + max(4, -(-L // t) // 8),
               "n/16": lambda L, t: -(-L // t) + max(2, -(-L // t) // 16)}
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  forward on prebuilt tables, device clock, us per "
           f"call")
-    for name, m in probe_masks("thd", "documents", "64x256").items():
+    for name, m in probe_masks("thd", "documents", "64x256", "mixed", "mixed_short").items():
         (q, k, v), _ = _inputs(m, 3)
         cfg = default_config(D, m.kv_len, False, m.q_len)
         rule = mask_rule(m)
@@ -574,6 +580,29 @@ def aligned_margin():
                 f"{int(((t.aligned.tile_rows * 8) % 128 != 0).any(-1).sum())}/{m.batch}")
             print(f"{name:10s} {label:10s} {prof['kernel_s'] * 1e6:7.1f} us in {prof['kernels_per_call']:.0f} "
                   f"kernels{extra}", flush=True)
+
+
+def tile_stats():
+    """Runs anywhere (no kernel): per head, the forward's tiles, key-block steps (partial: with the element mask)
+    and the pairs they compute against the visible pairs, on the global grid and on document-aligned tiles, for
+    the document masks.  With a kernel's device time, steps / time is its per-step rate."""
+    from pallas_kernels.flash_attention_hopper import masked_config
+    from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_mask_tables
+
+    print("forward tiles per head: steps (partial), computed pairs, visible / computed")
+    for name, m in probe_masks("thd", "documents", "mixed", "mixed_short", "64x256", "80x200").items():
+        cfg = masked_config(D, D, m.q_len, m.kv_len)
+        tq, tk = 2 * cfg.block_q, cfg.block_kv
+        visible = int(np.asarray(m.dense()).sum())
+        grid = np.asarray(jax.jit(lambda m: mask_tables(m, cfg, backward=False))(m).fwd[0])
+        t = jax.jit(lambda m: aligned_mask_tables(m, cfg, backward=False))(m).aligned
+        aligned, used = np.asarray(t.counts), int((np.asarray(t.tile_rows) >= 0).sum())
+        cells = []
+        for label, c, tiles in (("grid", grid, grid.shape[0] * grid.shape[1]), ("aligned", aligned, used)):
+            steps, partial = int(c[..., -1].sum()), int(c[..., -2].sum())
+            cells.append(f"{label} {tiles} tiles, {steps} steps ({partial} partial), {steps * tq * tk / 1e6:.2f}M "
+                         f"pairs, {visible / (steps * tq * tk):.2f}")
+        print(f"{name:10s} {tq}x{tk}, visible {visible / 1e6:.2f}M | " + " | ".join(cells), flush=True)
 
 
 def prepass(rounds: int):
@@ -623,6 +652,8 @@ if __name__ == "__main__":
                     "named barrier or mbarriers, grid and persistent, on documents and padding")
     ap.add_argument("--dense-rendezvous-ab", action="store_true", help="the dense forwards' warpgroup rendezvous: "
                     "named barrier (auto) or mbarriers, hd 64/128/256 and 192/128, 1k-16k")
+    ap.add_argument("--tile-stats", action="store_true", help="(any machine) the forward's tiles, steps and computed "
+                    "pairs on the grid and on aligned tiles, for the document masks")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--aligned-margin", action="store_true", help="the aligned forward's tile count (idle CTAs) "
                     "against smaller margins, by the device clock")
@@ -648,5 +679,7 @@ if __name__ == "__main__":
         rendezvous_ab(a.rounds)
     elif a.dense_rendezvous_ab:
         dense_rendezvous_ab(a.rounds)
+    elif a.tile_stats:
+        tile_stats()
     else:
         split_ab(a.rounds) if a.split_ab else aligned_ab(a.rounds, a.device_time, a.masks) if a.aligned_ab else main()
