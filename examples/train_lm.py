@@ -3,6 +3,7 @@
     python examples/train_lm.py                      # CPU-sized default: a few minutes, loss falls
     python examples/train_lm.py --preset gpu         # ~12 layers, hidden 768, seq 1024, batch 16, bf16
     python examples/train_lm.py --resume             # continue from the latest checkpoint in --ckpt-dir
+    python examples/train_lm.py --pack               # packed documents: segment ids, per-document positions
     python examples/train_lm.py --preset gpu --scan-layers   # nn.scan over the layers: one layer compiled
     python examples/train_lm.py --preset gpu --jit-layers    # nn.jit on each layer: one layer traced
     python examples/train_lm.py --cpu-devices 8 --mesh dp=2,cp=4      # 8 fake CPU devices
@@ -16,6 +17,14 @@ Data: by default the source text of a fixed list of Python standard-library modu
 every machine, no download), or any text/binary file with --data PATH. The last 10% of the bytes
 are held out for the evaluation loss. The batch of step i depends only on (seed, i), so a resumed
 run sees exactly the batches an uninterrupted run would.
+
+Packed documents (--pack): the text is cut into documents (a new one at every non-indented line after a
+blank line: the modules' top-level blocks, a text's paragraphs), and each training window packs the
+documents it covers as a pretraining pipeline packs its rows. The window's segment ids (1, 2, ... per
+document) go to every TransformerLayer (q_segment_ids / kv_segment_ids: attention never crosses a
+document), the learned positions restart at each document's first byte, and the loss skips the targets
+that belong to the next document. On an H100/H200 the attention then runs the Hopper kernel on tiles that
+start at every document.
 
 Multi-device (--mesh dp=D,cp=C,tp=T over the visible devices, a size of -1 takes the remaining
 devices): parameters are sharded through the modules' logical axis names (nn.logical_axis_rules:
@@ -147,6 +156,8 @@ def build_parser():
     g.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--data", help="train on this file's bytes instead of the Python stdlib sources")
+    g.add_argument("--pack", action="store_true", help="packed documents: segment ids per document in each window, "
+                   "positions restarting at each document, no loss across a document's end (see the docstring)")
     g.add_argument("--eval-every", type=int)
     g.add_argument("--eval-batches", type=int)
     g.add_argument("--log-every", type=int)
@@ -220,34 +231,58 @@ def load_data(path=None):
     return data[:-n_eval], data[-n_eval:]
 
 
-def sample_batch(data, batch, seq_len, seed, index, stream):
-    """Batch `index` of a stream: random windows drawn from (seed, stream, index) alone."""
+def document_ids(data):
+    """[n] int32: each byte's document number (0, 1, ...), a new document at every non-indented line after a
+    blank line (the modules' top-level blocks; a text's paragraphs)."""
+    data = np.asarray(data, np.uint8)
+    start = np.zeros(len(data), bool)
+    if len(data) > 2:
+        blank_line_before = (data[:-2] == ord("\n")) & (data[1:-1] == ord("\n"))
+        start[2:] = blank_line_before & ~np.isin(data[2:], np.frombuffer(b" \t\n\r", np.uint8))
+    return np.cumsum(start, dtype=np.int32)
+
+
+def sample_batch(data, batch, seq_len, seed, index, stream, docs=None):
+    """Batch `index` of a stream: random windows drawn from (seed, stream, index) alone: (tokens [b, s], targets
+    [b, s]).  docs (document_ids of data): also (segment ids [b, s] numbered 1, 2, ... per document in each window,
+    positions [b, s] counted from each document's first byte in the window, loss weights [b, s]: 0 where the
+    target is the next document's first byte)."""
     if len(data) < seq_len + 2:
         raise ValueError(f"the data has {len(data)} bytes; --seq-len {seq_len} needs at least {seq_len + 2}")
     rng = np.random.default_rng([seed, stream, index])
     starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
     win = data[idx].astype(np.int32)
-    return win[:, :-1], win[:, 1:]
+    if docs is None:
+        return win[:, :-1], win[:, 1:]
+    d = docs[idx]
+    seg = (d[:, :-1] - d[:, :1] + 1).astype(np.int32)
+    t = np.arange(seq_len, dtype=np.int32)[None]
+    first = np.concatenate([np.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    pos = (t - np.maximum.accumulate(np.where(first, t, 0), axis=1)).astype(np.int32)
+    weights = (d[:, 1:] == d[:, :-1]).astype(np.float32)
+    return win[:, :-1], win[:, 1:], seg, pos, weights
 
 
 # --------------------------------------------------------------------------------------------- model
 
 
 class ScannedLayer(nn.Module):
-    """nn.scan's (and nn.jit's) body: one TransformerLayer, (x, None) -> (x, None). layer: TransformerLayer's
-    fields as items (hashable, as nn.jit needs)."""
+    """nn.scan's (and nn.jit's) body: one TransformerLayer, (x, segment ids or None) -> (x, None). layer:
+    TransformerLayer's fields as items (hashable, as nn.jit needs)."""
 
     layer: tuple
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x, _):
-        return TransformerLayer(**dict(self.layer), name="layer")(x, deterministic=True, decode=self.decode), None
+    def __call__(self, x, seg):
+        return TransformerLayer(**dict(self.layer), name="layer")(
+            x, deterministic=True, decode=self.decode, q_segment_ids=seg, kv_segment_ids=seg), None
 
 
 class ByteLM(nn.Module):
-    """Decoder-only LM: tokens [b, s] int, positions [b|1, s] int → logits [b, s, vocab] fp32."""
+    """Decoder-only LM: tokens [b, s] int, positions [b|1, s] int (, segment_ids [b, s] int with packed: each
+    document's tokens attend within it) → logits [b, s, vocab] fp32."""
 
     vocab_size: int = 256
     num_layers: int = 2
@@ -265,9 +300,13 @@ class ByteLM(nn.Module):
     context_parallel_load_balanced: bool = False
     scan_layers: bool = False
     jit_layers: bool = False
+    packed: bool = False
 
     @nn.compact
-    def __call__(self, tokens, positions, decode: bool = False):
+    def __call__(self, tokens, positions, decode: bool = False, segment_ids=None):
+        if self.packed and not decode and segment_ids is None:
+            raise ValueError("ByteLM(packed=True): pass segment_ids [batch, seq] (1, 2, ... per document).")
+        seg = segment_ids if self.packed and not decode else None  # decoding: one document
         init = nn.initializers.normal(0.02)
         emb = self.param("embedding", nn.with_logical_partitioning(init, ("vocab", "embed")),
                          (self.vocab_size, self.hidden_size), jnp.float32)
@@ -292,16 +331,17 @@ class ByteLM(nn.Module):
             context_parallel_load_balanced=self.context_parallel_load_balanced)
         if self.scan_layers:  # one layer traced and compiled; params and cache stacked on a leading axis
             layers = nn.scan(ScannedLayer, variable_axes={"params": 0, "cache": 0, FP8_COLLECTION: 0},
-                             split_rngs={"params": True},
+                             split_rngs={"params": True}, in_axes=nn.broadcast,
                              length=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-            x, _ = layers(layer=tuple(layer.items()), decode=decode, name="layers")(x, None)
+            x, _ = layers(layer=tuple(layer.items()), decode=decode, name="layers")(x, seg)
         elif self.jit_layers:  # one wrapper for every layer: identical layers share its trace and lowering
             jitted = nn.jit(ScannedLayer)
             for i in range(self.num_layers):
-                x, _ = jitted(layer=tuple(layer.items()), decode=decode, name=f"layer_{i}")(x, None)
+                x, _ = jitted(layer=tuple(layer.items()), decode=decode, name=f"layer_{i}")(x, seg)
         else:
             for i in range(self.num_layers):
-                x = TransformerLayer(**layer, name=f"layer_{i}")(x, deterministic=True, decode=decode)
+                x = TransformerLayer(**layer, name=f"layer_{i}")(x, deterministic=True, decode=decode,
+                                                                 q_segment_ids=seg, kv_segment_ids=seg)
         x = LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="final_norm",  # per shard under a mesh
                       layernorm_input_axes=("length", "batch", "embed") if sbhd else ("batch", "length", "embed"))(x)
         if sbhd:
@@ -322,7 +362,7 @@ def make_model(args, context_parallel=None):
                   attn_input_format=args.attn_input_format, attention_backend=args.attention_backend,
                   tie_embeddings=not args.untied, context_parallel_axis=cp_axis,
                   context_parallel_strategy=strategy, context_parallel_load_balanced=balanced,
-                  scan_layers=args.scan_layers, jit_layers=args.jit_layers)
+                  scan_layers=args.scan_layers, jit_layers=args.jit_layers, packed=args.pack)
 
 
 def _global_norm(tree):
@@ -330,9 +370,12 @@ def _global_norm(tree):
     return tree_mod.norm(tree) if hasattr(tree_mod, "norm") else optax.global_norm(tree)
 
 
-def cross_entropy(logits, targets):
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+def cross_entropy(logits, targets, weights=None):
+    """Mean negative log-likelihood of targets [b, s]; weights [b, s] (0 / 1): a mean over the weighted ones."""
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), targets[..., None], -1)[..., 0]
+    if weights is None:
+        return -jnp.mean(logp)
+    return -jnp.sum(logp * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 def make_optimizer(args):
@@ -352,28 +395,33 @@ def build_train_step(model, tx, mesh, rules, batch, seq_len):
     Returns a dict: init (key -> state {params, opt_state} on its shardings), abstract_state
     (ShapeDtypeStructs with those shardings), train_step ((state, x, y, pos) -> (state, loss,
     grad norm), state donated), eval_loss ((params, x, y, pos) -> loss), data_sharding (the
-    batch's: "data" × "context"). Parameters and optimiser state are sharded through the logical
-    axis names. Trace and call them under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+    batch's: "data" × "context"). A packed model (ByteLM.packed) takes (x, y, pos, seg, weights) in
+    place of (x, y, pos): segment ids and loss weights (sample_batch). Parameters and optimiser state
+    are sharded through the logical axis names. Trace and call them under `jax.set_mesh(mesh)` and
+    `nn.logical_axis_rules(rules)`.
     """
+    n_batch = 5 if model.packed else 3
     data_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "context"))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def init_state(key):
         dummy = jnp.zeros((batch, seq_len), jnp.int32)
-        variables = model.init(key, dummy, jnp.zeros((batch, seq_len), jnp.int32))
+        variables = model.init(key, dummy, jnp.zeros((batch, seq_len), jnp.int32),
+                               segment_ids=jnp.ones((batch, seq_len), jnp.int32) if model.packed else None)
         params = variables["params"]
         state = {"params": params, "opt_state": tx.init(params)}  # boxed: the optimiser state inherits the axes
         if FP8_COLLECTION in variables:  # --fp8 delayed: scales and amax histories (te_jax/fp8/state.py)
             state["fp8"] = variables[FP8_COLLECTION]
         return state
 
-    def loss_fn(params, x, y, pos, fp8_state=None):
+    def loss_fn(params, data, fp8_state=None):
         variables = {"params": params} if fp8_state is None else {"params": params, FP8_COLLECTION: fp8_state}
-        return cross_entropy(model.apply(variables, x, pos), y)
+        x, y, pos, seg, weights = data if model.packed else (*data, None, None)
+        return cross_entropy(model.apply(variables, x, pos, segment_ids=seg), y, weights)
 
-    def train_step(state, x, y, pos):
+    def train_step(state, *data):
         # under DelayedScaling the gradient with respect to the FP8 state is the next state
-        loss, (grads, fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 4))(state["params"], x, y, pos,
+        loss, (grads, fp8_state) = jax.value_and_grad(loss_fn, argnums=(0, 2))(state["params"], data,
                                                                                 state.get("fp8"))
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -393,9 +441,11 @@ def build_train_step(model, tx, mesh, rules, batch, seq_len):
     return {
         "init": jax.jit(lambda k: nn.unbox(init_state(k)), out_shardings=shardings),
         "abstract_state": abstract_state,
-        "train_step": jax.jit(train_step, in_shardings=(shardings, data_sharding, data_sharding, data_sharding),
+        "train_step": jax.jit(train_step, in_shardings=(shardings,) + (data_sharding,) * n_batch,
                               out_shardings=(shardings, replicated, replicated), donate_argnums=0),
-        "eval_loss": jax.jit(loss_fn, out_shardings=replicated),
+        "eval_loss": jax.jit(lambda params, *data_and_fp8: loss_fn(params, data_and_fp8[:n_batch],
+                                                                   *data_and_fp8[n_batch:]),
+                             out_shardings=replicated),
         "data_sharding": data_sharding,
     }
 
@@ -534,6 +584,7 @@ def train(args):
                          f"{', zig-zag load balancing' if balanced else ''})")
 
     train_data, eval_data = load_data(args.data)
+    train_docs, eval_docs = (document_ids(train_data), document_ids(eval_data)) if args.pack else (None, None)
     B, S = args.batch, args.seq_len
     _log(f"data: {len(train_data):,} train bytes, {len(eval_data):,} eval bytes "
          f"({args.data or 'Python stdlib sources'})")
@@ -551,12 +602,13 @@ def train(args):
 
     positions_np = np.broadcast_to(np.arange(S, dtype=np.int32)[None], (B, S))
 
-    def make_batch(x, y):
-        pos = positions_np
-        if balanced:  # zig-zag order once, for tokens, targets and positions alike
+    def make_batch(x, y, *packed):
+        """(x, y, pos) on the mesh; packed: sample_batch's (seg, pos, weights) -> (x, y, pos, seg, weights)."""
+        arrays = (x, y, positions_np) if not packed else (x, y, packed[1], packed[0], packed[2])
+        if balanced:  # zig-zag order once, for tokens, targets, positions (and segment ids, weights) alike
             from te_jax.context_parallel import reorder_causal_load_balancing
-            x, y, pos = (np.asarray(reorder_causal_load_balancing(a, cp, seq_axis=1)) for a in (x, y, pos))
-        return tuple(to_global(np.ascontiguousarray(a), data_sharding) for a in (x, y, pos))
+            arrays = [np.asarray(reorder_causal_load_balancing(a, cp, seq_axis=1)) for a in arrays]
+        return tuple(to_global(np.ascontiguousarray(a), data_sharding) for a in arrays)
 
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         state = built["init"](jax.random.key(args.seed))
@@ -566,8 +618,13 @@ def train(args):
     _log(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
          f"({args.gqa_groups or args.heads} kv), ffn {args.ffn}, seq {S}, batch {B}, {args.dtype}, "
          f"{args.attn_input_format}, attention backend {args.attention_backend}; {n_params:,} parameters")
+    if args.pack:
+        _, _, seg, _, w = sample_batch(train_data, B, S, args.seed, 1, stream=0, docs=train_docs)
+        _log(f"packed documents: {int(train_docs[-1]) + 1:,} in the train bytes; the first batch's rows hold "
+             f"{seg.max(axis=1).mean():.1f} documents on average, {int((w == 0).sum())} targets across a document's "
+             f"end left out of the loss")
 
-    eval_batches = [make_batch(*sample_batch(eval_data, B, S, args.seed, i, stream=1))
+    eval_batches = [make_batch(*sample_batch(eval_data, B, S, args.seed, i, stream=1, docs=eval_docs))
                     for i in range(args.eval_batches)]
 
     def evaluate(params, fp8_state=None):
@@ -618,9 +675,9 @@ def train(args):
     float(schedule(start + 1))  # the log line's eager schedule ops compile here, not inside the timed steps
     t0 = time.perf_counter()
     for step in range(start + 1, end + 1):
-        x, y, pos = make_batch(*sample_batch(train_data, B, S, args.seed, step, stream=0))
+        batch = make_batch(*sample_batch(train_data, B, S, args.seed, step, stream=0, docs=train_docs))
         with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-            state, loss, gnorm = train_step(state, x, y, pos)
+            state, loss, gnorm = train_step(state, *batch)
         pending.append((step, loss, gnorm))
         if step == start + 1:
             jax.block_until_ready(loss)

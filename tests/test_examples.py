@@ -83,10 +83,13 @@ def test_loss_falls_and_resume_matches_uninterrupted_run(tmp_path):
     # (test_sharded_train_step dp=2,tp=2; test_context_parallel): the example's combination is slow-marked
     pytest.param("dp=2,cp=2,tp=2", ["--attn-input-format", "sbhd", "--cp-strategy", "all_gather", "--gqa-groups",
                                     "2", "--heads", "4", "--untied"], marks=pytest.mark.slow),
-])
+    # packed short documents: segment ids and restarting positions, zig-zag reordered, over the ring
+    ("dp=2,cp=4", ["--pack", "--data", "SHORT_DOCUMENTS"]),
+], ids=["ring", "tp, all-gather, sbhd", "ring, packed documents"])
 def test_multi_device_matches_single_device(tmp_path, mesh, extra):
     if jax.device_count() < 8:
         pytest.skip("needs 8 (fake) devices; tests/conftest.py sets them")
+    extra = [_short_documents(tmp_path / "docs.txt") if a == "SHORT_DOCUMENTS" else a for a in extra]
     common = ["--steps", "3", "--sample-len", "0", "--no-plot", "--no-ckpt", "--seq-len", "32"] + extra
     single = _run(tmp_path / "single", *common)
     multi = _run(tmp_path / "multi", "--mesh", mesh, *common)
@@ -97,6 +100,73 @@ def test_multi_device_matches_single_device(tmp_path, mesh, extra):
     if "tp=2" in mesh:  # parameters are sharded through the logical axis names
         spec = multi["params"]["layer_0"]["mlp"]["wi_kernel"].sharding.spec
         assert "tensor" in tuple(spec), spec
+
+
+def _short_documents(path, n=400, seed=0):
+    """A --data file of n short documents (paragraphs of 3-40 bytes, one with an indented second paragraph that
+    stays in its document), so that every 32-byte window packs several."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(n):
+        words = " ".join("".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(1, 6)))
+                         for _ in range(rng.integers(1, 8)))
+        docs.append(words + ("\n\n    indented" if i % 50 == 7 else ""))
+    path.write_bytes("\n\n".join(docs).encode())
+    return str(path)
+
+
+def test_packed_batches_mark_documents():
+    """sample_batch(docs=document_ids(...)): segment ids number each window's documents from 1, positions count
+    from each document's first byte in the window, and the loss weight is 0 exactly where the target is the next
+    document's first byte; against a loop over the bytes. document_ids starts a document at every non-indented
+    line after a blank line (an indented one stays in its document)."""
+    data = np.frombuffer(b"ab c\n\nde\n\n  f g\nh\n\nijk\n\n\nlm", np.uint8)
+    np.testing.assert_array_equal(train_lm.document_ids(data)[[0, 6, 9, 12, 16, 19, 23, 25]], [0, 1, 1, 1, 1, 2, 2, 3])
+    docs = train_lm.document_ids(data)
+    x, y, seg, pos, w = train_lm.sample_batch(data, 3, 12, 0, 5, 0, docs=docs)
+    x0, y0 = train_lm.sample_batch(data, 3, 12, 0, 5, 0)
+    np.testing.assert_array_equal(x, x0)
+    np.testing.assert_array_equal(y, y0)
+    for b in range(3):
+        # find this row's window in the data: the first offset whose bytes match
+        start = next(i for i in range(len(data) - 12) if (data[i:i + 12] == x[b]).all()
+                     and data[i + 12] == y[b, -1])
+        d = docs[start:start + 13]
+        want_seg, want_pos, n, p = [], [], 1, 0
+        for t in range(12):
+            if t and d[t] != d[t - 1]:
+                n, p = n + 1, 0
+            want_seg.append(n)
+            want_pos.append(p)
+            p += 1
+        np.testing.assert_array_equal(seg[b], want_seg)
+        np.testing.assert_array_equal(pos[b], want_pos)
+        np.testing.assert_array_equal(w[b], [float(d[t + 1] == d[t]) for t in range(12)])
+    assert seg.max() > 1 and (w == 0).any()  # the windows do cross documents
+
+
+@pytest.mark.parametrize("layers", [[], ["--scan-layers"], ["--jit-layers"]], ids=["loop", "scan", "jit"])
+def test_packed_model_equals_each_document_alone(layers):
+    """--pack: a row packing two documents (segment ids, positions restarting) gives each document the logits of
+    a forward over that document alone (fp32), through the plain layer loop, nn.scan (segment ids broadcast
+    to every layer) and nn.jit; without segment ids a packed model refuses to run."""
+    args = train_lm.parse_args(TINY + ["--layers", "2", "--pack"] + layers)
+    model = train_lm.make_model(args)
+    plain = train_lm.make_model(train_lm.parse_args(TINY + ["--layers", "2"] + layers))
+    tokens = jax.random.randint(jax.random.key(0), (1, 32), 0, 256)
+    cut = 13
+    seg = jnp.where(jnp.arange(32) < cut, 1, 2)[None]
+    pos = jnp.where(jnp.arange(32) < cut, jnp.arange(32), jnp.arange(32) - cut)[None]
+    params = jax.jit(model.init)(jax.random.key(1), tokens, pos, segment_ids=seg)["params"]
+    packed = jax.jit(lambda p: model.apply({"params": p}, tokens, pos, segment_ids=seg))(params)
+    first = jax.jit(lambda p: plain.apply({"params": p}, tokens[:, :cut], jnp.arange(cut)[None]))(params)
+    second = jax.jit(lambda p: plain.apply({"params": p}, tokens[:, cut:], jnp.arange(32 - cut)[None]))(params)
+    np.testing.assert_allclose(packed[:, :cut], first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed[:, cut:], second, rtol=1e-5, atol=1e-5)
+    whole = jax.jit(lambda p: plain.apply({"params": p}, tokens, pos))(params)  # attention across the cut
+    assert not np.allclose(packed[:, cut:], whole[:, cut:], atol=1e-3)
+    with pytest.raises(ValueError, match="segment_ids"):
+        model.apply({"params": params}, tokens, pos)
 
 
 @pytest.mark.slow  # a fresh process on 8 fake devices; test_multi_device_matches_single_device runs the same mesh
