@@ -23,8 +23,9 @@ blank line: the modules' top-level blocks, a text's paragraphs), and each traini
 documents it covers as a pretraining pipeline packs its rows. The window's segment ids (1, 2, ... per
 document) go to every TransformerLayer (q_segment_ids / kv_segment_ids: attention never crosses a
 document), the learned positions restart at each document's first byte, and the loss skips the targets
-that belong to the next document. On an H100/H200 the attention then runs the Hopper kernel on tiles that
-start at every document.
+that belong to the next document. On an H100/H200 at head dim 128 (e.g. --preset gpu --heads 6) the attention
+then runs the Hopper kernel on tiles that start at every document; the GPU preset's head dim 64 keeps the
+global grid unless TE_JAX_HOPPER_ALIGNED_TILES=1.
 
 Multi-device (--mesh dp=D,cp=C,tp=T over the visible devices, a size of -1 takes the remaining
 devices): parameters are sharded through the modules' logical axis names (nn.logical_axis_rules:
