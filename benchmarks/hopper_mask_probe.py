@@ -583,26 +583,35 @@ def aligned_margin():
 
 
 def tile_stats():
-    """Runs anywhere (no kernel): per head, the forward's tiles, key-block steps (partial: with the element mask)
-    and the pairs they compute against the visible pairs, on the global grid and on document-aligned tiles, for
-    the document masks.  With a kernel's device time, steps / time is its per-step rate."""
+    """Runs anywhere (no kernel): per head, each kernel's tiles (forward, dQ, dK/dV), their steps (partial: with
+    the element mask) and the pairs they compute against the visible pairs, on the global grid and on
+    document-aligned tiles, for the document masks.  With a kernel's device time, steps / time is its per-step
+    rate."""
     from pallas_kernels.flash_attention_hopper import masked_config
     from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_mask_tables
 
-    print("forward tiles per head: steps (partial), computed pairs, visible / computed")
+    from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_backward_tables
+    from pallas_kernels.flash_attention_hopper.data_mask import dkv_tiles, dq_tiles
+
+    print("tiles per head of each kernel: steps (partial), computed pairs, visible / computed")
     for name, m in probe_masks("thd", "documents", "mixed", "mixed_short", "64x256", "80x200").items():
         cfg = masked_config(D, D, m.q_len, m.kv_len)
-        tq, tk = 2 * cfg.block_q, cfg.block_kv
         visible = int(np.asarray(m.dense()).sum())
-        grid = np.asarray(jax.jit(lambda m: mask_tables(m, cfg, backward=False))(m).fwd[0])
-        t = jax.jit(lambda m: aligned_mask_tables(m, cfg, backward=False))(m).aligned
-        aligned, used = np.asarray(t.counts), int((np.asarray(t.tile_rows) >= 0).sum())
-        cells = []
-        for label, c, tiles in (("grid", grid, grid.shape[0] * grid.shape[1]), ("aligned", aligned, used)):
-            steps, partial = int(c[..., -1].sum()), int(c[..., -2].sum())
-            cells.append(f"{label} {tiles} tiles, {steps} steps ({partial} partial), {steps * tq * tk / 1e6:.2f}M "
-                         f"pairs, {visible / (steps * tq * tk):.2f}")
-        print(f"{name:10s} {tq}x{tk}, visible {visible / 1e6:.2f}M | " + " | ".join(cells), flush=True)
+        g = jax.jit(lambda m: mask_tables(m, cfg, backward=True))(m)
+        a = jax.jit(lambda m: aligned_backward_tables(aligned_mask_tables(m, cfg, backward=False), mask_rule(m),
+                                                      cfg))(m)
+        kernels = (("fwd", (2 * cfg.block_q, cfg.block_kv), g.fwd, a.aligned),
+                   ("dQ", dq_tiles(cfg), g.dq, a.aligned_dq), ("dK/dV", dkv_tiles(cfg), g.dkv, a.aligned_dkv))
+        for kernel, (tq, tk), lists, tiles in kernels:
+            grid, aligned = np.asarray(lists[0]), np.asarray(tiles.counts)
+            used = int((np.asarray(tiles.tile_rows) >= 0).sum())
+            cells = []
+            for label, c, n in (("grid", grid, grid.shape[0] * grid.shape[1]), ("aligned", aligned, used)):
+                steps, partial = int(c[..., -1].sum()), int(c[..., -2].sum())
+                cells.append(f"{label} {n} tiles, {steps} steps ({partial} partial), {steps * tq * tk / 1e6:.2f}M "
+                             f"pairs, {visible / (steps * tq * tk):.2f}")
+            print(f"{name:11s} {kernel:5s} {tq}x{tk}, visible {visible / 1e6:.2f}M | " + " | ".join(cells),
+                  flush=True)
 
 
 def prepass(rounds: int):
@@ -652,8 +661,8 @@ if __name__ == "__main__":
                     "named barrier or mbarriers, grid and persistent, on documents and padding")
     ap.add_argument("--dense-rendezvous-ab", action="store_true", help="the dense forwards' warpgroup rendezvous: "
                     "named barrier (auto) or mbarriers, hd 64/128/256 and 192/128, 1k-16k")
-    ap.add_argument("--tile-stats", action="store_true", help="(any machine) the forward's tiles, steps and computed "
-                    "pairs on the grid and on aligned tiles, for the document masks")
+    ap.add_argument("--tile-stats", action="store_true", help="(any machine) each kernel's tiles, steps and "
+                    "computed pairs on the grid and on aligned tiles, for the document masks")
     ap.add_argument("--prepass", action="store_true", help="every kernel of the XLA pre-pass, by the device clock")
     ap.add_argument("--aligned-margin", action="store_true", help="the aligned forward's tile count (idle CTAs) "
                     "against smaller margins, by the device clock")
