@@ -91,6 +91,9 @@ CASES = {
     "documents, bottom-right": lambda: AttentionMask.from_segments(_runs([333, 64, 500], 1024)[None], causal=True,
                                                                   bottom_right=True),
     "load-balanced context-parallel shard": lambda: _zigzag_shard(),
+    "one id in two runs": lambda: AttentionMask.from_segments(
+        np.concatenate([np.full(100, 1), np.full(50, 2), np.full(80, 1), np.zeros(26)]).astype(np.int32)[None],
+        causal=True),
 }
 
 
