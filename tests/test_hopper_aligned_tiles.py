@@ -229,6 +229,11 @@ def test_triton_merge_lowers_for_cuda():
     assert "triton" in f.trace(out, shared, first).lower(lowering_platforms=("cuda",)).as_text().lower()
     with pytest.raises(ValueError, match="power of two"):
         aligned_merge.merge_shared(jnp.zeros((1, 16, 1, 96)), jnp.zeros((1, 2, 8, 1, 96)), jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match=r"shared \(1, 2, 8, 2, 64\).*expected shared \[B, n, G, H, Dv\]"):
+        aligned_merge.merge_shared(jnp.zeros((1, 16, 1, 64)), jnp.zeros((1, 2, 8, 2, 64)), jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(ValueError, match="1 outputs and 2 side buffers"):
+        aligned_merge.merge_shared_many((jnp.zeros((1, 16, 1, 64)),), (jnp.zeros((1, 2, 8, 1, 64)),) * 2,
+                                        jnp.zeros((1, 2), jnp.int32))
 
 
 def test_shared_segment_ids_give_one_run_computation():

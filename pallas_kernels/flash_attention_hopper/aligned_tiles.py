@@ -67,6 +67,10 @@ class AlignedTiles(NamedTuple):
     out_index: jax.Array
     stores: jax.Array
 
+    def kernel_args(self):
+        """The tables a backward kernel takes, in its order: marks, lists, then the rows and store plans."""
+        return (self.qm, self.km, self.counts, self.blocks, self.tile_rows, self.block_rows, self.stores)
+
 
 def aligned_tile_count(length: int, tile: int) -> int:
     """T, the static number of aligned tiles of a batch row of `length` tokens: the global grid's n tiles plus room

@@ -451,8 +451,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
     outputs = ("dk" if want_dk else "") + ("dv" if want_dv else "") + ("dq" if want_dq else "")
     grid, grid_names = ((G, n_kt, B), ("kv_heads", "kv_seq", "batch")) if plan is None else (
         (plan.n_ctas,), ("cta",))
-    tables = () if dm is None else dm.kernel_args("dkv") if aligned is None else (
-        aligned.qm, aligned.km, aligned.counts, aligned.blocks, aligned.tile_rows, aligned.block_rows, aligned.stores)
+    tables = () if dm is None else dm.kernel_args("dkv") if aligned is None else aligned.kernel_args()
     outs = warp_specialized_kernel(plgpu, body, out_type=tuple(out_type), scratch=scratch, grid=grid,
                                    grid_names=grid_names, compute_wgs=wgs,
                                    interpret=interpret,
@@ -718,8 +717,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
         out_type += (jax.ShapeDtypeStruct((B, H, n_qt * wgs * bq), jnp.float32),)  # = S on the grid
     if aligned is not None:  # the groups a tile shares with a neighbouring run's tile
         out_type += (jax.ShapeDtypeStruct((B, n_qt, 2, ROW_ALIGN, H, D), dtype),)
-    tables = () if dm is None else dm.kernel_args("dq") if aligned is None else (
-        aligned.qm, aligned.km, aligned.counts, aligned.blocks, aligned.tile_rows, aligned.block_rows, aligned.stores)
+    tables = () if dm is None else dm.kernel_args("dq") if aligned is None else aligned.kernel_args()
     outs = warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch,
                                    grid=(H, n_qt, B), grid_names=("heads", "q_seq", "batch"), compute_wgs=wgs,
                                    interpret=interpret,

@@ -115,7 +115,8 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             out, lse, shared = _flash_fwd_masked(q, k, v, a.qm, a.km, a.counts, a.blocks, scale=scale, cfg=cfg,
                                                  interpret=interpret, softcap=softcap, rule=mask_rule,
                                                  rows=(a.tile_rows, a.block_rows, a.stores))
-            return merge_shared_groups(out, shared, a.tile_rows, a.stores), gather_row_values(lse, a.out_index)
+            return (merge_shared_groups(out, shared, a.tile_rows, a.stores, interpret=interpret),
+                    gather_row_values(lse, a.out_index))
         masked = (_flash_fwd_masked_persistent
                   if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
         return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
