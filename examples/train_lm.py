@@ -81,6 +81,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import te_jax  # noqa: E402,F401
 from te_jax.flax import DenseGeneral, LayerNorm, TransformerLayer  # noqa: E402
 from te_jax.fp8 import FP8_COLLECTION  # noqa: E402
+from te_jax.masks import segment_positions  # noqa: E402
 
 try:
     from tqdm.auto import tqdm
@@ -258,9 +259,7 @@ def sample_batch(data, batch, seq_len, seed, index, stream, docs=None):
         return win[:, :-1], win[:, 1:]
     d = docs[idx]
     seg = (d[:, :-1] - d[:, :1] + 1).astype(np.int32)
-    t = np.arange(seq_len, dtype=np.int32)[None]
-    first = np.concatenate([np.ones((batch, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-    pos = (t - np.maximum.accumulate(np.where(first, t, 0), axis=1)).astype(np.int32)
+    pos = np.asarray(segment_positions(seg))  # 0, 1, ... from each document's first byte in the window
     weights = (d[:, 1:] == d[:, :-1]).astype(np.float32)
     return win[:, :-1], win[:, 1:], seg, pos, weights
 
