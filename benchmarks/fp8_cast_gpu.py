@@ -73,7 +73,9 @@ def cases(M, D, F):
             xla=jax.jit(lambda x, g, s: R.cast_transpose(NR.rmsnorm(x, g, epsilon=1e-6), s, out_dtype=E4)),
             sweep=[dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
                    for bm, bn, w, st in itertools.product((8, 16, 32, 64), (256, 512, 1024), (4, 8), (1, 2))
-                   if 2048 <= bm * bn <= 32768]),
+                   if 2048 <= bm * bn <= 32768]
+            + [dict(block_m=bm, block_n=D, num_warps=w)  # one chunk spans the row: read once, kept in registers
+               for bm, w in itertools.product((2, 4, 8, 16), (4, 8, 16)) if bm * D <= 65536]),
         "act_cast": dict(
             args=(gu, s), nbytes=M * 2 * F * 2 + 2 * M * F,
             kernel=lambda cfg: jax.jit(lambda gu, s: K.act_cast(gu, s, out_dtype=E4, transpose=True, **act, **cfg)),

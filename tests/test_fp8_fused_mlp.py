@@ -341,7 +341,7 @@ def test_norm_cast_transpose_matches_reference(layernorm, zero_centered, dtype, 
 
 @pytest.mark.parametrize("layernorm, zero_centered, dtype, m, n, block_n", [
     (True, False, BF, 50, 64, 16), (False, True, BF, 40, 96, 32), (True, True, F32, 33, 32, 256),
-    (False, False, F16, 16, 48, 16)])
+    (False, False, F16, 16, 48, 16), (False, False, BF, 37, 64, 64)])  # the last two: one chunk spans the row
 def test_norm_stats_cast_transpose_matches_reference(layernorm, zero_centered, dtype, m, n, block_n):
     """The norm's statistics computed inside the cast kernel (norm_stats_cast_transpose): mean and rstd as the norm
     reference's (the same sums in another order: fp32 rounding apart), and the cast of the norm's stored output;
@@ -815,3 +815,18 @@ def test_gpu_fused_mlp_with_the_tma_casts(kinds, monkeypatch):
     for step_g, step_w in zip(got, want):
         for name, a, b in zip(("y", "dx", "dw1", "dw2"), step_g, step_w):
             assert np.all(np.isfinite(_f32(a))) and _rel(a, b) < 2.0 ** -6, (name, _rel(a, b))
+
+
+def test_cast_launch_overrides_from_the_environment(monkeypatch):
+    """TE_JAX_FP8_CAST_LAUNCH replaces a kind's launch options on a compiled launch (not in interpret mode); bad
+    kinds, keys and values are ValueErrors naming the variable."""
+    from te_jax.fp8 import fused
+    monkeypatch.setenv(fused.LAUNCH_ENV, "norm_stats:block_m=8,whole_row=1;cast:")
+    assert fused.launch_options("norm_stats", False) == dict(block_m=8, whole_row=1)
+    assert fused.launch_options("cast", False) == {}
+    assert fused.launch_options("act", False) == fused.KERNEL_OPTIONS["act"]
+    assert fused.launch_options("norm_stats", True) == {}
+    for bad in ("nrm:block_m=8", "norm_stats:bm=8", "act:whole_row=1", "cast:block_m=x", "cast"):
+        monkeypatch.setenv(fused.LAUNCH_ENV, bad)
+        with pytest.raises(ValueError, match="TE_JAX_FP8_CAST_LAUNCH"):
+            fused.launch_options("cast", False)

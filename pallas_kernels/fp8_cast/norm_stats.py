@@ -12,9 +12,10 @@ that sits on a rounding boundary moves by one unit of x's dtype.
 
 One program per block_m rows. It walks the row in block_n-column chunks: once (RMSNorm) or twice (LayerNorm:
 the mean, then the centred variance) for the statistics, then once more to normalize and cast. The rereads come
-from L2 (block_m x N elements per program). The transposed output is written from the same registers
-(addressing [col, row], as kernels.py does), block_m bytes contiguous per column. Needs N % block_n == 0 (the
-caller picks block_n); any M (masked). block_m, block_n powers of two.
+from L2 (block_m x N elements per program). With block_n = N (one chunk) the row block is read once and kept in
+registers (few rows per program: block_m x N fp32 values over the program's threads). The transposed output is
+written from the same registers (addressing [col, row], as kernels.py does), block_m bytes contiguous per column.
+Needs N % block_n == 0 (the caller picks block_n); any M (masked). block_m, block_n powers of two.
 """
 from __future__ import annotations
 
@@ -49,20 +50,28 @@ def _kernel(*refs, m, n, rms, eps, zero_centered, has_beta, out_dtype, bm, bn):
         c = cols_of(j)
         return pltriton.load(x_ref.at[rows[:, None], c[None, :]], mask=tile_mask, other=0.0).astype(jnp.float32)
 
-    zero = jnp.zeros((bm,), jnp.float32)
+    whole = load(0) if n_chunks == 1 else None  # one chunk spans the row: read it once, keep it in registers
+
+    def chunk(j):
+        return whole if n_chunks == 1 else load(j)
+
+    def row_sum(f):
+        if n_chunks == 1:
+            return jnp.sum(f(whole), axis=1)
+        return lax.fori_loop(0, n_chunks, lambda j, s: s + jnp.sum(f(load(j)), axis=1), jnp.zeros((bm,), jnp.float32))
+
     if rms:
         mean = None
-        var = lax.fori_loop(0, n_chunks, lambda j, s: s + jnp.sum(load(j) ** 2, axis=1), zero) / n
+        var = row_sum(lambda v: v * v) / n
     else:
-        mean = lax.fori_loop(0, n_chunks, lambda j, s: s + jnp.sum(load(j), axis=1), zero) / n
-        var = lax.fori_loop(0, n_chunks, lambda j, s: s + jnp.sum((load(j) - mean[:, None]) ** 2, axis=1),
-                            zero) / n
+        mean = row_sum(lambda v: v) / n
+        var = row_sum(lambda v: (v - mean[:, None]) ** 2) / n
     rstd = lax.rsqrt(var + eps)
     scale = scale_ref[0]
 
     def cast(j, amax):
         c = cols_of(j)
-        xc = load(j) if rms else load(j) - mean[:, None]
+        xc = chunk(j) if rms else chunk(j) - mean[:, None]
         g = pltriton.load(g_ref.at[c]).astype(jnp.float32)
         g = 1.0 + g if zero_centered else g
         y = xc * rstd[:, None] * g[None, :]  # the reference's order
@@ -75,7 +84,8 @@ def _kernel(*refs, m, n, rms, eps, zero_centered, has_beta, out_dtype, bm, bn):
         pltriton.store(qt_ref.at[c[None, :], rows[:, None]], q, mask=tile_mask)
         return amax
 
-    amax_ref[pl.program_id(0)] = lax.fori_loop(0, n_chunks, cast, jnp.float32(0.0))
+    amax_ref[pl.program_id(0)] = (cast(0, jnp.float32(0.0)) if n_chunks == 1 else
+                                  lax.fori_loop(0, n_chunks, cast, jnp.float32(0.0)))
     if not rms:
         pltriton.store(mean_ref.at[rows], mean, mask=rmask)
     pltriton.store(rstd_ref.at[rows], rstd, mask=rmask)

@@ -155,7 +155,8 @@ FP8_CAST_LAUNCH = Tuned(
      "dact": dict(block_m=64, block_n=128, num_warps=8),         # dact_cast_transpose
      "dact_amax": dict(block_m=32, block_n=128, num_warps=8),    # dact_amax (current scaling)
      "cast": dict(block_m=32, block_n=128, num_warps=8),         # cast_transpose of x and dy
-     "weight": dict(block_m=32, block_n=128, num_warps=4)},      # cast_transposed of a weight
+     "weight": dict(block_m=32, block_n=128, num_warps=4),       # cast_transposed of a weight
+     "norm_stats": dict()},                                       # norm_stats_cast_transpose (te_jax/fp8/norm_cast)
     "H100 sweep at the Llama MLP shapes (M 8192, D 4096, F 14336): against the 128x64 default, act_cast "
     "0.324 -> 0.302 ms, dact_cast_transpose 0.580 -> 0.514, act_amax 0.207 -> 0.183, dact_amax 0.305 -> 0.266, "
     "the wi weight's cast_transposed 0.152 -> 0.145, cast_transpose 0.064 -> 0.062", FP8_CAST_RESULTS)

@@ -27,11 +27,45 @@ FUSED_SETTINGS = ("auto", "0", "1")
 KERNEL_OPTIONS = {k: dict(v) for k, v in FP8_CAST_LAUNCH.value.items()}
 
 
+LAUNCH_ENV = "TE_JAX_FP8_CAST_LAUNCH"
+_LAUNCH_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "whole_row")
+
+
+def launch_overrides() -> dict:
+    """TE_JAX_FP8_CAST_LAUNCH (read at trace time, for A/B runs of launch options): "kind:key=int,key=int;kind2:..."
+    replaces KERNEL_OPTIONS[kind] (keys block_m, block_n, num_warps, num_stages; whole_row for norm_stats; "kind:"
+    gives the kernel's defaults). Unset: {}. A malformed value is a ValueError naming the variable and the expected
+    form."""
+    raw = os.environ.get(LAUNCH_ENV, "").strip()
+    out = {}
+    for part in filter(None, (p.strip() for p in raw.split(";"))):
+        kind, sep, body = part.partition(":")
+        try:
+            if not sep or kind not in KERNEL_OPTIONS:
+                raise ValueError(kind)
+            opts = {}
+            for item in filter(None, body.split(",")):
+                key, _, val = item.partition("=")
+                if key not in _LAUNCH_KEYS or (key == "whole_row" and kind != "norm_stats"):
+                    raise ValueError(key)
+                opts[key] = int(val)
+        except ValueError as e:
+            raise ValueError(f"{LAUNCH_ENV}={raw!r}: cannot read {part!r} ({e}); expected \"kind:key=int,...;...\" "
+                             "with "
+                             f"kind one of {tuple(KERNEL_OPTIONS)} and keys from {_LAUNCH_KEYS} (whole_row: "
+                             "norm_stats only).") from None
+        out[kind] = opts
+    return out
+
+
 def launch_options(kind: str, interpret) -> dict:
-    """KERNEL_OPTIONS[kind] for a compiled (GPU) launch; {} (the kernels' defaults, fewer and larger programs) where
-    the kernels run in interpret mode (interpret True, or None off a GPU), which the GPU tuning does not concern."""
+    """KERNEL_OPTIONS[kind] (or its TE_JAX_FP8_CAST_LAUNCH override) for a compiled (GPU) launch; {} (the kernels'
+    defaults, fewer and larger programs) where the kernels run in interpret mode (interpret True, or None off a GPU),
+    which the GPU tuning does not concern."""
     interpreted = jax.default_backend() != "gpu" if interpret is None else interpret
-    return {} if interpreted else dict(KERNEL_OPTIONS[kind])
+    if interpreted:
+        return {}
+    return dict(launch_overrides().get(kind, KERNEL_OPTIONS[kind]))
 
 
 def fused_setting() -> str:

@@ -27,7 +27,7 @@ from pallas_kernels.fp8_cast import norm_cast_transpose, norm_stats_cast_transpo
 from pallas_kernels.norms import norm as _pallas_norm
 from pallas_kernels.norms import reference as _ref
 from te_jax import normalization as _norm
-from te_jax.fp8.fused import norm_stats_in_kernel
+from te_jax.fp8.fused import launch_options, norm_stats_in_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +98,10 @@ def cast(x, gamma, beta, st, scale, spec, out_dtype, **kernel_options):
                                zero_centered_gamma=spec.zero_centered_gamma, **kernel_options)
 
 
+#: The widest row that tuning's "whole_row" launch option reads in one chunk (its block_m x D values sit in registers).
+WHOLE_ROW_MAX = 8192
+
+
 def stats_block(n: int) -> int | None:
     """The column chunk stats_and_cast walks a row of n features in (a power of two up to 256 dividing n), or None
     when no chunk of at least 16 divides it (then the statistics come from XLA and `cast`)."""
@@ -128,11 +132,16 @@ def describe_stats(recipe, d: int) -> str:
 
 def stats_and_cast(x, gamma, beta, scale, spec, out_dtype, interpret=None):
     """(q [M, D], qT [D, M], amax, (mean or None, rstd)): the norm's statistics and its output cast with `scale`, in
-    one kernel that reads x from memory once (norm_stats_cast_transpose); x's D must have a stats_block."""
+    one kernel that reads x from memory once (norm_stats_cast_transpose); x's D must have a stats_block. Launch:
+    tuning.FP8_CAST_LAUNCH["norm_stats"] on a GPU (whole_row=True: one chunk spans a power-of-two row up to
+    WHOLE_ROW_MAX, read once; else stats_block(D) chunks)."""
+    opts = launch_options("norm_stats", interpret)
+    d = x.shape[-1]
+    whole = opts.pop("whole_row", False) and d & (d - 1) == 0 and d <= WHOLE_ROW_MAX
     q, qt, am, mean, rstd = norm_stats_cast_transpose(
         x, gamma, None if _rms(spec) else beta, jnp.asarray(scale, jnp.float32).reshape(()), rms=_rms(spec),
         epsilon=spec.epsilon, out_dtype=out_dtype, zero_centered_gamma=spec.zero_centered_gamma, interpret=interpret,
-        block_n=stats_block(x.shape[-1]))
+        block_n=d if whole else stats_block(d), **opts)
     return q, qt, am, (mean, rstd)
 
 
