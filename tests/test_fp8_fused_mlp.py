@@ -826,6 +826,9 @@ def test_cast_launch_overrides_from_the_environment(monkeypatch):
     assert fused.launch_options("cast", False) == {}
     assert fused.launch_options("act", False) == fused.KERNEL_OPTIONS["act"]
     assert fused.launch_options("norm_stats", True) == {}
+    monkeypatch.setenv(fused.LAUNCH_ENV, "norm_stats:block_m=4+num_warps=16 cast:block_m=64")
+    assert fused.launch_options("norm_stats", False) == dict(block_m=4, num_warps=16)
+    assert fused.launch_options("cast", False) == dict(block_m=64)
     for bad in ("nrm:block_m=8", "norm_stats:bm=8", "act:whole_row=1", "cast:block_m=x", "cast"):
         monkeypatch.setenv(fused.LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match="TE_JAX_FP8_CAST_LAUNCH"):

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from pallas_kernels import fp8_cast as _k
 from pallas_kernels.fp8_cast import tma as _tma
 from te_jax.fp8 import norm_cast as _nc
-from te_jax.fp8.fused import (TMA_BLOCK, fused_cast_unavailable, keep_weight_copies, launch_options,
+from te_jax.fp8.fused import (TMA_BLOCK, fused_cast_unavailable, keep_weight_copies, launch_env, launch_options,
                               state_update_kernel, tma_cast)
 from te_jax.fp8.quantize import (STATE_KEYS, _read_scale, _scaled_gemm, amax, compute_scale, delayed_updates, f8_dot,
                                  gemm_style, quantize, wgrad_style)
@@ -77,6 +77,8 @@ class _Cfg:
     norm: _nc.NormSpec | None = None  # x is the norm's input: the norm runs fused into x's cast (norm_cast.py)
     keep_weights: bool = False  # fused.keep_weight_copies(recipe): the forward's FP8 weight copies go to the backward
     state_kernel: bool = dataclasses.field(default_factory=state_update_kernel)  # quantize.delayed_updates' kernel
+    # the launch overrides of this trace (fused.launch_overrides, read inside the custom VJP): part of the cache key
+    launch: str = dataclasses.field(default_factory=launch_env)
     skip: bool = False  # (with norm) x is returned beside y; its gradient joins the norm's backward (norm_cast.py)
 
 

@@ -77,7 +77,7 @@ from te_jax._compat import gpu_compute_capability
 from te_jax.backends import policy
 from te_jax.fp8 import norm_cast as _nc
 from te_jax.fp8.block import block_gemm_mode, block_gemm_reason, block_scaled_dot
-from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_options, state_update_kernel
+from te_jax.fp8.fused import fused_cast_unavailable, keep_weight_copies, launch_env, launch_options, state_update_kernel
 from te_jax.fp8.recipe import DelayedScaling, Float8BlockScaling, check_recipe
 
 GEMM_STYLES = ("direct", "qdq", "wgrad_qdq")
@@ -463,6 +463,8 @@ class _TNCfg:
     keep_weights: bool = False  # fused.keep_weight_copies: the forward's FP8 weight copies go to the backward
     merged_casts: bool = False  # fused.merged_casts: GEMMs sharing x_q / x_qT run as one over stacked casts
     state_kernel: bool = dataclasses.field(default_factory=state_update_kernel)  # delayed_updates' kernel
+    # the launch overrides of this trace (fused.launch_overrides, read inside the custom VJP): part of the cache key
+    launch: str = dataclasses.field(default_factory=launch_env)
     skip: bool = False  # (with norm) x2 is also returned (last); its cotangent joins the norm's backward (norm_cast)
 
 
