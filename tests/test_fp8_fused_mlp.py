@@ -833,3 +833,23 @@ def test_cast_launch_overrides_from_the_environment(monkeypatch):
         monkeypatch.setenv(fused.LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match="TE_JAX_FP8_CAST_LAUNCH"):
             fused.launch_options("cast", False)
+
+
+@pytest.mark.parametrize("opts", [dict(block_m=16, block_n=32), dict(block_m=8, whole_row=1), dict(block_n=48)])
+def test_norm_stats_launch_options_keep_the_values(monkeypatch, opts):
+    """stats_and_cast under launch options (a column chunk, the whole row, a chunk that does not divide the row and
+    falls back to stats_block): the statistics and FP8 values of the kernel's defaults (sums in another order: rstd
+    to fp32 rounding, a value on a rounding boundary one FP8 step away), qT = q transposed."""
+    from te_jax.fp8 import norm_cast
+    x, g, _, _, _, _, scale = _norm_problem(5, 24, 64, False, False, BF)
+    spec = norm_cast.norm_spec(x, g, None, layernorm_type="rmsnorm", epsilon=1e-6, zero_centered_gamma=False,
+                               backend="auto")
+    want = norm_cast.stats_and_cast(x, g, None, scale, spec, E4, interpret=True)
+    monkeypatch.setattr(norm_cast, "launch_options", lambda kind, interpret: dict(opts))
+    got = norm_cast.stats_and_cast(x, g, None, scale, spec, E4, interpret=True)
+    np.testing.assert_allclose(got[3][1], want[3][1], rtol=2e-6)
+    q, wq = _f32(got[0]), _f32(want[0])
+    assert np.mean(q != wq) < 0.01
+    assert np.all(np.abs(q - wq) <= np.abs(wq) * 2.0 ** -3 + 2.0 ** -9)
+    np.testing.assert_array_equal(_f32(got[1]), q.T)
+    np.testing.assert_allclose(got[2], want[2], rtol=2.0 ** -7)

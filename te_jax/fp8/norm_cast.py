@@ -138,10 +138,13 @@ def stats_and_cast(x, gamma, beta, scale, spec, out_dtype, interpret=None):
     opts = launch_options("norm_stats", interpret)
     d = x.shape[-1]
     whole = opts.pop("whole_row", False) and d & (d - 1) == 0 and d <= WHOLE_ROW_MAX
+    block_n = opts.pop("block_n", None)
+    if whole or block_n is None or d % min(block_n, d):
+        block_n = d if whole else stats_block(d)
     q, qt, am, mean, rstd = norm_stats_cast_transpose(
         x, gamma, None if _rms(spec) else beta, jnp.asarray(scale, jnp.float32).reshape(()), rms=_rms(spec),
         epsilon=spec.epsilon, out_dtype=out_dtype, zero_centered_gamma=spec.zero_centered_gamma, interpret=interpret,
-        block_n=d if whole else stats_block(d), **opts)
+        block_n=block_n, **opts)
     return q, qt, am, (mean, rstd)
 
 
