@@ -345,6 +345,7 @@ def test_sm90_data_masks_take_the_hopper_kernel(fake_h100, monkeypatch):
     from te_jax.backends import tuning
 
     monkeypatch.setattr(pallas_mod, "hopper_device_reason", lambda: None)
+    monkeypatch.setattr(tuning, "HOPPER_ALIGNED_TILES_MIN_LEN", tuning.Tuned(1024, "test", "none"))
     q, k, v = _qkv(b=2, sq=1024, skv=1024, d=128)
     lens = jnp.array([1024, 700], jnp.int32)
     seg = jnp.concatenate([jnp.ones((2, 300), jnp.int32), 2 * jnp.ones((2, 724), jnp.int32)], axis=1)
@@ -525,6 +526,7 @@ def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100,
         monkeypatch.delenv("TE_JAX_HOPPER_ALIGNED_TILES", raising=False)
     else:
         monkeypatch.setenv("TE_JAX_HOPPER_ALIGNED_TILES", env)
+    monkeypatch.setattr(tuning, "HOPPER_ALIGNED_TILES_MIN_LEN", tuning.Tuned(512, "test", "none"))
     for tuned in (False, True):
         monkeypatch.setattr(tuning, "HOPPER_ALIGNED_TILES_AUTO", tuning.Tuned(tuned, "test", "none"))
         on = tuned if env in (None, "auto") else env == "1"
@@ -550,6 +552,13 @@ def test_sm90_aligned_tiles_only_for_documents_and_only_when_tuned_on(fake_h100,
                                               **calls[0][0]).detail
     assert (env in (None, "auto")) == ("measured at head dims 128/128 only, this call has 64/64" in detail), detail
     assert ("forward on document-aligned tiles" in detail) == (env == "1"), detail
+    # ... and on key rows of at least tuning.HOPPER_ALIGNED_TILES_MIN_LEN tokens (bshd rows; thd: every token)
+    monkeypatch.setattr(tuning, "HOPPER_ALIGNED_TILES_MIN_LEN", tuning.Tuned(1024, "test", "none"))
+    for kw, shapes, _ in calls[:2]:
+        detail = te_jax.explain_attention_backend(*shapes, backend="pallas", **{"attn_input_format": "bshd", **kw}
+                                                  ).detail
+        assert (env in (None, "auto")) == ("key rows of 512 tokens, under the 1024" in detail), detail
+        assert ("forward on document-aligned tiles" in detail) == (env == "1"), detail
     monkeypatch.setenv("TE_JAX_HOPPER_ALIGNED_TILES", "yes")
     with pytest.raises(ValueError, match="TE_JAX_HOPPER_ALIGNED_TILES='yes' must be one of"):
         te_jax.explain_attention_backend(x, x, x, backend="pallas", attn_input_format="bshd", **calls[0][0])

@@ -123,9 +123,11 @@ def _delta_words(hcfg, d, marks: bool) -> str:
 ALIGNED_TILES_ENV = "TE_JAX_HOPPER_ALIGNED_TILES"
 
 
-def aligned_tiles_setting(head_dim_qk: int, head_dim_v: int) -> tuple[bool, str]:
+def aligned_tiles_setting(head_dim_qk: int, head_dim_v: int, kv_len: int) -> tuple[bool, str]:
     """(on, why) for packed documents on document-aligned Hopper tiles: TE_JAX_HOPPER_ALIGNED_TILES=1 / 0; unset or
-    auto: tuning.HOPPER_ALIGNED_TILES_AUTO at head dims 128/128, the ones measured.  why: a phrase for the
+    auto: tuning.HOPPER_ALIGNED_TILES_AUTO at head dims 128/128, the ones measured, on key rows (kv_len: a bshd row,
+    or every thd token) of at least tuning.HOPPER_ALIGNED_TILES_MIN_LEN tokens (shorter rows hold few documents,
+    whose tiles the grid already skips: the pre-pass and merges cost more than they save).  why: a phrase for the
     explanation ("auto" when auto takes them)."""
     from te_jax.backends import policy, tuning
 
@@ -136,6 +138,10 @@ def aligned_tiles_setting(head_dim_qk: int, head_dim_v: int) -> tuple[bool, str]
         return False, "auto: tuning.HOPPER_ALIGNED_TILES_AUTO is off"
     if (head_dim_qk, head_dim_v) != (128, 128):
         return False, f"auto: measured at head dims 128/128 only, this call has {head_dim_qk}/{head_dim_v}"
+    shortest = tuning.HOPPER_ALIGNED_TILES_MIN_LEN.value
+    if kv_len < shortest:
+        return False, (f"auto: key rows of {kv_len} tokens, under the {shortest} where they were measured to gain "
+                       "(tuning.HOPPER_ALIGNED_TILES_MIN_LEN)")
     return True, "auto"
 
 
@@ -242,16 +248,18 @@ class PallasBackend:
         follows the forward, HopperConfig.bwd_aligned): calls with documents (thd, segment ids), where
         TE_JAX_HOPPER_ALIGNED_TILES says so (1 / 0; unset or auto: tuning.HOPPER_ALIGNED_TILES_AUTO). Padding from
         lengths keeps the global grid: its one document per row starts at row 0, where the grid already starts.
-        Auto takes them at head dims 128/128 (measured there: 1.06-1.10x the grid on packed documents of mixed
-        lengths, 0.87-0.92x where every document is 200-256 tokens)."""
+        Auto takes them at head dims 128/128 on key rows of 4096 tokens or more (measured there: 1.06-1.10x the grid
+        on packed documents of mixed lengths, 0.87-0.92x where every document is 200-256 tokens; rows of 1024 with
+        1.6 documents each: 1% slower training steps)."""
         d = call.dims
-        return PallasBackend.hopper_documents(call) and aligned_tiles_setting(d.head_dim_qk, d.head_dim_v)[0]
+        return (PallasBackend.hopper_documents(call)
+                and aligned_tiles_setting(d.head_dim_qk, d.head_dim_v, d.kv_len)[0])
 
     def _data_mask_forward_words(self, call, persistent: bool) -> str:
         """How the data-mask forward lays out its tiles, for choice_detail: document-aligned (and why), a persistent
         grid, or one CTA per query tile (with why the aligned tiles are off, for documents)."""
         d = call.dims
-        aligned_why = aligned_tiles_setting(d.head_dim_qk, d.head_dim_v)[1]
+        aligned_why = aligned_tiles_setting(d.head_dim_qk, d.head_dim_v, d.kv_len)[1]
         if self.hopper_aligned_tiles(call):
             return ("on document-aligned tiles (query tiles and key blocks start at every document; the output stored "
                     "in token order, the 8-row groups two documents share summed after the kernel; " + (

@@ -95,6 +95,14 @@ HOPPER_ALIGNED_TILES_AUTO = Tuned(
     "FA3 forward+backward); documents of 200-256 tokens each run 1.08-1.14x slower (TE_JAX_HOPPER_ALIGNED_TILES=0)",
     "benchmarks/results/attention_masks_h100.md")
 
+#: The shortest key row (bshd/sbhd: kv_len; thd: all packed tokens) where auto takes document-aligned tiles.
+HOPPER_ALIGNED_TILES_MIN_LEN = Tuned(
+    4096,
+    "H200 (twenty-first session), examples/train_lm.py --preset gpu --heads 6 --pack (rows of 1024 tokens, 1.6 "
+    "documents per row, head dims 128/128): aligned tiles 512k tokens/s against the grid's 517k (1% slower) and its "
+    "first step compiled in 19.2 s against 13.5 s; rows of 4k and 16k gained 9-10% (HOPPER_ALIGNED_TILES_AUTO)",
+    "benchmarks/results/attention_masks_h100.md")
+
 #: (head_dim, causal) -> longest q_len where the Hopper kernel beat cuDNN forward+backward on the H100
 #: (0: never). auto takes the Hopper kernel up to it, cuDNN beyond.
 _HOPPER_HD64 = Tuned(16384, "fwd+bwd 1.01-1.14x the best of cuDNN and tokamax on every row 1k-16k, kernel time and "
