@@ -59,8 +59,7 @@ def launch_overrides() -> dict:
                 opts[key] = int(val)
         except ValueError as e:
             raise ValueError(f"{LAUNCH_ENV}={raw!r}: cannot read {part!r} ({e}); expected \"kind:key=int,...;...\" "
-                             "with "
-                             f"kind one of {tuple(KERNEL_OPTIONS)} and keys from {_LAUNCH_KEYS} (whole_row: "
+                             f"with kind one of {tuple(KERNEL_OPTIONS)} and keys from {_LAUNCH_KEYS} (whole_row: "
                              "norm_stats only).") from None
         out[kind] = opts
     return out
