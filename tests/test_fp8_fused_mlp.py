@@ -829,6 +829,17 @@ def test_cast_launch_overrides_from_the_environment(monkeypatch):
     monkeypatch.setenv(fused.LAUNCH_ENV, "norm_stats:block_m=4+num_warps=16 cast:block_m=64")
     assert fused.launch_options("norm_stats", False) == dict(block_m=4, num_warps=16)
     assert fused.launch_options("cast", False) == dict(block_m=64)
+    # the FP8 paths' static configurations carry the value, so traces under two values are cached apart
+    from te_jax.fp8 import mlp as fp8_mlp
+    from te_jax.fp8 import quantize
+    from te_jax.fp8.recipe import DelayedScaling
+    cfgs = []
+    for value in ("cast:block_m=64", "cast:block_m=32"):
+        monkeypatch.setenv(fused.LAUNCH_ENV, value)
+        cfgs.append((quantize._TNCfg(DelayedScaling(), None, BF, "direct", None, BF),
+                     fp8_mlp._Cfg(DelayedScaling(), "silu", True, "direct", BF, BF, None)))
+    assert cfgs[0][0] != cfgs[1][0] and cfgs[0][1] != cfgs[1][1]
+    assert cfgs[0][0].launch == "cast:block_m=64"
     for bad in ("nrm:block_m=8", "norm_stats:bm=8", "act:whole_row=1", "cast:block_m=x", "cast"):
         monkeypatch.setenv(fused.LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match="TE_JAX_FP8_CAST_LAUNCH"):
