@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import device_time
-from benchmarks.hopper_mask_probe import _config_overrides
+from benchmarks.hopper_mask_probe import config_overrides
 
 ROWS = ((4, 4096, False), (4, 4096, True), (1, 16384, True))
 
@@ -35,7 +35,7 @@ def main():
         q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16) for kk in ks)
         base = default_config(d, kv_len=s, causal=causal, q_len=s)
         variants = {"default": base}
-        variants.update({n: dataclasses.replace(base, **kw) for n, kw in _config_overrides(args.configs).items()})
+        variants.update({n: dataclasses.replace(base, **kw) for n, kw in config_overrides(args.configs).items()})
 
         def grads(cfg):
             def loss(q, k, v, do):

@@ -167,7 +167,7 @@ def split_ab(rounds: int):
         print(f"{'':18s} partial groups (positions, segments, both): {groups}", flush=True)
 
 
-def _config_overrides(spec: str) -> dict:
+def config_overrides(spec: str) -> dict:
     """"name:k=v,k=v;name2:k=v" -> {name: {k: v}} (values Python literals): HopperConfig variants to time."""
     import ast
 
@@ -190,7 +190,7 @@ def band_ab(rounds: int, device: bool = False, configs: str = ""):
                 # next one (the thirteenth session misread that as the atomic dQ)
                 "band, atomic dQ": (True, {"bwd_dq_atomic": True}),
                 "band, dQ kernel": (True, {"bwd_dq_atomic": False})}
-    variants.update({f"band, {name}": (True, kw) for name, kw in _config_overrides(configs).items()})
+    variants.update({f"band, {name}": (True, kw) for name, kw in config_overrides(configs).items()})
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  H{H} D{D} bf16; kernels on prebuilt tables; "
           f"{rounds} interleaved rounds, medians")
     for name, (m, offset) in cases.items():
@@ -265,7 +265,7 @@ def band_fwd_ab(rounds: int, configs: str = "", only: str = ""):
                 q, k, v, scale=D ** -0.5, causal=False, config=dataclasses.replace(cfg, fwd_persistent_band=True),
                 band=rule.band())[0]),
         }
-        for cname, kw in _config_overrides(configs).items():  # --configs: more band forward variants
+        for cname, kw in config_overrides(configs).items():  # --configs: more band forward variants
             kw = {"fwd_persistent_band": False, **kw}  # the grid kernel unless the variant says
             fns[f"band, {cname}"] = jax.jit(lambda q, k, v, m, c=dataclasses.replace(cfg, **kw): flash_fwd(
                 q, k, v, scale=D ** -0.5, causal=False, config=c, band=rule.band())[0])
@@ -588,9 +588,7 @@ def tile_stats():
     document-aligned tiles, for the document masks.  With a kernel's device time, steps / time is its per-step
     rate."""
     from pallas_kernels.flash_attention_hopper import masked_config
-    from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_mask_tables
-
-    from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_backward_tables
+    from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_backward_tables, aligned_mask_tables
     from pallas_kernels.flash_attention_hopper.data_mask import dkv_tiles, dq_tiles
 
     print("tiles per head of each kernel: steps (partial), computed pairs, visible / computed")
@@ -667,8 +665,8 @@ if __name__ == "__main__":
     ap.add_argument("--aligned-margin", action="store_true", help="the aligned forward's tile count (idle CTAs) "
                     "against smaller margins, by the device clock")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--masks", default="", help="--band-fwd-ab: prefixes of the masks to run, e.g. \"window\"; --aligned-ab: names, "
-                    "e.g. \"64x256,80x200\"")
+    ap.add_argument("--masks", default="", help="--band-fwd-ab: prefixes of the masks to run, e.g. \"window\"; "
+                    "--aligned-ab: names, e.g. \"64x256,80x200\"")
     ap.add_argument("--device-time", action="store_true", help="--aligned-ab, --band-ab: the device clock's "
                     "kernels too (run with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each kernel is seen)")
     a = ap.parse_args()

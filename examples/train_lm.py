@@ -47,7 +47,6 @@ Last line printed: `summary: ...` with steps, the final train / eval loss and to
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -246,9 +245,9 @@ def document_ids(data):
 
 def sample_batch(data, batch, seq_len, seed, index, stream, docs=None):
     """Batch `index` of a stream: random windows drawn from (seed, stream, index) alone: (tokens [b, s], targets
-    [b, s]).  docs (document_ids of data): also (segment ids [b, s] numbered 1, 2, ... per document in each window,
-    positions [b, s] counted from each document's first byte in the window, loss weights [b, s]: 0 where the
-    target is the next document's first byte)."""
+    [b, s]).  docs (document_ids of data): also (positions [b, s] counted from each document's first byte in the
+    window, segment ids [b, s] numbered 1, 2, ... per document in each window, loss weights [b, s]: 0 where the
+    target is the next document's first byte), the order a packed train step takes them in."""
     if len(data) < seq_len + 2:
         raise ValueError(f"the data has {len(data)} bytes; --seq-len {seq_len} needs at least {seq_len + 2}")
     rng = np.random.default_rng([seed, stream, index])
@@ -261,7 +260,7 @@ def sample_batch(data, batch, seq_len, seed, index, stream, docs=None):
     seg = (d[:, :-1] - d[:, :1] + 1).astype(np.int32)
     pos = np.asarray(segment_positions(seg))  # 0, 1, ... from each document's first byte in the window
     weights = (d[:, 1:] == d[:, :-1]).astype(np.float32)
-    return win[:, :-1], win[:, 1:], seg, pos, weights
+    return win[:, :-1], win[:, 1:], pos, seg, weights
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -603,8 +602,8 @@ def train(args):
     positions_np = np.broadcast_to(np.arange(S, dtype=np.int32)[None], (B, S))
 
     def make_batch(x, y, *packed):
-        """(x, y, pos) on the mesh; packed: sample_batch's (seg, pos, weights) -> (x, y, pos, seg, weights)."""
-        arrays = (x, y, positions_np) if not packed else (x, y, packed[1], packed[0], packed[2])
+        """(x, y, pos) on the mesh; packed: sample_batch's (pos, seg, weights) -> (x, y, pos, seg, weights)."""
+        arrays = (x, y, *packed) if packed else (x, y, positions_np)
         if balanced:  # zig-zag order once, for tokens, targets, positions (and segment ids, weights) alike
             from te_jax.context_parallel import reorder_causal_load_balancing
             arrays = [np.asarray(reorder_causal_load_balancing(a, cp, seq_axis=1)) for a in arrays]
@@ -619,7 +618,7 @@ def train(args):
          f"({args.gqa_groups or args.heads} kv), ffn {args.ffn}, seq {S}, batch {B}, {args.dtype}, "
          f"{args.attn_input_format}, attention backend {args.attention_backend}; {n_params:,} parameters")
     if args.pack:
-        _, _, seg, _, w = sample_batch(train_data, B, S, args.seed, 1, stream=0, docs=train_docs)
+        _, _, _, seg, w = sample_batch(train_data, B, S, args.seed, 1, stream=0, docs=train_docs)
         _log(f"packed documents: {int(train_docs[-1]) + 1:,} in the train bytes; the first batch's rows hold "
              f"{seg.max(axis=1).mean():.1f} documents on average, {int((w == 0).sum())} targets across a document's "
              f"end left out of the loss")

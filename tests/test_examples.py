@@ -123,7 +123,7 @@ def test_packed_batches_mark_documents():
     data = np.frombuffer(b"ab c\n\nde\n\n  f g\nh\n\nijk\n\n\nlm", np.uint8)
     np.testing.assert_array_equal(train_lm.document_ids(data)[[0, 6, 9, 12, 16, 19, 23, 25]], [0, 1, 1, 1, 1, 2, 2, 3])
     docs = train_lm.document_ids(data)
-    x, y, seg, pos, w = train_lm.sample_batch(data, 3, 12, 0, 5, 0, docs=docs)
+    x, y, pos, seg, w = train_lm.sample_batch(data, 3, 12, 0, 5, 0, docs=docs)
     x0, y0 = train_lm.sample_batch(data, 3, 12, 0, 5, 0)
     np.testing.assert_array_equal(x, x0)
     np.testing.assert_array_equal(y, y0)

@@ -368,6 +368,9 @@ def test_norm_stats_cast_transpose_matches_reference(layernorm, zero_centered, d
                                     out_dtype=E4, block_n=32)
     with pytest.raises(ValueError, match="RMSNorm takes no beta"):
         K.norm_stats_cast_transpose(x, g, g, scale, rms=True, epsilon=1e-6, out_dtype=E4)
+    with pytest.raises(ValueError, match=r"x \(16, 48\) has rows of 48, at most block_n=64.* not a power of two"):
+        K.norm_stats_cast_transpose(jnp.ones((16, 48), BF), jnp.ones(48), None, scale, rms=True, epsilon=1e-6,
+                                    out_dtype=E4, block_n=64)
 
 
 def test_saturation_nan_and_inf():
@@ -821,14 +824,11 @@ def test_cast_launch_overrides_from_the_environment(monkeypatch):
     """TE_JAX_FP8_CAST_LAUNCH replaces a kind's launch options on a compiled launch (not in interpret mode); bad
     kinds, keys and values are ValueErrors naming the variable."""
     from te_jax.fp8 import fused
-    monkeypatch.setenv(fused.LAUNCH_ENV, "norm_stats:block_m=8,whole_row=1;cast:")
-    assert fused.launch_options("norm_stats", False) == dict(block_m=8, whole_row=1)
+    monkeypatch.setenv(fused.LAUNCH_ENV, "norm_stats:block_m=8+block_n=4096 cast:")
+    assert fused.launch_options("norm_stats", False) == dict(block_m=8, block_n=4096)
     assert fused.launch_options("cast", False) == {}
     assert fused.launch_options("act", False) == fused.KERNEL_OPTIONS["act"]
     assert fused.launch_options("norm_stats", True) == {}
-    monkeypatch.setenv(fused.LAUNCH_ENV, "norm_stats:block_m=4+num_warps=16 cast:block_m=64")
-    assert fused.launch_options("norm_stats", False) == dict(block_m=4, num_warps=16)
-    assert fused.launch_options("cast", False) == dict(block_m=64)
     # the FP8 paths' static configurations carry the value, so traces under two values are cached apart
     from te_jax.fp8 import mlp as fp8_mlp
     from te_jax.fp8 import quantize
@@ -840,17 +840,18 @@ def test_cast_launch_overrides_from_the_environment(monkeypatch):
                      fp8_mlp._Cfg(DelayedScaling(), "silu", True, "direct", BF, BF, None)))
     assert cfgs[0][0] != cfgs[1][0] and cfgs[0][1] != cfgs[1][1]
     assert cfgs[0][0].launch == "cast:block_m=64"
-    for bad in ("nrm:block_m=8", "norm_stats:bm=8", "act:whole_row=1", "cast:block_m=x", "cast"):
+    for bad in ("nrm:block_m=8", "norm_stats:bm=8", "cast:block_m=x", "cast", "act:block_m=8,num_warps=4"):
         monkeypatch.setenv(fused.LAUNCH_ENV, bad)
         with pytest.raises(ValueError, match="TE_JAX_FP8_CAST_LAUNCH"):
             fused.launch_options("cast", False)
 
 
-@pytest.mark.parametrize("opts", [dict(block_m=16, block_n=32), dict(block_m=8, whole_row=1), dict(block_n=48)])
+@pytest.mark.parametrize("opts", [dict(block_m=16, block_n=32), dict(block_m=8, block_n=4096), dict(block_n=48)])
 def test_norm_stats_launch_options_keep_the_values(monkeypatch, opts):
-    """stats_and_cast under launch options (a column chunk, the whole row, a chunk that does not divide the row and
-    falls back to stats_block): the statistics and FP8 values of the kernel's defaults (sums in another order: rstd
-    to fp32 rounding, a value on a rounding boundary one FP8 step away), qT = q transposed."""
+    """stats_and_cast under launch options (a column chunk, a block_n past the row: one chunk spans it, a chunk that
+    does not divide the row and falls back to stats_block): the statistics and FP8 values of the kernel's defaults
+    (sums in another order: rstd to fp32 rounding, a value on a rounding boundary one FP8 step away), qT = q
+    transposed."""
     from te_jax.fp8 import norm_cast
     x, g, _, _, _, _, scale = _norm_problem(5, 24, 64, False, False, BF)
     spec = norm_cast.norm_spec(x, g, None, layernorm_type="rmsnorm", epsilon=1e-6, zero_centered_gamma=False,

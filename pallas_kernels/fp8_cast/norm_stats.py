@@ -112,6 +112,10 @@ def norm_stats_cast_transpose(x, gamma, beta, scale, *, rms: bool, epsilon: floa
         if not isinstance(b, int) or b < 1 or b & (b - 1):
             raise ValueError(f"{where}: {name}={b!r} must be a power of two.")
     bn = min(block_n, n)
+    if bn & (bn - 1):
+        raise ValueError(f"{where}: x {tuple(x.shape)} has rows of {n}, at most block_n={block_n}, so one chunk would "
+                         f"span a row, and {n} is not a power of two. Fix: a power-of-two block_n that divides {n}, "
+                         f"or the two-pass path (norm_cast_transpose).")
     if n % bn:
         raise ValueError(f"{where}: the row length {n} is not a multiple of block_n={bn}. Fix: a block_n that "
                          f"divides it (a power of two), or the two-pass path (norm_cast_transpose).")

@@ -11,7 +11,6 @@ array), and LayerNormMLP runs te_jax/fp8/mlp.py (activation + cast, dActivation 
 from __future__ import annotations
 
 import os
-import re
 
 import jax
 
@@ -29,7 +28,7 @@ KERNEL_OPTIONS = {k: dict(v) for k, v in FP8_CAST_LAUNCH.value.items()}
 
 
 LAUNCH_ENV = "TE_JAX_FP8_CAST_LAUNCH"
-_LAUNCH_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "whole_row")
+_LAUNCH_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 
 
 def launch_env() -> str:
@@ -39,28 +38,27 @@ def launch_env() -> str:
 
 
 def launch_overrides() -> dict:
-    """TE_JAX_FP8_CAST_LAUNCH (read at trace time, for A/B runs of launch options): "kind:key=int,key=int;kind2:..."
-    (or "kind:key=int+key=int kind2:...", which benchmarks' comma- and semicolon-separated --env-ab lists can carry)
-    replaces KERNEL_OPTIONS[kind] (keys block_m, block_n, num_warps, num_stages; whole_row for norm_stats; "kind:"
-    gives the kernel's defaults). Unset: {}. A malformed value is a ValueError naming the variable and the expected
-    form."""
+    """TE_JAX_FP8_CAST_LAUNCH (read at trace time, for A/B runs of launch options): "kind:key=int+key=int kind2:..."
+    (kinds apart by spaces, keys joined by "+": benchmarks' comma- and semicolon-separated --env-ab lists carry it)
+    replaces KERNEL_OPTIONS[kind] (keys block_m, block_n, num_warps, num_stages; "kind:" gives the kernel's
+    defaults). Unset: {}. A malformed value is a ValueError naming the variable and the expected form."""
     raw = launch_env()
     out = {}
-    for part in filter(None, re.split(r"[;\s]+", raw)):
+    for part in raw.split():
         kind, sep, body = part.partition(":")
         try:
             if not sep or kind not in KERNEL_OPTIONS:
                 raise ValueError(kind)
             opts = {}
-            for item in filter(None, re.split(r"[,+]", body)):
+            for item in filter(None, body.split("+")):
                 key, _, val = item.partition("=")
-                if key not in _LAUNCH_KEYS or (key == "whole_row" and kind != "norm_stats"):
+                if key not in _LAUNCH_KEYS:
                     raise ValueError(key)
                 opts[key] = int(val)
         except ValueError as e:
-            raise ValueError(f"{LAUNCH_ENV}={raw!r}: cannot read {part!r} ({e}); expected \"kind:key=int,...;...\" "
-                             f"with kind one of {tuple(KERNEL_OPTIONS)} and keys from {_LAUNCH_KEYS} (whole_row: "
-                             "norm_stats only).") from None
+            raise ValueError(f"{LAUNCH_ENV}={raw!r}: cannot read {part!r} ({e}); expected "
+                             f"\"kind:key=int+key=int kind2:...\" with kind one of {tuple(KERNEL_OPTIONS)} and keys "
+                             f"from {_LAUNCH_KEYS}.") from None
         out[kind] = opts
     return out
 

@@ -98,10 +98,6 @@ def cast(x, gamma, beta, st, scale, spec, out_dtype, **kernel_options):
                                zero_centered_gamma=spec.zero_centered_gamma, **kernel_options)
 
 
-#: The widest row that tuning's "whole_row" launch option reads in one chunk (its block_m x D values sit in registers).
-WHOLE_ROW_MAX = 8192
-
-
 def stats_block(n: int) -> int | None:
     """The column chunk stats_and_cast walks a row of n features in (a power of two up to 256 dividing n), or None
     when no chunk of at least 16 divides it (then the statistics come from XLA and `cast`)."""
@@ -133,14 +129,12 @@ def describe_stats(recipe, d: int) -> str:
 def stats_and_cast(x, gamma, beta, scale, spec, out_dtype, interpret=None):
     """(q [M, D], qT [D, M], amax, (mean or None, rstd)): the norm's statistics and its output cast with `scale`, in
     one kernel that reads x from memory once (norm_stats_cast_transpose); x's D must have a stats_block. Launch:
-    tuning.FP8_CAST_LAUNCH["norm_stats"] on a GPU (whole_row=True: one chunk spans a power-of-two row up to
-    WHOLE_ROW_MAX, read once; else stats_block(D) chunks)."""
+    tuning.FP8_CAST_LAUNCH["norm_stats"] on a GPU; its block_n (a block_n >= D: one chunk spans the row, read once
+    and kept in registers) where that chunk is a power of two dividing D, else stats_block(D)."""
     opts = launch_options("norm_stats", interpret)
     d = x.shape[-1]
-    whole = opts.pop("whole_row", False) and d & (d - 1) == 0 and d <= WHOLE_ROW_MAX
-    block_n = opts.pop("block_n", None)
-    if whole or block_n is None or d % min(block_n, d):
-        block_n = d if whole else stats_block(d)
+    chunk = min(opts.pop("block_n", 0) or d + 1, d)
+    block_n = chunk if d % chunk == 0 and chunk & (chunk - 1) == 0 else stats_block(d)
     q, qt, am, mean, rstd = norm_stats_cast_transpose(
         x, gamma, None if _rms(spec) else beta, jnp.asarray(scale, jnp.float32).reshape(()), rms=_rms(spec),
         epsilon=spec.epsilon, out_dtype=out_dtype, zero_centered_gamma=spec.zero_centered_gamma, interpret=interpret,
