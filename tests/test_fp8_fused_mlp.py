@@ -857,8 +857,16 @@ def test_norm_stats_launch_options_keep_the_values(monkeypatch, opts):
     spec = norm_cast.norm_spec(x, g, None, layernorm_type="rmsnorm", epsilon=1e-6, zero_centered_gamma=False,
                                backend="auto")
     want = norm_cast.stats_and_cast(x, g, None, scale, spec, E4, interpret=True)
+    seen = []
+    real = norm_cast.norm_stats_cast_transpose
+    monkeypatch.setattr(norm_cast, "norm_stats_cast_transpose", lambda *a, **kw: seen.append(kw["block_n"]) or
+                        real(*a, **kw))
+    wide, gw = _norm_problem(6, 8, 512, False, False, BF)[:2]
+    norm_cast.stats_and_cast(wide, gw, None, scale, spec, E4, interpret=True)
+    assert seen == [256]  # no launch options: stats_block's chunks, not the whole 512-wide row
     monkeypatch.setattr(norm_cast, "launch_options", lambda kind, interpret: dict(opts))
     got = norm_cast.stats_and_cast(x, g, None, scale, spec, E4, interpret=True)
+    assert seen[1] == {32: 32, 4096: 64, 48: 64}[opts["block_n"]]  # 48 does not divide 64: stats_block's 64
     np.testing.assert_allclose(got[3][1], want[3][1], rtol=2e-6)
     q, wq = _f32(got[0]), _f32(want[0])
     assert np.mean(q != wq) < 0.01

@@ -133,7 +133,7 @@ def stats_and_cast(x, gamma, beta, scale, spec, out_dtype, interpret=None):
     and kept in registers) where that chunk is a power of two dividing D, else stats_block(D)."""
     opts = launch_options("norm_stats", interpret)
     d = x.shape[-1]
-    chunk = min(opts.pop("block_n", 0) or d + 1, d)
+    chunk = min(opts.pop("block_n", None) or stats_block(d), d)
     block_n = chunk if d % chunk == 0 and chunk & (chunk - 1) == 0 else stats_block(d)
     q, qt, am, mean, rstd = norm_stats_cast_transpose(
         x, gamma, None if _rms(spec) else beta, jnp.asarray(scale, jnp.float32).reshape(()), rms=_rms(spec),
