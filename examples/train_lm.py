@@ -637,6 +637,13 @@ def train(args):
             _log("(orbax-checkpoint is not installed: no checkpoints; pip install orbax-checkpoint)")
         else:
             ckpt = Checkpointer(args.ckpt_dir)
+            if not args.resume and ckpt.latest_step() is not None:  # refused before training, not at its end
+                step = ckpt.latest_step()
+                ckpt.close()
+                raise FileExistsError(
+                    f"{os.path.abspath(args.ckpt_dir)} already holds a run's checkpoints (latest step "
+                    f"{step}). Fix: --resume continues that run; another --out-dir (or --ckpt-dir) "
+                    f"starts a new one beside it; --no-ckpt trains without checkpoints.")
     config = {k: getattr(args, k) for k in MODEL_KEYS}
     history = {"train": [], "eval": []}
     start = 0

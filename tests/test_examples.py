@@ -73,6 +73,9 @@ def test_loss_falls_and_resume_matches_uninterrupted_run(tmp_path):
     np.testing.assert_allclose([resumed["losses"][s] for s in range(5, 9)], losses[4:], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(resumed["eval_loss"], full["eval_loss"], rtol=1e-5)
     assert [h[0] for h in resumed["history"]["train"]] == list(range(1, 9))  # history carried over
+    # a new run into a directory that holds one is refused before it trains (it used to fail saving at its end)
+    with pytest.raises(FileExistsError, match=r"already holds a run's checkpoints \(latest step 8\).*--resume"):
+        _run(tmp_path / "split", "--steps", "8", "--sample-len", "0", "--no-plot")
     with pytest.raises(ValueError, match="differs"):  # a checkpoint of another model is refused
         _run(tmp_path / "split", "--steps", "9", "--resume", "--hidden", "64", "--sample-len", "0", "--no-plot")
 
