@@ -190,16 +190,16 @@ def test_backward_geometries_compute_every_visible_pair_once(name, transposed):
     np.testing.assert_array_equal(seen, np.asarray(m.dense()).astype(np.int32))
 
 
-@pytest.mark.parametrize("name", ["thd documents, causal", "tiny documents sharing 8-row groups"])
-def test_triton_merge_matches_the_xla_merge(name):
+@pytest.mark.parametrize("name,H", [("thd documents, causal", 2), ("tiny documents sharing 8-row groups", 6)])
+def test_triton_merge_matches_the_xla_merge(name, H):
     """aligned_merge's kernel (interpreted) against merge_shared_groups' XLA scatters on the tables' store plans:
     random copies in every shared slot (so a group that sums the wrong slots, or misses a slot between unused
-    ones, differs), random values elsewhere in out kept as they are."""
+    ones, differs), random values elsewhere in out kept as they are.  H 6: programs of 2 heads each."""
     m = CASES[name]()
     cfg = dataclasses.replace(default_config(128, m.kv_len, False, m.q_len), block_q=64, block_kv=128)
     a = jax.jit(lambda m: aligned_tiles.aligned_mask_tables(m, cfg, backward=False))(m).aligned
     B, T = a.tile_rows.shape
-    H, Dv = 2, 16
+    Dv = 16
     k1, k2 = jax.random.split(jax.random.key(3))
     out = jax.random.normal(k1, (B, m.q_len, H, Dv), jnp.float32)
     shared = jax.random.normal(k2, (B, T, 2, aligned_tiles.ROW_ALIGN, H, Dv), jnp.float32)
@@ -222,11 +222,16 @@ def test_triton_merge_lowers_for_cuda():
     """The merge kernel's Triton lowering for CUDA (on any machine: the GPU check runs it for real)."""
     from pallas_kernels.flash_attention_hopper import aligned_merge
 
-    out = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
-    shared = jax.ShapeDtypeStruct((1, 26, aligned_tiles.ROW_ALIGN, 4, 128), jnp.bfloat16)
-    first = jax.ShapeDtypeStruct((1, 26), jnp.int32)
-    f = jax.jit(lambda o, s, i: aligned_merge.merge_shared(o, s, i, interpret=False))
-    assert "triton" in f.trace(out, shared, first).lower(lowering_platforms=("cuda",)).as_text().lower()
+    for H, Dv in ((4, 128), (16, 128), (18, 256)):  # head blocks of 4, 16 (8 warps) and 2
+        out = jax.ShapeDtypeStruct((1, 1024, H, Dv), jnp.bfloat16)
+        shared = jax.ShapeDtypeStruct((1, 26, aligned_tiles.ROW_ALIGN, H, Dv), jnp.bfloat16)
+        first = jax.ShapeDtypeStruct((1, 26), jnp.int32)
+        f = jax.jit(lambda o, s, i: aligned_merge.merge_shared(o, s, i, interpret=False))
+        assert "triton" in f.trace(out, shared, first).lower(lowering_platforms=("cuda",)).as_text().lower()
+    g = aligned_tiles.ROW_ALIGN
+    assert [aligned_merge.head_block(h, g, dims) for h, dims in (
+        (16, [128]), (16, [256]), (16, [128, 256]), (18, [128]), (12, [64]), (1, [512]), (32, [128]))] == [
+        16, 8, 8, 2, 4, 1, 16]
     with pytest.raises(ValueError, match="power of two"):
         aligned_merge.merge_shared(jnp.zeros((1, 16, 1, 96)), jnp.zeros((1, 2, 8, 1, 96)), jnp.zeros((1, 2), jnp.int32))
     with pytest.raises(ValueError, match=r"shared \(1, 2, 8, 2, 64\).*expected shared \[B, n, G, H, Dv\]"):

@@ -191,6 +191,20 @@ def test_hopper_aligned_data_mask_forward_lowers_for_cuda(D, Dv, bwd, ptx):
     assert _attention_fwd_bwd(mask.q_len, D, Dv, mask=mask, mask_aligned=True, **bwd, **ptx) > 0
 
 
+@pytest.mark.parametrize("case", ["dense causal", "aligned documents", "persistent data mask"])
+def test_exit_wait_setting_reaches_the_kernels(case):
+    """HopperConfig.exit_wait_read_only changes what every kernel of the call lowers to (the CTAs' last TMA stores
+    waited for until read, or until written): the field is not dropped on the way to the kernels."""
+    kw = {"dense causal": dict(S=512, D=128, Dv=128, causal=True),
+          "aligned documents": dict(D=128, Dv=128, mask_aligned=True),
+          "persistent data mask": dict(D=128, Dv=128, fwd_persistent_masked=True, fwd_ctas=3)}[case]
+    if "S" not in kw:
+        kw["mask"] = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=768), causal=True)
+        kw["S"] = kw["mask"].q_len
+    lengths = {ro: _attention_fwd_bwd(exit_wait_read_only=ro, **kw, **NO_PTX) for ro in (True, False)}
+    assert lengths[True] != lengths[False]
+
+
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
 @pytest.mark.parametrize("D", [128, 64])
 def test_hopper_persistent_data_mask_forward_lowers_for_cuda(D, ptx):

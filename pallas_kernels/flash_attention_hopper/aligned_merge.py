@@ -13,8 +13,11 @@ aligned_tiles.merge_shared_groups.
 
 Why a kernel: the slots are a static bound (two per aligned tile) and few are used (one per document start that is
 not a multiple of G).  An XLA scatter over every slot read the whole side buffer (16 us on the H100 for thd's 320
-slots); here a program per (slot, head) reads one slot's row and exits unless its slot leads its group, and the
-leader sums the copies that follow it (a group of G rows holds at most G runs: at most 2 G slots to look at).
+slots).  Here a program per (slot, block of heads) reads its slot's row number and exits unless its slot leads its
+group; the leader sums the copies that follow it (a group of G rows holds at most G runs: at most 2 G slots to look
+at), loading only the slots of its group.  A block holds as many heads as divide H in a power of two, up to
+MAX_BLOCK elements per copy, so few programs launch (one per (slot, head) took 13 us on 4 x 4k rows: 5120 programs,
+most of them idle).
 """
 from __future__ import annotations
 
@@ -22,14 +25,29 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from .._compat import default_interpret, pl, triton_params
 from .._lower_once import lower_once
 
 
-def _kernel(first_ref, *refs, n: int, g: int, window: int, count: int):
+#: The most elements of one copy a program sums (G rows x its heads x Dv), so that its fp32 sum stays in registers.
+MAX_BLOCK = 16384
+
+
+def head_block(heads: int, g: int, head_dims) -> int:
+    """Heads per program: the largest power of two dividing `heads` with g x it x max(head_dims) <= MAX_BLOCK (1 at
+    least)."""
+    hb = heads & -heads  # the largest power of two dividing heads
+    while hb > 1 and g * hb * max(head_dims) > MAX_BLOCK:
+        hb //= 2
+    return hb
+
+
+def _kernel(first_ref, *refs, n: int, g: int, window: int, count: int, hb: int):
     shared_refs, out_refs = refs[:count], refs[2 * count:]  # refs[count:2 count]: aliased with out_refs
-    b, i, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, i = pl.program_id(0), pl.program_id(1)
+    heads = pl.ds(pl.multiple_of(pl.program_id(2) * hb, hb), hb)
     row = first_ref[b, i]
     earlier = [first_ref[b, jnp.maximum(i - k, 0)] for k in range(1, window + 1)]
     lead = row >= 0
@@ -43,22 +61,24 @@ def _kernel(first_ref, *refs, n: int, g: int, window: int, count: int):
             j = jnp.minimum(i + k, n - 1)
             later.append((j, (i + k < n) & (first_ref[b, j] == row)))
         for shared_ref, out_ref in zip(shared_refs, out_refs):
-            acc = shared_ref[b, i, :, h, :].astype(jnp.float32)
-            for j, same in later:
-                acc += jnp.where(same, shared_ref[b, j, :, h, :].astype(jnp.float32), 0.0)
-            out_ref[b, pl.ds(row, g), h, :] = acc.astype(out_ref.dtype)
+            acc = shared_ref[b, i, :, heads, :].astype(jnp.float32)
+            for j, same in later:  # a slot of another group is not loaded
+                acc = lax.cond(same, lambda a, j=j, r=shared_ref: a + r[b, j, :, heads, :].astype(jnp.float32),
+                               lambda a: a, acc)
+            out_ref[b, pl.ds(row, g), heads, :] = acc.astype(out_ref.dtype)
 
 
 @lower_once(static_argnames=("interpret",))
 def _merge(outs, shareds, first, *, interpret):
     B, n, g, H, _ = shareds[0].shape
     count = len(outs)
+    hb = head_block(H, g, [s.shape[-1] for s in shareds])
     return pl.pallas_call(
-        functools.partial(_kernel, n=n, g=g, window=2 * g, count=count),
+        functools.partial(_kernel, n=n, g=g, window=2 * g, count=count, hb=hb),
         out_shape=tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs),
-        grid=(B, n, H),
+        grid=(B, n, H // hb),
         input_output_aliases={1 + count + c: c for c in range(count)},
-        compiler_params=triton_params(4, 1),
+        compiler_params=triton_params(8 if g * hb * max(s.shape[-1] for s in shareds) >= 8192 else 4, 1),
         interpret=interpret,
         name="te_jax_attn_aligned_merge",
     )(first, *shareds, *outs)

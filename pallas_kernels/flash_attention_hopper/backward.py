@@ -304,14 +304,14 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                     for tile, ref, side in ((k_smem, dk_ref, shared_dk), (v_smem, dv_ref, shared_dv)):
                         if ref is not None:
                             store_planned(plgpu, tile, ref, side, plan_ref, b, g, kt, wg, tile_rows_ref, bkv)
-                    plgpu.wait_smem_to_gmem(0)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
                     return
                 if want_dk:
                     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[sl], commit_group=False)
                 if want_dv:
                     plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[sl], commit_group=False)
                 plgpu.commit_smem_to_gmem_group()
-                plgpu.wait_smem_to_gmem(0)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
 
             def whole_tile():  # the CTA's key tile (b, g, kt), every step: straight-line code, as without a plan
                 kv0, sl = load_kv(b, g, kt)
@@ -374,7 +374,7 @@ def _flash_bwd_dkv(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig
                         plgpu.copy_smem_to_gmem(k_smem, part_ref.at[piece_index, 0, rows], commit_group=False)
                         plgpu.copy_smem_to_gmem(v_smem, part_ref.at[piece_index, 1, rows], commit_group=False)
                         plgpu.commit_smem_to_gmem_group()
-                        plgpu.wait_smem_to_gmem(0)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
 
                 pl.when(whole_cta)(lambda: write_grads(dk_acc, dv_acc, sl))
                 pl.when(jnp.logical_not(whole_cta))(partial_grads)
@@ -668,7 +668,7 @@ def _flash_bwd_dq(q, k, v, do, lse2, delta, *, scale, causal, cfg: HopperConfig,
                 plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[qsl])
             else:  # the tile's own groups in place, the shared ones to the side buffer
                 store_planned(plgpu, q_smem, dq_ref, shared_ref, plan_ref, b, h, qt, wg, tile_rows_ref, bq)
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
 
         def coords(g):  # (K / V rows, the keys' marks) of step g
             marks = pl.ds((blocks_ref[b, qt, g] if dm is not None else k_first + g) * bkv, bkv)

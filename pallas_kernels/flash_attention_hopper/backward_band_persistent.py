@@ -135,7 +135,7 @@ def _flash_bwd_dkv_band_persistent(q, k, v, do, lse2, delta, *, scale, cfg: Hopp
                 return g0 + rep * n_h
 
             lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
 
         @pl.when(wg == wgs)
         def _memory():

@@ -109,6 +109,11 @@ class HopperConfig:
     # left of the CTA's 168 x 384.  None: 232 with two compute warpgroups (producer 40), 240 with one.  The hd64
     # and hd128 default configs: 240 (producer 24, as FA3).
     bwd_compute_registers: int | None = None
+    # A CTA's last TMA stores (O and lse, dK / dV, dQ) are waited for until their shared memory is read
+    # (`cp.async.bulk.wait_group.read`, what CUTLASS and FlashAttention-3 do before a CTA exits): the writes then
+    # complete on their own, by the kernel's end, while the SM starts its next CTA.  False: until the writes are
+    # done (what the kernels did before).  The kernels read nothing they store, so either is correct.
+    exit_wait_read_only: bool = True
     # Where the dQ kernel runs (not the atomic dQ), it computes delta = rowsum(O * dO) itself from its query tile's
     # O and dO, and writes it for the dK/dV kernel, which then runs after it: no separate XLA pass over O and dO.
     # A cotangent on lse is loaded and subtracted there too.  None (auto): on the GPU; False: XLA's reduction first.

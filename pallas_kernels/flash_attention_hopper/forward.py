@@ -248,7 +248,7 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
             with jax.named_scope("epilogue"):
                 finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
                             o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
-                            may_be_empty=band is not None)
+                            may_be_empty=band is not None, read_only=cfg.exit_wait_read_only)
 
         @pl.when(wg == 2)
         def _memory():
@@ -490,7 +490,7 @@ def _flash_fwd_persistent(q, k, v, *, scale: float, cfg: HopperConfig, interpret
                 return e_next
 
             lax.fori_loop(0, n_my, tile_body, entry(0))
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
 
         @pl.when(wg == 2)
         def _memory():

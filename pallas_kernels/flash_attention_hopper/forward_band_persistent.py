@@ -112,7 +112,7 @@ def _flash_fwd_band_persistent(q, k, v, *, scale: float, cfg: HopperConfig, inte
 
             lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
             pl.when(wg == 0)(sched.finish)
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
 
         @pl.when(wg == 2)
         def _memory():

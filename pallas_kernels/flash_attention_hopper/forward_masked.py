@@ -134,7 +134,7 @@ def _flash_fwd_masked(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: Hop
             pl.when(wg == 0)(sched.finish)
             finish_tile(plgpu, carry, o_tiles=o_tiles, qo_smem=qo_smem, lse_smem=lse_smem, wg=wg, dtype=dtype,
                         o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)],
-                        may_be_empty=True,  # a row without a visible key: out 0, lse -inf
+                        may_be_empty=True, read_only=cfg.exit_wait_read_only,  # a row without a key: out 0
                         o_store=None if rows is None else lambda src: store_planned(
                             plgpu, src, o_ref, shared_ref, plan_ref, b, h, qt, wg, q_rows_ref, bq))
 

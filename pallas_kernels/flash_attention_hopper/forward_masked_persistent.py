@@ -122,7 +122,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
 
             lax.fori_loop(0, my_tiles, tile_body, (jnp.int32(0),) + steps_of(counts_ref, cta, 0, my_tiles))
             pl.when(wg == 0)(sched.finish)
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
 
         @pl.when(wg == 2)
         def _memory():

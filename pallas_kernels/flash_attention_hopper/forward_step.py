@@ -184,10 +184,11 @@ def store_o(plgpu, o_tiles, qo_smem, wg, dst, store=None):
 
 
 def finish_tile(plgpu, carry, *, o_tiles, qo_smem, lse_smem, wg, dtype, o_dst, lse_dst, may_be_empty: bool,
-                o_store=None):
+                o_store=None, read_only: bool = True):
     """A forward tile's epilogue: out = acc / l into the O tile and lse (natural log) into lse_smem, both TMA'd to
     o_dst / lse_dst (o_store(src): O's copies issued by the caller instead), then waited for.  may_be_empty (a data
-    mask): a row that saw no key gives out 0, lse -inf."""
+    mask): a row that saw no key gives out 0, lse -inf.  read_only: wait only until the stores have read the shared
+memory (HopperConfig.exit_wait_read_only)."""
     acc, m_i, l_i = carry
     if may_be_empty:
         empty = l_i == 0.0
@@ -203,4 +204,4 @@ def finish_tile(plgpu, carry, *, o_tiles, qo_smem, lse_smem, wg, dtype, o_dst, l
     plgpu.commit_smem()
     store_o(plgpu, o_tiles, qo_smem, wg, o_dst, o_store)
     plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=read_only)
