@@ -7,10 +7,11 @@
 Dense rows (--rows S:causal, batch 16384 // S, at least 1): hd128 (--head-dim), 16 heads; default B4 x 4k non-causal
 and causal, B1 x 16k causal. Mask rows (--masks, names of hopper_mask_probe.probe_masks): the mask built in the call
 as te_jax builds it (pre-pass and merges included), on document-aligned tiles for the document masks (thd,
-documents, mixed*: what te_jax's auto takes on rows of 4096+ tokens), its base config masked_config. Each variant's
+documents, mixed*: what te_jax's auto takes on rows of 4096+ tokens; "name@grid" keeps the global grid's tiles),
+its base config masked_config. Each variant's
 gradients are compared with the default's (relative norm); a variant that fails to build is reported, not fatal.
 TFLOP/s count the forward's 4 H D per visible pair (x 3.5 for forward+backward). Rounds interleave the variants;
-each round profiles 10 calls; medians of the rounds. --fwd times the forward alone too.
+each round profiles 10 calls; medians of the rounds. --fwd times the forward alone too, --fwd-only only it.
 """
 from __future__ import annotations
 
@@ -45,12 +46,15 @@ def _cases(rows: str, masks: str, d: int):
         yield (f"B{b} S{s} causal={bool(causal)}", (q, k, v, do), call,
                default_config(d, kv_len=s, causal=bool(causal), q_len=s),
                4 * b * h * s * s * d * (0.5 if causal else 1.0))
-    for name, m in probe_masks(*filter(None, masks.split(","))).items():
+    for spec in filter(None, masks.split(",")):
+        name, _, tiles = spec.partition("@")  # "name@grid": the global grid's tiles even for documents
+        m = probe_masks(name)[name]
+        aligned = name in ALIGNED_MASKS and tiles != "grid"
         q, k, v, do = (jax.random.normal(kk, (m.batch, m.q_len, h, d), jnp.float32).astype(jnp.bfloat16)
                        for kk in jax.random.split(jax.random.key(1), 4))
-        call = lambda q, k, v, cfg, m=m, al=name in ALIGNED_MASKS: hopper_attention(
+        call = lambda q, k, v, cfg, m=m, al=aligned: hopper_attention(
             q, k, v, scale=d ** -0.5, mask=_rebuilt(m), mask_aligned=al, config=cfg)[0]
-        yield (f"{name}{' (aligned)' if name in ALIGNED_MASKS else ''}", (q, k, v, do), call,
+        yield (f"{name} ({'aligned' if aligned else 'grid'} tiles)", (q, k, v, do), call,
                masked_config(d, d, m.q_len, m.kv_len), 4 * h * d * int(jnp.sum(m.dense())))
 
 
@@ -61,11 +65,12 @@ def main():
     ap.add_argument("--rows", default=ROWS, help="dense rows S:causal, comma-separated ('' for none)")
     ap.add_argument("--masks", default="", help="mask rows: hopper_mask_probe.probe_masks names, comma-separated")
     ap.add_argument("--fwd", action="store_true", help="time the forward alone too")
+    ap.add_argument("--fwd-only", action="store_true", help="time the forward alone (gradients still compared)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     print(jax.devices()[0].device_kind, jax.__version__, f"hd{args.head_dim}, 16 heads; device clock, "
           f"{args.rounds} interleaved rounds of 10 calls, medians", flush=True)
-    passes = ("fwd", "fwd+bwd") if args.fwd else ("fwd+bwd",)
+    passes = ("fwd",) if args.fwd_only else ("fwd", "fwd+bwd") if args.fwd else ("fwd+bwd",)
     for row, (q, k, v, do), call, base, flops in _cases(args.rows, args.masks, args.head_dim):
         variants = {"default": base}
         variants.update({n: dataclasses.replace(base, **kw) for n, kw in config_overrides(args.configs).items()})

@@ -80,6 +80,12 @@ class HopperConfig:
     # dealt round by round in snake order; K/V, the next Q and the next block counts load during the current tile).
     # False: one CTA per query tile (forward_masked).  None (auto): sliding windows only (MASKED_PERSISTENT_AUTO).
     fwd_persistent_masked: bool | None = None
+    # The persistent data-mask forward's deal in order of cost: the query tiles sorted by their walks' lengths,
+    # heaviest first (each tile's heads side by side), then dealt in snake order, so every CTA's tiles add up to
+    # about the same work (persistent_steps.sorted_deal; an XLA sort of B x tiles before the kernel).  False / None:
+    # the tiles in (batch, head, tile) order (neighbouring CTAs share K/V in L2, but walks of very different lengths
+    # leave some CTAs with far more work).
+    fwd_persistent_sorted: bool | None = None
     # The persistent forward's last round shared out by K/V steps instead of whole tiles (stream-K, see
     # TailSplit): when the query tiles are no multiple of the CTAs, the last round leaves SMs idle (2048 tiles on
     # 132 SMs: 16 rounds for 15.5 rounds of work).  Tiles cut between two CTAs are merged by their lse after the
@@ -168,7 +174,7 @@ class HopperConfig:
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
-                     "fwd_persistent_masked",
+                     "fwd_persistent_masked", "fwd_persistent_sorted",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
                      "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first", "bwd_dkv_together",

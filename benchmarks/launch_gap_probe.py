@@ -1,0 +1,70 @@
+"""Where the host clock and the device clock part: Hopper attention under a documents mask (pre-pass, kernels,
+merges), timed three ways per call, under XLA compile options.
+
+    PYTHONPATH=. python3 -m benchmarks.launch_gap_probe [--masks thd,documents] [--rounds 3]
+
+Per call: the host clock (benchmarks.timing: back-to-back calls, one block per sample: what the attention tables
+report), the device clock's kernel time (the sum of the kernels' durations) and its span (first kernel start to last
+kernel end, per call: kernels plus the GPU's idle gaps between them). Where the host clock exceeds the span, the
+host's dispatch is the limit; where the span exceeds the kernel time, the GPU waits between kernels. Variants: XLA's
+defaults; command buffers (CUDA graphs) taking segments of any length (xla_gpu_graph_min_graph_size=1); command
+buffers off. Masks as in hopper_mask_probe.probe_masks, on document-aligned tiles as te_jax's auto takes them.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import device_time, timing
+
+VARIANTS = {
+    "xla defaults": {},
+    "graphs of any size": {"xla_gpu_graph_min_graph_size": 1},
+    "no command buffers": {"xla_gpu_enable_command_buffer": ""},
+}
+
+
+def main():
+    from benchmarks.hopper_mask_probe import _rebuilt, probe_masks
+    from pallas_kernels.flash_attention_hopper import hopper_attention
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--masks", default="thd,documents")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    h, d = 16, 128
+    print(jax.devices()[0].device_kind, jax.__version__, f"hd{d}, {h} heads, aligned tiles; {args.rounds} "
+          f"interleaved rounds, medians; us per call", flush=True)
+    for name, m in probe_masks(*args.masks.split(",")).items():
+        q, k, v, do = (jax.random.normal(kk, (m.batch, m.q_len, h, d), jnp.float32).astype(jnp.bfloat16)
+                       for kk in jax.random.split(jax.random.key(1), 4))
+        call = lambda q, k, v, m=m: hopper_attention(q, k, v, scale=d ** -0.5, mask=_rebuilt(m), mask_aligned=True)[0]
+        passes = {"fwd": lambda q, k, v, do: call(q, k, v),
+                  "fwd+bwd": jax.grad(lambda q, k, v, do: jnp.sum(call(q, k, v).astype(jnp.float32)
+                                                                  * do.astype(jnp.float32)), argnums=(0, 1, 2))}
+        fns = {}
+        for var, opts in VARIANTS.items():
+            for p, f in passes.items():
+                try:
+                    fns[(var, p)] = jax.jit(f).lower(q, k, v, do).compile(compiler_options=opts or None)
+                except Exception as e:  # noqa: BLE001 - an option this XLA does not take is a result
+                    print(f"{name} {var} {p}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        res = {key: {"host": [], "kernels": [], "span": [], "n": []} for key in fns}
+        for _ in range(args.rounds):
+            for key, f in fns.items():
+                res[key]["host"].append(timing.measure(f, (q, k, v, do), samples=20)[0])
+                prof = device_time.profiled(f, (q, k, v, do), calls=10)
+                res[key]["kernels"].append(prof["kernel_s"])
+                res[key]["span"].append(prof["span_s"])
+                res[key]["n"].append(prof["kernels_per_call"])
+        for (var, p), r in res.items():
+            host, ker, span = (statistics.median(r[x]) * 1e6 for x in ("host", "kernels", "span"))
+            print(f"{name:10s} {p:8s} {var:20s} host {host:7.1f}  span {span:7.1f}  kernels {ker:7.1f}  "
+                  f"({statistics.median(r['n']):.0f} kernels; host - kernels {host - ker:6.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
