@@ -1183,13 +1183,11 @@ def _check_data_mask(name, head_dims=None, **kw):
 
 @pytest.mark.slow
 @needs_kernel
-@pytest.mark.parametrize("name,sort", [(n, False) for n in MASKED_CASES]
-                         + [(n, True) for n in ("documents_causal", "padding", "empty_rows", "ragged_lengths")])
-def test_persistent_masked_forward(name, sort):
+@pytest.mark.parametrize("name", MASKED_CASES)
+def test_persistent_masked_forward(name):
     """The persistent data-mask forward (HopperConfig.fwd_persistent_masked; 3 CTAs, so each walks several query
-    tiles in snake order, or sort: in order of cost (fwd_persistent_sorted), the K/V ring and the Q double buffer
-    running on across them) against the fp32 reference: out and lse, rows that see nothing 0 / -inf; its gradients
-    (the data-mask backward from its out and lse)."""
+    tiles in snake order, the K/V ring and the Q double buffer running on across them) against the fp32 reference:
+    out and lse, rows that see nothing 0 / -inf; its gradients (the data-mask backward from its out and lse)."""
     from pallas_kernels.flash_attention.reference import reference_attention
     from pallas_kernels.flash_attention_hopper.config import default_config, persistent_masked_chosen
 
@@ -1201,8 +1199,7 @@ def test_persistent_masked_forward(name, sort):
     v = jax.random.normal(ks[2], (B, Skv, G, D), BF)
     do = jax.random.normal(ks[3], (B, Sq, H, D), BF)
     pq, pkv = -(-Sq // 128) * 128, -(-Skv // 128) * 128
-    cfg = dataclasses.replace(default_config(D, pkv, False, pq), fwd_persistent_masked=True, fwd_ctas=3,
-                              fwd_persistent_sorted=sort)
+    cfg = dataclasses.replace(default_config(D, pkv, False, pq), fwd_persistent_masked=True, fwd_ctas=3)
     if not persistent_masked_chosen(cfg, D, D, BF):
         pytest.skip(f"head_dim {D}: the persistent data-mask forward's shared memory does not fit")
     f = lambda q, k, v: hopper_attention(q, k, v, scale=D ** -0.5, mask=mask, interpret=interpret, softcap=softcap,
@@ -1259,39 +1256,6 @@ def test_snake_deal_gives_every_tile_once():
     got = sorted(tuple(int(x) for x in coords(jnp.int32(c), jnp.int32(i))) for c in range(n_ctas)
                  for i in range(int(tiles_of_cta(c, n, n_ctas))))
     assert got == [(b, h, t) for b in range(batch) for h in range(heads) for t in range(per_head)]
-
-
-def test_sorted_deal_balances_the_ctas_of_packed_documents():
-    """persistent_steps.sorted_deal: a permutation of the (batch, head, tile) indices, walks never growing along it,
-    each tile's heads side by side; on packed documents' walks (the data_mask tables of 4 documents per row, 16 heads,
-    132 CTAs) the snake deal of the sorted order leaves the busiest CTA within 3% of the mean, where (batch, head,
-    tile) order left it 28% above."""
-    from pallas_kernels.flash_attention_hopper.config import default_config
-    from pallas_kernels.flash_attention_hopper.data_mask import mask_tables
-    from pallas_kernels.flash_attention_hopper.persistent_steps import snake_tile, sorted_deal, tiles_of_cta
-    from pallas_kernels.mask import AttentionMask
-
-    seg = np.repeat(np.arange(1, 5), [1500, 1000, 1096, 500])[None].repeat(4, 0)  # 4 documents per row, B4 x 4k
-    m = AttentionMask.from_segments(seg, causal=True)
-    cfg = default_config(128, m.kv_len, False, m.q_len)
-    steps = np.asarray(mask_tables(m, cfg, backward=False).fwd[0][..., -1])  # [B, T]
-    B, T = steps.shape
-    heads, n_ctas = 16, 132
-    order = np.asarray(jax.jit(sorted_deal, static_argnums=1)(jnp.asarray(steps), heads))
-    n = B * heads * T
-    assert sorted(order.tolist()) == list(range(n))
-    walk = steps[order // (heads * T), order % T]  # each position's tile's walk
-    assert np.all(np.diff(walk) <= 0)
-    assert np.all(order.reshape(-1, heads) // T % heads == np.arange(heads))  # heads side by side
-
-    def loads(order_of):  # each CTA's sum of walks, plus 3.4 steps per tile (the grid band kernel's fit)
-        return np.array([sum(steps[(t := order_of(int(snake_tile(c, i, n_ctas)))) // (heads * T), t % T] + 3.4
-                             for i in range(int(tiles_of_cta(c, n, n_ctas)))) for c in range(n_ctas)])
-
-    plain, dealt = loads(lambda p: p), loads(lambda p: order[p])
-    assert plain.mean() == pytest.approx(dealt.mean())
-    assert plain.max() > 1.2 * plain.mean()  # (batch, head, tile) order: the busiest CTA 28% above the mean
-    assert dealt.max() < 1.03 * dealt.mean(), (dealt.max(), dealt.mean())
 
 
 @pytest.mark.slow

@@ -208,12 +208,9 @@ def test_exit_wait_setting_reaches_the_kernels(case):
 @pytest.mark.parametrize("ptx", PTX_FORMS, ids=lambda p: "no-ptx" if p else "ptx")
 @pytest.mark.parametrize("D", [128, 64])
 def test_hopper_persistent_data_mask_forward_lowers_for_cuda(D, ptx):
-    """The persistent data-mask forward (3 CTAs walking several query tiles each; an empty padding tile), in
-    (batch, head, tile) order and dealt by cost (fwd_persistent_sorted)."""
+    """The persistent data-mask forward (3 CTAs walking several query tiles each; an empty padding tile)."""
     mask = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=768), causal=True)
-    for sort in (False, True):
-        assert _attention_fwd_bwd(mask.q_len, D, D, mask=mask, fwd_persistent_masked=True, fwd_ctas=3,
-                                  fwd_persistent_sorted=sort, **ptx) > 0
+    assert _attention_fwd_bwd(mask.q_len, D, D, mask=mask, fwd_persistent_masked=True, fwd_ctas=3, **ptx) > 0
 
 
 @pytest.mark.parametrize("b_uniform,overlap,block_n", [(True, True, 128), (False, False, 128), (False, False, 256)])
@@ -345,8 +342,6 @@ def _warp_lowerable() -> set[str]:
      dict(fwd_persistent_band=True, bwd_persistent_band=True, bwd_dq_atomic=False)),
     ("window band, grid", dict(band="window"), dict(bwd_dq_atomic=False)),
     ("documents, persistent fwd", dict(documents=True), dict(fwd_persistent_masked=True, fwd_ctas=3)),
-    ("documents, persistent fwd dealt by cost", dict(documents=True),
-     dict(fwd_persistent_masked=True, fwd_persistent_sorted=True, fwd_ctas=3)),
     ("documents", dict(documents=True), {})])
 def test_single_producer_warp_uses_warp_lowerable_primitives(name, mask_kw, cfg_kw):
     """Every kernel with the single-warp producer (the default on the GPU) traces only warp-lowerable primitives

@@ -80,12 +80,6 @@ class HopperConfig:
     # dealt round by round in snake order; K/V, the next Q and the next block counts load during the current tile).
     # False: one CTA per query tile (forward_masked).  None (auto): sliding windows only (MASKED_PERSISTENT_AUTO).
     fwd_persistent_masked: bool | None = None
-    # The persistent data-mask forward's deal in order of cost: the query tiles sorted by their walks' lengths,
-    # heaviest first (each tile's heads side by side), then dealt in snake order, so every CTA's tiles add up to
-    # about the same work (persistent_steps.sorted_deal; an XLA sort of B x tiles before the kernel).  False / None:
-    # the tiles in (batch, head, tile) order (neighbouring CTAs share K/V in L2, but walks of very different lengths
-    # leave some CTAs with far more work).
-    fwd_persistent_sorted: bool | None = None
     # The persistent forward's last round shared out by K/V steps instead of whole tiles (stream-K, see
     # TailSplit): when the query tiles are no multiple of the CTAs, the last round leaves SMs idle (2048 tiles on
     # 132 SMs: 16 rounds for 15.5 rounds of work).  Tiles cut between two CTAs are merged by their lse after the
@@ -118,7 +112,8 @@ class HopperConfig:
     # A CTA's last TMA stores (O and lse, dK / dV, dQ) are waited for until their shared memory is read
     # (`cp.async.bulk.wait_group.read`, what CUTLASS and FlashAttention-3 do before a CTA exits): the writes then
     # complete on their own, by the kernel's end, while the SM starts its next CTA.  False: until the writes are
-    # done (what the kernels did before).  The kernels read nothing they store, so either is correct.
+    # done (what the kernels did before).  The kernels read nothing they store, so either is correct.  H100
+    # (benchmarks/results/attention_masks_h100.md, 2026-11-28): documents 0.7-1.4% faster, dense rows within noise.
     exit_wait_read_only: bool = True
     # Where the dQ kernel runs (not the atomic dQ), it computes delta = rowsum(O * dO) itself from its query tile's
     # O and dO, and writes it for the dK/dV kernel, which then runs after it: no separate XLA pass over O and dO.
@@ -174,7 +169,7 @@ class HopperConfig:
         if self.bwd_wgs not in (1, 2):
             raise ValueError("bwd_wgs must be 1 or 2")
         for name in ("bwd_dq_atomic", "bwd_causal_reverse", "fwd_persistent", "fwd_persistent_causal", "fwd_causal_lpt",
-                     "fwd_persistent_masked", "fwd_persistent_sorted",
+                     "fwd_persistent_masked",
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
                      "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first", "bwd_dkv_together",

@@ -35,7 +35,7 @@ from .forward_masked import _flash_fwd_masked
 from .forward_band_persistent import _flash_fwd_band_persistent
 from .forward_masked_persistent import _flash_fwd_masked_persistent
 from .forward_step import _Sched, _fwd_kv_step, finish_tile, fwd_geometry, qo_refs, qo_scratch
-from .persistent_steps import sorted_deal, tile_parts
+from .persistent_steps import tile_parts
 from .config import (LN2, HopperConfig, TailSplit, causal_deal, check_lengths, default_config, logit_units,
                      persistent_band_fwd_chosen, persistent_causal_chosen, persistent_chosen, persistent_masked_chosen,
                      rendezvous_named, ring_choices, split_tail_chosen)
@@ -117,14 +117,10 @@ def flash_fwd(q, k, v, *, scale: float, causal: bool, config: HopperConfig | Non
                                                  rows=(a.tile_rows, a.block_rows, a.stores))
             return (merge_shared_groups(out, shared, a.tile_rows, a.stores, interpret=interpret),
                     gather_row_values(lse, a.out_index))
-        if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)):
-            counts = mask_tables.fwd[0]
-            order = sorted_deal(counts[..., -1], H) if cfg.fwd_persistent_sorted else None
-            return _flash_fwd_masked_persistent(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd,
-                                                scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,
-                                                rule=mask_rule, order=order)
-        return _flash_fwd_masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
-                                 interpret=interpret, softcap=softcap, rule=mask_rule)
+        masked = (_flash_fwd_masked_persistent
+                  if persistent_masked_chosen(cfg, D, Dv, dtype, tuple(mask_rule.window)) else _flash_fwd_masked)
+        return masked(q, k, v, mask_tables.qm, mask_tables.km, *mask_tables.fwd, scale=scale, cfg=cfg,
+                      interpret=interpret, softcap=softcap, rule=mask_rule)
     if (band is not None and persistent_band_fwd_chosen(cfg, D, Dv, dtype, band)
             and every_query_sees_a_key(band, S, Skv)):  # one CTA per SM walking query tiles
         return _flash_fwd_band_persistent(q, k, v, scale=scale, cfg=cfg, interpret=interpret, softcap=softcap,

@@ -13,16 +13,15 @@ from .config import HopperConfig, logit_units, rendezvous_named, ring_choices
 from .data_mask import walk_groups
 from .forward_masked import step_mask
 from .forward_step import _Sched, _fwd_kv_step, fwd_geometry
-from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_coords, snake_tile,
-                               store_forward_tile, tile_parts, tiles_of_cta, wait_to_refill)
+from .persistent_steps import (drain_rings, fresh_forward_tile, next_k_and_prefetch, snake_coords,
+                               store_forward_tile, tiles_of_cta, wait_to_refill)
 
 
 def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: float, cfg: HopperConfig,
-                                 interpret: bool, softcap: float | None, rule, order=None):
+                                 interpret: bool, softcap: float | None, rule):
     """The data-mask forward (see forward_masked._flash_fwd_masked for the tables) on n_ctas CTAs (cfg.fwd_ctas or
     the SM count), tiles dealt by snake_tile in (batch, head, query tile) order, so the CTAs running together read
-    the same K/V in L2; with order ([B * H * T] int32, persistent_steps.sorted_deal) the tile a CTA takes in its
-    round i is order[snake_tile(cta, i)] instead (dealt by cost).
+    the same K/V in L2.
 
     What the grid version exposes at every tile and this one overlaps:
       * K/V: the memory warpgroup streams the blocks of all the CTA's tiles through one ring (a global step counter
@@ -47,22 +46,18 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
     n_tiles = B * H * n_qt
     n_ctas = min(cfg.fwd_ctas or num_sms(), n_tiles)
 
-    def tile_coords(cta, i, order_ref=None):  # -> batch, head, query tile of the CTA's i-th tile
-        if order_ref is None:
-            return snake_coords(cta, i, n_ctas, H, n_qt)
-        return tile_parts(order_ref[snake_tile(cta, i, n_ctas)], H, n_qt)
+    def tile_coords(cta, i):  # -> batch, head, query tile of the CTA's i-th tile
+        return snake_coords(cta, i, n_ctas, H, n_qt)
 
-    def steps_of(counts_ref, cta, i, my_tiles, order_ref):
+    def steps_of(counts_ref, cta, i, my_tiles):
         """The step ends of the CTA's i-th tile (clamped to its last; forward_masked.walk_groups), an empty list as
         1 step under the whole rule (the last partial group)."""
-        b, _, qt = tile_coords(cta, jnp.minimum(i, my_tiles - 1), order_ref)
+        b, _, qt = tile_coords(cta, jnp.minimum(i, my_tiles - 1))
         ends = [counts_ref[b, qt, j] for j in range(n_groups + 1)]
         empty = ends[-1] == 0
         return tuple(jnp.where(empty, 0 if j < n_groups - 1 else 1, e) for j, e in enumerate(ends))
 
-    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, *refs):
-        (order_ref,), refs = (refs[:1], refs[1:]) if order is not None else ((None,), refs)
-        o_ref, lse_ref, smem, bars = refs
+    def body(q_ref, k_ref, v_ref, qm_ref, km_ref, counts_ref, blocks_ref, o_ref, lse_ref, smem, bars):
         qo_smem4, k_smem, v_smem, lse_smem2, qm_smem4, km_smem = smem
         k_bar, v_bar, q_bar, k_cons, v_cons, sched, qm_bar, km_bar, km_cons = bars
         k_slots, v_slots, km_slots = ring_slots(plgpu, (k_cons, v_cons, km_cons), stages, named=named_release,
@@ -78,7 +73,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
             lse_smem = lse_smem2.at[wg]
 
             def load_q(i, buf):
-                b, h, qt = tile_coords(cta, i, order_ref)
+                b, h, qt = tile_coords(cta, i)
                 q0 = qt * (2 * bq) + wg * bq
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, bq), h], qo_smem4.at[wg, buf],
                                         q_bar.at[2 * wg + buf])
@@ -94,8 +89,8 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
             def tile_body(i, carry):
                 g0, ends = carry[0], carry[1:]
                 n_steps = ends[-1]
-                nxt = steps_of(counts_ref, cta, i + 1, my_tiles, order_ref)  # a tile ahead, used at the next
-                b, h, qt = tile_coords(cta, i, order_ref)
+                nxt = steps_of(counts_ref, cta, i + 1, my_tiles)  # read a tile ahead, used at the next tile
+                b, h, qt = tile_coords(cta, i)
                 buf = rem(i, 2)
                 qo_smem = qo_smem4.at[wg, buf]
                 q0 = qt * (2 * bq) + wg * bq
@@ -125,8 +120,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                                    o_dst=o_ref.at[b, pl.ds(q0, bq), h], lse_dst=lse_ref.at[b, h, pl.ds(q0, bq)])
                 return (g0 + n_steps,) + nxt
 
-            lax.fori_loop(0, my_tiles, tile_body,
-                          (jnp.int32(0),) + steps_of(counts_ref, cta, 0, my_tiles, order_ref))
+            lax.fori_loop(0, my_tiles, tile_body, (jnp.int32(0),) + steps_of(counts_ref, cta, 0, my_tiles))
             pl.when(wg == 0)(sched.finish)
             plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.exit_wait_read_only)
 
@@ -138,7 +132,7 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
                 slots_of = (k_slots, v_slots, km_slots)
 
                 def tile_loads(i, g0):
-                    b, h, qt = tile_coords(cta, i, order_ref)
+                    b, h, qt = tile_coords(cta, i)
                     kvh = lax.div(h, jnp.int32(rep))
                     n_steps = jnp.maximum(counts_ref[b, qt, n_groups], 1)  # an empty list walks block 0
 
@@ -188,4 +182,4 @@ def _flash_fwd_masked_persistent(q, k, v, qm, km, counts, blocks, *, scale: floa
     return warp_specialized_kernel(plgpu, body, out_type=out_type, scratch=scratch, grid=(n_ctas,),
                                    grid_names=("cta",), compute_wgs=2, interpret=interpret,
                                    name="te_jax_attn_fwd_masked_persistent", no_auto_barriers=producer_warp)(
-        q, k, v, qm, km, counts, blocks, *(() if order is None else (order,)))
+        q, k, v, qm, km, counts, blocks)

@@ -31,19 +31,6 @@ def snake_coords(cta, i, n_ctas: int, heads: int, per_head: int):
     return tile_parts(snake_tile(cta, i, n_ctas), heads, per_head)
 
 
-def sorted_deal(steps, heads: int):
-    """The tile order of a persistent kernel dealing by cost: steps [B, T] int32 (each query tile's walk, the same
-    for every head) -> order [B * heads * T] int32, the tile indices in (batch, head, tile) order sorted by walk,
-    longest first (ties in tile order), each (batch, tile)'s heads side by side.  A CTA takes order[snake_tile(...)]
-    in its round i: the snake deal of sorted costs gives every CTA about the same sum (the longest processing time
-    first rule), where (batch, head, tile) order gave documents' CTAs sums up to about 30% apart."""
-    B, T = steps.shape
-    rank = jnp.argsort(-steps.reshape(-1).astype(jnp.int32), stable=True).astype(jnp.int32)  # [B * T]
-    b, t = rank // T, rank % T
-    h = jnp.arange(heads, dtype=jnp.int32)
-    return ((b[:, None] * heads + h) * T + t[:, None]).reshape(-1)
-
-
 def tiles_of_cta(cta, n_tiles: int, n_ctas: int):
     """How many tiles CTA `cta` takes under snake_tile: every whole round, and the last partial round if its
     position there is among the round's first n_tiles % n_ctas."""
