@@ -1386,8 +1386,8 @@ def test_data_mask_tables_on_random_documents(seed, monkeypatch):
 
 
 def test_block_lists_one_hot_and_sort_agree(monkeypatch):
-    """block_lists: partial blocks first, then full ones, each group in index order, built the same by comparisons
-    (short rows) and the stable sort (long rows), to the last entry; counts = the groups' cumulative ends."""
+    """block_lists: partial blocks first, then full ones, each group in index order, built the same by the one-hot
+    sum (short rows) and the stable sort (long rows); counts = (partial, visible)."""
     from pallas_kernels.flash_attention_hopper import data_mask
 
     rng = np.random.default_rng(0)
@@ -1407,7 +1407,6 @@ def test_block_lists_one_hot_and_sort_agree(monkeypatch):
             assert tuple(np.asarray(counts)[r]) == ends == tuple(np.asarray(counts2)[r])
             np.testing.assert_array_equal(np.asarray(blocks)[r][:len(want)], want)
             np.testing.assert_array_equal(np.asarray(blocks2)[r][:len(want)], want)
-        np.testing.assert_array_equal(np.asarray(blocks), np.asarray(blocks2))  # the unlisted blocks after, alike
 
 
 def test_one_step_tiles_stay_off_the_persistent_forward():

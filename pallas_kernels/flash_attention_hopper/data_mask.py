@@ -134,22 +134,25 @@ def block_lists(classes, groups=None, n_groups: int = 1):
     """int8 classes [..., n] (mask.classify) -> (counts [..., n_groups + 1] int32, blocks [..., n] int32): each
     row's visible blocks, the partial ones first, ordered by their group (groups [..., n] int32 in
     [0, n_groups), read at the partial blocks; None: one group), then the full ones, in index order within each
-    group; the rest of the row holds the blocks not listed (never read). counts: the cumulative ends of the partial
-    groups, then the number of visible blocks (one group: (partial, partial + full)).  Rows of up to ONE_HOT_MAX
-    blocks build the list from comparisons, each block's place in it being the number of blocks before it
-    (n^2 per row, three fused XLA reductions and no scan: on the GPU every cumulative sum is a kernel of its own);
-    longer ones by a stable sort."""
+    group; the rest of the row is 0 (never read). counts: the cumulative ends of the partial groups, then the
+    number of visible blocks (one group: (partial, partial + full)).  Rows of up to ONE_HOT_MAX blocks build the
+    list as a one-hot sum (one fused XLA reduction, n^2 per row); longer ones by a stable sort."""
     partial, full = classes == PARTIAL, classes == FULL
     n = classes.shape[-1]
     key = jnp.where(partial, 0 if groups is None else groups, jnp.where(full, n_groups, n_groups + 1))
     key = key.astype(jnp.int32)  # list order: partial groups 0 .. n_groups - 1, full n_groups, not listed after
-    counts = jnp.sum(key[..., :, None] <= jnp.arange(n_groups + 1, dtype=jnp.int32), axis=-2, dtype=jnp.int32)
+    sizes = [jnp.sum(key == g, -1, dtype=jnp.int32) for g in range(n_groups + 1)]
+    ends = [sizes[0]]
+    for size in sizes[1:]:
+        ends.append(ends[-1] + size)
+    counts = jnp.stack(ends, -1)
     if n > ONE_HOT_MAX:
         return counts, jnp.argsort(key, axis=-1, stable=True).astype(jnp.int32)
+    slot = jnp.full(key.shape, n, jnp.int32)
+    for g in range(n_groups + 1):
+        start = 0 if g == 0 else ends[g - 1][..., None]
+        slot = jnp.where(key == g, start + jnp.cumsum(key == g, -1, dtype=jnp.int32) - 1, slot)
     idx = jnp.arange(n, dtype=jnp.int32)
-    ki, kj = key[..., :, None], key[..., None, :]  # [..., block i, block j]
-    before = (kj < ki) | ((kj == ki) & (idx < idx[:, None]))  # block j comes before block i in the list
-    slot = jnp.sum(before, axis=-1, dtype=jnp.int32)  # block i's place: the stable sort's
     hits = slot[..., :, None] == idx  # [..., block i, list slot j]
     return counts, jnp.sum(jnp.where(hits, idx[:, None], 0), axis=-2, dtype=jnp.int32)
 
