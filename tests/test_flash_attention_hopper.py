@@ -1385,6 +1385,68 @@ def test_data_mask_tables_on_random_documents(seed, monkeypatch):
                   dataclasses.replace(cfg, bwd_dkv_block_q=32))
 
 
+def test_list_kernel_gives_the_xla_lists():
+    """data_mask.tile_lists(kernel=True) (list_kernel: one Triton program per row, interpreted here) against XLA's
+    lists on random packed documents with padding, under causal (bottom-right; top-left with segment ids past
+    partial_kinds' bounds), windows, and rules of one group: the same counts, the same listed blocks,
+    and every block once per row (the unlisted ones after the list, as the stable sort places them); for the
+    forward's, the dQ kernel's and the dK/dV kernel's (transposed) tiles, on the global grid and on aligned tiles."""
+    from pallas_kernels.flash_attention_hopper import aligned_tiles, list_kernel
+    from pallas_kernels.flash_attention_hopper.data_mask import backward_rule, mask_rule, tile_lists, token_marks
+    from pallas_kernels.flash_attention_hopper.data_mask import marks_only
+    from pallas_kernels.mask import AttentionMask
+
+    rng = np.random.default_rng(5)
+    S = 512
+    seg = np.zeros((2, S), np.int32)
+    for b in range(2):
+        lens = rng.integers(1, 300, 8)
+        seg[b] = _runs(list(lens[np.cumsum(lens) <= S - 20]), S)
+    cases = [(seg, dict(causal=True, bottom_right=True)), (seg, dict(causal=True, window=(100, 0))),
+             (seg, dict(window=(40, 70))), (np.where(seg > 0, seg + 5000, 0), dict(causal=True))]
+    for s, kw in cases:
+        m = AttentionMask.from_segments(s, **kw)
+        for rule in (mask_rule(m), backward_rule(mask_rule(m))):  # grouped (where the rule compares both), one group
+            for marks in (token_marks(marks_only(m)), None):
+                if marks is None:  # the padded layout of document-aligned tiles
+                    a = aligned_tiles.aligned_tables((m.q_segment_ids, m.q_positions, m.kv_segment_ids,
+                                                      m.kv_positions), rule, 128, 64)
+                    marks = (jnp.where(a.qm[:, 0] < 0, 0, a.qm[:, 0]), a.qm[:, 1], a.km[:, 0], a.km[:, 1])
+                for q_tile, kv_tile, transposed in ((128, 64, False), (64, 128, True)):
+                    qs, qp, ks, kp = marks
+                    if qs.shape[1] % q_tile or ks.shape[1] % kv_tile:
+                        continue
+                    want = tile_lists(qs, qp, ks, kp, rule, q_tile, kv_tile, transposed)
+                    got = tile_lists(qs, qp, ks, kp, rule, q_tile, kv_tile, transposed, kernel=True)
+                    counts, blocks = (np.asarray(x) for x in got)
+                    np.testing.assert_array_equal(counts, np.asarray(want[0]), err_msg=str((kw, rule)))
+                    visible = counts[..., -1]
+                    for r in np.ndindex(visible.shape):
+                        np.testing.assert_array_equal(blocks[r][:visible[r]], np.asarray(want[1])[r][:visible[r]])
+                        assert sorted(blocks[r].tolist()) == list(range(blocks.shape[-1]))
+    # HopperConfig.lists_kernel reaches every table: the grid's forward, dQ and dK/dV lists, and the aligned ones
+    import dataclasses
+
+    from pallas_kernels.flash_attention_hopper.config import default_config
+    from pallas_kernels.flash_attention_hopper.data_mask import mask_tables
+
+    m = AttentionMask.from_segments(seg, causal=True)
+    cfg = dataclasses.replace(default_config(128, S, False, S), block_q=64, block_kv=64)
+    build = lambda c: (mask_tables(m, c), aligned_tiles.aligned_backward_tables(
+        aligned_tiles.aligned_mask_tables(m, c, backward=False), mask_rule(m), c))
+    calls = []
+    orig = list_kernel.block_lists_kernel
+    list_kernel.block_lists_kernel = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        on = build(dataclasses.replace(cfg, lists_kernel=True))
+    finally:
+        list_kernel.block_lists_kernel = orig
+    off = build(cfg)
+    assert len(calls) == 6  # fwd, dq, dkv on the grid and on aligned tiles
+    for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off)):
+        assert a.shape == b.shape
+
+
 def test_block_lists_one_hot_and_sort_agree(monkeypatch):
     """block_lists: partial blocks first, then full ones, each group in index order, built the same by the one-hot
     sum (short rows) and the stable sort (long rows); counts = (partial, visible)."""

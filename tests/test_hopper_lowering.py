@@ -191,6 +191,15 @@ def test_hopper_aligned_data_mask_forward_lowers_for_cuda(D, Dv, bwd, ptx):
     assert _attention_fwd_bwd(mask.q_len, D, Dv, mask=mask, mask_aligned=True, **bwd, **ptx) > 0
 
 
+@pytest.mark.parametrize("aligned", [False, True])
+def test_attention_with_the_lists_kernel_lowers_for_cuda(aligned):
+    """A documents mask's forward and backward with HopperConfig.lists_kernel (the tables' lists from list_kernel,
+    Triton) on the grid's tiles and on aligned tiles, lowered for CUDA as one program."""
+    mask = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=768), causal=True)
+    assert _attention_fwd_bwd(mask.q_len, 128, 128, mask=mask, mask_aligned=aligned, lists_kernel=True,
+                              **NO_PTX) > 0
+
+
 @pytest.mark.parametrize("case", ["dense causal", "aligned documents", "persistent data mask"])
 def test_exit_wait_setting_reaches_the_kernels(case):
     """HopperConfig.exit_wait_read_only changes what every kernel of the call lowers to (the CTAs' last TMA stores
@@ -238,6 +247,25 @@ def test_fp8_block_gemm_persistent_lowers_for_cuda(cluster_m, b_uniform, promoti
     f = lambda *x: block_scaled_gemm_persistent(*x, cluster_m=cluster_m, b_uniform=b_uniform, promotion=promotion,
                                                 block_n=block_n)
     assert _lower(f, a, b, sa, sb) > 0
+
+
+@pytest.mark.parametrize("cols", [160, 600])
+def test_block_lists_kernel_lowers_for_cuda(cols):
+    """list_kernel (the data mask's block lists, one Triton program per row) for CUDA: grouped and one-group rules,
+    per query tile and per key tile (transposed), rows padded to 256 (4 warps) and 1024 blocks (8 warps)."""
+    from pallas_kernels.flash_attention_hopper.data_mask import MaskRule
+    from pallas_kernels.flash_attention_hopper.list_kernel import block_lists_kernel
+    from pallas_kernels.mask import TileStats
+
+    stats = lambda n: TileStats(*(jax.ShapeDtypeStruct((2, n), jnp.int32),) * 4, jax.ShapeDtypeStruct((2, n), bool))
+    fits = jax.ShapeDtypeStruct((), bool)
+    for rule in (MaskRule(True, (-1, -1)), MaskRule(True, (-1, -1), split=False), MaskRule(False, (40, 70))):
+        for transposed in (False, True):
+            f = lambda r, c, rm, cm, fits, rule=rule, t=transposed: block_lists_kernel(
+                r, c, rm, cm, fits, rule, transposed=t, interpret=False)
+            text = jax.jit(f).trace(stats(96), stats(cols), stats(96), stats(cols), fits).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "te_jax_attn_block_lists" in text and "triton" in text.lower()
 
 
 def test_triton_kernels_lower_for_cuda():

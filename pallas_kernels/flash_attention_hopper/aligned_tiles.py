@@ -48,8 +48,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import aligned_merge
-from .data_mask import (NO_SEGMENT, backward_rule, backward_tables, dkv_tiles, dq_tiles, marks_only, mask_rule,
-                        tile_lists, token_marks)
+from .data_mask import (NO_SEGMENT, backward_rule, backward_tables, dkv_tiles, dq_tiles, lists_by_kernel,
+                        marks_only, mask_rule, tile_lists, token_marks)
 
 
 #: Tiles start at multiples of this many rows (the swizzled shared-memory tiles' rows: Mosaic GPU's layout inference
@@ -135,14 +135,15 @@ def _tile_marks(seg, pos, starts, tile: int, keep):
     return tuple(jnp.where(keep, jnp.take_along_axis(a, tokens, axis=1), 0) for a in (seg, pos))
 
 
-def aligned_tables(marks, rule, q_tile: int, kv_tile: int, *, transposed: bool = False) -> AlignedTiles:
+def aligned_tables(marks, rule, q_tile: int, kv_tile: int, *, transposed: bool = False,
+                   kernel: bool = False) -> AlignedTiles:
     """AlignedTiles from the mask's token marks (q segment ids, q positions, kv segment ids, kv positions), each
     [B, S] int32 with segment 0 for padding (lengths multiples of the tiles), for rule (data_mask.MaskRule: the
     kernel's partial groups), on query tiles of q_tile rows and key tiles of kv_tile.  Without transposed the tiles
     are the query tiles (stored by plan: the forward's O, dQ) and the blocks they walk the key tiles; transposed,
     the tiles are the key tiles (dK, dV) walking query blocks.  Where queries and keys are one array and one tile
     size (self-attention), both sides are the same computations on the same values, which XLA computes once: runs,
-    tiles, padded marks and their per-tile ranges."""
+    tiles, padded marks and their per-tile ranges.  kernel: the lists from list_kernel (data_mask.tile_lists)."""
     q_seg, q_pos, k_seg, k_pos = (a.astype(jnp.int32) for a in marks)
     n_q, n_k = aligned_tile_count(q_seg.shape[1], q_tile), aligned_tile_count(k_seg.shape[1], kv_tile)
     q_starts, q_index, q_tok = run_tiles(q_seg, q_tile, n_q)
@@ -150,7 +151,7 @@ def aligned_tables(marks, rule, q_tile: int, kv_tile: int, *, transposed: bool =
     in_rows = lambda t, n: (jnp.arange(n) >= t[..., :1]) & (jnp.arange(n) < t[..., 1:])  # [B, T, n]
     qs, qp = _tile_marks(q_seg, q_pos, q_starts, q_tile, in_rows(q_tok, q_tile))
     ks, kp = _tile_marks(k_seg, k_pos, k_starts, kv_tile, in_rows(k_tok, kv_tile))
-    counts, blocks = tile_lists(qs, qp, ks, kp, rule, q_tile, kv_tile, transposed=transposed)
+    counts, blocks = tile_lists(qs, qp, ks, kp, rule, q_tile, kv_tile, transposed=transposed, kernel=kernel)
     qm = jnp.stack([jnp.where(qs == 0, NO_SEGMENT, qs), qp], axis=1)  # rows that are no query's: NO_SEGMENT
     km = jnp.stack([ks, kp], axis=1)  # keys that are no tile's: padding
     (starts, index, tok), block_starts = ((k_starts, k_index, k_tok), q_starts) if transposed else (
@@ -167,7 +168,8 @@ def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = Tr
     rule = mask_rule(mask, segments, split)
     t = marks_only(mask)
     marks = (mask.q_segment_ids, mask.q_positions, mask.kv_segment_ids, mask.kv_positions)
-    t = t._replace(aligned=aligned_tables(marks, rule, 2 * cfg.block_q, cfg.block_kv), marks=marks)
+    t = t._replace(aligned=aligned_tables(marks, rule, 2 * cfg.block_q, cfg.block_kv,
+                                          kernel=lists_by_kernel(cfg)), marks=marks)
     return backward_tables(t, rule, cfg) if backward else t
 
 
@@ -179,8 +181,9 @@ def aligned_backward_tables(t, rule, cfg):
     if t.aligned_dq is not None:
         return t
     marks, rule = (token_marks(t) if t.marks is None else t.marks), backward_rule(rule)
-    return t._replace(aligned_dq=aligned_tables(marks, rule, *dq_tiles(cfg)),
-                      aligned_dkv=aligned_tables(marks, rule, *dkv_tiles(cfg), transposed=True))
+    kernel = lists_by_kernel(cfg)
+    return t._replace(aligned_dq=aligned_tables(marks, rule, *dq_tiles(cfg), kernel=kernel),
+                      aligned_dkv=aligned_tables(marks, rule, *dkv_tiles(cfg), transposed=True, kernel=kernel))
 
 
 def merge_shared_groups(out, shared, tile_rows, stores, *, kernel: bool | None = None, interpret=None):

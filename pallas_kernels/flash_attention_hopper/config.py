@@ -115,6 +115,10 @@ class HopperConfig:
     # done (what the kernels did before).  The kernels read nothing they store, so either is correct.  H100
     # (benchmarks/results/attention_masks_h100.md, 2026-11-28): documents 0.7-1.4% faster, dense rows within noise.
     exit_wait_read_only: bool = True
+    # The data mask's block lists (every table's classification, groups and lists) from one Triton kernel per
+    # table (list_kernel: a program per row) instead of XLA's dozen small kernels.  The same tables.  None (auto):
+    # off until measured on a GPU (the pre-pass is 59-68 kernels, 91-119 us, on packed documents).
+    lists_kernel: bool | None = None
     # Where the dQ kernel runs (not the atomic dQ), it computes delta = rowsum(O * dO) itself from its query tile's
     # O and dO, and writes it for the dK/dV kernel, which then runs after it: no separate XLA pass over O and dO.
     # A cotangent on lse is loaded and subtracted there too.  None (auto): on the GPU; False: XLA's reduction first.
@@ -173,7 +177,7 @@ class HopperConfig:
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
                      "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first", "bwd_dkv_together",
-                     "bwd_aligned"):
+                     "bwd_aligned", "lists_kernel"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if self.bwd_compute_registers is not None:

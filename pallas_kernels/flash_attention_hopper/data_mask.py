@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from ..mask import FULL, PARTIAL, AttentionMask, TileStats, classify, tile_stats
+from . import list_kernel
 from .config import dkv_block_q
 
 
@@ -209,19 +210,28 @@ def _combined_marks(seg, pos):
     return jnp.where(fits, seg * (2 * POSITION_BOUND) + pos + POSITION_BOUND, 0).astype(jnp.int32), fits
 
 
-def tile_lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False):
+def tile_lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool = False, kernel: bool = False):
     """(counts, blocks) of block_lists at these tiles, the partial tiles in partial_kinds' groups of `rule`
-    (transposed: per key tile)."""
+    (transposed: per key tile).  kernel: classified and listed by list_kernel (one Triton launch; the same lists,
+    the unlisted blocks after them as the sort's) where its rows fit (list_kernel.MAX_COLS), else by XLA."""
     fine = math.gcd(64, q_tile, kv_tile)  # ranges reduced once at the smallest tile (32-row dK/dV blocks), pooled
     stats = lambda seg, pos, tile: _pooled(tile_stats(seg, pos, fine), tile // fine)
     q_stats, kv_stats = stats(qs, qp, q_tile), stats(ks, kp, kv_tile)
-    classes = classify(q_stats, kv_stats, causal=rule.causal, window=rule.window)
     n_groups = len(rule.partial_rules())
-    groups = None
+    marks = fits = None
     if n_groups > 1:
         (qg, q_fit), (kg, k_fit) = _combined_marks(qs, qp), _combined_marks(ks, kp)
-        groups = partial_kinds(q_stats, kv_stats, stats(qs, qg, q_tile), stats(ks, kg, kv_tile), rule)
-        groups = jnp.where(q_fit & k_fit, groups, jnp.where(groups == 0, 0, 2))  # g overflows: no segments-only
+        marks, fits = (stats(qs, qg, q_tile), stats(ks, kg, kv_tile)), q_fit & k_fit
+    n_cols = (q_stats if transposed else kv_stats).seg_min.shape[-1]
+    if kernel and n_cols <= list_kernel.MAX_COLS:
+        rows, cols = (kv_stats, q_stats) if transposed else (q_stats, kv_stats)
+        row_marks, col_marks = (None, None) if marks is None else (marks[::-1] if transposed else marks)
+        return list_kernel.block_lists_kernel(rows, cols, row_marks, col_marks, fits, rule, transposed=transposed)
+    classes = classify(q_stats, kv_stats, causal=rule.causal, window=rule.window)
+    groups = None
+    if n_groups > 1:
+        groups = partial_kinds(q_stats, kv_stats, *marks, rule)
+        groups = jnp.where(fits, groups, jnp.where(groups == 0, 0, 2))  # g overflows: no segments-only
     if transposed:
         classes = jnp.swapaxes(classes, -1, -2)
         groups = None if groups is None else jnp.swapaxes(groups, -1, -2)
@@ -237,8 +247,14 @@ def mask_tables(mask: AttentionMask, cfg, *, backward: bool = True, segments: bo
     forward on document-aligned tiles."""
     rule = mask_rule(mask, segments, split)
     t = marks_only(mask)
-    t = t._replace(fwd=tile_lists(*token_marks(t), rule, 2 * cfg.block_q, cfg.block_kv))
+    t = t._replace(fwd=tile_lists(*token_marks(t), rule, 2 * cfg.block_q, cfg.block_kv,
+                                  kernel=lists_by_kernel(cfg)))
     return backward_tables(t, rule, cfg) if backward else t
+
+
+def lists_by_kernel(cfg) -> bool:
+    """Whether the tables' block lists come from list_kernel (HopperConfig.lists_kernel; auto: not yet)."""
+    return cfg.lists_kernel is True
 
 
 def marks_only(mask: AttentionMask) -> MaskTables:
@@ -283,8 +299,9 @@ def backward_tables(t: MaskTables, rule: MaskRule, cfg) -> MaskTables:
         return t
     marks = token_marks(t)
     rule = backward_rule(rule)
-    return t._replace(dq=tile_lists(*marks, rule, *dq_tiles(cfg)),
-                      dkv=tile_lists(*marks, rule, *dkv_tiles(cfg), transposed=True))
+    kernel = lists_by_kernel(cfg)
+    return t._replace(dq=tile_lists(*marks, rule, *dq_tiles(cfg), kernel=kernel),
+                      dkv=tile_lists(*marks, rule, *dkv_tiles(cfg), transposed=True, kernel=kernel))
 
 
 def dq_tiles(cfg):
