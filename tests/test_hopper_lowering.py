@@ -253,7 +253,7 @@ def test_fp8_block_gemm_persistent_lowers_for_cuda(cluster_m, b_uniform, promoti
 def test_block_lists_kernel_lowers_for_cuda(cols):
     """list_kernel (the data mask's block lists, one Triton program per row) for CUDA: grouped and one-group rules,
     per query tile and per key tile (transposed), rows padded to 256 (4 warps) and 1024 blocks (8 warps)."""
-    from pallas_kernels.flash_attention_hopper.data_mask import MaskRule
+    from pallas_kernels.flash_attention_hopper.data_mask import MaskRule, partial_kinds
     from pallas_kernels.flash_attention_hopper.list_kernel import block_lists_kernel
     from pallas_kernels.mask import TileStats
 
@@ -262,7 +262,7 @@ def test_block_lists_kernel_lowers_for_cuda(cols):
     for rule in (MaskRule(True, (-1, -1)), MaskRule(True, (-1, -1), split=False), MaskRule(False, (40, 70))):
         for transposed in (False, True):
             f = lambda r, c, rm, cm, fits, rule=rule, t=transposed: block_lists_kernel(
-                r, c, rm, cm, fits, rule, transposed=t, interpret=False)
+                r, c, rm, cm, fits, rule, transposed=t, kinds=partial_kinds, interpret=False)
             text = jax.jit(f).trace(stats(96), stats(cols), stats(96), stats(cols), fits).lower(
                 lowering_platforms=("cuda",)).as_text()
             assert "te_jax_attn_block_lists" in text and "triton" in text.lower()

@@ -226,7 +226,8 @@ def tile_lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool
     if kernel and n_cols <= list_kernel.MAX_COLS:
         rows, cols = (kv_stats, q_stats) if transposed else (q_stats, kv_stats)
         row_marks, col_marks = (None, None) if marks is None else (marks[::-1] if transposed else marks)
-        return list_kernel.block_lists_kernel(rows, cols, row_marks, col_marks, fits, rule, transposed=transposed)
+        return list_kernel.block_lists_kernel(rows, cols, row_marks, col_marks, fits, rule, transposed=transposed,
+                                              kinds=partial_kinds)
     classes = classify(q_stats, kv_stats, causal=rule.causal, window=rule.window)
     groups = None
     if n_groups > 1:

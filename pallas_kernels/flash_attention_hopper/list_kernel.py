@@ -1,12 +1,13 @@
 """The data mask's block lists in one Triton-lowered Pallas kernel (data_mask.tile_lists with kernel=True).
 
-    block_lists_kernel(row_stats, col_stats, row_marks, col_marks, fits, rule, *, transposed, interpret=None)
+    block_lists_kernel(row_stats, col_stats, row_marks, col_marks, fits, rule, *, transposed, kinds, interpret=None)
         -> (counts [B, R, n_groups + 1] int32, blocks [B, R, C] int32)
         row_stats / col_stats   mask.TileStats [B, R] / [B, C]: the tiles whose lists these are (query tiles, or key
                                 tiles where transposed) and the blocks they walk
         row_marks / col_marks   TileStats whose positions are data_mask._combined_marks' g (partial_kinds), or None
                                 where the rule has one partial group
         fits                    bool scalar: the combined marks' bounds hold (else no segments-only group)
+        kinds                   data_mask.partial_kinds (passed in: data_mask imports this module)
 
 The same lists as XLA's mask.classify -> data_mask.partial_kinds -> data_mask.block_lists (the tests compare them),
 from one program per (batch, row): it classifies its row against every block, groups the partial ones, and places
@@ -31,7 +32,7 @@ def _pad_pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _kernel(*refs, n_stats: int, npad: int, rule, transposed: bool, grouped: bool):
+def _kernel(*refs, n_stats: int, npad: int, rule, transposed: bool, grouped: bool, kinds):
     n_in = 2 * n_stats + (2 * 2 + 1 if grouped else 0)
     ins, (counts_ref, blocks_ref) = refs[:n_in], refs[n_in:]
     b, r = pl.program_id(0), pl.program_id(1)
@@ -44,14 +45,12 @@ def _kernel(*refs, n_stats: int, npad: int, rule, transposed: bool, grouped: boo
     classes = flat(classify(q, kv, causal=rule.causal, window=rule.window)).astype(jnp.int32)
     n_groups = 3 if grouped else 1
     if grouped:
-        from .data_mask import partial_kinds
-
         g_in = ins[2 * n_stats:]
         row_g = (jnp.broadcast_to(g_in[0][b, r], (1,)), jnp.broadcast_to(g_in[1][b, r], (1,)))
         col_g = (g_in[2][b, cols], g_in[3][b, cols])
         marks = lambda s, g: s._replace(pos_min=g[0], pos_max=g[1])
         qg, kg = (marks(col, col_g), marks(row, row_g)) if transposed else (marks(row, row_g), marks(col, col_g))
-        groups = flat(partial_kinds(q, kv, qg, kg, rule))
+        groups = flat(kinds(q, kv, qg, kg, rule))
         fits = g_in[4][0] != 0
         groups = jnp.where(fits, groups, jnp.where(groups == 0, 0, 2))
     else:
@@ -70,17 +69,17 @@ def _kernel(*refs, n_stats: int, npad: int, rule, transposed: bool, grouped: boo
 
 
 def block_lists_kernel(row_stats: TileStats, col_stats: TileStats, row_marks, col_marks, fits, rule, *,
-                       transposed: bool, interpret=None):
-    """See the module docstring."""
+                       transposed: bool, kinds=None, interpret=None):
+    """See the module docstring; kinds: data_mask.partial_kinds (the caller's, where the rule has groups)."""
     B, R = row_stats.seg_min.shape
     C = col_stats.seg_min.shape[-1]
     if C > MAX_COLS:
         raise ValueError(f"block_lists_kernel: {C} blocks per row; the kernel takes at most {MAX_COLS} "
                          f"(use data_mask.tile_lists(kernel=False)).")
     grouped = len(rule.partial_rules()) > 1
-    if grouped and (row_marks is None or col_marks is None or fits is None):
+    if grouped and (row_marks is None or col_marks is None or fits is None or kinds is None):
         raise ValueError(f"block_lists_kernel: rule {rule} has {len(rule.partial_rules())} partial groups and "
-                         f"needs row_marks, col_marks and fits (partial_kinds).")
+                         f"needs row_marks, col_marks, fits and kinds (data_mask.partial_kinds).")
     npad = _pad_pow2(C)
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
     big, small = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -94,7 +93,7 @@ def block_lists_kernel(row_stats: TileStats, col_stats: TileStats, row_marks, co
     n_groups = 3 if grouped else 1
     counts, blocks = pl.pallas_call(
         functools.partial(_kernel, n_stats=len(pad_vals), npad=npad, rule=rule, transposed=transposed,
-                          grouped=grouped),
+                          grouped=grouped, kinds=kinds),
         out_shape=(jax.ShapeDtypeStruct((B, R, n_groups + 1), jnp.int32),
                    jax.ShapeDtypeStruct((B, R, npad), jnp.int32)),
         grid=(B, R),
