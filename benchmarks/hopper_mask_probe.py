@@ -615,7 +615,8 @@ def tile_stats():
 def prepass(rounds: int):
     """The XLA pre-pass alone, by the device clock: every kernel of mask_tables (the grid forward's lists),
     aligned_tiles.aligned_mask_tables and the backward's lists, on thd's 11 documents (H16 does not matter here),
-    the mask's positions derived from its segment ids in the call (as te_jax does)."""
+    the mask's positions derived from its segment ids in the call (as te_jax does); and the forward+backward tables
+    with their lists from list_kernel (HopperConfig.lists_kernel)."""
     import collections
 
     from benchmarks import device_time
@@ -628,6 +629,11 @@ def prepass(rounds: int):
            "grid forward + backward lists": jax.jit(lambda m: mask_tables(_rebuilt(m), cfg, backward=True)),
            "aligned forward + aligned backward lists": jax.jit(lambda m: aligned_backward_tables(
                aligned_mask_tables(_rebuilt(m), cfg, backward=False), mask_rule(_rebuilt(m)), cfg))}
+    kcfg = dataclasses.replace(cfg, lists_kernel=True)  # the lists from list_kernel (one Triton launch a table)
+    fns["aligned forward + aligned backward lists, lists kernel"] = jax.jit(lambda m: aligned_backward_tables(
+        aligned_mask_tables(_rebuilt(m), kcfg, backward=False), mask_rule(_rebuilt(m)), kcfg))
+    fns["grid forward + backward lists, lists kernel"] = jax.jit(lambda m: mask_tables(_rebuilt(m), kcfg,
+                                                                                       backward=True))
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  thd 11 documents in 16384 tokens; device clock")
     for name, f in fns.items():
         jax.block_until_ready(f(m))
