@@ -1388,7 +1388,8 @@ def test_data_mask_tables_on_random_documents(seed, monkeypatch):
 def test_list_kernel_gives_the_xla_lists():
     """data_mask.tile_lists(kernel=True) (list_kernel: one Triton program per row, interpreted here) against XLA's
     lists on random packed documents with padding, under causal (bottom-right; top-left with segment ids past
-    partial_kinds' bounds), windows, and rules of one group: the same counts, the same listed blocks,
+    partial_kinds' bounds), windows, rules of one group, and more keys than queries: the same counts, the same listed
+    blocks,
     and every block once per row (the unlisted ones after the list, as the stable sort places them); for the
     forward's, the dQ kernel's and the dK/dV kernel's (transposed) tiles, on the global grid and on aligned tiles."""
     from pallas_kernels.flash_attention_hopper import aligned_tiles, list_kernel
@@ -1402,12 +1403,15 @@ def test_list_kernel_gives_the_xla_lists():
     for b in range(2):
         lens = rng.integers(1, 300, 8)
         seg[b] = _runs(list(lens[np.cumsum(lens) <= S - 20]), S)
-    cases = [(seg, dict(causal=True, bottom_right=True)), (seg, dict(causal=True, window=(100, 0))),
-             (seg, dict(window=(40, 70))), (np.where(seg > 0, seg + 5000, 0), dict(causal=True))]
-    for s, kw in cases:
-        m = AttentionMask.from_segments(s, **kw)
-        for rule in (mask_rule(m), backward_rule(mask_rule(m))):  # grouped (where the rule compares both), one group
-            for marks in (token_marks(marks_only(m)), None):
+    cases = [(seg, dict(causal=True, bottom_right=True)), (seg, dict(window=(40, 70))),
+             (np.where(seg > 0, seg + 5000, 0), dict(causal=True))]
+    kv_seg = np.concatenate([seg, seg[:, :128]], axis=1)  # 640 keys against 512 queries: rows and blocks differ
+    masks = [AttentionMask.from_segments(s, **kw) for s, kw in cases] + [
+        AttentionMask.full(2, 256, 640, causal=True, bottom_right=True),
+        AttentionMask.from_segments(seg, kv_seg, causal=True, bottom_right=True)]
+    for m in masks:
+        for i, rule in enumerate((mask_rule(m), backward_rule(mask_rule(m)))):  # grouped (where it compares both), one
+            for marks in (token_marks(marks_only(m)), None)[:2 - i]:  # aligned tiles' padded layout: the first rule
                 if marks is None:  # the padded layout of document-aligned tiles
                     a = aligned_tiles.aligned_tables((m.q_segment_ids, m.q_positions, m.kv_segment_ids,
                                                       m.kv_positions), rule, 128, 64)
@@ -1419,7 +1423,7 @@ def test_list_kernel_gives_the_xla_lists():
                     want = tile_lists(qs, qp, ks, kp, rule, q_tile, kv_tile, transposed)
                     got = tile_lists(qs, qp, ks, kp, rule, q_tile, kv_tile, transposed, kernel=True)
                     counts, blocks = (np.asarray(x) for x in got)
-                    np.testing.assert_array_equal(counts, np.asarray(want[0]), err_msg=str((kw, rule)))
+                    np.testing.assert_array_equal(counts, np.asarray(want[0]), err_msg=str((m.causal, m.window, rule)))
                     visible = counts[..., -1]
                     for r in np.ndindex(visible.shape):
                         np.testing.assert_array_equal(blocks[r][:visible[r]], np.asarray(want[1])[r][:visible[r]])
