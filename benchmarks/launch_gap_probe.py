@@ -8,7 +8,9 @@ report), the device clock's kernel time (the sum of the kernels' durations) and 
 kernel end, per call: kernels plus the GPU's idle gaps between them). Where the host clock exceeds the span, the
 host's dispatch is the limit; where the span exceeds the kernel time, the GPU waits between kernels. Variants: XLA's
 defaults; command buffers (CUDA graphs) taking segments of any length (xla_gpu_graph_min_graph_size=1); command
-buffers off. Masks as in hopper_mask_probe.probe_masks, on document-aligned tiles as te_jax's auto takes them.
+buffers off. Masks as in hopper_mask_probe.probe_masks, on document-aligned tiles as te_jax's auto takes them;
+FlashAttention-3's varlen call beside them under XLA's defaults where flash-attn3-jax is installed
+(PYTHONPATH=.:/tmp/site after benchmarks/install_peers.sh, carry .whl).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import statistics
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import device_time, timing
 
@@ -25,6 +28,28 @@ VARIANTS = {
     "graphs of any size": {"xla_gpu_graph_min_graph_size": 1},
     "no command buffers": {"xla_gpu_enable_command_buffer": ""},
 }
+
+
+def _fa3_varlen(name, m, d):
+    """FlashAttention-3's varlen call on the documents of mask `name` (flash-attn3-jax, when installed; the
+    documents' lengths from the mask's segment ids), or None."""
+    try:
+        import flash_attn3_jax as fa3
+    except ImportError:
+        return None
+    seg = np.asarray(m.q_segment_ids)
+    if (seg == 0).any():  # padding: not a varlen row
+        return None
+    lens = [int(n) for row in seg for n in np.unique(row, return_counts=True)[1]]  # ids increase along a row
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+
+    def varlen(q, k, v):
+        flat = lambda x: x.reshape((-1,) + x.shape[-2:])
+        o = fa3.flash_mha_varlen(flat(q), flat(k), flat(v), cu, cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                                 softmax_scale=d ** -0.5, is_causal=m.causal)
+        return o.reshape(q.shape)
+
+    return varlen
 
 
 def main():
@@ -52,6 +77,11 @@ def main():
                     fns[(var, p)] = jax.jit(f).lower(q, k, v, do).compile(compiler_options=opts or None)
                 except Exception as e:  # noqa: BLE001 - an option this XLA does not take is a result
                     print(f"{name} {var} {p}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        fa3 = _fa3_varlen(name, m, d)
+        if fa3 is not None:  # the peer under XLA's defaults: does it pay the same host-clock overhead?
+            fns[("fa3 varlen", "fwd")] = jax.jit(lambda q, k, v, do: fa3(q, k, v))
+            fns[("fa3 varlen", "fwd+bwd")] = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(
+                fa3(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
         res = {key: {"host": [], "kernels": [], "span": [], "n": []} for key in fns}
         for _ in range(args.rounds):
             for key, f in fns.items():
