@@ -676,7 +676,8 @@ def test_hd64_default_tiles_follow_the_key_length():
                                 dict(bwd_split_tail=0), dict(bwd_ctas=0), dict(bwd_pieces=0),
                                 dict(fwd_persistent_causal=1), dict(fwd_causal_lpt="x"),
                                 dict(bwd_compute_registers=248), dict(bwd_compute_registers=236),
-                                dict(bwd_aligned="on"), dict(bwd_aligned=True, bwd_dq_atomic=True)])
+                                dict(bwd_aligned="on"), dict(bwd_aligned=True, bwd_dq_atomic=True),
+                                dict(lists_kernel="on"), dict(exit_wait_read_only=None)])
 def test_config_rejects_bad_switches(kw):
     from pallas_kernels.flash_attention_hopper.config import HopperConfig
 

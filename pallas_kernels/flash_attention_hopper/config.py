@@ -180,6 +180,9 @@ class HopperConfig:
                      "bwd_aligned", "lists_kernel"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
+        if not isinstance(self.exit_wait_read_only, bool):
+            raise ValueError(f"exit_wait_read_only={self.exit_wait_read_only!r}: expected True (wait until the last "
+                             "stores have read shared memory) or False (until they are written)")
         if self.bwd_compute_registers is not None:
             r = self.bwd_compute_registers
             if not isinstance(r, int) or r % 8 or not 24 <= r <= 256 or bwd_registers(self)[1] < 24:
