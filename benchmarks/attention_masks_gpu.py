@@ -40,7 +40,8 @@ import numpy as np
 import te_jax
 from benchmarks import attention_hopper_gpu as ahg  # inputs, peer imports, gpu_warmup
 from benchmarks import device_time
-from benchmarks.peer_rows import fwd_and_fb, import_peers, peer_rows, print_table, ready_impls, tflops_rounds
+from benchmarks.peer_rows import (fa3_varlen, fwd_and_fb, import_peers, peer_rows, print_table, ready_impls,
+                                  tflops_rounds)
 from pallas_kernels.mask import AttentionMask
 
 D = 128
@@ -220,16 +221,7 @@ def makers(row: Row, scale, tk, fa3, persistent=False, delta_ab=False, aligned=F
     if fa3 is not None and row.softcap is None and row.seqlens is None:
         params = inspect.signature(fa3.flash_mha).parameters
         if docs:
-            docs_all = (row.docs if row.thd else row.docs * row.B)
-            cu = jnp.asarray(np.concatenate([[0], np.cumsum(docs_all)]), jnp.int32)
-            mx = int(max(docs_all))
-
-            def varlen(q, k, v):
-                flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-                o = fa3.flash_mha_varlen(flat(q), flat(k), flat(v), cu, cu, max_seqlen_q=mx, max_seqlen_k=mx,
-                                         softmax_scale=float(scale), is_causal=row.causal)
-                return o.reshape(q.shape)
-
+            varlen = fa3_varlen(fa3, row.docs if row.thd else row.docs * row.B, scale, row.causal)
             out["fa3"] = lambda: fwd_and_fb(varlen)
         elif row.window is None or "window_size" in params:
             extra = {} if row.window is None else {"window_size": tuple(row.window)}

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import device_time, timing
+from benchmarks.peer_rows import fa3_varlen
 
 VARIANTS = {
     "xla defaults": {},
@@ -41,15 +42,7 @@ def _fa3_varlen(name, m, d):
     if (seg == 0).any():  # padding: not a varlen row
         return None
     lens = [int(n) for row in seg for n in np.unique(row, return_counts=True)[1]]  # ids increase along a row
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-
-    def varlen(q, k, v):
-        flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-        o = fa3.flash_mha_varlen(flat(q), flat(k), flat(v), cu, cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
-                                 softmax_scale=d ** -0.5, is_causal=m.causal)
-        return o.reshape(q.shape)
-
-    return varlen
+    return fa3_varlen(fa3, lens, d ** -0.5, m.causal)
 
 
 def main():

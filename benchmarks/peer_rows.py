@@ -10,6 +10,8 @@ rounds in TFLOP/s, and the table rows "te_jax's best / best peer" (attention_mas
     import_peers() -> (tokamax or None, flash_attn3 or None), printing the date, the device and each peer's line
     ready_impls(makers, q, k, v, do) -> {name: (fwd, fb)} of the makers whose forward+backward ran once; the others
         are printed as errors (a peer that cannot serve a row is reported, not fatal)
+    fa3_varlen(fa3, lens, scale, causal) -> f(q, k, v): FlashAttention-3's varlen call on documents of these lengths,
+        packed back to back ([B, S, H, D] or [T, H, D] in and out)
 """
 from __future__ import annotations
 
@@ -19,6 +21,24 @@ import statistics
 import jax
 
 from benchmarks import timing
+
+
+def fa3_varlen(fa3, lens, scale: float, causal: bool):
+    """f(q, k, v) -> out: fa3.flash_mha_varlen (flash-attn3-jax) over documents of `lens` tokens packed back to back
+    in q, k, v's leading axes (their tokens in order), out in q's shape."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    lens = [int(n) for n in lens]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+
+    def varlen(q, k, v):
+        flat = lambda x: x.reshape((-1,) + x.shape[-2:])
+        o = fa3.flash_mha_varlen(flat(q), flat(k), flat(v), cu, cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens),
+                                 softmax_scale=float(scale), is_causal=causal)
+        return o.reshape(q.shape)
+
+    return varlen
 
 
 def import_peers():
