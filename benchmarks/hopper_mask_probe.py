@@ -616,28 +616,34 @@ def prepass(rounds: int):
     """The XLA pre-pass alone, by the device clock: every kernel of mask_tables (the grid forward's lists),
     aligned_tiles.aligned_mask_tables and the backward's lists, on thd's 11 documents (H16 does not matter here),
     the mask's positions derived from its segment ids in the call (as te_jax does); and the forward+backward tables
-    with their lists from list_kernel (HopperConfig.lists_kernel)."""
+    with their lists from list_kernel (HopperConfig.lists_kernel); and the whole forward call, kernel by kernel."""
     import collections
 
     from benchmarks import device_time
     from pallas_kernels.flash_attention_hopper.aligned_tiles import aligned_backward_tables, aligned_mask_tables
 
     m = probe_masks("thd")["thd"]
-    cfg = default_config(D, m.kv_len, False, m.q_len)
+    cfg = dataclasses.replace(default_config(D, m.kv_len, False, m.q_len), lists_kernel=False)
     fns = {"grid forward lists": jax.jit(lambda m: mask_tables(_rebuilt(m), cfg, backward=False)),
            "aligned forward lists": jax.jit(lambda m: aligned_mask_tables(_rebuilt(m), cfg, backward=False)),
            "grid forward + backward lists": jax.jit(lambda m: mask_tables(_rebuilt(m), cfg, backward=True)),
            "aligned forward + aligned backward lists": jax.jit(lambda m: aligned_backward_tables(
                aligned_mask_tables(_rebuilt(m), cfg, backward=False), mask_rule(_rebuilt(m)), cfg))}
-    kcfg = dataclasses.replace(cfg, lists_kernel=True)  # the lists from list_kernel (one Triton launch a table)
+    kcfg = dataclasses.replace(cfg, lists_kernel=True)
+    fns["aligned forward lists, lists kernel"] = jax.jit(lambda m: aligned_mask_tables(_rebuilt(m), kcfg,
+                                                                                       backward=False))
     fns["aligned forward + aligned backward lists, lists kernel"] = jax.jit(lambda m: aligned_backward_tables(
         aligned_mask_tables(_rebuilt(m), kcfg, backward=False), mask_rule(_rebuilt(m)), kcfg))
     fns["grid forward + backward lists, lists kernel"] = jax.jit(lambda m: mask_tables(_rebuilt(m), kcfg,
                                                                                        backward=True))
+    fns = {name: (f, (m,)) for name, f in fns.items()}
+    q = jax.random.normal(jax.random.key(0), (m.batch, m.q_len, H, D), jnp.float32).astype(jnp.bfloat16)
+    fns["the whole forward call (auto)"] = (jax.jit(lambda m, q: hopper_attention(
+        q, q, q, scale=D ** -0.5, mask=_rebuilt(m), mask_aligned=True)[0]), (m, q))
     print(f"{jax.devices()[0].device_kind}  jax {jax.__version__}  thd 11 documents in 16384 tokens; device clock")
-    for name, f in fns.items():
-        jax.block_until_ready(f(m))
-        prof = device_time.profiled(f, (m,), calls=rounds)
+    for name, (f, args) in fns.items():
+        jax.block_until_ready(f(*args))
+        prof = device_time.profiled(f, args, calls=rounds)
         per = collections.Counter()
         for start, end, kname in prof["events"]:
             per[kname[:50]] += (end - start) * 1e-3 / rounds

@@ -11,6 +11,11 @@ defaults; command buffers (CUDA graphs) taking segments of any length (xla_gpu_g
 buffers off. Masks as in hopper_mask_probe.probe_masks, on document-aligned tiles as te_jax's auto takes them;
 FlashAttention-3's varlen call beside them under XLA's defaults where flash-attn3-jax is installed
 (PYTHONPATH=.:/tmp/site after benchmarks/install_peers.sh, carry .whl).
+
+--pipeline: where the host clock's excess goes. Per call (jit, XLA's defaults), for thd and dense causal 4k, te_jax
+and FlashAttention-3: the host's dispatch time (f(*args) returning, the GPU idle before), and the wall time of N calls
+dispatched back to back then one block, N = 1..16: its slope is the steady cost per call, its intercept the latency a
+sample pays once (timing.measure amortizes it over its `inner` calls only).
 """
 from __future__ import annotations
 
@@ -45,6 +50,66 @@ def _fa3_varlen(name, m, d):
     return fa3_varlen(fa3, lens, d ** -0.5, m.causal)
 
 
+def _pipeline_row(label, f, args, ns=(1, 2, 4, 8, 16), samples=9):
+    """Print f's host dispatch time and the fit of N back-to-back calls' wall time (us)."""
+    import time
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    disp = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        out = f(*args)
+        disp.append(time.perf_counter() - t)
+        jax.block_until_ready(out)
+    walls = []
+    for n in ns:
+        ts = []
+        for _ in range(samples):
+            t = time.perf_counter()
+            jax.block_until_ready([f(*args) for _ in range(n)])
+            ts.append(time.perf_counter() - t)
+        walls.append(statistics.median(ts) * 1e6)
+    slope, icpt = np.polyfit(np.asarray(ns, float), np.asarray(walls), 1)
+    cells = "  ".join(f"N{n} {w / n:7.1f}" for n, w in zip(ns, walls))
+    print(f"{label:28s} dispatch {statistics.median(disp) * 1e6:7.1f}  per call: {cells}  | slope {slope:7.1f}  "
+          f"intercept {icpt:7.1f}", flush=True)
+
+
+def pipeline():
+    """--pipeline (module docstring)."""
+    from benchmarks.hopper_mask_probe import _rebuilt, probe_masks
+    from benchmarks.peer_rows import fwd_and_fb
+    from pallas_kernels.flash_attention_hopper import hopper_attention
+
+    try:
+        import flash_attn3_jax as fa3
+    except ImportError:
+        fa3 = None
+    h, d = 16, 128
+    print(jax.devices()[0].device_kind, jax.__version__, "us; medians of 9 samples", flush=True)
+    m = probe_masks("thd")["thd"]
+    rows = {"thd": (m, (m.batch, m.q_len)), "dense causal B4x4k": (None, (4, 4096))}
+    for row, (mask, (b, s)) in rows.items():
+        q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(jnp.bfloat16)
+                       for kk in jax.random.split(jax.random.key(1), 4))
+        if mask is None:
+            ours = lambda q, k, v: hopper_attention(q, k, v, scale=d ** -0.5, causal=True)[0]
+            peer = None if fa3 is None else (lambda q, k, v: fa3.flash_mha(q, k, v, softmax_scale=d ** -0.5,
+                                                                          is_causal=True))
+        else:
+            ours = lambda q, k, v, m=mask: hopper_attention(q, k, v, scale=d ** -0.5, mask=_rebuilt(m),
+                                                            mask_aligned=True)[0]
+            peer = _fa3_varlen(row, mask, d)
+        cudnn = None if mask is not None else (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=d ** -0.5, is_causal=True, implementation="cudnn"))
+        for name, f in (("te_jax", ours), ("fa3", peer), ("cudnn", cudnn)):
+            if f is None:
+                continue
+            fwd, fb = fwd_and_fb(f)
+            _pipeline_row(f"{row} {name} fwd", fwd, (q, k, v))
+            _pipeline_row(f"{row} {name} fwd+bwd", fb, (q, k, v, do))
+
+
 def main():
     from benchmarks.hopper_mask_probe import _rebuilt, probe_masks
     from pallas_kernels.flash_attention_hopper import hopper_attention
@@ -52,7 +117,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--masks", default="thd,documents")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pipeline", action="store_true", help="dispatch time and N back-to-back calls' wall time")
     args = ap.parse_args()
+    if args.pipeline:
+        return pipeline()
     h, d = 16, 128
     print(jax.devices()[0].device_kind, jax.__version__, f"hd{d}, {h} heads, aligned tiles; {args.rounds} "
           f"interleaved rounds, medians; us per call", flush=True)

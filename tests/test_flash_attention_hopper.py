@@ -1452,6 +1452,22 @@ def test_list_kernel_gives_the_xla_lists():
         assert a.shape == b.shape
 
 
+def test_lists_kernel_auto_on_the_gpu_only(monkeypatch):
+    """HopperConfig.lists_kernel None (auto) takes list_kernel where Pallas compiles (a GPU) and XLA's lists where it
+    interprets; True / False force either."""
+    import dataclasses
+
+    from pallas_kernels.flash_attention_hopper import data_mask
+    from pallas_kernels.flash_attention_hopper.config import default_config
+
+    cfg = default_config(128, 1024, False, 1024)
+    for interpreting, want in ((True, False), (False, True)):
+        monkeypatch.setattr(data_mask, "default_interpret", lambda v=interpreting: v)
+        assert data_mask.lists_by_kernel(cfg) is want
+        for forced in (True, False):
+            assert data_mask.lists_by_kernel(dataclasses.replace(cfg, lists_kernel=forced)) is forced
+
+
 def test_block_lists_one_hot_and_sort_agree(monkeypatch):
     """block_lists: partial blocks first, then full ones, each group in index order, built the same by the one-hot
     sum (short rows) and the stable sort (long rows); counts = (partial, visible)."""

@@ -117,7 +117,8 @@ class HopperConfig:
     exit_wait_read_only: bool = True
     # The data mask's block lists (every table's classification, groups and lists) from one Triton kernel per
     # table (list_kernel: a program per row) instead of XLA's dozen small kernels.  The same tables.  None (auto):
-    # off until measured on a GPU (the pre-pass is 59-68 kernels, 91-119 us, on packed documents).
+    # on the GPU (H200: packed documents' fwd+bwd tables 102 -> 83 us, thd 1.6-2.9% faster, 4 documents per row
+    # within noise; benchmarks/results/attention_masks_h200.md); XLA's where Pallas interprets.
     lists_kernel: bool | None = None
     # Where the dQ kernel runs (not the atomic dQ), it computes delta = rowsum(O * dO) itself from its query tile's
     # O and dO, and writes it for the dK/dV kernel, which then runs after it: no separate XLA pass over O and dO.

@@ -36,6 +36,7 @@ import numpy as np
 
 from jax import lax
 
+from .._compat import default_interpret
 from ..mask import FULL, PARTIAL, AttentionMask, TileStats, classify, tile_stats
 from . import list_kernel
 from .config import dkv_block_q
@@ -254,8 +255,9 @@ def mask_tables(mask: AttentionMask, cfg, *, backward: bool = True, segments: bo
 
 
 def lists_by_kernel(cfg) -> bool:
-    """Whether the tables' block lists come from list_kernel (HopperConfig.lists_kernel; auto: not yet)."""
-    return cfg.lists_kernel is True
+    """Whether the tables' block lists come from list_kernel (HopperConfig.lists_kernel; None (auto): on the GPU,
+    where its one launch per table replaces XLA's dozen small kernels; XLA's where Pallas interprets)."""
+    return (not default_interpret()) if cfg.lists_kernel is None else cfg.lists_kernel
 
 
 def marks_only(mask: AttentionMask) -> MaskTables:
