@@ -102,11 +102,13 @@ def run_tiles(seg, tile: int, n_max: int):
     edge = jnp.ones((B, 1), bool)
     change = tile_id[:, 1:] != tile_id[:, :-1]
     opens, closes = jnp.concatenate([edge, change], axis=1), jnp.concatenate([change, edge], axis=1)
+    # one scatter into [B, n_max * 3] (start, lo, hi): a token writes the fields of its tile it opens or closes
     b = jnp.arange(B, dtype=jnp.int32)[:, None]
-    opened = jnp.zeros((B, n_max, 2), jnp.int32).at[b, jnp.where(opens, tile_id, n_max)].set(
-        jnp.stack([idx - in_tile, in_tile], axis=-1), mode="drop")
-    hi = jnp.zeros((B, n_max), jnp.int32).at[b, jnp.where(closes, tile_id, n_max)].set(in_tile + 1, mode="drop")
-    return opened[..., 0], tile_id * tile + in_tile, jnp.stack([opened[..., 1], hi], axis=-1)
+    at = lambda hit, field: jnp.where(hit, tile_id * 3 + field, 3 * n_max)
+    where = jnp.concatenate([at(opens, 0), at(opens, 1), at(closes, 2)], axis=1)
+    fields = jnp.zeros((B, n_max * 3), jnp.int32).at[b, where].set(
+        jnp.concatenate([idx - in_tile, in_tile, in_tile + 1], axis=1), mode="drop").reshape(B, n_max, 3)
+    return fields[..., 0], tile_id * tile + in_tile, fields[..., 1:]
 
 
 def store_plan(rows):
