@@ -677,7 +677,7 @@ def test_hd64_default_tiles_follow_the_key_length():
                                 dict(fwd_persistent_causal=1), dict(fwd_causal_lpt="x"),
                                 dict(bwd_compute_registers=248), dict(bwd_compute_registers=236),
                                 dict(bwd_aligned="on"), dict(bwd_aligned=True, bwd_dq_atomic=True),
-                                dict(lists_kernel="on"), dict(tiles_kernel=1), dict(exit_wait_read_only=None)])
+                                dict(lists_kernel="on"), dict(exit_wait_read_only=None)])
 def test_config_rejects_bad_switches(kw):
     from pallas_kernels.flash_attention_hopper.config import HopperConfig
 

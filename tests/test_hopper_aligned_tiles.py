@@ -241,54 +241,6 @@ def test_triton_merge_lowers_for_cuda():
                                         jnp.zeros((1, 2), jnp.int32))
 
 
-def test_tiles_kernel_gives_the_xla_runs_and_marks():
-    """tiles_kernel.run_tiles_marks (one program per batch row, interpreted here) against XLA's run_tiles and the
-    padded marks: every output equal, on random documents with and without a trailing padding run, at three tile
-    sizes, and past the tile bound (the global grid); then whole aligned tables (forward, dQ, dK/dV) built with it
-    equal XLA's; and its argument checks."""
-    from pallas_kernels.flash_attention_hopper import tiles_kernel
-
-    rng = np.random.default_rng(7)
-    rows = []
-    for k, pad in ((5, 0), (11, 90), (1, 0), (40, 13)):
-        cuts = np.sort(rng.choice(np.arange(1, 1024), size=k - 1, replace=False))
-        seg = np.repeat(np.arange(1, k + 1), np.diff(np.concatenate([[0], cuts, [1024]]))).astype(np.int32)
-        seg[1024 - pad:] = 0
-        rows.append(seg)
-    seg = jnp.asarray(np.stack(rows))
-    pos = jnp.asarray(rng.integers(-300, 300, seg.shape), jnp.int32)
-    for tile, n_max in ((64, 60), (128, 12), (256, 4)):  # every row fits 60; rows fall back at 12 and 4
-        starts, index, tok = aligned_tiles.run_tiles(seg, tile, n_max)
-        keep = (jnp.arange(tile) >= tok[..., :1]) & (jnp.arange(tile) < tok[..., 1:])
-        want = (starts, index, tok) + aligned_tiles._tile_marks(seg, pos, starts, tile, keep)
-        got = tiles_kernel.run_tiles_marks(seg, pos, tile, n_max, align=aligned_tiles.ROW_ALIGN)
-        for name, g, w in zip(("starts", "index", "rows", "seg_t", "pos_t"), got, want):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name}, tile {tile}")
-    m = AttentionMask.from_segments(np.asarray(seg), causal=True)
-    cfg = dataclasses.replace(default_config(128, 1024, False, 1024), block_q=64, block_kv=64)
-    build = lambda c: aligned_tiles.aligned_backward_tables(aligned_tiles.aligned_mask_tables(m, c, backward=False),
-                                                            mask_rule(m), c)
-    on, off = build(dataclasses.replace(cfg, tiles_kernel=True)), build(dataclasses.replace(cfg, tiles_kernel=False))
-    for a, b in zip(jax.tree.leaves(on), jax.tree.leaves(off)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match="at most"):
-        tiles_kernel.run_tiles_marks(jnp.zeros((1, 2 * tiles_kernel.MAX_TOKENS), jnp.int32),
-                                     jnp.zeros((1, 2 * tiles_kernel.MAX_TOKENS), jnp.int32), 128, 1024, align=8)
-    with pytest.raises(ValueError, match="multiples of 8"):
-        tiles_kernel.run_tiles_marks(seg[:, :1020], pos[:, :1020], 128, 12, align=8)
-
-
-def test_tiles_kernel_auto_on_the_gpu_only(monkeypatch):
-    """HopperConfig.tiles_kernel None (auto) takes tiles_kernel where Pallas compiles (a GPU), XLA's where it
-    interprets; True / False force either."""
-    cfg = default_config(128, 1024, False, 1024)
-    for interpreting, want in ((True, False), (False, True)):
-        monkeypatch.setattr(aligned_tiles, "default_interpret", lambda v=interpreting: v)
-        assert aligned_tiles.tiles_by_kernel(cfg) is want
-        for forced in (True, False):
-            assert aligned_tiles.tiles_by_kernel(dataclasses.replace(cfg, tiles_kernel=forced)) is forced
-
-
 def test_shared_segment_ids_give_one_run_computation():
     """Queries and keys from one segment array (self-attention, as te_jax's front door builds them) at one tile
     size: the aligned tables compute their runs once (XLA merges the two identical computations), so the compiled

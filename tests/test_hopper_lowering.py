@@ -200,28 +200,6 @@ def test_attention_with_the_lists_kernel_lowers_for_cuda(aligned):
                               **NO_PTX) > 0
 
 
-def test_attention_with_the_tiles_kernel_lowers_for_cuda():
-    """A documents mask's forward and backward on aligned tiles whose runs, tiles and padded marks come from
-    tiles_kernel (HopperConfig.tiles_kernel, Triton, with debug barriers), lowered for CUDA as one program."""
-    mask = AttentionMask.from_segments(_segments(100, 1, 250, 189, total=768), causal=True)
-    assert _attention_fwd_bwd(mask.q_len, 128, 128, mask=mask, mask_aligned=True, tiles_kernel=True,
-                              lists_kernel=True, **NO_PTX) > 0
-
-
-@pytest.mark.parametrize("length", [768, 16384])
-def test_tiles_kernel_lowers_for_cuda(length):
-    """tiles_kernel alone for CUDA: rows of 768 tokens (8 warps) and 16384 (32 warps)."""
-    from pallas_kernels.flash_attention_hopper import tiles_kernel
-    from pallas_kernels.flash_attention_hopper.aligned_tiles import ROW_ALIGN, aligned_tile_count
-
-    x = jax.ShapeDtypeStruct((2, length), jnp.int32)
-    for tile in (64, 256):
-        f = lambda s, p, tile=tile: tiles_kernel.run_tiles_marks(s, p, tile, aligned_tile_count(length, tile),
-                                                                 align=ROW_ALIGN, interpret=False)
-        text = jax.jit(f).trace(x, x).lower(lowering_platforms=("cuda",)).as_text()
-        assert "te_jax_attn_aligned_tiles" in text and "triton" in text.lower()
-
-
 @pytest.mark.parametrize("case", ["dense causal", "aligned documents", "persistent data mask"])
 def test_exit_wait_setting_reaches_the_kernels(case):
     """HopperConfig.exit_wait_read_only changes what every kernel of the call lowers to (the CTAs' last TMA stores

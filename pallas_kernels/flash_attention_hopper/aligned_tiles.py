@@ -24,8 +24,7 @@ the tiles start where the documents do (FlashAttention-3's varlen tiling):
         out_index [B, S]             each of the tiles' tokens' row in their padded layout (lse comes back by it)
         stores [B, T, 4]             how each tile stores its rows (store_plan): its whole ROW_ALIGN-row groups
                                      [lo, hi), and the (at most two) groups it shares with a neighbouring run, or -1
-    aligned_tables(marks, rule, q_tile, kv_tile, transposed) -> AlignedTiles   (from the mask's marks: XLA, or
-                                     list_kernel and tiles_kernel on the GPU)
+    aligned_tables(marks, rule, q_tile, kv_tile, transposed) -> AlignedTiles   (XLA, from the mask's marks)
     aligned_mask_tables(mask, cfg, ...) -> MaskTables     (data_mask.mask_tables with `aligned` in place of `fwd`)
     aligned_backward_tables(t, rule, cfg) -> MaskTables   (the backward kernels' tables on aligned tiles too)
     merge_shared_groups(out, shared, tile_rows, stores) -> out   (the shared groups summed into place)
@@ -48,8 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._compat import default_interpret
-from . import aligned_merge, tiles_kernel as _tiles
+from . import aligned_merge
 from .data_mask import (NO_SEGMENT, backward_rule, backward_tables, dkv_tiles, dq_tiles, lists_by_kernel,
                         marks_only, mask_rule, tile_lists, token_marks)
 
@@ -139,30 +137,22 @@ def _tile_marks(seg, pos, starts, tile: int, keep):
     return tuple(jnp.where(keep, jnp.take_along_axis(a, tokens, axis=1), 0) for a in (seg, pos))
 
 
-def _runs_and_marks(seg, pos, tile: int, n_max: int, kernel: bool):
-    """run_tiles(seg, tile, n_max) and the tiles' padded marks (_tile_marks): (starts, index, rows, seg_t, pos_t).
-    kernel: from tiles_kernel (one Triton launch) where the row fits it, else XLA."""
-    if kernel and seg.shape[1] <= _tiles.MAX_TOKENS:
-        return _tiles.run_tiles_marks(seg, pos, tile, n_max, align=ROW_ALIGN)
-    starts, index, rows = run_tiles(seg, tile, n_max)
-    keep = (jnp.arange(tile) >= rows[..., :1]) & (jnp.arange(tile) < rows[..., 1:])  # [B, T, tile]
-    return (starts, index, rows) + _tile_marks(seg, pos, starts, tile, keep)
-
-
 def aligned_tables(marks, rule, q_tile: int, kv_tile: int, *, transposed: bool = False,
-                   kernel: bool = False, tiles_kernel: bool = False) -> AlignedTiles:
+                   kernel: bool = False) -> AlignedTiles:
     """AlignedTiles from the mask's token marks (q segment ids, q positions, kv segment ids, kv positions), each
     [B, S] int32 with segment 0 for padding (lengths multiples of the tiles), for rule (data_mask.MaskRule: the
     kernel's partial groups), on query tiles of q_tile rows and key tiles of kv_tile.  Without transposed the tiles
     are the query tiles (stored by plan: the forward's O, dQ) and the blocks they walk the key tiles; transposed,
     the tiles are the key tiles (dK, dV) walking query blocks.  Where queries and keys are one array and one tile
     size (self-attention), both sides are the same computations on the same values, which XLA computes once: runs,
-    tiles, padded marks and their per-tile ranges.  kernel: the lists from list_kernel (data_mask.tile_lists);
-    tiles_kernel: the runs, tiles and padded marks from tiles_kernel (_runs_and_marks)."""
+    tiles, padded marks and their per-tile ranges.  kernel: the lists from list_kernel (data_mask.tile_lists)."""
     q_seg, q_pos, k_seg, k_pos = (a.astype(jnp.int32) for a in marks)
     n_q, n_k = aligned_tile_count(q_seg.shape[1], q_tile), aligned_tile_count(k_seg.shape[1], kv_tile)
-    q_starts, q_index, q_tok, qs, qp = _runs_and_marks(q_seg, q_pos, q_tile, n_q, tiles_kernel)
-    k_starts, k_index, k_tok, ks, kp = _runs_and_marks(k_seg, k_pos, kv_tile, n_k, tiles_kernel)
+    q_starts, q_index, q_tok = run_tiles(q_seg, q_tile, n_q)
+    k_starts, k_index, k_tok = run_tiles(k_seg, kv_tile, n_k)
+    in_rows = lambda t, n: (jnp.arange(n) >= t[..., :1]) & (jnp.arange(n) < t[..., 1:])  # [B, T, n]
+    qs, qp = _tile_marks(q_seg, q_pos, q_starts, q_tile, in_rows(q_tok, q_tile))
+    ks, kp = _tile_marks(k_seg, k_pos, k_starts, kv_tile, in_rows(k_tok, kv_tile))
     counts, blocks = tile_lists(qs, qp, ks, kp, rule, q_tile, kv_tile, transposed=transposed, kernel=kernel)
     qm = jnp.stack([jnp.where(qs == 0, NO_SEGMENT, qs), qp], axis=1)  # rows that are no query's: NO_SEGMENT
     km = jnp.stack([ks, kp], axis=1)  # keys that are no tile's: padding
@@ -174,21 +164,14 @@ def aligned_tables(marks, rule, q_tile: int, kv_tile: int, *, transposed: bool =
                         store_plan(tok))
 
 
-def tiles_by_kernel(cfg) -> bool:
-    """Whether the aligned tables' runs, tiles and padded marks come from tiles_kernel (HopperConfig.tiles_kernel;
-    None (auto): on the GPU, where its one launch per tile size replaces about a dozen XLA kernels; XLA's where
-    Pallas interprets)."""
-    return (not default_interpret()) if cfg.tiles_kernel is None else cfg.tiles_kernel
-
-
 def aligned_mask_tables(mask, cfg, *, backward: bool = True, segments: bool = True, split: bool = True):
     """data_mask.mask_tables with the forward on document-aligned tiles: MaskTables whose `aligned` holds this
     module's AlignedTiles and whose `fwd` is None (the backward's lists as mask_tables builds them)."""
     rule = mask_rule(mask, segments, split)
     t = marks_only(mask)
     marks = (mask.q_segment_ids, mask.q_positions, mask.kv_segment_ids, mask.kv_positions)
-    t = t._replace(aligned=aligned_tables(marks, rule, 2 * cfg.block_q, cfg.block_kv, kernel=lists_by_kernel(cfg),
-                                          tiles_kernel=tiles_by_kernel(cfg)), marks=marks)
+    t = t._replace(aligned=aligned_tables(marks, rule, 2 * cfg.block_q, cfg.block_kv,
+                                          kernel=lists_by_kernel(cfg)), marks=marks)
     return backward_tables(t, rule, cfg) if backward else t
 
 
@@ -200,9 +183,9 @@ def aligned_backward_tables(t, rule, cfg):
     if t.aligned_dq is not None:
         return t
     marks, rule = (token_marks(t) if t.marks is None else t.marks), backward_rule(rule)
-    kernels = dict(kernel=lists_by_kernel(cfg), tiles_kernel=tiles_by_kernel(cfg))
-    return t._replace(aligned_dq=aligned_tables(marks, rule, *dq_tiles(cfg), **kernels),
-                      aligned_dkv=aligned_tables(marks, rule, *dkv_tiles(cfg), transposed=True, **kernels))
+    kernel = lists_by_kernel(cfg)
+    return t._replace(aligned_dq=aligned_tables(marks, rule, *dq_tiles(cfg), kernel=kernel),
+                      aligned_dkv=aligned_tables(marks, rule, *dkv_tiles(cfg), transposed=True, kernel=kernel))
 
 
 def merge_shared_groups(out, shared, tile_rows, stores, *, kernel: bool | None = None, interpret=None):

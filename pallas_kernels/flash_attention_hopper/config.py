@@ -120,10 +120,6 @@ class HopperConfig:
     # on the GPU (H200: packed documents' fwd+bwd tables 102 -> 83 us, thd 1.6-2.9% faster, 4 documents per row
     # within noise; benchmarks/results/attention_masks_h200.md); XLA's where Pallas interprets.
     lists_kernel: bool | None = None
-    # Document-aligned tiles' runs, tiles and padded marks (aligned_tiles.run_tiles and its gathers) from one Triton
-    # kernel per tile size (tiles_kernel: a program per batch row, rows of up to 32768 tokens) instead of about a
-    # dozen XLA kernels (cumulative max and sum trees, scatters, gathers).  The same tables.  None (auto): on the GPU.
-    tiles_kernel: bool | None = None
     # Where the dQ kernel runs (not the atomic dQ), it computes delta = rowsum(O * dO) itself from its query tile's
     # O and dO, and writes it for the dK/dV kernel, which then runs after it: no separate XLA pass over O and dO.
     # A cotangent on lse is loaded and subtracted there too.  None (auto): on the GPU; False: XLA's reduction first.
@@ -182,7 +178,7 @@ class HopperConfig:
                      "fwd_split_tail", "bwd_split_tail", "fwd_named_barrier", "fwd_named_release",
                      "fwd_producer_warp", "bwd_named_release", "bwd_producer_warp", "bwd_delta_in_dq",
                      "bwd_persistent_band", "fwd_persistent_band", "fwd_band_heavy_first", "bwd_dkv_together",
-                     "bwd_aligned", "lists_kernel", "tiles_kernel"):
+                     "bwd_aligned", "lists_kernel"):
             if not isinstance(getattr(self, name), (bool, type(None))):
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected None (auto), True or False")
         if not isinstance(self.exit_wait_read_only, bool):
