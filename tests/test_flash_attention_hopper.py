@@ -1452,6 +1452,23 @@ def test_list_kernel_gives_the_xla_lists():
         assert a.shape == b.shape
 
 
+def test_block_lists_kernel_refuses_what_it_cannot_list():
+    """list_kernel.block_lists_kernel: more blocks per row than MAX_COLS, or a grouped rule without its marks, is a
+    ValueError naming what was seen and what it takes (tile_lists falls back to XLA's lists before either)."""
+    from pallas_kernels.flash_attention_hopper.data_mask import MaskRule, partial_kinds
+    from pallas_kernels.flash_attention_hopper.list_kernel import MAX_COLS, block_lists_kernel
+    from pallas_kernels.mask import TileStats
+
+    stats = lambda n: TileStats(*(jnp.zeros((1, n), jnp.int32),) * 4, jnp.ones((1, n), bool))
+    one_group = MaskRule(True, (-1, -1), split=False)
+    with pytest.raises(ValueError, match=f"{MAX_COLS + 1} blocks per row; the kernel takes at most {MAX_COLS}"):
+        block_lists_kernel(stats(4), stats(MAX_COLS + 1), None, None, None, one_group, transposed=False)
+    grouped = MaskRule(True, (-1, -1))
+    assert len(grouped.partial_rules()) > 1
+    with pytest.raises(ValueError, match="needs row_marks, col_marks, fits and kinds"):
+        block_lists_kernel(stats(4), stats(8), None, None, None, grouped, transposed=False, kinds=partial_kinds)
+
+
 def test_lists_kernel_auto_on_the_gpu_only(monkeypatch):
     """HopperConfig.lists_kernel None (auto) takes list_kernel where Pallas compiles (a GPU) and XLA's lists where it
     interprets; True / False force either."""

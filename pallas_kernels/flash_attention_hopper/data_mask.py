@@ -179,13 +179,15 @@ def _pooled(stats: TileStats, factor: int) -> TileStats:
 SEGMENT_BOUND, POSITION_BOUND = 1 << 10, 1 << 20
 
 
-def partial_kinds(q_stats: TileStats, kv_stats: TileStats, q_marks: TileStats, kv_marks: TileStats, rule):
+def partial_kinds(q_stats: TileStats, kv_stats: TileStats, q_marks: TileStats, kv_marks: TileStats, rule,
+                  fits=True):
     """The group (index into rule.partial_rules()) of every (q tile, kv tile), read at the partial ones:
     [..., nq, nk] int32.  0, positions only: both tiles free of padding and in one and the same segment.
     1, segments only: every pair passes the position rule on the combined marks g = segment * 2^21 + position
     (+ 2^20), ranges from q_marks / kv_marks (TileStats whose positions are g); for two tokens of one segment g's
     difference is the positions' difference, so every same-segment pair passes the rule itself (the segment
-    compare hides the rest).  2: both.  A rule with one group: all 0."""
+    compare hides the rest).  2: both.  fits (bool scalar, _combined_marks'): False where some token's g
+    overflowed, which leaves no tile in group 1 (those compare both).  A rule with one group: all 0."""
     shape = jnp.broadcast_shapes(q_stats.seg_min[..., :, None].shape, kv_stats.seg_min[..., None, :].shape)
     if len(rule.partial_rules()) == 1:
         return jnp.zeros(shape, jnp.int32)
@@ -202,7 +204,7 @@ def partial_kinds(q_stats: TileStats, kv_stats: TileStats, q_marks: TileStats, k
         positions_hold &= kgmin >= qgmax - left
     if right >= 0:
         positions_hold &= kgmax <= qgmin + right
-    return jnp.where(one_segment, 0, jnp.where(positions_hold, 1, 2)).astype(jnp.int32)
+    return jnp.where(one_segment, 0, jnp.where(positions_hold & fits, 1, 2)).astype(jnp.int32)
 
 
 def _combined_marks(seg, pos):
@@ -232,8 +234,7 @@ def tile_lists(qs, qp, ks, kp, rule, q_tile: int, kv_tile: int, transposed: bool
     classes = classify(q_stats, kv_stats, causal=rule.causal, window=rule.window)
     groups = None
     if n_groups > 1:
-        groups = partial_kinds(q_stats, kv_stats, *marks, rule)
-        groups = jnp.where(fits, groups, jnp.where(groups == 0, 0, 2))  # g overflows: no segments-only
+        groups = partial_kinds(q_stats, kv_stats, *marks, rule, fits)
     if transposed:
         classes = jnp.swapaxes(classes, -1, -2)
         groups = None if groups is None else jnp.swapaxes(groups, -1, -2)

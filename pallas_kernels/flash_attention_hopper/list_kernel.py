@@ -41,7 +41,8 @@ def _pad_pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _kernel(*refs, n_stats: int, n_cols: int, npad: int, rule, transposed: bool, grouped: bool, kinds):
+def _kernel(*refs, n_stats: int, n_cols: int, npad: int, rule, transposed: bool, n_groups: int, kinds):
+    grouped = n_groups > 1
     n_in = 2 * n_stats + (2 * 2 + 1 if grouped else 0)
     ins, (counts_ref, blocks_ref) = refs[:n_in], refs[n_in:]
     b, r = pl.program_id(0), pl.program_id(1)
@@ -54,16 +55,13 @@ def _kernel(*refs, n_stats: int, n_cols: int, npad: int, rule, transposed: bool,
     q, kv = (col, row) if transposed else (row, col)
     flat = lambda x: x.reshape(npad)  # [1, npad] or [npad, 1] -> [npad]
     classes = flat(classify(q, kv, causal=rule.causal, window=rule.window)).astype(jnp.int32)
-    n_groups = 3 if grouped else 1
     if grouped:
         g_in = ins[2 * n_stats:]
         row_g = (jnp.broadcast_to(g_in[0][b, r], (1,)), jnp.broadcast_to(g_in[1][b, r], (1,)))
         col_g = (cols(g_in[2], _EMPTY_STATS[2]), cols(g_in[3], _EMPTY_STATS[3]))
         marks = lambda s, g: s._replace(pos_min=g[0], pos_max=g[1])
         qg, kg = (marks(col, col_g), marks(row, row_g)) if transposed else (marks(row, row_g), marks(col, col_g))
-        groups = flat(kinds(q, kv, qg, kg, rule))
-        fits = g_in[4][0] != 0
-        groups = jnp.where(fits, groups, jnp.where(groups == 0, 0, 2))
+        groups = flat(kinds(q, kv, qg, kg, rule, g_in[4][0] != 0))
     else:
         groups = jnp.zeros((npad,), jnp.int32)
     key = jnp.where(classes == PARTIAL, groups, jnp.where(classes == FULL, n_groups, n_groups + 1))
@@ -87,7 +85,8 @@ def block_lists_kernel(row_stats: TileStats, col_stats: TileStats, row_marks, co
     if C > MAX_COLS:
         raise ValueError(f"block_lists_kernel: {C} blocks per row; the kernel takes at most {MAX_COLS} "
                          f"(use data_mask.tile_lists(kernel=False)).")
-    grouped = len(rule.partial_rules()) > 1
+    n_groups = len(rule.partial_rules())
+    grouped = n_groups > 1
     if grouped and (row_marks is None or col_marks is None or fits is None or kinds is None):
         raise ValueError(f"block_lists_kernel: rule {rule} has {len(rule.partial_rules())} partial groups and "
                          f"needs row_marks, col_marks, fits and kinds (data_mask.partial_kinds).")
@@ -97,10 +96,9 @@ def block_lists_kernel(row_stats: TileStats, col_stats: TileStats, row_marks, co
     if grouped:
         ins += [i32(row_marks.pos_min), i32(row_marks.pos_max), i32(col_marks.pos_min), i32(col_marks.pos_max),
                 i32(jnp.reshape(fits, (1,)))]
-    n_groups = 3 if grouped else 1
     counts, blocks = pl.pallas_call(
         functools.partial(_kernel, n_stats=len(_EMPTY_STATS), n_cols=C, npad=npad, rule=rule,
-                          transposed=transposed, grouped=grouped, kinds=kinds),
+                          transposed=transposed, n_groups=n_groups, kinds=kinds),
         out_shape=(jax.ShapeDtypeStruct((B, R, n_groups + 1), jnp.int32),
                    jax.ShapeDtypeStruct((B, R, C), jnp.int32)),
         grid=(B, R),
