@@ -8,10 +8,10 @@ Dense rows (--rows S:causal, batch 16384 // S, at least 1): hd128 (--head-dim), 
 and causal, B1 x 16k causal. Mask rows (--masks, names of hopper_mask_probe.probe_masks): the mask built in the call
 as te_jax builds it (pre-pass and merges included), on document-aligned tiles for the document masks (thd,
 documents, mixed*: what te_jax's auto takes on rows of 4096+ tokens; "name@grid" keeps the global grid's tiles),
-its base config masked_config. Each variant's
-gradients are compared with the default's (relative norm); a variant that fails to build is reported, not fatal.
-TFLOP/s count the forward's 4 H D per visible pair (x 3.5 for forward+backward). Rounds interleave the variants;
-each round profiles 10 calls; medians of the rounds. --fwd times the forward alone too, --fwd-only only it.
+its base config masked_config. Each variant's gradients are compared with the default's (relative norm); a variant
+that fails to build is reported, not fatal. TFLOP/s count the forward's 4 H D per visible pair (x 3.5 for
+forward+backward). Rounds interleave the variants; each round profiles 10 calls; medians of the rounds. --fwd times
+the forward alone too, --fwd-only only it.
 """
 from __future__ import annotations
 
